@@ -1,0 +1,181 @@
+"""The KV block pool: refcounts, an LRU free list with O(1) removal, and the prefix-cache index.
+
+A block is in exactly one state:
+- *used*: ``ref_cnt > 0`` (held by one or more sequences);
+- *cached*: ``ref_cnt == 0`` but it holds a full block registered in the prefix index; it sits in the free list and
+  is evicted (its hash dropped) only when it is reused;
+- *free*: ``ref_cnt == 0`` and no hash.
+``free + cached + used == total`` is checked by :meth:`BlockPool.check_integrity`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class Block:
+    """One physical KV block. Links are owned by :class:`FreeBlockQueue`."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None  # the tokens behind block_hash, compared on a hit
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of blocks with ``ref_cnt == 0``: least recently freed at the head, O(1) removal anywhere."""
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)  # sentinels
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.size = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: Block) -> None:
+        """Mutates: put ``block`` at the tail (most recently freed)."""
+        last = self._tail.prev
+        assert last is not None
+        last.next, block.prev, block.next, self._tail.prev = block, last, self._tail, block
+        self.size += 1
+
+    def remove(self, block: Block) -> None:
+        """Mutates: unlink ``block`` from wherever it is."""
+        if block.prev is None or block.next is None:
+            raise RuntimeError(f"block {block.block_id} is not in the free queue")
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> Block:
+        """Mutates: remove and return the least recently freed block."""
+        first = self._head.next
+        if first is None or first is self._tail:
+            raise RuntimeError("no free blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self) -> Iterable[Block]:
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+
+class BlockPool:
+    """Owns all blocks of one KV cache. Mutating methods say so."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}  # block hash -> block holding it (used or cached)
+        self.num_hits = 0
+        self.num_queries = 0
+
+    # -- counts -----------------------------------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Blocks that can be handed out now (free plus evictable cached)."""
+        return self.free_queue.size
+
+    def counts(self) -> dict[str, int]:
+        cached = sum(1 for b in self.free_queue if b.block_hash is not None)
+        free = self.free_queue.size - cached
+        return {"free": free, "cached": cached, "used": self.num_blocks - self.free_queue.size, "total": self.num_blocks}
+
+    # -- allocation ---------------------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[Block]:
+        """Mutates: take ``n`` blocks from the head of the free list (evicting cached ones), each with ref 1."""
+        if n > self.free_queue.size:
+            raise RuntimeError(f"cannot allocate {n} blocks, {self.free_queue.size} available")
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popleft()
+            if b.block_hash is not None:
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+                b.token_ids = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Mutates: take one more reference on each block (reviving cached ones out of the free list)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Mutates: drop one reference on each block; blocks reaching zero go to the free list's tail in order."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {b.block_id}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    # -- prefix cache -------------------------------------------------------------------------------------------
+    def lookup(self, block_hash: int, token_ids: Sequence[int]) -> Block | None:
+        """The block caching these tokens under this hash, or None. Pure (apart from hit statistics)."""
+        self.num_queries += 1
+        b = self.cached.get(block_hash)
+        if b is None or b.token_ids != tuple(token_ids):
+            return None
+        self.num_hits += 1
+        return b
+
+    def register(self, block: Block, block_hash: int, token_ids: Sequence[int]) -> None:
+        """Mutates: record that a used, full ``block`` holds ``token_ids`` (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Mutates: forget every cached hash (blocks in use keep their data)."""
+        for b in self.cached.values():
+            b.block_hash = None
+            b.token_ids = None
+        self.cached.clear()
+
+    # -- invariants ---------------------------------------------------------------------------------------------
+    def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
+        """Raise ``AssertionError`` if the pool's accounting is inconsistent. Pure.
+
+        ``expected_refs`` (block id -> number of holders), when given, must match every block's refcount.
+        """
+        c = self.counts()
+        if c["free"] + c["cached"] + c["used"] != c["total"]:
+            raise AssertionError(f"block accounting broken: {c}")
+        in_queue = set()
+        for b in self.free_queue:
+            if b.ref_cnt != 0:
+                raise AssertionError(f"block {b.block_id} in free list with ref_cnt {b.ref_cnt}")
+            in_queue.add(b.block_id)
+        for b in self.blocks:
+            if b.ref_cnt < 0:
+                raise AssertionError(f"block {b.block_id} has negative ref_cnt")
+            if b.ref_cnt == 0 and b.block_id not in in_queue:
+                raise AssertionError(f"block {b.block_id} leaked: ref_cnt 0 but not in the free list")
+            if expected_refs is not None and b.ref_cnt != expected_refs.get(b.block_id, 0):
+                raise AssertionError(
+                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but {expected_refs.get(b.block_id, 0)} holders"
+                )
+        for h, b in self.cached.items():
+            if b.block_hash != h:
+                raise AssertionError(f"prefix index maps {h} to block {b.block_id} holding {b.block_hash}")

@@ -1,0 +1,120 @@
+"""Maps sequences to KV blocks: prefix-cache hits, slot allocation, copy-on-write forks, release.
+
+No tensors and no I/O: the model runner executes the copies this manager asks for.
+"""
+
+from __future__ import annotations
+
+from engine.block_hash import NONE_HASH, hash_block
+from engine.block_pool import Block, BlockPool
+from engine.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block bookkeeping for every live sequence of one engine."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, hash_extra: bytes = b"") -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_extra = hash_extra
+        self.pool = BlockPool(num_blocks, enable_caching)
+
+    def _hash_next_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
+        """Mutates ``seq.block_hashes``: extend it to cover every full block within the first ``upto_tokens``."""
+        bs = self.block_size
+        for b in range(len(seq.block_hashes), upto_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else NONE_HASH
+            seq.block_hashes.append(hash_block(parent, seq.token_slice(b * bs, (b + 1) * bs), self.hash_extra))
+
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+        """Longest run of cached full blocks matching the start of ``seq``'s tokens.
+
+        Mutates only ``seq.block_hashes`` (a memo). At least the last token is always left to compute, since its
+        logits are needed.
+        """
+        if not self.enable_caching or seq.block_table:
+            return []
+        self._hash_next_full_blocks(seq, seq.num_tokens)
+        bs = self.block_size
+        hits: list[Block] = []
+        for i in range((seq.num_tokens - 1) // bs):
+            block = self.pool.lookup(seq.block_hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block]) -> bool:
+        """Whether :meth:`allocate_slots` would succeed. Pure."""
+        return self._blocks_needed(seq, num_new_tokens, computed) <= self.pool.num_available - sum(
+            1 for b in computed if b.ref_cnt == 0
+        )
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, computed: list[Block]) -> int:
+        bs = self.block_size
+        start = seq.num_computed_tokens + len(computed) * bs
+        need = cdiv(start + num_new_tokens, bs) - len(seq.block_table) - len(computed)
+        if start % bs and seq.block_table and self.pool.blocks[seq.block_table[-1]].ref_cnt > 1 and not computed:
+            need += 1  # the shared partial last block must be copied before it is written
+        return max(need, 0)
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: list[Block]) -> list[tuple[int, int]] | None:
+        """Give ``seq`` blocks for ``computed`` prefix hits plus ``num_new_tokens`` more tokens.
+
+        Mutates ``seq`` (block table, computed-token count) and the pool. Returns the ``(src, dst)`` block copies the
+        runner must perform first (copy-on-write), or None, changing nothing, if there are not enough blocks.
+        """
+        if not self.can_allocate(seq, num_new_tokens, computed):
+            return None
+        bs = self.block_size
+        copies: list[tuple[int, int]] = []
+        if computed:
+            self.pool.touch(computed)
+            seq.block_table.extend(b.block_id for b in computed)
+            seq.num_computed_tokens += len(computed) * bs
+            seq.num_cached_tokens = len(computed) * bs
+        start = seq.num_computed_tokens
+        if start % bs and seq.block_table:
+            last = self.pool.blocks[seq.block_table[-1]]
+            if last.ref_cnt > 1:
+                (new,) = self.pool.allocate(1)
+                self.pool.free([last])
+                seq.block_table[-1] = new.block_id
+                copies.append((last.block_id, new.block_id))
+        need = cdiv(start + num_new_tokens, bs) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(b.block_id for b in self.pool.allocate(need))
+        return copies
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Mutates the prefix index: register ``seq``'s blocks that are full and fully computed."""
+        if not self.enable_caching:
+            return
+        self._hash_next_full_blocks(seq, seq.num_computed_tokens)
+        bs = self.block_size
+        for i in range(seq.num_computed_tokens // bs):
+            block = self.pool.blocks[seq.block_table[i]]
+            if block.block_hash is None:
+                self.pool.register(block, seq.block_hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Mutates: ``child`` shares every block of ``parent`` (refcounts +1); writes later copy-on-write."""
+        blocks = [self.pool.blocks[i] for i in parent.block_table]
+        self.pool.touch(blocks)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest."""
+        self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences."""
+        return 1.0 - self.pool.num_available / self.pool.num_blocks

@@ -1,0 +1,189 @@
+"""The engine loop: ``schedule() -> runner.execute() -> update_from_output()`` plus detokenization and stops."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.config import EngineConfig
+from engine.default_model import resolve_model
+from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.model import DecoderModel
+from engine.model_config import load_model_config
+from engine.model_loader import load_state_dict, model_fingerprint
+from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import Sequence, seq_id_counter
+
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    texts: list[str] = field(default_factory=list)
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """A single-process engine. ``add_request`` / ``abort_request`` / ``step`` mutate; nothing runs in the background."""
+
+    def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        path = resolve_model(config.model, config.cache_dir, progress)
+        self.model_path = path
+        self.model_config = mc = load_model_config(path)
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        dtype = DTYPES[config.dtype]
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.fingerprint = model_fingerprint(path, config.dtype)
+        model = DecoderModel(mc, load_state_dict(path, dtype), dtype, self.max_model_len)
+        num_blocks = config.num_kv_blocks or max(
+            2, int(config.kv_cache_gib * 2**30) // kv_block_bytes(mc, config.block_size, dtype)
+        )
+        extra = f"{self.fingerprint}:{config.block_size}".encode()
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed)
+        self._ids = seq_id_counter()
+        self._requests: dict[str, _Request] = {}
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids for a prompt given as text or ids; raises ``ValueError`` on an empty or invalid prompt. Pure."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]!r} outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` naming the field and the limit if this request can never run. Pure."""
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens, but the model's context is {self.max_model_len} tokens "
+                "(including at least one generated token)"
+            )
+        need = cdiv(n + 1, self.config.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(f"prompt: needs {need} KV blocks, the cache has {self.kv.pool.num_blocks}")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n: {params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
+        arrival: float | None = None,
+    ) -> list[int]:
+        """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        arrival = time.monotonic() if arrival is None else arrival
+        seqs = [
+            Sequence(
+                seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
+                arrival=arrival, priority=priority, generator=self._generator(params.seed, i),
+            )
+            for i in range(params.n)
+        ]
+        seqs[0].pending_children = seqs[1:]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
+        self._requests[request_id] = _Request(request_id, ids, seqs, detoks, [""] * len(seqs))
+        self.scheduler.add(seqs[0])
+        return ids
+
+    @staticmethod
+    def _generator(seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed((seed + index * _GOLDEN) % 2**63)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped)."""
+        out = self.scheduler.schedule()
+        sampled = self.runner.execute(out)
+        updated, _ = self.scheduler.update_from_output(out, sampled)
+        touched: dict[str, _Request] = {}
+        for seq in updated:
+            req = self._requests[seq.request_id]
+            self._detokenize(req, seq)
+            touched[req.request_id] = req
+        results = []
+        for req in touched.values():
+            results.append(self._output(req))
+            if req.finished:
+                del self._requests[req.request_id]
+        return results
+
+    def _detokenize(self, req: _Request, seq: Sequence) -> None:
+        i = seq.index
+        detok = req.detoks[i]
+        delta = detok.add_token(seq.output_token_ids[-1])
+        if seq.is_finished:
+            delta += detok.finish()
+        text = req.texts[i] + delta
+        stops = seq.params.stop_strings
+        if stops and delta:
+            at = find_stop(text, stops, len(delta))
+            if at is not None:
+                text = text[:at]
+                self.scheduler.finish(seq, "stop")
+                seq.finish_reason = "stop"
+        req.texts[i] = text
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [
+            CompletionOutput(
+                index=s.index, text=req.texts[s.index], token_ids=list(s.output_token_ids),
+                finish_reason=s.finish_reason, logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
+            )
+            for s in req.seqs
+        ]
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens)
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if block accounting is inconsistent. Pure."""
+        self.scheduler.check_integrity()

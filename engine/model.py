@@ -1,0 +1,120 @@
+"""Decoder-only transformer forward (Llama / Qwen2 / Mistral) over a paged KV cache.
+
+Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention and KV writes go through
+``kernels``, so the Triton kernels replace the torch reference without touching this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(Hq + 2 Hk) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flattened batch (decodes first, then prefill chunks) reads and writes KV."""
+
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot each token's K/V is written to
+    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor  # int32 [num_decodes]: context length including the new token
+    prefills: list[tuple[int, int, torch.Tensor]]  # per chunk: (token count, start position, block table)
+
+
+class DecoderModel:
+    """Holds the weights; :meth:`forward` is pure apart from writing the new tokens' K/V into ``kv_caches``."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, max_len: int) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = state.pop("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else state.pop("lm_head.weight")
+        self.final_norm = state.pop("model.norm.weight")
+        self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
+        self.scale = cfg.head_dim**-0.5
+        self.rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling_dict, dtype)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        q, k, v = (state.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
+        bias = None
+        if self.cfg.attention_bias:
+            bias = torch.cat([state.pop(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+        return LayerWeights(
+            input_norm=state.pop(f"{p}input_layernorm.weight"),
+            qkv=torch.cat([q, k, v]).contiguous(),
+            qkv_bias=bias,
+            o=state.pop(f"{p}self_attn.o_proj.weight"),
+            post_norm=state.pop(f"{p}post_attention_layernorm.weight"),
+            gate_up=torch.cat([state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]).contiguous(),
+            down=state.pop(f"{p}mlp.down_proj.weight"),
+        )
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm. Writes the tokens' K/V into ``kv_caches``."""
+        cfg = self.cfg
+        h = self.embed[input_ids]
+        T = h.shape[0]
+        for i, lw in enumerate(self.layers):
+            x = self._norm(h, lw.input_norm)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, cfg.num_heads, cfg.head_dim)
+            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+            q, k = self.rope.apply(q, k, positions)
+            k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i])
+            h = h + F.linear(attn.reshape(T, self.q_size), lw.o)
+            x = self._norm(h, lw.post_norm)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        return self._norm(h, self.final_norm)
+
+    def _attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+    ) -> torch.Tensor:
+        parts = []
+        nd = meta.num_decodes
+        if nd:
+            parts.append(
+                kernels.paged_decode_attention(
+                    q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, window
+                )
+            )
+        off = nd
+        for n, start, table in meta.prefills:
+            parts.append(kernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale, window))
+            off += n
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` for the given final hidden states. Pure."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,124 @@
+"""Executes a :class:`SchedulerOutput`: builds the flattened batch, runs the forward, samples.
+
+Owns the model weights, the KV cache tensor and the sampler. The only state it mutates is the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import AttentionMetadata, DecoderModel
+from engine.model_config import ModelConfig
+from engine.sampler import Sampler, SamplingMetadata
+from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from engine.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    num_tokens: int
+    forward_s: float
+    sample_s: float
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int) -> None:
+        cfg = model.cfg
+        self.model = model
+        self.block_size = block_size
+        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
+        self.kv = torch.zeros(
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype
+        )
+        self.kv_caches = list(self.kv.unbind(0))
+        self.sampler = Sampler(seed)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Mutates the KV cache: copy every layer's K/V of block ``src`` into block ``dst``."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs])
+            dst = torch.tensor([d for _, d in pairs])
+            self.kv[:, :, dst] = self.kv[:, :, src]
+
+    def _slots(self, table: list[int], start: int, n: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flattened token ids, positions, attention metadata and the row of each token to sample. Pure."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        for s in out.decodes:
+            if s.sample:
+                sample_rows.append(len(ids))
+            ids.append(s.seq.token_at(s.start))
+            pos.append(s.start)
+            slots.extend(self._slots(s.seq.block_table, s.start, 1))
+        nd = len(out.decodes)
+        if nd:
+            width = max(len(s.seq.block_table) for s in out.decodes)
+            tables = torch.tensor([s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in out.decodes],
+                                  dtype=torch.int32)
+        else:
+            tables = torch.zeros((0, 1), dtype=torch.int32)
+        lens = torch.tensor([s.start + 1 for s in out.decodes], dtype=torch.int32)
+        prefills = []
+        for s in out.prefills:
+            ids.extend(s.seq.token_slice(s.start, s.start + s.num_tokens))
+            pos.extend(range(s.start, s.start + s.num_tokens))
+            slots.extend(self._slots(s.seq.block_table, s.start, s.num_tokens))
+            prefills.append((s.num_tokens, s.start, torch.tensor(s.seq.block_table, dtype=torch.int32)))
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decodes=nd,
+            decode_block_tables=tables,
+            decode_seq_lens=lens,
+            prefills=prefills,
+        )
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[int, list[SampledToken]]:
+        """Run one step. Mutates the KV cache. Returns seq id -> sampled tokens (one per completion to sample)."""
+        self.copy_blocks(out.blocks_to_copy)
+        if out.is_empty:
+            return {}
+        ids, pos, meta, rows = self.prepare(out)
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches)
+        to_sample = [s for s in out.scheduled if s.sample]
+        if not to_sample:
+            return {}
+        logits = self.model.logits(hidden[torch.tensor(rows)])
+        return self._sample(logits, to_sample)
+
+    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledSeq]) -> dict[int, list[SampledToken]]:
+        # a parent sampling its first token also samples for its not-yet-forked children, from the same logits
+        seqs: list[Sequence] = []
+        rows: list[int] = []
+        for r, s in enumerate(scheduled):
+            for seq in (s.seq, *s.seq.pending_children):
+                seqs.append(seq)
+                rows.append(r)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows)]
+        meta = SamplingMetadata.from_sequences(seqs)
+        result = self.sampler(logits, meta)
+        sampled: dict[int, list[SampledToken]] = {}
+        for i, r in enumerate(rows):
+            sampled.setdefault(scheduled[r].seq.seq_id, []).append(
+                SampledToken(result.token_ids[i], result.logprobs[i])
+            )
+        return sampled

@@ -1,0 +1,66 @@
+"""Per-request sampling parameters (frozen, validated)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuation. Invalid values raise ``ValueError`` naming the field."""
+
+    max_tokens: int = 32
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # top-k logprobs per generated token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise bad("temperature", "must be in [0, 100]")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1 (disabled), 0 (disabled) or a positive integer")
+        if not 0.0 <= float(self.min_p) <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", "must be a non-negative integer or None")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 128:
+            raise bad("n", "must be an integer in [1, 128]")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "must be None or an integer in [0, 20]")
+        if not -2.0 <= float(self.presence_penalty) <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= float(self.frequency_penalty) <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0.0 < float(self.repetition_penalty) <= 10.0:
+            raise bad("repetition_penalty", "must be in (0, 10]")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop) or len(stop) > 16:
+            raise bad("stop", "must be up to 16 non-empty strings")
+        ids = tuple(self.stop_token_ids or ())
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        object.__setattr__(self, "stop_strings", stop)
+        object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,217 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute. No I/O, no tensors.
+
+One step: :meth:`Scheduler.schedule` decides which sequences compute how many tokens; the model runner executes the
+:class:`SchedulerOutput`; :meth:`Scheduler.update_from_output` appends the sampled tokens and retires finished
+sequences.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first position computed this step (the sequence's computed-token count before the step)
+    num_tokens: int  # tokens computed this step: 1 for decode, a chunk for prefill
+    sample: bool  # the step reaches the end of the known tokens, so the runner samples the next token
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledSeq] = field(default_factory=list)  # one query token each: paged decode attention
+    prefills: list[ScheduledSeq] = field(default_factory=list)  # prompt (or recompute) chunks: causal attention
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst), before the forward
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step; will recompute
+    num_batched_tokens: int = 0  # sum of num_tokens, never above the token budget
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Decodes then prefills: the order of tokens in the runner's flattened batch."""
+        return self.decodes + self.prefills
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    """Owns the waiting and running queues. Every public method but the properties mutates state."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: Iterable[int] = ()) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by Sequence.sort_key
+        self.running: list[Sequence] = []  # sorted by Sequence.sort_key; the last is the first to be preempted
+        self._keys_w: list[tuple[int, float, int]] = []
+        self._keys_r: list[tuple[int, float, int]] = []
+
+    # -- queues -------------------------------------------------------------------------------------------------
+    def _insert(self, seqs: list[Sequence], keys: list[tuple[int, float, int]], seq: Sequence) -> None:
+        k = seq.sort_key()
+        i = bisect.bisect(keys, k)
+        keys.insert(i, k)
+        seqs.insert(i, seq)
+
+    def _remove(self, seqs: list[Sequence], keys: list[tuple[int, float, int]], seq: Sequence) -> bool:
+        i = bisect.bisect_left(keys, seq.sort_key())
+        if i < len(seqs) and seqs[i] is seq:
+            del seqs[i], keys[i]
+            return True
+        return False
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (its children, if any, ride along in ``pending_children``)."""
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, self._keys_w, seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step -----------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(seq, n, [])
+            while copies is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq, n, [])
+            if copies is None:
+                break
+            out.blocks_to_copy.extend(copies)
+            self._add_scheduled(out, seq, n)
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        num_seqs = sum(1 + len(s.pending_children) for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if num_seqs + 1 + len(seq.pending_children) > self.config.max_num_seqs:
+                break
+            computed = self.kv.get_computed_blocks(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens - len(computed) * self.kv.block_size, budget)
+            copies = self.kv.allocate_slots(seq, n, computed)
+            if copies is None:
+                break
+            out.blocks_to_copy.extend(copies)
+            del self.waiting[0], self._keys_w[0]
+            seq.status = SequenceStatus.RUNNING
+            self._insert(self.running, self._keys_r, seq)
+            self._add_scheduled(out, seq, n)
+            budget -= n
+            num_seqs += 1 + len(seq.pending_children)
+
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        start = seq.num_computed_tokens
+        s = ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens)
+        (out.decodes if n == 1 else out.prefills).append(s)
+        out.num_batched_tokens += n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks and queue it to recompute prompt and output so far (newest goes first)."""
+        self._remove(self.running, self._keys_r, seq)
+        self.kv.free(seq)
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._insert(self.waiting, self._keys_w, seq)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[int, list[SampledToken]]
+    ) -> tuple[list[Sequence], list[Sequence]]:
+        """Advance computed counts, append sampled tokens, fork children and retire finished sequences.
+
+        ``sampled`` maps seq id to its sampled tokens: one, or ``1 + len(pending_children)`` at a parent's first
+        sample (one per completion). Returns ``(sequences that got a token, sequences that finished)``.
+        """
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+            self.kv.cache_full_blocks(s.seq)
+        updated: list[Sequence] = []
+        finished: list[Sequence] = []
+        for s in out.scheduled:
+            toks = sampled.get(s.seq.seq_id)
+            if not s.sample or toks is None or s.seq.is_finished:
+                continue
+            seq = s.seq
+            children, seq.pending_children = seq.pending_children, []
+            for child, tok in zip(children, toks[1:]):
+                self.kv.fork(seq, child)
+                child.status = SequenceStatus.RUNNING
+                self._insert(self.running, self._keys_r, child)
+                self._append(child, tok, updated, finished)
+            self._append(seq, toks[0], updated, finished)
+        return updated, finished
+
+    def _append(self, seq: Sequence, tok: SampledToken, updated: list[Sequence], finished: list[Sequence]) -> None:
+        seq.output_token_ids.append(tok.token_id)
+        if tok.logprobs is not None:
+            seq.output_logprobs.append(tok.logprobs)
+        updated.append(seq)
+        p = seq.params
+        reason = None
+        if tok.token_id in p.stop_token_ids or (not p.ignore_eos and tok.token_id in self.eos_token_ids):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.finish(seq, reason)
+            finished.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire ``seq`` (and any children it has not forked yet): free its blocks, drop it from the queues."""
+        if seq.is_finished:
+            return
+        if not self._remove(self.running, self._keys_r, seq):
+            self._remove(self.waiting, self._keys_w, seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        for child in seq.pending_children:
+            child.status = SequenceStatus.FINISHED
+            child.finish_reason = reason
+        seq.pending_children = []
+
+    def block_holders(self) -> dict[int, int]:
+        """Block id -> how many live sequences hold it (for integrity checks). Pure."""
+        refs: dict[int, int] = {}
+        for seq in self.running + self.waiting:
+            for b in seq.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        return refs
+
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` unless pool counts and every refcount match the live sequences. Pure."""
+        self.kv.pool.check_integrity(self.block_holders())

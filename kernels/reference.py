@@ -1,0 +1,133 @@
+"""Pure-torch reference implementations of the KV kernels.
+
+These are the engine's CPU path and the ground truth the Triton kernels are tested against.
+Layouts: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` views of one layer's
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache; a slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context. Pure: returns a new tensor.
+
+    q [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
+    (context length including the query token, whose K/V must already be stored). Returns q's shape and dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max()) if num_seqs else 0
+    n_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :n_blocks].long()
+    ctx = n_blocks * block_size
+    # gather [num_seqs, ctx, kv_heads, head_dim] -> [num_seqs, kv_heads, ctx, head_dim]
+    k = k_cache[table].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[table].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [seqs, kvh, group, ctx]
+    pos = torch.arange(ctx, device=q.device)
+    lens = seq_lens.to(q.device).long()[:, None]
+    invalid = pos[None, :] >= lens
+    if sliding_window is not None:
+        invalid |= pos[None, :] <= lens - 1 - sliding_window
+    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [seqs, kvh, group, head_dim]
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    start_pos: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's chunk of queries over its paged context. Pure.
+
+    q [num_tokens, num_heads, head_dim] holds positions ``start_pos .. start_pos + num_tokens - 1``; their K/V and
+    the ``start_pos`` tokens before them must already be stored in the blocks of ``block_table`` (int [n_blocks]).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    ctx = start_pos + num_tokens
+    n_blocks = (ctx + block_size - 1) // block_size
+    table = block_table[:n_blocks].long()
+    k = k_cache[table].reshape(n_blocks * block_size, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    v = v_cache[table].reshape(n_blocks * block_size, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    qh = q.transpose(0, 1)  # [heads, tokens, head_dim]
+    if sliding_window is None and start_pos == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, k, v, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        qpos = torch.arange(start_pos, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if sliding_window is not None:
+            allowed &= kpos > qpos - sliding_window
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qh, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
+        )
+    return out.transpose(0, 1)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V into its slot. Mutates ``k_cache`` and ``v_cache``; slots of -1 are skipped."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    k_cache.view(-1, k_cache.shape[2], k_cache.shape[3]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Gather blocks into one contiguous buffer ``[2, len(block_ids), block_size, kv_heads, head_dim]``. Pure."""
+    ids = block_ids.long()
+    return torch.stack((k_cache[ids], v_cache[ids]))
+
+
+def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Scatter a packed buffer back into the given blocks. Mutates ``k_cache`` and ``v_cache``."""
+    ids = block_ids.long()
+    k_cache[ids] = buf[0].to(k_cache.dtype)
+    v_cache[ids] = buf[1].to(v_cache.dtype)
+
+
+def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``[num_blocks, block_size, kv_heads, head_dim]`` to float8_e4m3fn, one scale per (block, kv head).
+
+    Pure. Returns ``(q, scales)`` with scales float32 ``[num_blocks, kv_heads]``.
+    """
+    amax = x.float().abs().amax(dim=(1, 3))  # [blocks, kv_heads]
+    scales = torch.clamp(amax / FP8_MAX, min=1e-12)
+    q = (x.float() / scales[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scales
+
+
+def dequantize_kv_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`quantize_kv_fp8`. Pure."""
+    return (q.float() * scales[:, None, :, None]).to(dtype)
