@@ -145,12 +145,14 @@ class LLMEngine:
         """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped)."""
         out = self.scheduler.schedule()
         sampled = self.runner.execute(out)
-        updated, _ = self.scheduler.update_from_output(out, sampled)
+        updated, finished = self.scheduler.update_from_output(out, sampled)
         touched: dict[str, _Request] = {}
         for seq in updated:
             req = self._requests[seq.request_id]
             self._detokenize(req, seq)
             touched[req.request_id] = req
+        for seq in finished:
+            touched.setdefault(seq.request_id, self._requests[seq.request_id])
         results = []
         for req in touched.values():
             results.append(self._output(req))
@@ -171,7 +173,7 @@ class LLMEngine:
             if at is not None:
                 text = text[:at]
                 self.scheduler.finish(seq, "stop")
-                seq.finish_reason = "stop"
+                seq.finish_reason = "stop"  # also when the same token hit max_tokens: the stop string wins
         req.texts[i] = text
 
     def _output(self, req: _Request) -> RequestOutput:

@@ -65,6 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key; the last is the first to be preempted
         self._keys_w: list[tuple[int, float, int]] = []
         self._keys_r: list[tuple[int, float, int]] = []
+        self._finished_early: list[Sequence] = []  # retired inside schedule(); reported by update_from_output
 
     # -- queues -------------------------------------------------------------------------------------------------
     def _insert(self, seqs: list[Sequence], keys: list[tuple[int, float, int]], seq: Sequence) -> None:
@@ -100,6 +101,11 @@ class Scheduler:
             copies = self.kv.allocate_slots(seq, n, [])
             while copies is None:
                 victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    # alone and still out of blocks: the cache cannot hold this sequence any longer
+                    self.finish(seq, "length")
+                    self._finished_early.append(seq)
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -160,7 +166,7 @@ class Scheduler:
             s.seq.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.seq)
         updated: list[Sequence] = []
-        finished: list[Sequence] = []
+        finished, self._finished_early = self._finished_early, []
         for s in out.scheduled:
             toks = sampled.get(s.seq.seq_id)
             if not s.sample or toks is None or s.seq.is_finished:

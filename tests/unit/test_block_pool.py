@@ -1,0 +1,115 @@
+"""Block pool, free list and KV cache manager: accounting, LRU order, prefix hits, copy-on-write."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_hash import hash_block, hash_full_blocks
+from engine.block_pool import BlockPool, FreeBlockQueue, Block
+from engine.kv_cache_manager import KVCacheManager
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+def make_seq(sid: int, tokens: list[int], outputs: list[int] | None = None) -> Sequence:
+    s = Sequence(seq_id=sid, request_id=f"r{sid}", index=0, prompt_token_ids=list(tokens), params=SamplingParams(),
+                 arrival=float(sid))
+    s.output_token_ids = list(outputs or [])
+    return s
+
+
+def test_free_queue_o1_remove_keeps_order() -> None:
+    blocks = [Block(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4] and q.size == 4
+    assert q.popleft().block_id == 0
+    q.append(blocks[2])
+    assert [b.block_id for b in q] == [1, 3, 4, 2]
+    with pytest.raises(RuntimeError):
+        q.remove(blocks[0])
+
+
+def test_pool_counts_and_double_free() -> None:
+    pool = BlockPool(8)
+    got = pool.allocate(3)
+    assert pool.counts() == {"free": 5, "cached": 0, "used": 3, "total": 8}
+    pool.register(got[0], 123, [1, 2])
+    pool.free(got)
+    assert pool.counts() == {"free": 7, "cached": 1, "used": 0, "total": 8}
+    pool.check_integrity({})
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free([got[1]])
+    with pytest.raises(RuntimeError):
+        pool.allocate(9)
+
+
+def test_lru_eviction_evicts_least_recently_freed_and_drops_hash() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    for i, blk in enumerate((a, b, c)):
+        pool.register(blk, 100 + i, [i])
+    pool.free([b])  # b freed first -> evicted first
+    pool.free([a])
+    pool.free([c])
+    (first,) = pool.allocate(1)
+    assert first is b and b.block_hash is None and 101 not in pool.cached
+    assert pool.lookup(100, [0]) is a
+    assert pool.lookup(100, [9]) is None  # same hash, different tokens: no hit
+    pool.check_integrity({b.block_id: 1})
+
+
+def test_chained_hash_depends_on_parent_and_extra() -> None:
+    assert hash_block(0, [1, 2]) == hash_block(0, [1, 2])
+    assert hash_block(0, [1, 2]) != hash_block(1, [1, 2])
+    assert hash_block(0, [1, 2], b"m1") != hash_block(0, [1, 2], b"m2")
+    hs = hash_full_blocks(list(range(10)), 4)
+    assert len(hs) == 2 and hs[1] == hash_block(hs[0], [4, 5, 6, 7])
+
+
+def test_prefix_hit_shares_blocks_and_leaves_last_token() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
+    a = make_seq(0, list(range(12)))
+    assert kv.allocate_slots(a, 12, []) == []
+    a.num_computed_tokens = 12
+    kv.cache_full_blocks(a)
+    b = make_seq(1, list(range(12)))  # identical prompt: at most 2 of 3 blocks hit (last token must be computed)
+    hits = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == a.block_table[:2]
+    assert kv.allocate_slots(b, 4, hits) == []
+    assert b.num_computed_tokens == 8 and b.block_table[:2] == a.block_table[:2]
+    kv.pool.check_integrity({**{x: 2 for x in a.block_table[:2]}, a.block_table[2]: 1, b.block_table[2]: 1})
+    c = make_seq(2, list(range(8)) + [99, 98, 97, 96, 95])  # diverges in block 2
+    assert len(kv.get_computed_blocks(c)) == 2
+    kv.free(a)
+    kv.free(b)
+    kv.pool.check_integrity({})
+    assert kv.pool.counts()["cached"] == 3
+
+
+def test_fork_then_copy_on_write() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    parent = make_seq(0, list(range(6)))
+    kv.allocate_slots(parent, 6, [])
+    parent.num_computed_tokens = 6
+    child = make_seq(1, list(range(6)))
+    kv.fork(parent, child)
+    assert child.block_table == parent.block_table
+    kv.pool.check_integrity({b: 2 for b in parent.block_table})
+    # the child writes position 6 into the shared partial block: it gets a private copy
+    copies = kv.allocate_slots(child, 1, [])
+    assert copies == [(parent.block_table[1], child.block_table[1])]
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    # now the parent holds its last block alone: it writes in place
+    assert kv.allocate_slots(parent, 1, []) == []
+    kv.pool.check_integrity({parent.block_table[0]: 2, parent.block_table[1]: 1, child.block_table[1]: 1})
+    kv.free(child)
+    kv.free(parent)
+    kv.pool.check_integrity({})
+
+
+def test_allocate_fails_without_side_effects() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4, enable_caching=True)
+    s = make_seq(0, list(range(12)))
+    assert kv.allocate_slots(s, 12, []) is None
+    assert s.block_table == [] and kv.pool.counts()["free"] == 2
