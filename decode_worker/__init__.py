@@ -1,0 +1,1 @@
+"""The decode Ray actor. Built in the cluster issue."""

@@ -1,0 +1,110 @@
+"""Incremental detokenization of generated tokens into stable text deltas, and stop-string search.
+
+The output text is defined as `tokenizer.decode(output_ids, skip_special_tokens=...)`. Each step
+decodes only a short window of recent tokens (vLLM's prefix_offset/read_offset scheme), so the
+cost per token does not grow with the length of the output.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class TokenDecoder(Protocol):
+    """The one tokenizer method used here (a transformers tokenizer satisfies it)."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text, one stable delta at a time.
+
+    Invariants: `text` == decode(ids[:read_offset]); decoding starts cleanly at both
+    `prefix_offset` and `read_offset` (no multi-byte character straddles them). The window
+    ids[prefix_offset:] is decoded twice per token: once up to read_offset, once to the end; the
+    difference is the new text. Starting the window one emitted chunk early (prefix_offset)
+    keeps tokenizers that drop the leading space of the first decoded token (SentencePiece's
+    "▁", Llama's Strip decoder) from dropping a space that belongs mid-text.
+    """
+
+    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        # prompt_token_ids is deliberately not used as decoding context: the text must equal
+        # decode(output_ids), and prompt context would keep a SentencePiece first token's
+        # leading space that decode(output_ids) drops. Byte-level BPE is unaffected either way.
+        del prompt_token_ids
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All stable output text so far. Pure."""
+        return self._text
+
+    @property
+    def token_ids(self) -> list[int]:
+        """A copy of the output token ids added so far. Pure."""
+        return list(self._ids)
+
+    def add_token(self, token_id: int) -> str:
+        """Appends `token_id`; returns the newly stable text ("" while the text so far ends in
+        an incomplete multi-byte character or the token decodes to nothing). Mutates.
+        """
+        self._ids.append(token_id)
+        prefix_text, new_text = self._decode_window()
+        # A trailing U+FFFD is (almost always) a character whose remaining bytes are still to
+        # come; hold it back. A genuine U+FFFD just waits one more token, or for finish().
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        return self._emit(new_text[len(prefix_text):])
+
+    def finish(self) -> str:
+        """Flushes held-back text (a dangling incomplete character decodes as U+FFFD) and
+        returns it; afterwards `text` == decode(all output ids). Mutates; idempotent.
+        """
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text, new_text = self._decode_window()
+        return self._emit(new_text[len(prefix_text):])
+
+    def _decode_window(self) -> tuple[str, str]:
+        """Returns decode(ids[prefix:read]) and decode(ids[prefix:]). Pure."""
+        window = self._ids[self._prefix_offset:]
+        split = self._read_offset - self._prefix_offset
+        return (self._decode(window[:split]) if split else "", self._decode(window))
+
+    def _decode(self, ids: list[int]) -> str:
+        """Decodes `ids` with this request's settings. Pure."""
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
+        """Appends `delta` to the text and moves the window past it. Mutates."""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._text += delta
+        return delta
+
+
+def find_stop(text: str, stop: Sequence[str], new_chars: int) -> int | None:
+    """Returns the index in `text` where the earliest stop string begins, among occurrences that
+    overlap the last `new_chars` characters (earlier text was already checked), else None.
+    Empty stop strings are ignored. Pure.
+    """
+    if new_chars <= 0:
+        return None
+    new_start = max(0, len(text) - new_chars)
+    earliest: int | None = None
+    for s in stop:
+        if not s:
+            continue
+        # An occurrence overlaps the new text iff it ends after new_start, i.e. it begins at or
+        # after new_start - len(s) + 1; find() returns the first such one.
+        at = text.find(s, max(0, new_start - len(s) + 1))
+        if at != -1 and (earliest is None or at < earliest):
+            earliest = at
+    return earliest

