@@ -208,7 +208,7 @@ def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t if rows.numel() == t.shape[0] else t[rows]
 
 
-_Group = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", torch.Tensor]
+_Group = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]
 
 
 def _filter_groups(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

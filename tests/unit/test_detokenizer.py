@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.detokenizer import IncrementalDetokenizer, TokenDecoder, find_stop
 
 CORPUS = [
     "hello world the quick brown fox jumps over the lazy dog",
@@ -53,7 +53,7 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", eos_token="</s>")
 
 
-def stream(tok: object, ids: list[int], skip: bool = True) -> tuple[list[str], str]:
+def stream(tok: TokenDecoder, ids: list[int], skip: bool = True) -> tuple[list[str], str]:
     """Feeds ids one by one; returns the deltas (finish() last) and the detokenizer's text."""
     detok = IncrementalDetokenizer(tok, prompt_token_ids=[1, 2, 3], skip_special_tokens=skip)
     deltas = [detok.add_token(i) for i in ids]
