@@ -32,9 +32,10 @@ class AttentionMetadata:
     """Where each token of the flattened batch (decodes first, then prefill chunks) reads and writes KV."""
 
     slot_mapping: torch.Tensor  # int64 [T]: cache slot each token's K/V is written to
-    num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks]
-    decode_seq_lens: torch.Tensor  # int32 [num_decodes]: context length including the new token
+    num_decodes: int  # the first num_decodes tokens are single-token decodes, ordered by context length
+    # decodes in groups of similar context length, so that each group gathers little padding:
+    # (first token, end token, int32 block tables [n, blocks of the group's longest], int32 context lengths [n])
+    decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     prefills: list[tuple[int, int, torch.Tensor]]  # per chunk: (token count, start position, block table)
 
 
@@ -101,15 +102,11 @@ class DecoderModel:
     def _attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
     ) -> torch.Tensor:
-        parts = []
-        nd = meta.num_decodes
-        if nd:
-            parts.append(
-                kernels.paged_decode_attention(
-                    q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, window
-                )
-            )
-        off = nd
+        parts = [
+            kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window)
+            for a, b, tables, lens in meta.decode_groups
+        ]
+        off = meta.num_decodes
         for n, start, table in meta.prefills:
             parts.append(kernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale, window))
             off += n

@@ -26,27 +26,24 @@ def paged_decode_attention(
 
     q [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
     (context length including the query token, whose K/V must already be stored). Returns q's shape and dtype.
+    The context is gathered up to the longest sequence, so callers batch sequences of similar length together.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = int(seq_lens.max()) if num_seqs else 0
     n_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :n_blocks].long()
     ctx = n_blocks * block_size
+    idx = block_tables[:, :n_blocks].reshape(-1).long()
     # gather [num_seqs, ctx, kv_heads, head_dim] -> [num_seqs, kv_heads, ctx, head_dim]
-    k = k_cache[table].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[table].reshape(num_seqs, ctx, num_kv_heads, head_dim).transpose(1, 2)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [seqs, kvh, group, ctx]
-    pos = torch.arange(ctx, device=q.device)
+    k = k_cache.index_select(0, idx).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    v = v_cache.index_select(0, idx).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    pos = torch.arange(ctx, device=q.device)[None, :]
     lens = seq_lens.to(q.device).long()[:, None]
-    invalid = pos[None, :] >= lens
+    allowed = pos < lens
     if sliding_window is not None:
-        invalid |= pos[None, :] <= lens - 1 - sliding_window
-    scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [seqs, kvh, group, head_dim]
+        allowed &= pos > lens - 1 - sliding_window
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=allowed[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
