@@ -176,10 +176,16 @@ class LLMEngine:
                 seq.finish_reason = "stop"  # also when the same token hit max_tokens: the stop string wins
         req.texts[i] = text
 
+    @staticmethod
+    def _visible_text(seq: Sequence, text: str) -> str:
+        """While running, hold back the last ``len(longest stop) - 1`` characters: they may begin a stop string."""
+        hold = max((len(x) for x in seq.params.stop_strings), default=1) - 1
+        return text if seq.is_finished or hold == 0 else text[: max(0, len(text) - hold)]
+
     def _output(self, req: _Request) -> RequestOutput:
         outs = [
             CompletionOutput(
-                index=s.index, text=req.texts[s.index], token_ids=list(s.output_token_ids),
+                index=s.index, text=self._visible_text(s, req.texts[s.index]), token_ids=list(s.output_token_ids),
                 finish_reason=s.finish_reason, logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
             )
             for s in req.seqs

@@ -82,6 +82,7 @@ class DecoderModel:
         cfg = self.cfg
         h = self.embed[input_ids]
         T = h.shape[0]
+        cos_sin = self.rope.lookup(positions)
         for i, lw in enumerate(self.layers):
             x = self._norm(h, lw.input_norm)
             qkv = F.linear(x, lw.qkv, lw.qkv_bias)
@@ -89,7 +90,7 @@ class DecoderModel:
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rope.apply(q, k, positions)
+            q, k = self.rope.apply(q, k, cos_sin)
             k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i])

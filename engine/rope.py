@@ -38,10 +38,16 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)
         self.sin = emb.sin().to(dtype)
 
-    def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return rotated ``q [T, Hq, D]`` and ``k [T, Hk, D]`` for token positions ``[T]``. Pure."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of shape ``[T, 1, D]`` for token positions ``[T]``; computed once per step. Pure."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return rotated ``q [T, Hq, D]`` and ``k [T, Hk, D]`` given :meth:`lookup`'s tables. Pure."""
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

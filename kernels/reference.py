@@ -68,21 +68,22 @@ def paged_prefill_attention(
     table = block_table[:n_blocks].long()
     k = k_cache[table].reshape(n_blocks * block_size, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
     v = v_cache[table].reshape(n_blocks * block_size, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-    qh = q.transpose(0, 1)  # [heads, tokens, head_dim]
+    group = num_heads // num_kv_heads
+    if group > 1:  # CPU flash attention has no GQA path: without this, SDPA falls back to the slow math kernel
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    # 4-D [1, heads, tokens, head_dim]: the CPU flash kernel takes only 4-D inputs (3-D falls back to math)
+    qh, k, v = q.transpose(0, 1)[None], k[None], v[None]
     if sliding_window is None and start_pos == 0:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, k, v, is_causal=True, scale=scale, enable_gqa=True
-        )
+        out = torch.nn.functional.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
     else:
         qpos = torch.arange(start_pos, ctx, device=q.device)[:, None]
         kpos = torch.arange(ctx, device=q.device)[None, :]
         allowed = kpos <= qpos
         if sliding_window is not None:
             allowed &= kpos > qpos - sliding_window
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, k, v, attn_mask=allowed, scale=scale, enable_gqa=True
-        )
-    return out.transpose(0, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 def store_kv(

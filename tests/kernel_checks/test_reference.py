@@ -1,0 +1,91 @@
+"""The kernels' torch reference against naive per-sequence math, and the wrappers' argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernels
+
+
+def naive_decode(q, kc, vc, tables, lens, scale, window=None):  # type: ignore[no-untyped-def]
+    bs, kvh = kc.shape[1], kc.shape[2]
+    group = q.shape[1] // kvh
+    out = torch.empty_like(q)
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        slots = [int(tables[s, p // bs]) * bs + p % bs for p in range(n)]
+        k = kc.reshape(-1, kvh, kc.shape[3])[slots]
+        v = vc.reshape(-1, kvh, kc.shape[3])[slots]
+        lo = 0 if window is None else max(0, n - window)
+        for h in range(q.shape[1]):
+            w = torch.softmax((k[lo:, h // group] @ q[s, h]) * scale, dim=0)
+            out[s, h] = w @ v[lo:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("block_size,group,window", [(8, 1, None), (16, 4, None), (16, 2, 5), (32, 8, None)])
+def test_paged_decode_attention_matches_naive(block_size: int, group: int, window: int | None) -> None:
+    torch.manual_seed(0)
+    kvh, hd, nb = 2, 64, 40
+    kc, vc = torch.randn(nb, block_size, kvh, hd), torch.randn(nb, block_size, kvh, hd)
+    lens = torch.tensor([1, block_size - 1, block_size + 3, 3 * block_size], dtype=torch.int32)
+    tables = torch.randperm(nb)[:16].view(4, 4).int()
+    q = torch.randn(4, kvh * group, hd)
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 1 / math.sqrt(hd), window)
+    torch.testing.assert_close(got, naive_decode(q, kc, vc, tables, lens, 1 / math.sqrt(hd), window),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_with_context_matches_decode_per_token() -> None:
+    torch.manual_seed(1)
+    bs, kvh, hd = 8, 2, 16
+    kc, vc = torch.randn(10, bs, kvh, hd), torch.randn(10, bs, kvh, hd)
+    table = torch.tensor([3, 7, 1], dtype=torch.int32)
+    q = torch.randn(5, 4, hd)  # positions 12..16
+    got = kernels.paged_prefill_attention(q, kc, vc, table, 12, 0.25)
+    per_token = kernels.paged_decode_attention(q, kc, vc, table.repeat(5, 1),
+                                               torch.arange(13, 18, dtype=torch.int32), 0.25)
+    torch.testing.assert_close(got, per_token, rtol=1e-5, atol=1e-5)
+
+
+def test_store_kv_skips_minus_one_and_pack_unpack_round_trip() -> None:
+    kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    kernels.store_kv(key, value, kc, vc, torch.tensor([5, -1, 12]))
+    assert torch.equal(kc[1, 1], key[0]) and torch.equal(vc[3, 0], value[2])
+    assert int((kc != 0).any(-1).any(-1).sum()) == 2  # the -1 token wrote nothing
+    ids = torch.tensor([3, 1])
+    buf = kernels.pack_blocks(kc, vc, ids)
+    assert buf.shape == (2, 2, 4, 2, 8)
+    k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    kernels.unpack_blocks(buf, k2, v2, ids)
+    assert torch.equal(k2[ids], kc[ids]) and torch.equal(v2[ids], vc[ids]) and not k2[0].any()
+
+
+def test_fp8_round_trip_error_bound() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(6, 16, 2, 64) * torch.rand(6, 1, 2, 1) * 10
+    q, scales = kernels.quantize_kv_fp8(x)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (6, 2)
+    back = kernels.dequantize_kv_fp8(q, scales, torch.float32)
+    amax = x.abs().amax(dim=(1, 3), keepdim=True).transpose(1, 2)  # per (block, head)
+    err = (back - x).abs().transpose(1, 2)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the value, plus subnormal slack near zero
+    assert bool((err <= x.abs().transpose(1, 2) / 16 + amax * 2**-9).all())
+
+
+def test_wrappers_name_the_bad_argument() -> None:
+    kc = torch.zeros(4, 8, 2, 16)
+    with pytest.raises(ValueError, match="q"):
+        kernels.paged_decode_attention(torch.zeros(2, 3, 16), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
+                                       torch.ones(2, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
+                                       torch.tensor([9, 1], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.store_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), kc, kc, torch.zeros(3))
+    with pytest.raises(ValueError, match="v_cache"):
+        kernels.pack_blocks(kc, torch.zeros(4, 8, 2, 8), torch.tensor([0]))
