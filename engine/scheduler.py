@@ -143,7 +143,12 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens - len(computed) * self.kv.block_size, budget)
             copies = self.kv.allocate_slots(seq, n, computed)
             if copies is None:
-                break
+                if self.running:
+                    break
+                # nothing else holds blocks, so this sequence (recomputing prompt + output) exceeds the whole cache
+                self.finish(seq, "length")
+                self._finished_early.append(seq)
+                continue
             self.stats.prefix_cached_tokens += len(computed) * self.kv.block_size
             out.blocks_to_copy.extend(copies)
             del self.waiting[0], self._keys_w[0]

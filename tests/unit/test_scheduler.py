@@ -169,3 +169,11 @@ def test_sequence_outgrowing_the_whole_cache_finishes_with_length() -> None:
     h.run()
     # 12 slots hold positions 0..11; the token computed at position 11 samples one more
     assert s.finish_reason == "length" and len(s.output_token_ids) == 12 - 6 + 1
+
+
+def test_preempted_sequence_larger_than_cache_finishes_instead_of_livelocking() -> None:
+    h = Harness(num_blocks=4, block_size=4, budget=64, caching=False)
+    s = h.add(prompt_len=4, max_tokens=50)
+    s.output_token_ids = [5] * 13  # as if preempted after growing: 17 tokens to recompute, 16 slots in the cache
+    h.run(max_steps=5)
+    assert s.finish_reason == "length"
