@@ -61,12 +61,15 @@ def run_engine(model: str, dtype: str, reqs: list[Req], threads: int | None) -> 
     llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False)
     eng = llm.engine
     decode_steps: list[tuple[float, int, int]] = []  # (seconds, batch, total context tokens)
+    mixed_steps: list[float] = []
     real_execute = eng.runner.execute
 
     def timed_execute(out: SchedulerOutput):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
         res = real_execute(out)
-        if out.decodes and not out.prefills:
+        if out.prefills:
+            mixed_steps.append(time.perf_counter() - t)
+        elif out.decodes:
             decode_steps.append((time.perf_counter() - t, len(out.decodes), sum(s.start + 1 for s in out.decodes)))
         return res
 
@@ -74,13 +77,26 @@ def run_engine(model: str, dtype: str, reqs: list[Req], threads: int | None) -> 
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
     llm.generate([reqs[0].prompt], SamplingParams(max_tokens=4))  # warm-up
     decode_steps.clear()
+    mixed_steps.clear()
     t = time.perf_counter()
     outs = llm.generate([r.prompt for r in reqs], params)
     dt = time.perf_counter() - t
     useful = sum(len(o.token_ids) for o in outs)
     assert useful == sum(r.max_tokens for r in reqs)
     return {"seconds": dt, "useful_tokens": useful, "tok_s": useful / dt, "decode_steps": decode_steps,
-            "engine": eng}
+            "mixed_steps": mixed_steps, "engine": eng}
+
+
+def print_breakdown(r: dict) -> None:
+    """Where the engine's time went: steps with prefill chunks vs decode-only steps by batch size."""
+    rows = [("prefill + decode steps", r["mixed_steps"])]
+    for name, lo, hi in (("decode-only, batch > 32", 33, 10**9), ("decode-only, batch 9-32", 9, 32),
+                         ("decode-only, batch <= 8", 1, 8)):
+        rows.append((name, [t for t, b, _ in r["decode_steps"] if lo <= b <= hi]))
+    print(f"{'engine steps':<28}{'steps':>7}{'seconds':>10}{'ms/step':>10}")
+    for name, ts in rows:
+        if ts:
+            print(f"{name:<28}{len(ts):>7}{sum(ts):>10.1f}{sum(ts) / len(ts) * 1e3:>10.0f}")
 
 
 def run_hf(path: str, dtype: torch.dtype, reqs: list[Req], batch: int) -> dict:
@@ -138,6 +154,7 @@ def main() -> None:
     eng = run_engine(path, args.dtype, reqs, args.threads)
     print(f"engine ({args.dtype}): {eng['useful_tokens']} tokens in {eng['seconds']:.1f}s = {eng['tok_s']:.1f} tok/s",
           flush=True)
+    print_breakdown(eng)
     hf_results = {}
     for spec in args.hf.split(","):
         hf_dtype, b = spec.split(":")

@@ -21,15 +21,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, cache_dir=args.cache_dir, progress=progress)
-    print(f"[pdcluster] model ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    try:
+    try:  # before loading the model, so bad parameters fail at once
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, cache_dir=args.cache_dir, progress=progress)
+    print(f"[pdcluster] model ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     printed = 0
 
     def stream(out) -> None:  # type: ignore[no-untyped-def]

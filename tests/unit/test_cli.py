@@ -1,0 +1,24 @@
+"""The main job: ``pdcluster generate`` on the embedded default model, as a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_generate_streams_an_answer() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "generate", "What is the capital of France?", "--max-tokens", "16"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    assert "finish_reason=" in proc.stderr
+
+
+def test_generate_rejects_bad_parameters() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "generate", "hi", "--max-tokens", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2 and "max_tokens" in proc.stderr
