@@ -54,8 +54,11 @@ def test_logprobs_stop_strings_and_stop_ids(llm: LLM) -> None:
     for tok, lp in zip(base.token_ids, base.logprobs):
         assert tok in lp and len(lp) in (3, 4) and max(lp.values()) == lp[tok]  # greedy: sampled = top-1
     word = base.text.split()[1]
-    stopped = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, stop=[word], ignore_eos=True))[0]
+    partial: list[str] = []
+    stopped = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, stop=[word], ignore_eos=True),
+                           on_output=lambda o: partial.append(o.text))[0]
     assert stopped.finish_reason == "stop" and word not in stopped.text
+    assert partial and not any(word in p for p in partial)  # a stop string is never streamed, even in part
     assert base.text.startswith(stopped.text)
     by_id = llm.generate(["The capital of France is"],
                          SamplingParams(max_tokens=16, stop_token_ids=[base.token_ids[3]], ignore_eos=True))[0]
