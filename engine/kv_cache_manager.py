@@ -109,6 +109,19 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
+    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
+        """Mutates: ``seq`` takes over blocks already allocated for it (ref 1, e.g. a committed reservation) whose
+        first ``num_computed_tokens`` slots hold valid K/V (e.g. received from a prefill actor)."""
+        if seq.block_table:
+            raise ValueError(f"block_ids: sequence {seq.seq_id} already holds blocks")
+        if cdiv(num_computed_tokens, self.block_size) > len(block_ids):
+            raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {num_computed_tokens} tokens")
+        for b in block_ids:
+            if self.pool.blocks[b].ref_cnt != 1:
+                raise ValueError(f"block_ids: block {b} is not a freshly allocated block (ref_cnt {self.pool.blocks[b].ref_cnt})")
+        seq.block_table = list(block_ids)
+        seq.num_computed_tokens = num_computed_tokens
+
     def free(self, seq: Sequence) -> None:
         """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest."""
         self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))

@@ -19,10 +19,8 @@ from engine.model_loader import load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
-
-_GOLDEN = 0x9E3779B97F4A7C15
 
 
 @dataclass
@@ -113,7 +111,7 @@ class LLMEngine:
         seqs = [
             Sequence(
                 seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
-                arrival=arrival, priority=priority, generator=self._generator(params.seed, i),
+                arrival=arrival, priority=priority, seed=params.seed,
             )
             for i in range(params.n)
         ]
@@ -123,11 +121,40 @@ class LLMEngine:
         self.scheduler.add(seqs[0])
         return ids
 
-    @staticmethod
-    def _generator(seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        return torch.Generator().manual_seed((seed + index * _GOLDEN) % 2**63)
+    def add_prefilled_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
+        block_ids: list[int], first_logprobs: dict[int, float] | None = None, arrival: float | None = None,
+    ) -> RequestOutput:
+        """Decode side of disaggregation: join a request whose prompt K/V already sits in ``block_ids`` (allocated
+        in this engine's pool, e.g. a committed reservation) and whose first token was sampled by a prefill actor.
+
+        Takes ownership of the blocks. Returns the output after the first token (finished if it already stops).
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if params.n != 1:
+            raise ValueError(f"n: prefilled requests carry one completion, got {params.n}")
+        ids = list(prompt_token_ids)
+        self.validate(ids, params)
+        seq = Sequence(
+            seq_id=next(self._ids), request_id=request_id, index=0, prompt_token_ids=ids, params=params,
+            arrival=time.monotonic() if arrival is None else arrival, seed=params.seed,
+        )
+        self.kv.adopt(seq, block_ids, len(ids))
+        req = _Request(request_id, ids, [seq], [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)],
+                       [""])
+        self._requests[request_id] = req
+        self.scheduler.add_running(seq)
+        self.scheduler.append_token(seq, SampledToken(first_token, first_logprobs))
+        self._detokenize(req, seq)
+        out = self._output(req)
+        if req.finished:
+            del self._requests[request_id]
+        return out
+
+    def kv_layer(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` (a view: writes go through)."""
+        return self.runner.kv_caches[layer]
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
@@ -141,10 +168,15 @@ class LLMEngine:
         return bool(self._requests)
 
     # -- the loop -----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped)."""
+    def step(self, after_kv_store: Callable[[int, SchedulerOutput], None] | None = None) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped).
+
+        ``after_kv_store(layer, scheduler_output)`` runs as soon as each layer's K/V of this step is stored (a
+        prefill worker streams it to the decode actor from there).
+        """
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
+        hook = None if after_kv_store is None else (lambda layer: after_kv_store(layer, out))
+        sampled = self.runner.execute(out, hook)
         updated, finished = self.scheduler.update_from_output(out, sampled)
         touched: dict[str, _Request] = {}
         for seq in updated:

@@ -6,6 +6,7 @@ Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attent
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,9 +76,18 @@ class DecoderModel:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        after_kv_store: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm. Writes the tokens' K/V into ``kv_caches``."""
+        """Hidden states ``[T, hidden]`` after the final norm. Writes the tokens' K/V into ``kv_caches``.
+
+        ``after_kv_store(layer)`` runs as soon as a layer's K/V for this step is in the cache, before that layer's
+        attention and MLP: a prefill worker starts sending it there, so the transfer overlaps the remaining compute.
+        """
         cfg = self.cfg
         h = self.embed[input_ids]
         T = h.shape[0]
@@ -92,6 +102,8 @@ class DecoderModel:
             q, k = self.rope.apply(q, k, cos_sin)
             k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if after_kv_store is not None:
+                after_kv_store(i)
             attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i])
             h = h + F.linear(attn.reshape(T, self.q_size), lw.o)
             x = self._norm(h, lw.post_norm)

@@ -5,6 +5,7 @@ Owns the model weights, the KV cache tensor and the sampler. The only state it m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,13 +100,18 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, order, sample_rows
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[int, list[SampledToken]]:
-        """Run one step. Mutates the KV cache. Returns seq id -> sampled tokens (one per completion to sample)."""
+    def execute(
+        self, out: SchedulerOutput, after_kv_store: Callable[[int], None] | None = None
+    ) -> dict[int, list[SampledToken]]:
+        """Run one step. Mutates the KV cache. Returns seq id -> sampled tokens (one per completion to sample).
+
+        ``after_kv_store(layer)``: see :meth:`DecoderModel.forward`.
+        """
         self.copy_blocks(out.blocks_to_copy)
         if out.is_empty:
             return {}
         ids, pos, meta, order, rows = self.prepare(out)
-        hidden = self.model.forward(ids, pos, meta, self.kv_caches)
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches, after_kv_store)
         to_sample = [s for s in order if s.sample]
         if not to_sample:
             return {}
@@ -126,7 +132,7 @@ class ModelRunner:
             [q.params for q in seqs],
             [q.prompt_token_ids for q in seqs],
             [q.output_token_ids for q in seqs],
-            [q.generator for q in seqs],
+            [q.generator() for q in seqs],
         )
         result = self.sampler(logits, meta)
         sampled: dict[int, list[SampledToken]] = {}

@@ -29,6 +29,12 @@ class ScheduledSeq:
     num_tokens: int  # tokens computed this step: 1 for decode, a chunk for prefill
     sample: bool  # the step reaches the end of the known tokens, so the runner samples the next token
 
+    def export_range(self, block_size: int) -> range:
+        """Logical block indices whose K/V a prefill actor must send after this step: the blocks this step writes,
+        plus, on the sequence's first step, the prefix-cache blocks it reused (never computed for it). Pure."""
+        first = 0 if self.start == self.seq.num_cached_tokens else self.start // block_size
+        return range(first, (self.start + self.num_tokens - 1) // block_size + 1)
+
 
 @dataclass
 class SchedulerOutput:
@@ -94,6 +100,12 @@ class Scheduler:
         """Queue a new sequence (its children, if any, ride along in ``pending_children``)."""
         seq.status = SequenceStatus.WAITING
         self._insert(self.waiting, self._keys_w, seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose blocks and computed tokens are already in place (a prefilled request) to the
+        running batch; it decodes from the next step on."""
+        seq.status = SequenceStatus.RUNNING
+        self._insert(self.running, self._keys_r, seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -199,6 +211,12 @@ class Scheduler:
             self._append(seq, toks[0], updated, finished)
         return updated, finished
 
+    def append_token(self, seq: Sequence, tok: SampledToken) -> bool:
+        """Append a token sampled elsewhere (a prefill actor's first token); returns whether ``seq`` finished."""
+        finished: list[Sequence] = []
+        self._append(seq, tok, [], finished)
+        return bool(finished)
+
     def _append(self, seq: Sequence, tok: SampledToken, updated: list[Sequence], finished: list[Sequence]) -> None:
         seq.output_token_ids.append(tok.token_id)
         if tok.logprobs is not None:
@@ -236,6 +254,10 @@ class Scheduler:
                 refs[b] = refs.get(b, 0) + 1
         return refs
 
-    def check_integrity(self) -> None:
-        """Raise ``AssertionError`` unless pool counts and every refcount match the live sequences. Pure."""
-        self.kv.pool.check_integrity(self.block_holders())
+    def check_integrity(self, other_holders: dict[int, int] | None = None) -> None:
+        """Raise ``AssertionError`` unless pool counts and every refcount match the live sequences plus
+        ``other_holders`` (block id -> references held outside sequences, e.g. reservations). Pure."""
+        refs = self.block_holders()
+        for b, n in (other_holders or {}).items():
+            refs[b] = refs.get(b, 0) + n
+        self.kv.pool.check_integrity(refs)
