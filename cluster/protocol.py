@@ -1,0 +1,249 @@
+"""Messages that cross process boundaries (proxy <-> actors), torch-free and msgpack-friendly.
+
+Every message is a frozen, validated dataclass with ``to_dict()`` (only str/int/float/bool/None/list/dict values with
+string keys, so msgpack and JSON both carry it) and ``from_dict()`` (unknown keys are ignored so that a newer sender
+can talk to an older receiver). Sequences are tuples in memory and lists on the wire. Times are Unix wall-clock
+seconds (``time.time()``): they are compared across processes, where monotonic clocks mean nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.sampling_params import SamplingParams  # torch-free; the one place sampling ranges are defined
+
+T = TypeVar("T", bound="_Wire")
+
+ROLES = ("prefill", "decode", "colocated")
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class _Wire:
+    """Shared ``to_dict``/``from_dict`` for the flat messages below."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain wire form (tuples become lists, nested messages become dicts). Pure."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
+        """Rebuild from the wire form; unknown keys are ignored, missing required ones raise ``ValueError``. Pure."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{cls.__name__}.from_dict needs a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+        try:
+            return cls(**{k: v for k, v in d.items() if k in names})
+        except TypeError as e:  # a missing required field
+            raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, _Wire):
+        return v.to_dict()
+    if isinstance(v, (tuple, list)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # normalizing a frozen dataclass field in __post_init__
+
+
+def _check_int(owner: str, name: str, value: Any, lo: int = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ValueError(f"{owner}.{name}: must be an integer >= {lo}, got {value!r}")
+
+
+def _check_ids(owner: str, name: str, values: tuple[Any, ...]) -> None:
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in values):
+        raise ValueError(f"{owner}.{name}: must be non-negative integers")
+
+
+@dataclass(frozen=True)
+class Usage(_Wire):
+    """Token accounting for one request (all n completions together)."""
+
+    prompt_tokens: int  # prompt length in tokens, counted once even when n > 1
+    completion_tokens: int  # generated tokens over all n completions
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (OpenAI's prompt_tokens_details.cached_tokens)
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+            _check_int("Usage", name, getattr(self, name))
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerateRequest(_Wire):
+    """One tokenized request as the proxy hands it to a prefill or decode actor.
+
+    The sampling fields mirror ``engine.SamplingParams`` one for one and are validated by it, so the ranges live in
+    one place; ``sampling_kwargs()`` is what the worker passes to ``SamplingParams(**...)``.
+    """
+
+    request_id: str  # unique per proxy request; every actor message about this request carries it
+    prompt_token_ids: tuple[int, ...]  # the tokenized prompt (chat template already applied)
+    max_tokens: int = 16  # already resolved against the context length by the proxy
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 disable
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings, excluded from the returned text
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # top-k logprobs per generated token; None means none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    reply_to: str = ""  # the owning proxy's token-stream address: where TokenDeltas go (several proxies may serve)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.reply_to, str):
+            raise ValueError(f"GenerateRequest.reply_to: must be a string, got {self.reply_to!r}")
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"GenerateRequest.request_id: must be a non-empty string, got {self.request_id!r}")
+        for name in ("prompt_token_ids", "stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ValueError(f"GenerateRequest.{name}: must be a list, got {type(value).__name__}")
+            _set(self, name, tuple(value))
+        if not self.prompt_token_ids:
+            raise ValueError("GenerateRequest.prompt_token_ids: must not be empty")
+        _check_ids("GenerateRequest", "prompt_token_ids", self.prompt_token_ids)
+        try:
+            SamplingParams(**self.sampling_kwargs())
+        except ValueError as e:
+            raise ValueError(f"GenerateRequest.{e}") from None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``engine.SamplingParams``. Pure."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("request_id", "prompt_token_ids", "reply_to")}
+
+
+@dataclass(frozen=True)
+class Reservation(_Wire):
+    """Blocks a decode actor set aside for one request before its prefill starts (the decode actor owns it)."""
+
+    reservation_id: str  # names the reservation in transfer headers, renewals and releases
+    request_id: str
+    decode_actor_id: str
+    block_ids: tuple[int, ...]  # physical block ids on the decode actor, logical block i -> block_ids[i]
+    kv_endpoint: str  # where a prefill actor sends this request's KV (backend-specific address)
+    expires_at: float  # Unix seconds; released by the decode actor if no KV has arrived by then
+
+    def __post_init__(self) -> None:
+        for name in ("reservation_id", "request_id", "decode_actor_id"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"Reservation.{name}: must be a non-empty string, got {getattr(self, name)!r}")
+        if not isinstance(self.block_ids, (list, tuple)) or not self.block_ids:
+            raise ValueError("Reservation.block_ids: must be a non-empty list")
+        _set(self, "block_ids", tuple(self.block_ids))
+        _check_ids("Reservation", "block_ids", self.block_ids)
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError("Reservation.block_ids: must be distinct")
+        if not isinstance(self.kv_endpoint, str):
+            raise ValueError(f"Reservation.kv_endpoint: must be a string, got {self.kv_endpoint!r}")
+        if not isinstance(self.expires_at, (int, float)) or not math.isfinite(self.expires_at):
+            raise ValueError(f"Reservation.expires_at: must be a finite number, got {self.expires_at!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def expired(self, now: float) -> bool:
+        """Whether the TTL has passed at wall-clock time ``now``. Pure."""
+        return now >= self.expires_at
+
+
+@dataclass(frozen=True)
+class TokenDelta(_Wire):
+    """New tokens of one completion since the last delta (decode actor -> proxy, batched per decode step)."""
+
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: tuple[int, ...]  # newly generated ids (may be empty on a final, finish-only delta)
+    text: str = ""  # newly detokenized text; may lag token_ids while a multi-byte character is incomplete
+    # per new token, (token_id, logprob) pairs: the sampled token first, then the top-k. Pairs rather than a dict
+    # because msgpack refuses integer map keys by default.
+    logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; set only on the last delta of a completion
+    usage: Usage | None = None  # set on the last delta of the request
+
+    def __post_init__(self) -> None:
+        _check_int("TokenDelta", "index", self.index)
+        if not isinstance(self.token_ids, (list, tuple)):
+            raise ValueError("TokenDelta.token_ids: must be a list")
+        _set(self, "token_ids", tuple(self.token_ids))
+        _check_ids("TokenDelta", "token_ids", self.token_ids)
+        if not isinstance(self.text, str):
+            raise ValueError(f"TokenDelta.text: must be a string, got {self.text!r}")
+        if self.logprobs is not None:
+            try:
+                lps = tuple(tuple((int(t), float(lp)) for t, lp in tok) for tok in self.logprobs)
+            except (TypeError, ValueError):
+                raise ValueError("TokenDelta.logprobs: must be, per token, [token_id, logprob] pairs") from None
+            if len(lps) != len(self.token_ids):
+                raise ValueError(f"TokenDelta.logprobs: {len(lps)} entries for {len(self.token_ids)} tokens")
+            _set(self, "logprobs", lps)
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"TokenDelta.finish_reason: must be one of {FINISH_REASONS} or None, "
+                             f"got {self.finish_reason!r}")
+        if isinstance(self.usage, Mapping):
+            _set(self, "usage", Usage.from_dict(self.usage))
+        elif self.usage is not None and not isinstance(self.usage, Usage):
+            raise ValueError(f"TokenDelta.usage: must be a Usage or None, got {self.usage!r}")
+
+
+@dataclass(frozen=True)
+class ActorStats(_Wire):
+    """One actor's health and load, as it reports it (the proxy's router and admission read these)."""
+
+    actor_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    alive: bool
+    draining: bool = False  # finishing its work before removal; gets no new requests
+    kv_blocks_free: int = 0
+    kv_blocks_reserved: int = 0  # set aside for requests whose KV has not arrived yet
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0  # free + reserved + used == total, always
+    num_running: int = 0
+    num_waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet prefilled (the router's load signal)
+    prompt_tokens_per_s: float = 0.0  # recent prefill throughput
+    generation_tokens_per_s: float = 0.0  # recent decode throughput
+    updated_at: float = 0.0  # Unix seconds when these numbers were taken
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.actor_id, str) or not self.actor_id:
+            raise ValueError(f"ActorStats.actor_id: must be a non-empty string, got {self.actor_id!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"ActorStats.role: must be one of {ROLES}, got {self.role!r}")
+        for name in ("alive", "draining"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ActorStats.{name}: must be a bool, got {getattr(self, name)!r}")
+        for name in ("kv_blocks_free", "kv_blocks_reserved", "kv_blocks_used", "kv_blocks_total",
+                     "num_running", "num_waiting", "queued_prefill_tokens"):
+            _check_int("ActorStats", name, getattr(self, name))
+        if self.kv_blocks_free + self.kv_blocks_reserved + self.kv_blocks_used != self.kv_blocks_total:
+            raise ValueError(f"ActorStats({self.actor_id}): free {self.kv_blocks_free} + reserved "
+                             f"{self.kv_blocks_reserved} + used {self.kv_blocks_used} != total {self.kv_blocks_total}")
+        for name in ("prompt_tokens_per_s", "generation_tokens_per_s", "updated_at"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"ActorStats.{name}: must be a finite number >= 0, got {v!r}")
+
+    @property
+    def schedulable(self) -> bool:
+        """Alive and not draining: may receive new requests."""
+        return self.alive and not self.draining
