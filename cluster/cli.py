@@ -55,6 +55,47 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from cluster.launcher import Cluster, ServeConfig
+    from cluster.worker_config import WorkerConfig
+
+    try:
+        cfg = ServeConfig(
+            worker=WorkerConfig(model=args.model, dtype=args.dtype, num_threads=args.threads or 1,
+                                cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
+            decode=args.decode, prefill=args.prefill, mode=args.mode, host=args.host, port=args.port,
+            proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.worker.model == "default":  # convert the default model once, here, not in every actor at the same time
+        from engine.default_model import resolve_model
+
+        resolve_model("default", cfg.worker.cache_dir)
+    cluster = Cluster(cfg)
+    stop = {"now": False}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        print(f"[pdcluster] starting {cfg.decode} decode actor(s) ({cfg.mode}) and {cfg.proxies} proxy(ies)...",
+              file=sys.stderr, flush=True)
+        cluster.start()
+        for url in cluster.urls:
+            print(f"[pdcluster] ready: {url}/v1  (model name {cfg.model_name!r})", flush=True)
+        while not stop["now"]:
+            time.sleep(0.2)
+    finally:
+        print("[pdcluster] shutting down", file=sys.stderr, flush=True)
+        cluster.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.set_defaults(func=_cmd_generate)
+    sv = sub.add_parser("serve", help="start a cluster on Ray and serve the OpenAI API")
+    _add_engine_args(sv)
+    sv.add_argument("--decode", type=int, default=1, help="decode actors")
+    sv.add_argument("--prefill", type=int, default=0, help="prefill actors (disaggregated mode, not built yet)")
+    sv.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i")
+    sv.add_argument("--proxies", type=int, default=1)
+    sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
+    sv.add_argument("--served-model-name", default="default")
+    sv.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -100,9 +100,14 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-        arrival: float | None = None,
+        arrival: float | None = None, block_ids: list[int] | None = None,
     ) -> list[int]:
-        """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid."""
+        """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid.
+
+        ``block_ids``: blocks already allocated for this request in this engine's pool (a committed reservation);
+        the request computes its prompt into them and takes them over (it then gets no prefix-cache hits). With
+        ``n > 1`` the children fork from these blocks and allocate their own as they grow.
+        """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = self.tokenize(prompt)
@@ -116,6 +121,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         seqs[0].pending_children = seqs[1:]
+        if block_ids is not None:
+            self.kv.adopt(seqs[0], block_ids, 0)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
         self._requests[request_id] = _Request(request_id, ids, seqs, detoks, [""] * len(seqs))
         self.scheduler.add(seqs[0])

@@ -58,6 +58,10 @@ class PromptTokenizer:
         except _TemplateError as e:
             raise ValueError(f"messages: {e}") from None
 
+    def decode_token(self, token_id: int) -> str:
+        """One token's text on its own (for logprobs). Pure."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt ids of a conversation with a generation prompt (special tokens come from the template)."""
         return self.encode(self.render_chat(messages), add_special_tokens=False)

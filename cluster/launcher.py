@@ -1,0 +1,119 @@
+"""Start a pdcluster on Ray: decode actors (colocated mode for now) and proxy processes.
+
+Without a Ray address it starts an embedded local Ray; with one it joins an existing cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.worker_config import WorkerConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    decode: int = 1  # decode actors
+    prefill: int = 0  # prefill actors (disaggregated mode: not built yet)
+    mode: str = "colocated"
+    host: str = "127.0.0.1"
+    port: int = 8000  # the first proxy's port; proxy i listens on port + i
+    proxies: int = 1
+    ray_address: str | None = None
+    cpus_per_actor: float = 1.0
+    model_name: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.mode != "colocated":
+            raise ValueError(f"mode: only 'colocated' is built so far, got {self.mode!r}")
+        if self.decode < 1:
+            raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
+        if self.proxies < 1:
+            raise ValueError(f"proxies: need at least one, got {self.proxies}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    """A running cluster: the Ray connection, the decode actors and the proxy processes. ``stop`` ends them."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.decode_actors: list[Any] = []
+        self.proxy_procs: list[subprocess.Popen[bytes]] = []
+        self.urls: list[str] = []
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        import ray
+
+        from decode_worker.worker import DecodeWorker
+        from proxy.pools import DECODE_PREFIX, NAMESPACE
+
+        cfg = self.cfg
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            ray.init(namespace=NAMESPACE, num_cpus=max(2, int(cfg.decode * cfg.cpus_per_actor) + 1),
+                     include_dashboard=False, log_to_driver=False)
+        remote = ray.remote(num_cpus=cfg.cpus_per_actor, max_concurrency=16)(DecodeWorker)
+        self.decode_actors = [remote.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker)
+                              for i in range(cfg.decode)]
+        ray.get([a.info.remote() for a in self.decode_actors], timeout=timeout_s)  # the model is loaded
+        address = ray.get_runtime_context().gcs_address
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for i in range(cfg.proxies):
+            port = cfg.port + i
+            self.proxy_procs.append(subprocess.Popen(
+                [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
+                 "--port", str(port), "--model-name", cfg.model_name], env=env))
+            self.urls.append(f"http://{cfg.host}:{port}")
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        for url, proc in zip(self.urls, self.proxy_procs):
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"proxy for {url} exited with {proc.returncode}")
+                try:
+                    with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+                time.sleep(0.3)
+
+    def stop(self) -> None:
+        """End proxies (SIGTERM, then SIGKILL), actors and, if we started it, Ray."""
+        import ray
+
+        for p in self.proxy_procs:
+            p.terminate()
+        for p in self.proxy_procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for a in self.decode_actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(a)
+        if ray.is_initialized():
+            ray.shutdown()

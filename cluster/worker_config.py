@@ -1,0 +1,32 @@
+"""Settings every worker actor shares (frozen, validated, torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str = "default"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_threads: int = 1  # torch threads per actor (one actor per core on CPU)
+    reservation_ttl_s: float = 30.0  # a reservation with no KV and no start by then is released
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        if not self.reservation_ttl_s > 0:
+            raise ValueError(f"reservation_ttl_s: must be > 0, got {self.reservation_ttl_s}")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("reservation_ttl_s")
+        return d

@@ -1,0 +1,169 @@
+"""The decode worker: an engine, its reservations and a loop thread that steps it and streams tokens.
+
+Ray-agnostic: :mod:`cluster.launcher` wraps :class:`DecodeWorker` in ``ray.remote`` (a threaded actor, so that
+``reserve`` / ``abort`` / ``stats`` run while the loop thread decodes). All engine access holds one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.protocol import GenerateRequest, Reservation
+from cluster.worker_config import WorkerConfig
+from decode_worker.reservations import ReservationManager
+from proxy.token_stream import TokenStreamClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    request: GenerateRequest
+    sent_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens already streamed
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)  # completions whose finish has been streamed
+
+
+class DecodeWorker:
+    """Mutating methods say so. ``actor_id`` names this worker in reservations and stats."""
+
+    def __init__(self, actor_id: str, config: WorkerConfig) -> None:
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+
+        self.actor_id = actor_id
+        self.config = config
+        self.engine = LLMEngine(EngineConfig(**config.engine_kwargs()))
+        self.reservations = ReservationManager(self.engine.kv.pool)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._live: dict[str, _Live] = {}
+        self._stream = TokenStreamClient()
+        self.tokens_generated = 0
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name=f"decode-{actor_id}", daemon=True)
+        self._thread.start()
+
+    # -- control calls (from the proxy) ------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Static facts the proxy needs: block size, context limit, KV capacity, model fingerprint. Pure."""
+        e = self.engine
+        return {"actor_id": self.actor_id, "block_size": e.config.block_size, "max_model_len": e.max_model_len,
+                "total_blocks": e.kv.pool.num_blocks, "fingerprint": e.fingerprint, "model_path": str(e.model_path),
+                "vocab_size": e.model_config.vocab_size}
+
+    def reserve(self, request_id: str, num_blocks: int, ttl_s: float | None = None) -> dict[str, Any] | None:
+        """Mutates: hold ``num_blocks`` blocks for a request before its prefill; None if they are not free."""
+        ttl = ttl_s or self.config.reservation_ttl_s
+        with self._lock:
+            r = self.reservations.reserve(request_id, num_blocks, ttl, time.monotonic())
+        if r is None:
+            return None
+        return Reservation(r.reservation_id, request_id, self.actor_id, r.block_ids, kv_endpoint="",
+                           expires_at=time.time() + ttl).to_dict()
+
+    def start_colocated(self, request: dict[str, Any], reservation_id: str) -> None:
+        """Mutates: prefill and decode ``request`` here, in the blocks of its reservation. Raises ``ValueError``
+        (releasing the reservation) if the request is invalid or the reservation is gone."""
+        from engine.sampling_params import SamplingParams
+
+        req = GenerateRequest.from_dict(request)
+        with self._lock:
+            res = self.reservations.get(reservation_id)
+            if res is None or res.request_id != req.request_id:
+                raise ValueError(f"reservation_id: {reservation_id!r} is not pending for {req.request_id!r}")
+            blocks = list(self.reservations.commit(reservation_id))
+            try:
+                self.engine.add_request(req.request_id, list(req.prompt_token_ids),
+                                        SamplingParams(**req.sampling_kwargs()), block_ids=blocks)
+            except ValueError:
+                self.engine.kv.pool.free(self.engine.kv.pool.blocks[b] for b in blocks)
+                raise
+            self._live[req.request_id] = _Live(req)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Mutates: stop a request and free its blocks now, or release its reservation. Whether it was known."""
+        with self._lock:
+            res = self.reservations.find_by_request(request_id)
+            if res is not None:
+                self.reservations.release(res.reservation_id)
+            known = self._live.pop(request_id, None) is not None
+            self.engine.abort_request(request_id)
+        return known or res is not None
+
+    def stats(self) -> dict[str, Any]:
+        """Block counts, queue lengths and the token rate since start. Pure."""
+        with self._lock:
+            c = self.reservations.counts()
+            sched = self.engine.scheduler
+            return {"actor_id": self.actor_id, "role": "decode", "alive": True, "kv": c,
+                    "running": len(sched.running), "waiting": len(sched.waiting),
+                    "tokens_generated": self.tokens_generated,
+                    "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started)}
+
+    def check_integrity(self) -> dict[str, int]:
+        """Raise ``AssertionError`` unless free + reserved + used == total and every refcount has a holder."""
+        with self._lock:
+            self.reservations.check_integrity()
+            held = {b: 1 for r in self.reservations.pending() for b in r.block_ids}
+            self.engine.scheduler.check_integrity(held)
+            return self.reservations.counts()
+
+    def shutdown(self) -> None:
+        """Mutates: stop the loop thread and close sockets."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self._stream.close()
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self.reservations.expire(time.monotonic())
+                outs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                batches = self._deltas(outs)
+            for address, deltas in batches.items():
+                try:
+                    self._stream.send(address, deltas)
+                except Exception:  # a proxy that went away must not stop the others' tokens
+                    log.exception("token stream to %s failed", address)
+            if not outs:
+                self._wake.wait(0.01)
+                self._wake.clear()
+
+    def _deltas(self, outs: list[Any]) -> dict[str, list[dict[str, Any]]]:
+        batches: dict[str, list[dict[str, Any]]] = {}
+        for out in outs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            for c in out.outputs:
+                n0 = live.sent_tokens.get(c.index, 0)
+                t0 = live.sent_chars.get(c.index, 0)
+                new = c.token_ids[n0:]
+                if c.index in live.finished or (not new and c.finish_reason is None):
+                    continue
+                if c.finish_reason is not None:
+                    live.finished.add(c.index)
+                d: dict[str, Any] = {"request_id": out.request_id, "index": c.index, "token_ids": list(new),
+                                     "text": c.text[t0:], "finish_reason": c.finish_reason}
+                if c.logprobs is not None:
+                    d["logprobs"] = [sorted(lp.items()) for lp in c.logprobs[n0:]]
+                live.sent_tokens[c.index] = len(c.token_ids)
+                live.sent_chars[c.index] = len(c.text)
+                self.tokens_generated += len(new)
+                batches.setdefault(live.request.reply_to, []).append(d)
+            if out.finished and batches.get(live.request.reply_to):
+                batches[live.request.reply_to][-1]["usage"] = {
+                    "prompt_tokens": len(out.prompt_token_ids),
+                    "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
+                    "cached_tokens": out.num_cached_tokens}
+                del self._live[out.request_id]
+        return batches

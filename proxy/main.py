@@ -1,0 +1,57 @@
+"""Run one proxy process against pools already on a Ray cluster: ``python -m proxy.main --ray-address ADDR``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import ray
+from aiohttp import web
+
+from proxy.openai_protocol import ProtocolConfig
+from proxy.pools import NAMESPACE, Pools
+from proxy.server import Proxy, ProxyConfig
+from proxy.tokenization import PromptTokenizer
+
+
+async def _wait_for_decode(pools: Pools, timeout_s: float) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        await pools.refresh()
+        live = pools.live_decode()
+        if live:
+            return live[0].info
+        if loop.time() > deadline:
+            raise SystemExit("no decode actor became ready")
+        await asyncio.sleep(0.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdcluster-proxy")
+    ap.add_argument("--ray-address", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--model-name", default="default")
+    ap.add_argument("--queue-timeout", type=float, default=10.0)
+    ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
+    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    pools = Pools()
+    info = asyncio.run(_wait_for_decode(pools, 300))
+    proto = ProtocolConfig(served_models=(args.model_name,), max_model_len=int(info["max_model_len"]),
+                           vocab_size=int(info["vocab_size"]))
+    total = min(int(a.info["total_blocks"]) for a in pools.live_decode())
+    proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]), total,
+                  ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout), stream_host=args.host)
+    print(f"[pdcluster] proxy listening on http://{args.host}:{args.port}", flush=True)
+    web.run_app(proxy.app(), host=args.host, port=args.port, handler_cancellation=True,
+                shutdown_timeout=args.shutdown_grace, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Prometheus text exposition for the proxy (no client library: a few counters and histograms)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, v: float) -> None:
+        """Mutates: count one observation."""
+        self.counts[bisect.bisect_left(BUCKETS, v)] += 1
+        self.total += v
+        self.n += 1
+
+    def render(self, name: str) -> list[str]:
+        out, acc = [f"# TYPE {name} histogram"], 0
+        for b, c in zip(BUCKETS, self.counts):
+            acc += c
+            out.append(f'{name}_bucket{{le="{b}"}} {acc}')
+        out += [f'{name}_bucket{{le="+Inf"}} {self.n}', f"{name}_sum {self.total}", f"{name}_count {self.n}"]
+        return out
+
+
+@dataclass
+class Metrics:
+    requests: dict[int, int] = field(default_factory=dict)  # HTTP status -> count
+    ttft: Histogram = field(default_factory=Histogram)
+    tpot: Histogram = field(default_factory=Histogram)
+    e2e: Histogram = field(default_factory=Histogram)
+
+    def request_done(self, status: int) -> None:
+        self.requests[status] = self.requests.get(status, 0) + 1
+
+    def latency(self, ttft: float, tpot: float, e2e: float) -> None:
+        self.ttft.observe(ttft)
+        self.tpot.observe(tpot)
+        self.e2e.observe(e2e)
+
+    def render(self, queue_depth: int, kv: dict[str, dict[str, int]]) -> str:
+        """The exposition text. Pure."""
+        lines = ["# TYPE pdcluster_requests_total counter"]
+        lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
+        lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
+        lines += self.e2e.render("pdcluster_e2e_seconds")
+        lines += ["# TYPE pdcluster_queue_depth gauge", f"pdcluster_queue_depth {queue_depth}",
+                  "# TYPE pdcluster_kv_blocks gauge"]
+        for actor, c in sorted(kv.items()):
+            lines += [f'pdcluster_kv_blocks{{actor="{actor}",state="{k}"}} {v}' for k, v in sorted(c.items())]
+        return "\n".join(lines) + "\n"

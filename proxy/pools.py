@@ -1,0 +1,85 @@
+"""The proxy's view of the worker pools on Ray: named actors found by prefix, refreshed, called asynchronously.
+
+The proxy keeps no state another proxy needs: decode actors own their reservations, so any number of proxies can
+share the pools. Torch-free (Ray does not import torch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+NAMESPACE = "pdcluster"
+DECODE_PREFIX = "pdcluster-decode-"
+PREFILL_PREFIX = "pdcluster-prefill-"
+
+
+@dataclass
+class ActorRef:
+    name: str
+    handle: Any
+    info: dict[str, Any]
+    stats: dict[str, Any] | None = None
+    alive: bool = True
+
+
+class Pools:
+    """Decode (and later prefill) actors by name. ``refresh`` mutates membership; calls are async Ray calls."""
+
+    def __init__(self, call_timeout_s: float = 30.0) -> None:
+        self.decode: dict[str, ActorRef] = {}
+        self.call_timeout_s = call_timeout_s
+
+    async def refresh(self) -> None:
+        """Mutates: pick up new named actors, drop dead ones, update each one's stats."""
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == NAMESPACE and a["name"].startswith(DECODE_PREFIX)]
+        for name in names:
+            if name not in self.decode:
+                try:
+                    handle = ray.get_actor(name, namespace=NAMESPACE)
+                    info = await asyncio.wait_for(handle.info.remote(), self.call_timeout_s)
+                    self.decode[name] = ActorRef(name, handle, info)
+                except Exception:  # not ready yet: next refresh
+                    log.info("decode actor %s not ready", name)
+        for name in list(self.decode):
+            if name not in names:
+                del self.decode[name]
+                continue
+            ref = self.decode[name]
+            try:
+                ref.stats = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
+                ref.alive = True
+            except Exception:
+                ref.alive = False
+
+    def live_decode(self) -> list[ActorRef]:
+        return [a for a in self.decode.values() if a.alive]
+
+    def by_free_blocks(self) -> list[ActorRef]:
+        """Live decode actors, most free KV blocks first (as of the last refresh). Pure."""
+        def free(a: ActorRef) -> int:
+            return int((a.stats or {}).get("kv", {}).get("free", 0))
+        return sorted(self.live_decode(), key=free, reverse=True)
+
+    async def reserve(self, actor: ActorRef, request_id: str, num_blocks: int) -> dict[str, Any] | None:
+        try:
+            return await asyncio.wait_for(actor.handle.reserve.remote(request_id, num_blocks), self.call_timeout_s)
+        except Exception:
+            actor.alive = False
+            log.exception("reserve on %s failed", actor.name)
+            return None
+
+    async def start_colocated(self, actor: ActorRef, request: dict[str, Any], reservation_id: str) -> None:
+        await asyncio.wait_for(actor.handle.start_colocated.remote(request, reservation_id), self.call_timeout_s)
+
+    async def abort(self, actor: ActorRef, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(actor.handle.abort.remote(request_id), self.call_timeout_s)
+        except Exception:
+            log.exception("abort of %s on %s failed", request_id, actor.name)

@@ -1,0 +1,307 @@
+"""The OpenAI-compatible HTTP server (aiohttp). A thin shell: parsing, admission and responses live in pure modules.
+
+One request: parse -> tokenize -> per prompt and completion: reserve KV blocks on a decode actor (retrying until a
+bounded wait runs out, then 429) -> start -> stream the actor's token deltas back as SSE or one JSON body. A client
+that disconnects aborts its requests on the actors at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from cluster.protocol import GenerateRequest, Usage
+from proxy.errors import APIError, internal_error, kv_capacity_exceeded, rate_limited, service_unavailable
+from proxy.metrics import Metrics
+from proxy.openai_protocol import (ChatCompletionRequest, CompletionRequest, ProtocolConfig, decode_body,
+                                   parse_chat_request, parse_completion_request, to_generate_request)
+from proxy.openai_responses import (SSE_DONE, ChoiceOutput, TokenLogprob, chat_chunk_body, chat_completion_body,
+                                    completion_body, sse_event, usage_chunk_body)
+from proxy.pools import ActorRef, Pools
+from proxy.token_stream import TokenStreamServer
+from proxy.tokenization import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    model_name: str = "default"
+    max_body_bytes: int = 4 * 1024 * 1024
+    queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks before a 429
+    max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
+    refresh_interval_s: float = 1.0
+
+
+class _Sub:
+    """One (prompt, completion) of a client request: its actor, queue and accumulated output."""
+
+    def __init__(self, req: GenerateRequest, choice_index: int) -> None:
+        self.req = req
+        self.choice_index = choice_index
+        self.actor: ActorRef | None = None
+        self.queue: asyncio.Queue[dict[str, Any]] | None = None
+        self.text = ""
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish: str | None = None
+        self.usage: dict[str, int] | None = None
+
+
+class Proxy:
+    def __init__(self, pools: Pools, tokenizer: PromptTokenizer, proto: ProtocolConfig, block_size: int,
+                 total_blocks: int, cfg: ProxyConfig, stream_host: str = "127.0.0.1") -> None:
+        self.pools = pools
+        self.tok = tokenizer
+        self.proto = proto
+        self.block_size = block_size
+        self.total_blocks = total_blocks
+        self.cfg = cfg
+        self.stream = TokenStreamServer(host=stream_host)
+        self.metrics = Metrics()
+        self._waiting = 0
+        self._ids = itertools.count()
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes * 2)
+        app.add_routes([
+            web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_page),
+            web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+        ])
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        await self.stream.start()
+        await self.pools.refresh()
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def _stop(self, _: web.Application) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        await self.stream.close()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.refresh_interval_s)
+            try:
+                await self.pools.refresh()
+            except Exception:
+                log.exception("pool refresh failed")
+
+    # -- small endpoints ---------------------------------------------------------------------------------------------
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _: web.Request) -> web.Response:
+        n = len(self.pools.live_decode())
+        body = {"ready": n > 0, "decode_actors": n}
+        return web.json_response(body, status=200 if n else 503)
+
+    async def models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "pdcluster", "max_model_len": self.proto.max_model_len}
+            for m in self.proto.served_models]})
+
+    async def metrics_page(self, _: web.Request) -> web.Response:
+        kv = {a.name: a.stats.get("kv", {}) for a in self.pools.live_decode() if a.stats}
+        return web.Response(text=self.metrics.render(self._waiting, kv), content_type="text/plain")
+
+    # -- generation --------------------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        start = time.monotonic()
+        subs: list[_Sub] = []
+        try:
+            parsed, subs = self._parse(await request.read(), chat)
+            await asyncio.gather(*(self._admit(s) for s in subs))
+            if parsed.stream:
+                resp = await self._stream(request, parsed, subs, chat, start)
+            else:
+                resp = await self._collect(parsed, subs, chat, start)
+            self.metrics.request_done(200)
+            return resp
+        except APIError as e:
+            await self._abort(subs)
+            self.metrics.request_done(e.status)
+            return web.json_response(e.body(), status=e.status, headers=e.headers())
+        except (asyncio.CancelledError, ConnectionResetError):
+            await asyncio.shield(self._abort(subs))  # the client went away: free its blocks at once
+            self.metrics.request_done(499)
+            raise
+        except Exception:
+            log.exception("request failed")
+            await self._abort(subs)
+            err = internal_error()
+            self.metrics.request_done(500)
+            return web.json_response(err.body(), status=500)
+        finally:
+            for s in subs:
+                self.stream.unsubscribe(s.req.request_id)
+
+    def _parse(self, raw: bytes, chat: bool) -> tuple[ChatCompletionRequest | CompletionRequest, list[_Sub]]:
+        body = decode_body(raw, self.cfg.max_body_bytes)
+        parsed: ChatCompletionRequest | CompletionRequest
+        if chat:
+            parsed = parse_chat_request(body, self.proto)
+            try:
+                prompts = [self.tok.encode_chat(parsed.template_messages())]
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from None
+            param = "messages"
+        else:
+            parsed = parse_completion_request(body, self.proto)
+            prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompts]
+            param = "prompt"
+        base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        subs = []
+        n = parsed.sampling.n
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                sampling = parsed.sampling
+                seed = None if sampling.seed is None else (sampling.seed + j) % 2**63
+                gen = to_generate_request(f"{base}-{next(self._ids)}", ids, sampling, self.proto.max_model_len,
+                                          param, self.stream.address)
+                gen = GenerateRequest.from_dict({**gen.to_dict(), "n": 1, "seed": seed})
+                subs.append(_Sub(gen, i * n + j))
+        return parsed, subs
+
+    async def _admit(self, sub: _Sub) -> None:
+        """Reserve blocks on some decode actor and start the request there; 429 after a bounded wait."""
+        need = -(-(len(sub.req.prompt_token_ids) + sub.req.max_tokens) // self.block_size)
+        if need > self.total_blocks:
+            raise kv_capacity_exceeded(need, self.total_blocks, self.block_size)
+        if not self.pools.live_decode():
+            raise service_unavailable("No decode actor is ready.", retry_after_s=5)
+        if self._waiting >= self.cfg.max_waiting:
+            raise rate_limited("Too many requests are waiting for KV cache.", retry_after_s=1)
+        deadline = time.monotonic() + self.cfg.queue_timeout_s
+        self._waiting += 1
+        try:
+            while True:
+                for actor in self.pools.by_free_blocks():
+                    res = await self.pools.reserve(actor, sub.req.request_id, need)
+                    if res is not None:
+                        sub.actor = actor
+                        sub.queue = self.stream.subscribe(sub.req.request_id)
+                        try:
+                            await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
+                        except Exception as e:
+                            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from e
+                        return
+                if time.monotonic() > deadline:
+                    raise rate_limited("No KV cache capacity became free in time.", retry_after_s=2,
+                                       code="queue_timeout")
+                await asyncio.sleep(0.05)
+        finally:
+            self._waiting -= 1
+
+    async def _abort(self, subs: list[_Sub]) -> None:
+        await asyncio.gather(*(self.pools.abort(s.actor, s.req.request_id) for s in subs
+                               if s.actor is not None and s.finish is None))
+
+    async def _deltas(self, subs: list[_Sub]) -> AsyncIterator[tuple[_Sub, dict[str, Any]]]:
+        """Every delta of every sub-request until all have finished, in arrival order."""
+        pending = {asyncio.ensure_future(s.queue.get()): s for s in subs if s.queue is not None}  # type: ignore[union-attr]
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    s = pending.pop(fut)
+                    d = fut.result()
+                    self._apply(s, d)
+                    yield s, d
+                    if s.finish is None:
+                        pending[asyncio.ensure_future(s.queue.get())] = s  # type: ignore[union-attr]
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def _apply(self, s: _Sub, d: dict[str, Any]) -> None:
+        s.tokens.extend(d["token_ids"])
+        s.text += d.get("text", "")
+        for tok, lps in zip(d["token_ids"], d.get("logprobs") or []):
+            table = dict((int(t), float(lp)) for t, lp in lps)
+            top = tuple(sorted(((self.tok.decode_token(t), lp) for t, lp in table.items()), key=lambda x: -x[1]))
+            s.logprobs.append(TokenLogprob(self.tok.decode_token(tok), table.get(tok, float("-inf")),
+                                           top[: s.req.logprobs or 0]))
+        if d.get("finish_reason"):
+            s.finish = "stop" if d["finish_reason"] == "abort" else d["finish_reason"]
+        if d.get("usage"):
+            s.usage = d["usage"]
+
+    def _usage(self, subs: list[_Sub]) -> Usage:
+        by_prompt: dict[tuple[int, ...], int] = {}
+        for s in subs:
+            by_prompt.setdefault(s.req.prompt_token_ids, len(s.req.prompt_token_ids))
+        return Usage(prompt_tokens=sum(by_prompt.values()), completion_tokens=sum(len(s.tokens) for s in subs),
+                     cached_tokens=sum((s.usage or {}).get("cached_tokens", 0) for s in subs))
+
+    def _choice(self, s: _Sub, text: str, finish: str | None, lps: list[TokenLogprob], offset: int = 0) -> ChoiceOutput:
+        return ChoiceOutput(s.choice_index, text, finish, tuple(lps) if s.req.logprobs is not None else None, offset)
+
+    async def _collect(self, parsed: Any, subs: list[_Sub], chat: bool, start: float) -> web.Response:
+        first: dict[int, float] = {}
+        async for s, _ in self._deltas(subs):
+            first.setdefault(s.choice_index, time.monotonic())
+        self._observe(subs, start, first)
+        rid, created = subs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
+        choices = [self._choice(s, s.text, s.finish or "stop", s.logprobs) for s in subs]
+        usage = self._usage(subs)
+        body = (chat_completion_body(rid, parsed.model, created, choices, usage) if chat
+                else completion_body(rid, parsed.model, created, choices, usage))
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, parsed: Any, subs: list[_Sub], chat: bool,
+                      start: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        rid, created = subs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
+        include = parsed.stream_options.include_usage
+        first: dict[int, float] = {}
+        sent_lp: dict[int, int] = {}
+        for s in subs if chat else []:  # OpenAI's first chat chunk carries the role
+            await resp.write(sse_event(chat_chunk_body(rid, parsed.model, created,
+                                                       [ChoiceOutput(s.choice_index, "")], None, include, first=True)))
+        async for s, d in self._deltas(subs):
+            first.setdefault(s.choice_index, time.monotonic())
+            lps = s.logprobs[sent_lp.get(s.choice_index, 0):]
+            sent_lp[s.choice_index] = len(s.logprobs)
+            finish = s.finish if d.get("finish_reason") else None
+            if not d.get("text") and finish is None:
+                continue
+            choice = self._choice(s, d.get("text", ""), finish, lps, len(s.text) - len(d.get("text", "")))
+            body = (chat_chunk_body(rid, parsed.model, created, [choice], None, include) if chat
+                    else completion_body(rid, parsed.model, created, [choice], None, include))
+            await resp.write(sse_event(body))
+        if include:
+            await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(subs))))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        self._observe(subs, start, first)
+        return resp
+
+    def _observe(self, subs: list[_Sub], start: float, first: dict[int, float]) -> None:
+        end = time.monotonic()
+        for s in subs:
+            t1 = first.get(s.choice_index)
+            if t1 is None:
+                continue
+            self.metrics.latency(t1 - start, (end - t1) / max(1, len(s.tokens) - 1), end - start)

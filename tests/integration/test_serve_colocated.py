@@ -1,0 +1,134 @@
+"""A real cluster on local Ray (colocated decode actors, two proxy processes) answering the official OpenAI client."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from cluster.launcher import Cluster, ServeConfig, free_port  # noqa: E402
+from cluster.worker_config import WorkerConfig  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
+
+
+@pytest.fixture(scope="module")
+def cluster():  # type: ignore[no-untyped-def]
+    port = free_port()
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=port))
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM("default", kv_cache_gib=0.25)
+
+
+def client(url: str):  # type: ignore[no-untyped-def]
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_streaming_and_not_equal_offline_greedy(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    c = client(cluster.urls[0])
+    want = offline.chat([[{"role": "user", "content": QUESTIONS[0]}]], SamplingParams(max_tokens=24))[0].text
+    r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                  max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want and "Paris" in want
+    assert r.usage.completion_tokens > 0 and r.choices[0].finish_reason == "stop"
+    chunks = list(c.chat.completions.create(model="default", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                            max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_completions_stream_and_models(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    c = client(cluster.urls[1])
+    assert [m.id for m in c.models.list().data] == ["default"]
+    want = offline.generate(["The capital of France is"], SamplingParams(max_tokens=12, ignore_eos=True))[0].text
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="default", prompt="The capital of France is", max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert text == want
+
+
+def test_sixteen_concurrent_requests_through_both_proxies(cluster, offline) -> None:  # type: ignore[no-untyped-def]
+    prompts = [f"{q} Answer in one sentence." for q in QUESTIONS] * 4
+    want = [o.text for o in offline.chat([[{"role": "user", "content": p}] for p in prompts],
+                                         SamplingParams(max_tokens=32))]
+
+    def ask(i: int) -> str:
+        c = client(cluster.urls[i % 2])
+        r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": prompts[i]}],
+                                      max_tokens=32, temperature=0)
+        return r.choices[0].message.content or ""
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        got = list(ex.map(ask, range(16)))
+    assert got == want
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_bad_inputs_get_openai_errors_and_serving_continues(cluster) -> None:  # type: ignore[no-untyped-def]
+    url = cluster.urls[0]
+    msg = [{"role": "user", "content": "hi"}]
+    cases = [
+        (b"{not json", 400, None),
+        (json.dumps({"model": "nope", "messages": msg}).encode(), 404, "model"),
+        (json.dumps({"messages": "hi"}).encode(), 400, "messages"),
+        (json.dumps({"messages": msg, "max_tokens": -1}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": msg, "max_tokens": 10**9}).encode(), 400, "max_tokens"),
+        (json.dumps({"messages": [{"role": "user", "content": "x " * 9000}], "max_tokens": 4}).encode(), 400, None),
+        (b"{" + b" " * (5 * 1024 * 1024) + b"}", 413, None),
+    ]
+    for body, status, param in cases:
+        code, err = _post(url, body)
+        assert code == status, (body[:60], code, err)
+        assert "message" in err["error"] and (param is None or err["error"]["param"] == param)
+    code, ok = _post(url, json.dumps({"messages": msg, "max_tokens": 4}).encode())
+    assert code == 200 and ok["choices"][0]["message"]["content"]
+
+
+def test_client_disconnect_frees_blocks(cluster) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    host, port = cluster.urls[0].removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "Tell me a very long story."}], "max_tokens": 2000,
+                       "stream": True, "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 5:  # some tokens arrived
+        got += sock.recv(4096)
+    assert got.startswith(b"HTTP/1.1 200")
+    sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+    sock.close()
+    import ray
+
+    actor = cluster.decode_actors[0]
+    for _ in range(100):
+        counts = ray.get(actor.check_integrity.remote())
+        if counts["used"] == 0 and counts["reserved"] == 0:
+            break
+        time.sleep(0.1)
+    assert counts["used"] == 0 and counts["reserved"] == 0, counts
