@@ -88,11 +88,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cluster.start()
         for url in cluster.urls:
             print(f"[pdcluster] ready: {url}/v1  (model name {cfg.model_name!r})", flush=True)
+        if args.ask is not None:
+            return _ask(cluster.urls[0], cfg.model_name, args.ask)
         while not stop["now"]:
             time.sleep(0.2)
     finally:
         print("[pdcluster] shutting down", file=sys.stderr, flush=True)
         cluster.stop()
+    return 0
+
+
+def _ask(url: str, model: str, question: str) -> int:
+    """Send one streaming chat request over HTTP, as any OpenAI client would, and print the answer as it comes."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 128,
+                       "temperature": 0, "stream": True})
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        print(f"error: HTTP {resp.status}: {resp.read().decode()}", file=sys.stderr)
+        return 1
+    print(f"[pdcluster] POST {url}/v1/chat/completions -> 200, streaming:", file=sys.stderr, flush=True)
+    for line in resp:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices", []):
+                sys.stdout.write(choice["delta"].get("content") or "")
+                sys.stdout.flush()
+    print()
     return 0
 
 
@@ -119,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
     sv.add_argument("--served-model-name", default="default")
+    sv.add_argument("--ask", default=None, metavar="QUESTION",
+                    help="send this one chat request over HTTP once ready, print the answer, shut down")
     sv.set_defaults(func=_cmd_serve)
     return parser
 
