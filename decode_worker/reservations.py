@@ -1,0 +1,215 @@
+"""KV block reservations on a decode actor: reserve before prefill, commit when the KV has arrived, release on abort.
+
+Pure bookkeeping: no I/O, no torch, no clock of its own (callers pass ``now``, any monotonic seconds).
+
+Accounting. Every block of the wrapped :class:`~engine.block_pool.BlockPool` is in exactly one bucket:
+
+- ``reserved``: held by a pending reservation (allocated from the pool with ``ref_cnt == 1`` and no prefix hash);
+- ``used``: held by running sequences (everything else the pool counts as used, including blocks of committed
+  reservations, which from :meth:`ReservationManager.commit` on belong to the sequence that the caller builds);
+- ``free``: ``ref_cnt == 0``. This *includes* evictable prefix-cache blocks: they sit in the pool's free list and a
+  reservation may take (evict) them, so for admission they are as good as free. ``BlockPool.counts()["cached"]``
+  still tells them apart.
+
+``free + reserved + used == total`` always holds; :meth:`ReservationManager.check_integrity` checks it and more.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import uuid
+from dataclasses import dataclass, replace
+
+from engine.block_pool import Block, BlockPool
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A promise of blocks to one request, until it is committed, released or expires."""
+
+    reservation_id: str  # unique per manager; every KV transfer message names it
+    request_id: str  # the request the blocks are for (at most one pending reservation per request)
+    block_ids: tuple[int, ...]  # physical ids in block-table order: logical block i of the request -> block_ids[i]
+    expires_at: float  # in the caller's clock; from then on, an uncommitted reservation is released by expire()
+    ttl_s: float  # the lease length asked for; touch() extends by it unless told otherwise
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+def _check_time(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+
+
+class ReservationManager:
+    """Pending reservations over one block pool. Mutating methods say so; the rest are pure."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._by_id: dict[str, Reservation] = {}
+        self._by_request: dict[str, str] = {}  # request id -> reservation id
+        self._expiry_heap: list[tuple[float, int, str]] = []  # (expires_at, tiebreak, id); stale entries skipped
+        self._heap_seq = 0
+        self._num_reserved = 0
+
+    # -- queries (pure) ---------------------------------------------------------------------------------------
+    def get(self, reservation_id: str) -> Reservation | None:
+        """The pending reservation with this id, or None (unknown, committed, released or expired). Pure."""
+        return self._by_id.get(reservation_id)
+
+    def find_by_request(self, request_id: str) -> Reservation | None:
+        """The pending reservation of ``request_id``, or None. Pure."""
+        rid = self._by_request.get(request_id)
+        return None if rid is None else self._by_id[rid]
+
+    def can_reserve(self, num_blocks: int) -> bool:
+        """Whether ``reserve`` of ``num_blocks`` would find enough blocks now. Pure."""
+        return 0 < num_blocks <= self.pool.num_available
+
+    def pending(self) -> list[Reservation]:
+        """All pending reservations, oldest expiry first. Pure."""
+        return sorted(self._by_id.values(), key=lambda r: r.expires_at)
+
+    def counts(self) -> dict[str, int]:
+        """``{"free", "reserved", "used", "total"}``; cached prefix blocks count as free (see module doc). Pure."""
+        free = self.pool.num_available
+        total = self.pool.num_blocks
+        return {"free": free, "reserved": self._num_reserved, "used": total - free - self._num_reserved, "total": total}
+
+    # -- mutations --------------------------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_blocks: int, ttl_s: float, now: float) -> Reservation | None:
+        """Mutates: take ``num_blocks`` blocks for ``request_id`` until ``now + ttl_s``.
+
+        Returns None, changing nothing, when fewer than ``num_blocks`` blocks are available. Raises ``ValueError`` on
+        bad arguments or when ``request_id`` already has a pending reservation.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id: must be a non-empty string, got {request_id!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks: must be an int >= 1, got {num_blocks!r}")
+        _check_time("ttl_s", ttl_s)
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
+        _check_time("now", now)
+        if request_id in self._by_request:
+            raise ValueError(f"request_id: {request_id!r} already holds reservation {self._by_request[request_id]}")
+        if num_blocks > self.pool.num_available:
+            return None
+        blocks = self.pool.allocate(num_blocks)  # evicts cached prefix blocks if it must; each gets ref_cnt 1
+        reservation = Reservation(
+            reservation_id=f"rsv-{uuid.uuid4().hex}",  # random, so a stale message never matches a later reservation
+            request_id=request_id,
+            block_ids=tuple(b.block_id for b in blocks),
+            expires_at=float(now) + float(ttl_s),
+            ttl_s=float(ttl_s),
+        )
+        self._by_id[reservation.reservation_id] = reservation
+        self._by_request[request_id] = reservation.reservation_id
+        self._num_reserved += num_blocks
+        self._push_expiry(reservation)
+        return reservation
+
+    def touch(self, reservation_id: str, now: float, ttl_s: float | None = None) -> Reservation:
+        """Mutates: push a pending reservation's expiry to ``now + ttl_s`` (never earlier), e.g. when KV arrives.
+
+        ``ttl_s`` defaults to the reservation's own. Returns the updated reservation. Raises ``KeyError`` if it is
+        not pending.
+        """
+        _check_time("now", now)
+        old = self._pop_pending(reservation_id, "touch", remove=False)
+        ttl = old.ttl_s if ttl_s is None else ttl_s
+        _check_time("ttl_s", ttl)
+        if ttl <= 0:
+            raise ValueError(f"ttl_s: must be > 0, got {ttl}")
+        updated = replace(old, expires_at=max(old.expires_at, float(now) + float(ttl)))
+        self._by_id[reservation_id] = updated
+        if updated.expires_at != old.expires_at:
+            self._push_expiry(updated)
+        return updated
+
+    def commit(self, reservation_id: str) -> tuple[int, ...]:
+        """Mutates: hand a pending reservation's blocks to a running sequence (reserved -> used).
+
+        Returns the block ids; the caller's sequence now holds their references and frees them through the pool
+        (e.g. ``KVCacheManager.free``). Raises ``KeyError`` if the reservation is not pending.
+        """
+        reservation = self._pop_pending(reservation_id, "commit", remove=True)
+        return reservation.block_ids
+
+    def release(self, reservation_id: str) -> tuple[int, ...]:
+        """Mutates: abort a pending reservation; its blocks go back to the free list at once.
+
+        Returns the freed block ids. Raises ``KeyError`` if the reservation is not pending (already released,
+        committed, expired or never made).
+        """
+        reservation = self._pop_pending(reservation_id, "release", remove=True)
+        # reversed, like KVCacheManager.free, so the free list's LRU order mirrors the block table's
+        self.pool.free(self.pool.blocks[i] for i in reversed(reservation.block_ids))
+        return reservation.block_ids
+
+    def expire(self, now: float) -> list[str]:
+        """Mutates: release every pending reservation with ``expires_at <= now``; returns their ids, oldest first."""
+        _check_time("now", now)
+        expired: list[str] = []
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            expires_at, _, rid = heapq.heappop(heap)
+            current = self._by_id.get(rid)
+            if current is None or current.expires_at != expires_at:
+                continue  # stale: committed, released, or touched to a later expiry
+            self.release(rid)
+            expired.append(rid)
+        return expired
+
+    # -- internals --------------------------------------------------------------------------------------------
+    def _push_expiry(self, reservation: Reservation) -> None:
+        """Mutates the expiry heap (lazy deletion: old entries stay until popped)."""
+        self._heap_seq += 1
+        heapq.heappush(self._expiry_heap, (reservation.expires_at, self._heap_seq, reservation.reservation_id))
+        if len(self._expiry_heap) > 4 * len(self._by_id) + 64:  # bound the garbage left by commits and touches
+            self._expiry_heap = [(r.expires_at, i, r.reservation_id) for i, r in enumerate(self._by_id.values())]
+            heapq.heapify(self._expiry_heap)
+
+    def _pop_pending(self, reservation_id: str, verb: str, remove: bool) -> Reservation:
+        """Mutates when ``remove``: look up (and forget) a pending reservation, or raise ``KeyError``."""
+        reservation = self._by_id.get(reservation_id)
+        if reservation is None:
+            raise KeyError(f"cannot {verb} reservation {reservation_id!r}: not pending")
+        if remove:
+            del self._by_id[reservation_id]
+            del self._by_request[reservation.request_id]
+            self._num_reserved -= reservation.num_blocks
+        return reservation
+
+    # -- invariants -------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise ``AssertionError`` if the accounting is inconsistent. Pure.
+
+        Checks the pool's own invariants, ``free + reserved + used == total``, that reserved blocks are disjoint,
+        held exactly once (``ref_cnt == 1``), carry no prefix hash, and that the indexes agree.
+        """
+        self.pool.check_integrity()
+        c = self.counts()
+        if min(c.values()) < 0 or c["free"] + c["reserved"] + c["used"] != c["total"]:
+            raise AssertionError(f"reservation accounting broken: {c}")
+        seen: set[int] = set()
+        for rid, r in self._by_id.items():
+            if r.reservation_id != rid or self._by_request.get(r.request_id) != rid:
+                raise AssertionError(f"reservation indexes disagree about {rid}")
+            for bid in r.block_ids:
+                block: Block = self.pool.blocks[bid]
+                if bid in seen:
+                    raise AssertionError(f"block {bid} is in two reservations")
+                if block.ref_cnt != 1 or block.block_hash is not None:
+                    raise AssertionError(
+                        f"reserved block {bid} of {rid}: ref_cnt {block.ref_cnt}, hash {block.block_hash}"
+                    )
+                seen.add(bid)
+        if len(seen) != self._num_reserved or len(self._by_request) != len(self._by_id):
+            raise AssertionError(f"reserved count {self._num_reserved} != {len(seen)} blocks in reservations")
+        live = {rid for _, _, rid in self._expiry_heap}
+        if not set(self._by_id) <= live:
+            raise AssertionError("a pending reservation has no expiry entry")
