@@ -100,13 +100,15 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
-        arrival: float | None = None, block_ids: list[int] | None = None,
+        arrival: float | None = None, block_ids: list[int] | None = None, output_prefix: list[int] | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid.
 
         ``block_ids``: blocks already allocated for this request in this engine's pool (a committed reservation);
         the request computes its prompt into them and takes them over (it then gets no prefix-cache hits). With
         ``n > 1`` the children fork from these blocks and allocate their own as they grow.
+        ``output_prefix``: tokens already generated elsewhere (a prefill actor's first token whose KV never
+        arrived): they count as output, are recomputed with the prompt, and generation continues after them.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -121,10 +123,15 @@ class LLMEngine:
             for i in range(params.n)
         ]
         seqs[0].pending_children = seqs[1:]
+        if output_prefix:
+            if params.n != 1 or len(output_prefix) >= params.max_tokens:
+                raise ValueError("output_prefix: needs n == 1 and fewer tokens than max_tokens")
+            seqs[0].output_token_ids = list(output_prefix)
         if block_ids is not None:
             self.kv.adopt(seqs[0], block_ids, 0)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        self._requests[request_id] = _Request(request_id, ids, seqs, detoks, [""] * len(seqs))
+        texts = ["".join(detoks[0].add_token(t) for t in (output_prefix or []))] + [""] * (len(seqs) - 1)
+        self._requests[request_id] = _Request(request_id, ids, seqs, detoks, texts)
         self.scheduler.add(seqs[0])
         return ids
 

@@ -81,3 +81,22 @@ def test_adopt_rejects_blocks_it_cannot_own(tiny_checkpoint) -> None:
     with pytest.raises(ValueError, match="block_ids"):
         eng.add_prefilled_request("y", [3, 4], SamplingParams(), 5, [15])  # a free block, not allocated for it
     eng.scheduler.check_integrity({b: 1})  # the failed adoptions changed nothing
+
+
+def test_recompute_after_lost_kv_continues_after_the_first_token(tiny_checkpoint) -> None:
+    """The decode side's fallback when a transfer fails: recompute prompt + the prefill's first token itself."""
+    folder = str(tiny_checkpoint("llama"))
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=11)
+    want = LLM(folder, block_size=8).generate(prompts()[:3], params)
+    eng = LLM(folder, block_size=8, num_kv_blocks=80).engine
+    for i, (p, ref) in enumerate(zip(prompts()[:3], want)):
+        blocks = [b.block_id for b in eng.kv.pool.allocate(cdiv(len(p) + 10, 8))]
+        eng.add_request(f"r{i}", p, params, block_ids=blocks, output_prefix=ref.token_ids[:1])
+    got = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = o
+    for i, ref in enumerate(want):
+        assert got[f"r{i}"].token_ids == ref.token_ids and got[f"r{i}"].text == ref.text
+    eng.check_integrity()
