@@ -1,1 +1,55 @@
-"""Moving KV blocks between prefill and decode actors (backends: torch.distributed, UCX). Built in the cluster issue."""
+"""Moving KV blocks between prefill and decode actors.
+
+Modules: ``config`` (endpoint settings), ``header`` (wire header, ``verify``; torch-free), ``base`` (backend
+interface, transfer handles, receive buffers), ``layer_parts`` (pack / verify+install one layer's part, arrival
+tracking), and the backends ``torch_dist`` (gloo on CPU, NCCL on CUDA), ``ucx`` (ucxx) and ``fake`` (in-process).
+Backends are imported only when made, so importing this package does not import ucxx.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import (
+    ChecksumError,
+    ExpectedTransfer,
+    HeaderMismatchError,
+    KVTransferError,
+    KVTransferHeader,
+    MalformedHeaderError,
+    payload_checksum,
+    verify,
+)
+
+if TYPE_CHECKING:
+    from kv_transfer.base import KVTransferBackend
+    from kv_transfer.fake import FakeFabric
+
+__all__ = [
+    "ChecksumError",
+    "ExpectedTransfer",
+    "HeaderMismatchError",
+    "KVTransferConfig",
+    "KVTransferError",
+    "KVTransferHeader",
+    "MalformedHeaderError",
+    "make_backend",
+    "payload_checksum",
+    "verify",
+]
+
+
+def make_backend(config: KVTransferConfig, fabric: FakeFabric | None = None) -> KVTransferBackend:
+    """A new endpoint of ``config.backend`` (the fake one needs the ``fabric`` its peers share). Pure."""
+    if config.backend == "torch_dist":
+        from kv_transfer.torch_dist import TorchDistBackend
+
+        return TorchDistBackend(config)
+    if config.backend == "ucx":
+        from kv_transfer.ucx import UCXBackend
+
+        return UCXBackend(config)
+    from kv_transfer.fake import FakeBackend, FakeFabric
+
+    return FakeBackend(config, fabric if fabric is not None else FakeFabric())

@@ -1,0 +1,274 @@
+"""The KV transfer backend interface, transfer handles, and the receive side every backend shares.
+
+A prefill actor, per (layer, chunk): ``handle = backend.send(decode_address, header, packed)`` and polls the handle
+(``PENDING -> TRANSFERRING -> DONE | FAILED``) while the next layer computes. A decode actor: ``listen()`` once,
+publishes the address with its reservations, and drains ``recv()``: each finished incoming transfer lands in one of
+``num_recv_buffers`` preallocated buffers (never a fresh allocation per message); it verifies the header against the
+reservation, unpacks the payload into its cache (see :mod:`kv_transfer.layer_parts`) and ``release``\\ s the buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from types import TracebackType
+
+import torch
+
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import DTYPE_ITEMSIZE, KVTransferHeader
+
+
+class TransferState(str, enum.Enum):
+    PENDING = "pending"  # queued, nothing on the wire yet
+    TRANSFERRING = "transferring"  # bytes moving
+    DONE = "done"  # sent (the payload tensor may be reused) / received (payload in a receive buffer)
+    FAILED = "failed"  # see ``error``; nothing usable was received
+
+
+class TransferHandle:
+    """One transfer's state machine. Written by the backend's I/O thread; read (and waited on) by anyone."""
+
+    def __init__(self, transfer_id: int, direction: str, peer: str, header: KVTransferHeader | None, nbytes: int) -> None:
+        self.transfer_id = transfer_id
+        self.direction = direction  # "send" or "recv"
+        self.peer = peer  # the other endpoint's address (send) or name (recv)
+        self.header = header  # None on a received message whose header did not decode
+        self.nbytes = nbytes  # payload bytes
+        self.error: str | None = None
+        self.raw: torch.Tensor | None = None  # recv: the payload bytes, a uint8 view into a receive buffer
+        self.payload: torch.Tensor | None = None  # recv: ``raw`` viewed as header.dtype/shape when they fit its length
+        self.buffer_index: int | None = None  # recv: which receive buffer holds it, for release
+        self.created_s = time.perf_counter()
+        self.started_s: float | None = None
+        self.finished_s: float | None = None
+        self._state = TransferState.PENDING
+        self._done = threading.Event()
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def elapsed_s(self) -> float | None:
+        """Seconds from the first byte to the end, once finished."""
+        if self.finished_s is None:
+            return None
+        return self.finished_s - (self.started_s if self.started_s is not None else self.created_s)
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        """Block until DONE or FAILED (or the timeout); returns the state. Pure."""
+        self._done.wait(timeout_s)
+        return self._state
+
+    def mark_transferring(self) -> None:
+        """Mutates (backends only)."""
+        self.started_s = time.perf_counter()
+        self._state = TransferState.TRANSFERRING
+
+    def mark_done(self) -> None:
+        """Mutates (backends only). A finished handle stays as it is."""
+        if self._done.is_set():
+            return
+        self.finished_s = time.perf_counter()
+        self._state = TransferState.DONE
+        self._done.set()
+
+    def mark_failed(self, error: str) -> None:
+        """Mutates (backends only). A handle fails at most once; later calls keep the first error."""
+        if self._done.is_set():
+            return
+        self.error = error
+        self.finished_s = time.perf_counter()
+        self._state = TransferState.FAILED
+        self._done.set()
+
+    def __repr__(self) -> str:
+        what = "?" if self.header is None else f"{self.header.request_id}/L{self.header.layer}"
+        return f"TransferHandle({self.direction} #{self.transfer_id} {what} {self.peer} {self._state.value})"
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a header dtype name; ``ValueError`` for names outside the wire table. Pure."""
+    if name not in DTYPE_ITEMSIZE:
+        raise ValueError(f"dtype: unsupported {name!r}")
+    return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The header name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``). Pure."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise ValueError(f"dtype: unsupported {dtype}")
+    return name
+
+
+def as_bytes(payload: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (no copy). ``ValueError`` if not contiguous. Pure."""
+    if not payload.is_contiguous():
+        raise ValueError("payload: must be contiguous (pack_blocks output is)")
+    return payload.reshape(-1).view(torch.uint8)
+
+
+class RecvSide:
+    """Receive buffers, allocated once, and the queue of finished incoming transfers. Thread-safe."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self.buffers = [torch.empty(config.recv_buffer_bytes, dtype=torch.uint8, device=config.device)
+                        for _ in range(config.num_recv_buffers)]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(len(self.buffers)):
+            self._free.put(i)
+        self._finished: queue.Queue[TransferHandle] = queue.Queue()
+        self._ids = itertools.count()
+        self.closed = threading.Event()
+
+    def new_handle(self, peer: str, header: KVTransferHeader | None, nbytes: int) -> TransferHandle:
+        """Mutates the id counter: a fresh recv handle, already TRANSFERRING (its header has arrived)."""
+        handle = TransferHandle(next(self._ids), "recv", peer, header, nbytes)
+        handle.mark_transferring()
+        return handle
+
+    def has_free_buffer(self) -> bool:
+        """Whether ``acquire`` would not block now. Pure."""
+        return not self._free.empty()
+
+    def acquire(self, handle: TransferHandle) -> torch.Tensor:
+        """Mutates: a place for ``handle``'s payload bytes, blocking while every buffer is in use.
+
+        A payload larger than a buffer still gets a (temporary) place so the stream stays in step; ``finish`` then
+        fails it. Raises ``RuntimeError`` if the endpoint closes while waiting.
+        """
+        if handle.nbytes > self.config.recv_buffer_bytes:
+            return torch.empty(handle.nbytes, dtype=torch.uint8, device=self.config.device)
+        while True:
+            try:
+                index = self._free.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self.closed.is_set():
+                    raise RuntimeError("endpoint closed while waiting for a receive buffer") from None
+        handle.buffer_index = index
+        return self.buffers[index][: handle.nbytes]
+
+    def finish(self, handle: TransferHandle, raw: torch.Tensor | None, error: str | None = None) -> None:
+        """Mutates: mark ``handle`` DONE (with ``raw`` as its bytes) or FAILED, and queue it for ``next``."""
+        if error is None and handle.buffer_index is None:
+            error = f"payload of {handle.nbytes} bytes exceeds recv_buffer_bytes {self.config.recv_buffer_bytes}"
+        if error is None and handle.header is None:
+            error = "header did not decode"
+        if error is not None:
+            self._give_back(handle)
+            handle.mark_failed(error)
+        else:
+            assert raw is not None and handle.header is not None
+            handle.raw = raw
+            if raw.numel() == handle.header.payload_nbytes:
+                handle.payload = raw.view(torch_dtype(handle.header.dtype)).view(handle.header.shape)
+            handle.mark_done()
+        self._finished.put(handle)
+
+    def next(self, timeout_s: float) -> TransferHandle | None:
+        """Mutates: pop the next finished incoming transfer, waiting up to ``timeout_s`` (0: don't wait)."""
+        try:
+            return self._finished.get(timeout=timeout_s) if timeout_s > 0 else self._finished.get_nowait()
+        except queue.Empty:
+            return None
+
+    def release(self, handle: TransferHandle) -> None:
+        """Mutates: the consumer is done with ``handle``'s bytes; its buffer takes the next transfer."""
+        handle.raw = handle.payload = None
+        self._give_back(handle)
+
+    def _give_back(self, handle: TransferHandle) -> None:
+        if handle.buffer_index is not None:
+            index, handle.buffer_index = handle.buffer_index, None
+            self._free.put(index)
+
+
+class KVTransferBackend(ABC):
+    """One endpoint of a KV transport. Both roles in one object: a decode actor listens, a prefill actor sends."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        self.config = config
+        self.recv_side: RecvSide | None = None  # created by listen()
+        self._send_ids = itertools.count()
+        self.bytes_sent = 0  # payload bytes of DONE sends (for pdcluster_kv_transfer_bytes_total)
+        self.bytes_received = 0  # payload bytes of DONE receives
+        self._stats_lock = threading.Lock()  # I/O threads of several peers count sends concurrently
+        self.peer_errors: dict[str, str] = {}  # receiving side: peer name -> why its channel ended abnormally
+
+    @abstractmethod
+    def listen(self) -> str:
+        """Mutates: start accepting peers and allocate the receive buffers; returns the address peers connect to."""
+
+    @abstractmethod
+    def connect(self, peer_address: str) -> None:
+        """Mutates: open the channel to the endpoint listening at ``peer_address`` (blocking; idempotent).
+
+        ``send`` connects on first use by itself; call this to pay the set-up cost early (warm-up) or to fail fast.
+        Raises ``ConnectionError`` when the peer cannot be reached within ``connect_timeout_s``.
+        """
+
+    @abstractmethod
+    def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates: queue ``payload`` (contiguous, on ``config.device``) with ``header`` to ``peer_address``.
+
+        Non-blocking: returns a handle at once. The payload must stay unmodified until the handle finishes.
+        Messages to one peer arrive in the order they were sent.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Mutates: say goodbye to peers, stop I/O threads, drop channels. Idempotent."""
+
+    def recv(self, timeout_s: float = 0.0) -> TransferHandle | None:
+        """Mutates: the next finished incoming transfer (DONE or FAILED) from any peer, or None after ``timeout_s``.
+
+        A DONE handle's ``raw``/``payload`` point into a receive buffer: ``release`` it once installed.
+        """
+        if self.recv_side is None:
+            raise RuntimeError("recv: call listen() first")
+        handle = self.recv_side.next(timeout_s)
+        if handle is not None and handle.state is TransferState.DONE:
+            self.bytes_received += handle.nbytes
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """The handle's current state. Pure."""
+        return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        """Mutates: hand a received transfer's buffer back for the next message."""
+        if self.recv_side is not None and handle.direction == "recv":
+            self.recv_side.release(handle)
+
+    def _send_done(self, handle: TransferHandle) -> None:
+        """Mutates: mark a send DONE and count its bytes (called from I/O threads)."""
+        with self._stats_lock:
+            self.bytes_sent += handle.nbytes
+        handle.mark_done()
+
+    def _new_send_handle(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates the id counter: a PENDING send handle; checks the payload is sendable as is."""
+        if payload.device != torch.device(self.config.device) and not (
+            self.config.is_cuda and payload.is_cuda and self.config.device == "cuda"
+        ):
+            raise ValueError(f"payload: on {payload.device}, this endpoint sends from {self.config.device}")
+        as_bytes(payload)  # raises on a non-contiguous payload
+        return TransferHandle(next(self._send_ids), "send", peer_address, header, payload.numel() * payload.element_size())
+
+    def __enter__(self) -> KVTransferBackend:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,63 @@
+"""Configuration of one KV transfer endpoint (one per prefill or decode actor). Torch-free."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BACKENDS = ("torch_dist", "ucx", "fake")
+UCX_PROGRESS_MODES = ("thread", "polling", "blocking", "thread-polling")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Where an endpoint listens and how it receives. Validated on construction (``ValueError`` names the field)."""
+
+    backend: str = "torch_dist"  # which transport: torch_dist (gloo on CPU, NCCL on CUDA), ucx, or fake (in-process)
+    name: str = "kv"  # this endpoint's name, told to peers on connect (logs, per-peer stats)
+    host: str = "127.0.0.1"  # the address peers reach this endpoint at; also the interface gloo binds
+    port: int = 0  # 0: pick a free port when listening (never a fixed one by default)
+    device: str = "cpu"  # where payloads and receive buffers live: "cpu" (gloo) or "cuda[:i]" (NCCL / UCX device memory)
+    recv_buffer_bytes: int = 64 << 20  # size of each preallocated receive buffer: the largest payload accepted
+    num_recv_buffers: int = 4  # receive buffers; incoming transfers wait (back-pressure) while all are in use
+    send_window: int = 4  # messages per peer on the wire at once (sending side)
+    connect_timeout_s: float = 30.0  # how long connect (and pair-group rendezvous) may take before failing
+    io_timeout_s: float = 120.0  # a started message (header in) whose payload takes longer fails, and so does its pair
+    max_header_bytes: int = 1 << 20  # a longer header is refused (guards allocation against a corrupt length)
+    ucx_progress_mode: str = "thread"  # ucxx progress mode; "polling" is ~3x faster on loopback but burns a core
+    # UCX settings (names without the UCX_ prefix; UCX_* environment variables win). 1 MiB TCP segments instead of
+    # the default 8 KiB doubled loopback bandwidth here; they cost that much buffer per connection.
+    ucx_options: tuple[tuple[str, str], ...] = (("TCP_TX_SEG_SIZE", "1M"), ("TCP_RX_SEG_SIZE", "1M"))
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError(f"name: must be a non-empty string, got {self.name!r}")
+        if not self.host or not isinstance(self.host, str):
+            raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be an int in [0, 65535], got {self.port!r}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device: must be 'cpu', 'cuda' or 'cuda:<index>', got {self.device!r}")
+        if not isinstance(self.recv_buffer_bytes, int) or self.recv_buffer_bytes < 1:
+            raise ValueError(f"recv_buffer_bytes: must be an int >= 1, got {self.recv_buffer_bytes!r}")
+        if not isinstance(self.num_recv_buffers, int) or self.num_recv_buffers < 1:
+            raise ValueError(f"num_recv_buffers: must be an int >= 1, got {self.num_recv_buffers!r}")
+        if not isinstance(self.send_window, int) or self.send_window < 1:
+            raise ValueError(f"send_window: must be an int >= 1, got {self.send_window!r}")
+        if not math.isfinite(self.connect_timeout_s) or self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s: must be a finite number > 0, got {self.connect_timeout_s!r}")
+        if not math.isfinite(self.io_timeout_s) or self.io_timeout_s <= 0:
+            raise ValueError(f"io_timeout_s: must be a finite number > 0, got {self.io_timeout_s!r}")
+        if not isinstance(self.max_header_bytes, int) or self.max_header_bytes < 64:
+            raise ValueError(f"max_header_bytes: must be an int >= 64, got {self.max_header_bytes!r}")
+        if not all(isinstance(kv, tuple) and len(kv) == 2 and all(isinstance(x, str) for x in kv)
+                   for kv in self.ucx_options):
+            raise ValueError(f"ucx_options: must be (name, value) string pairs, got {self.ucx_options!r}")
+        if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
+            raise ValueError(f"ucx_progress_mode: must be one of {UCX_PROGRESS_MODES}, got {self.ucx_progress_mode!r}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")

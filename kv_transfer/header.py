@@ -1,0 +1,187 @@
+"""The KV transfer wire header (msgpack) and the receiver's check of every field. Torch-free.
+
+One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
+``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgpack
+
+WIRE_VERSION = 1  # bump when the fields or the checksum algorithm change
+
+# itemsize per dtype name (torch's name without "torch."); a dtype outside this table is refused
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+
+class KVTransferError(Exception):
+    """Base of every kv_transfer failure."""
+
+
+class MalformedHeaderError(KVTransferError):
+    """The header bytes do not decode into a valid :class:`KVTransferHeader`."""
+
+
+class HeaderMismatchError(KVTransferError):
+    """A header field (or the payload against it) is not what the receiver expects; ``field`` names it."""
+
+    def __init__(self, field: str, expected: Any, got: Any, detail: str = "") -> None:
+        self.field = field
+        self.expected = expected
+        self.got = got
+        super().__init__(f"{field}: expected {expected!r}, got {got!r}" + (f" ({detail})" if detail else ""))
+
+
+class ChecksumError(HeaderMismatchError):
+    """The payload's checksum differs from the header's: bytes were corrupted on the way."""
+
+
+def payload_checksum(payload: bytes | bytearray | memoryview) -> int:
+    """CRC-32 of the payload bytes. Pure. (zlib's crc32 runs at ~4 GiB/s here, as fast as adler32, and is stronger.)"""
+    return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class KVTransferHeader:
+    """Describes one payload. Structurally validated on construction (``ValueError``)."""
+
+    request_id: str  # the request this KV belongs to
+    reservation_id: str  # the decode actor's reservation the blocks were promised under
+    layer: int  # which transformer layer's K/V
+    token_start: int  # first token position covered (inclusive)
+    token_end: int  # one past the last token position covered
+    block_ids: tuple[int, ...]  # the receiver's physical block ids to install into, in payload order
+    dtype: str  # payload element type, torch's name without "torch." (e.g. "bfloat16")
+    shape: tuple[int, ...]  # payload shape: [2, len(block_ids), block_size, kv_heads, head_dim]
+    checksum: int  # payload_checksum(payload bytes)
+    model_fingerprint: str  # weights + tokenizer + dtype + KV layout; KV from another model is refused
+
+    def __post_init__(self) -> None:
+        for name in ("request_id", "reservation_id", "model_fingerprint", "dtype"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("layer", "token_start", "token_end"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be an int >= 0, got {getattr(self, name)!r}")
+        if self.token_end <= self.token_start:
+            raise ValueError(f"token_end: must be > token_start {self.token_start}, got {self.token_end}")
+        for name in ("block_ids", "shape"):
+            v = getattr(self, name)
+            if not isinstance(v, tuple) or not v or not all(_is_int(x) and x >= 0 for x in v):
+                raise ValueError(f"{name}: must be a non-empty tuple of ints >= 0, got {v!r}")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
+        if not _is_int(self.checksum) or not 0 <= self.checksum < 2**32:
+            raise ValueError(f"checksum: must be an unsigned 32-bit int, got {self.checksum!r}")
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes the payload must have for this dtype and shape. Pure."""
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+    def encode(self) -> bytes:
+        """msgpack bytes of this header. Pure."""
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body["block_ids"] = list(self.block_ids)
+        body["shape"] = list(self.shape)
+        body["v"] = WIRE_VERSION
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> KVTransferHeader:
+        """Parse bytes from :meth:`encode`; raises :class:`MalformedHeaderError` on anything else. Pure."""
+        try:
+            body = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise MalformedHeaderError(f"header is not valid msgpack: {e}") from e
+        if not isinstance(body, dict):
+            raise MalformedHeaderError(f"header must be a map, got {type(body).__name__}")
+        if body.get("v") != WIRE_VERSION:
+            raise MalformedHeaderError(f"header wire version {body.get('v')!r}, this build speaks {WIRE_VERSION}")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in body]
+        if missing:
+            raise MalformedHeaderError(f"header misses fields {missing}")
+        kwargs = {n: body[n] for n in names}
+        for n in ("block_ids", "shape"):
+            if isinstance(kwargs[n], list):
+                kwargs[n] = tuple(kwargs[n])
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise MalformedHeaderError(f"invalid header: {e}") from e
+
+
+@dataclass(frozen=True)
+class ExpectedTransfer:
+    """What a decode actor expects for one reservation; :func:`verify` holds every message against it."""
+
+    request_id: str  # the request the reservation was made for
+    reservation_id: str  # the pending reservation's id
+    block_ids: tuple[int, ...]  # the reservation's blocks in block-table order (logical block i -> block_ids[i])
+    block_shape: tuple[int, ...]  # one block of one layer's K (or V) cache: (block_size, kv_heads, head_dim)
+    dtype: str  # the receiver's KV cache dtype name; payloads must match it exactly
+    num_layers: int  # layers in the receiver's model: a header's layer must be below this
+    model_fingerprint: str  # the receiver's model fingerprint
+
+    def __post_init__(self) -> None:
+        if not self.block_ids or len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError(f"block_ids: must be non-empty and distinct, got {self.block_ids!r}")
+        if len(self.block_shape) != 3 or not all(_is_int(x) and x > 0 for x in self.block_shape):
+            raise ValueError(f"block_shape: must be (block_size, kv_heads, head_dim) > 0, got {self.block_shape!r}")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
+        if not _is_int(self.num_layers) or self.num_layers < 1:
+            raise ValueError(f"num_layers: must be an int >= 1, got {self.num_layers!r}")
+
+    @property
+    def block_size(self) -> int:
+        return self.block_shape[0]
+
+    def blocks_for_tokens(self, token_start: int, token_end: int) -> tuple[int, ...]:
+        """The reserved block ids holding token positions ``[token_start, token_end)``. Pure."""
+        return self.block_ids[token_start // self.block_size : -(-token_end // self.block_size)]
+
+
+def verify(header: KVTransferHeader, payload: bytes | bytearray | memoryview, expected: ExpectedTransfer) -> None:
+    """Raise a :class:`HeaderMismatchError` naming the first field that is not as ``expected``. Pure.
+
+    Cheap checks first; the checksum (a pass over the payload) last. Nothing may be installed unless this returns.
+    """
+    def need(field: str, ok: bool, want: Any, got: Any, detail: str = "") -> None:
+        if not ok:
+            raise HeaderMismatchError(field, want, got, detail)
+
+    need("model_fingerprint", header.model_fingerprint == expected.model_fingerprint,
+         expected.model_fingerprint, header.model_fingerprint)
+    need("reservation_id", header.reservation_id == expected.reservation_id,
+         expected.reservation_id, header.reservation_id)
+    need("request_id", header.request_id == expected.request_id, expected.request_id, header.request_id)
+    need("layer", header.layer < expected.num_layers, f"< {expected.num_layers}", header.layer)
+    capacity = len(expected.block_ids) * expected.block_size
+    need("token_end", header.token_end <= capacity, f"<= {capacity}", header.token_end, "beyond the reservation")
+    outside = sorted(set(header.block_ids) - set(expected.block_ids))
+    need("block_ids", not outside, expected.block_ids, header.block_ids, f"{outside} not in the reservation")
+    want_blocks = expected.blocks_for_tokens(header.token_start, header.token_end)
+    need("block_ids", header.block_ids == want_blocks, want_blocks, header.block_ids,
+         f"not the blocks of tokens [{header.token_start}, {header.token_end})")
+    need("dtype", header.dtype == expected.dtype, expected.dtype, header.dtype)
+    want_shape = (2, len(header.block_ids), *expected.block_shape)
+    need("shape", header.shape == want_shape, want_shape, header.shape)
+    nbytes = memoryview(payload).nbytes
+    need("shape", nbytes == header.payload_nbytes, header.payload_nbytes, nbytes, "payload length in bytes")
+    got_sum = payload_checksum(payload)
+    if got_sum != header.checksum:
+        raise ChecksumError("checksum", header.checksum, got_sum, "payload corrupted")

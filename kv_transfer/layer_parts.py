@@ -1,0 +1,114 @@
+"""Per-(layer, chunk) KV parts: pack on the prefill side, verify and install on the decode side, track arrival.
+
+Sender, after a layer's forward for a chunk covering tokens ``[s, e)``::
+
+    header, payload = pack_layer_part(k_cache, v_cache, src_blocks, dst_blocks, layer=i, token_start=s,
+                                      token_end=e, request_id=..., reservation_id=..., model_fingerprint=...)
+    handle = backend.send(decode_address, header, payload)   # keep ``payload`` alive until the handle finishes
+
+Receiver, for each DONE handle from ``backend.recv()``::
+
+    install_layer_part(handle.header, handle.raw, expected, k_caches[handle.header.layer], v_caches[...])
+    backend.release(handle)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import kernels
+from kv_transfer.base import as_bytes, dtype_name
+from kv_transfer.header import ExpectedTransfer, KVTransferHeader, payload_checksum, verify
+
+
+def tensor_memoryview(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor: a zero-copy view on CPU, a host copy for device tensors. Pure."""
+    flat = as_bytes(t)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()  # a GPU checksum kernel would avoid this copy; none exists yet
+    return memoryview(flat.numpy())
+
+
+def pack_layer_part(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    *,
+    layer: int,
+    token_start: int,
+    token_end: int,
+    request_id: str,
+    reservation_id: str,
+    model_fingerprint: str,
+) -> tuple[KVTransferHeader, torch.Tensor]:
+    """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
+
+    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum.
+    """
+    if len(src_block_ids) != len(dst_block_ids):
+        raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
+    ids = torch.tensor(list(src_block_ids), dtype=torch.long, device=k_cache.device)
+    payload = kernels.pack_blocks(k_cache, v_cache, ids).contiguous()
+    header = KVTransferHeader(
+        request_id=request_id,
+        reservation_id=reservation_id,
+        layer=layer,
+        token_start=token_start,
+        token_end=token_end,
+        block_ids=tuple(int(b) for b in dst_block_ids),
+        dtype=dtype_name(payload.dtype),
+        shape=tuple(payload.shape),
+        checksum=payload_checksum(tensor_memoryview(payload)),
+        model_fingerprint=model_fingerprint,
+    )
+    return header, payload
+
+
+def install_layer_part(
+    header: KVTransferHeader,
+    raw: torch.Tensor,
+    expected: ExpectedTransfer,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> None:
+    """Verify ``header`` and the payload bytes ``raw`` against ``expected``, then scatter them into the caches.
+
+    Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
+    :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
+    """
+    if tuple(k_cache.shape[1:]) != expected.block_shape or dtype_name(k_cache.dtype) != expected.dtype:
+        raise ValueError(f"k_cache: {tuple(k_cache.shape)} {k_cache.dtype} does not match {expected}")
+    verify(header, tensor_memoryview(raw), expected)
+    payload = raw.view(k_cache.dtype).view(header.shape)
+    ids = torch.tensor(header.block_ids, dtype=torch.long, device=k_cache.device)
+    kernels.unpack_blocks(payload, k_cache, v_cache, ids)
+
+
+class LayerArrivals:
+    """Which (layer, token range) parts of one request have been installed; complete when every layer covers
+    ``[0, num_tokens)``. Pure bookkeeping."""
+
+    def __init__(self, num_layers: int, num_tokens: int) -> None:
+        if num_layers < 1 or num_tokens < 1:
+            raise ValueError(f"num_layers/num_tokens: must be >= 1, got {num_layers}/{num_tokens}")
+        self.num_tokens = num_tokens
+        self._covered = [0] * num_layers  # per layer: tokens [0, covered) installed (chunks arrive in order)
+        self.out_of_order = 0  # parts that did not extend their layer's prefix (a gap or a repeat)
+
+    def add(self, layer: int, token_start: int, token_end: int) -> None:
+        """Mutates: record an installed part. Parts of a layer are expected in token order."""
+        if token_start <= self._covered[layer]:
+            self._covered[layer] = max(self._covered[layer], min(token_end, self.num_tokens))
+        else:
+            self.out_of_order += 1
+
+    @property
+    def complete(self) -> bool:
+        return all(c >= self.num_tokens for c in self._covered)
+
+    def missing_layers(self) -> list[int]:
+        """Layers not yet covering every token. Pure."""
+        return [i for i, c in enumerate(self._covered) if c < self.num_tokens]

@@ -1,0 +1,231 @@
+"""A decode-side KV peer in its own OS process, driven over a pipe, and the two-process bandwidth benchmark.
+
+The integration tests and ``python -m kv_transfer.loopback`` (the benchmark: bandwidth per backend next to an
+in-process copy and the checksum's speed, measured side by side in one run) both use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import time
+import zlib
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kv_transfer import make_backend
+from kv_transfer.base import KVTransferBackend, TransferHandle, TransferState, torch_dtype
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader
+from kv_transfer.layer_parts import install_layer_part
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Shape of a model's paged KV cache: per layer, K and V of ``[num_blocks, block_size, kv_heads, head_dim]``."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.kv_heads, self.head_dim)
+
+    def make(self, seed: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Fresh caches: zeros, or reproducible random values for ``seed``. Pure."""
+        shape = (self.num_blocks, *self.block_shape)
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(self.num_layers):
+            kv = [torch.zeros(shape) if gen is None else torch.randn(shape, generator=gen) for _ in range(2)]
+            out.append((kv[0].to(torch_dtype(self.dtype)), kv[1].to(torch_dtype(self.dtype))))
+        return out
+
+
+def next_transfer(backend: KVTransferBackend, timeout_s: float = 30.0) -> TransferHandle:
+    """Block for the next finished incoming transfer; ``TimeoutError`` after ``timeout_s``. Mutates the queue."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        handle = backend.recv(timeout_s=0.2)
+        if handle is not None:
+            return handle
+    raise TimeoutError(f"no KV transfer arrived within {timeout_s}s")
+
+
+def _install(handle: TransferHandle, expected: dict[str, ExpectedTransfer], caches: list) -> tuple[str, str]:
+    """Verify and install one received part the way a decode actor does; ``("ok", ..)`` or ``(field, error)``."""
+    if handle.state is not TransferState.DONE or handle.header is None or handle.raw is None:
+        return ("failed", handle.error or "no payload")
+    want = expected.get(handle.header.request_id)
+    if want is None:
+        return ("request_id", f"no reservation for request {handle.header.request_id!r}")
+    if handle.header.layer >= len(caches):
+        return ("layer", f"layer {handle.header.layer} out of range")
+    k, v = caches[handle.header.layer]
+    try:
+        install_layer_part(handle.header, handle.raw, want, k, v)
+    except HeaderMismatchError as e:
+        return (e.field, str(e))
+    return ("ok", f"layer {handle.header.layer} tokens [{handle.header.token_start}, {handle.header.token_end})")
+
+
+def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -> None:
+    """Process entry point: listen, send the address, then serve commands until ``("close", None)``.
+
+    Commands: ``("install", (expected_by_request, n))`` -> list of outcomes; ``("caches", None)`` -> the caches;
+    ``("drain", n)`` -> ``(messages, payload bytes)`` after receiving and releasing ``n`` transfers.
+    """
+    backend = make_backend(config)
+    caches = spec.make()
+    conn.send(backend.listen())
+    try:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "install":
+                expected, n = arg
+                outcomes = []
+                for _ in range(n):
+                    handle = next_transfer(backend)
+                    outcomes.append(_install(handle, expected, caches))
+                    backend.release(handle)
+                conn.send(outcomes)
+            elif cmd == "caches":
+                conn.send(caches)
+            elif cmd == "drain":
+                nbytes = 0
+                for _ in range(arg):
+                    handle = next_transfer(backend)
+                    nbytes += handle.nbytes if handle.state is TransferState.DONE else 0
+                    backend.release(handle)
+                conn.send((arg, nbytes))
+            elif cmd == "errors":
+                conn.send(dict(backend.peer_errors))
+            elif cmd == "close":
+                break
+    finally:
+        backend.close()
+        conn.send("closed")
+
+
+class ReceiverProcess:
+    """Starts :func:`receiver_main` in a spawned process; ``call`` sends a command and returns the reply."""
+
+    def __init__(self, config: KVTransferConfig, spec: CacheSpec, start_timeout_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=receiver_main, args=(config, spec, child), daemon=True)
+        self.process.start()
+        if not self.conn.poll(start_timeout_s):
+            self.process.kill()
+            raise TimeoutError("receiver process did not start listening")
+        self.address: str = self.conn.recv()
+
+    def call(self, cmd: str, arg: Any = None, timeout_s: float = 60.0) -> Any:
+        """Send one command and wait for its reply (blocking)."""
+        self.conn.send((cmd, arg))
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"receiver did not answer {cmd!r} within {timeout_s}s")
+        return self.conn.recv()
+
+    def close(self) -> None:
+        """Ask the receiver to close and wait for the process; kill it if it hangs."""
+        if self.process.is_alive():
+            try:
+                self.call("close", timeout_s=30.0)
+            except (TimeoutError, OSError, EOFError):
+                pass
+            self.process.join(10.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5.0)
+
+
+def bandwidth_payload(nbytes: int) -> tuple[KVTransferHeader, torch.Tensor]:
+    """A random fp16 payload of ``nbytes`` shaped like packed blocks, with a matching header. Pure."""
+    blocks = max(1, nbytes // (2 * 16 * 8 * 128 * 2))
+    payload = torch.randn(2, blocks, 16, 8, 128).to(torch.float16)
+    header = KVTransferHeader("bench", "bench", 0, 0, blocks * 16, tuple(range(blocks)), "float16",
+                              tuple(payload.shape), 0, "bench")
+    return header, payload
+
+
+def measure_bandwidth(sender: KVTransferBackend, peer: ReceiverProcess, nbytes: int, iters: int) -> float:
+    """GiB/s of ``iters`` back-to-back payloads, timed from the first send to the receiver's ack of the last."""
+    header, payload = bandwidth_payload(nbytes)
+    sender.connect(peer.address)
+    peer.conn.send(("drain", 2))  # warm-up: connection, buffers, first-touch pages
+    for _ in range(2):
+        sender.send(peer.address, header, payload)
+    peer.conn.recv()
+    peer.conn.send(("drain", iters))
+    t0 = time.perf_counter()
+    handles = [sender.send(peer.address, header, payload) for _ in range(iters)]
+    _, got = peer.conn.recv()
+    elapsed = time.perf_counter() - t0
+    if any(h.wait(30.0) is not TransferState.DONE for h in handles) or got != iters * payload.nbytes:
+        raise RuntimeError(f"bandwidth run lost messages: {[h.error for h in handles if h.error]}")
+    return got / elapsed / 2**30
+
+
+def memcpy_bandwidth(nbytes: int, iters: int = 20) -> float:
+    """GiB/s of an in-process ``Tensor.copy_`` of ``nbytes`` into preallocated memory (median of ``iters``)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 2**30
+
+
+def checksum_speed(nbytes: int, fn: Any = zlib.crc32, iters: int = 10) -> float:
+    """GiB/s of ``fn`` (crc32 / adler32) over ``nbytes`` of a tensor's memory (median of ``iters``)."""
+    buf = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn(buf)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 2**30
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print bandwidth per backend next to memcpy and checksum speeds, measured in one run."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--mib", type=int, default=16, help="payload size in MiB")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--backends", default="torch_dist,ucx")
+    parser.add_argument("--ucx-progress-mode", default="thread")
+    args = parser.parse_args(argv)
+    nbytes = args.mib << 20
+    base = memcpy_bandwidth(nbytes)
+    print(f"in-process torch copy_  {base:6.2f} GiB/s  (1.00x; {args.mib} MiB, cache-resident)")
+    print(f"  same, 256 MiB         {memcpy_bandwidth(256 << 20, iters=5):6.2f} GiB/s  (DRAM-bound)")
+    for name, fn in (("crc32", zlib.crc32), ("adler32", zlib.adler32)):
+        print(f"zlib.{name:<17} {checksum_speed(nbytes, fn):6.2f} GiB/s")
+    for backend in args.backends.split(","):
+        cfg = KVTransferConfig(backend=backend, recv_buffer_bytes=nbytes + (1 << 20), num_recv_buffers=4,
+                               ucx_progress_mode=args.ucx_progress_mode)
+        peer = ReceiverProcess(cfg, CacheSpec(1, 1, 1, 1, 1, "float16"))
+        sender = make_backend(KVTransferConfig(backend=backend, name="bench-sender",
+                                               ucx_progress_mode=args.ucx_progress_mode))
+        try:
+            bw = measure_bandwidth(sender, peer, nbytes, args.iters)
+            print(f"{backend:<23} {bw:6.2f} GiB/s  ({bw / base:.2f}x of copy_)")
+        finally:
+            sender.close()
+            peer.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""KV transfer over torch.distributed point-to-point: gloo on CPU, NCCL for CUDA payloads, one code path.
+
+No global ``init_process_group`` and no fixed world. A listening (decode) endpoint runs a ``TCPStore`` on a free port;
+each sending (prefill) endpoint that connects takes a ticket ``n`` from it, and both sides build a two-rank process
+group from ``PrefixStore("pdkv/pair{n}/")``: one small group per prefill/decode pair, created on first use, so pools
+grow and shrink freely. The wire format and each side's I/O thread are in :mod:`kv_transfer.torch_dist_pairs`.
+
+Gloo behaviour this relies on (torch 2.13, measured): a recv ``Work`` never reports ``is_completed()`` until it is
+``wait()``\\ ed, so each pair has an I/O thread that waits; a timed-out wait closes the pair; a blocked wait returns
+with an error when the peer closes; ``abort()``/``shutdown()`` do not interrupt a blocked wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import KVTransferHeader
+from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair, pair_groups
+
+_JOIN_COUNTER = "pdkv/joins"
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"peer_address: expected 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class TorchDistBackend(KVTransferBackend):
+    """torch.distributed pair groups, one per peer, built on first use."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        super().__init__(config)
+        self._store: dist.TCPStore | None = None
+        self._address: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._senders: dict[str, SendPair] = {}  # peer address -> its pair (replaced when it breaks)
+        self._receivers: list[RecvPair] = []
+        self._acceptor: threading.Thread | None = None
+
+    # -- receiving ------------------------------------------------------------------------------------------
+    def listen(self) -> str:
+        """Mutates: start the store on a free port (or ``config.port``) and the acceptor; returns ``host:port``."""
+        if self._address is None:
+            self.recv_side = RecvSide(self.config)
+            self._store = dist.TCPStore(self.config.host, self.config.port, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
+            self._address = f"{self.config.host}:{self._store.port}"
+            self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
+            self._acceptor.start()
+        return self._address
+
+    def _accept_loop(self) -> None:
+        """Build the receiving end of each pair a sender asks for, in ticket order."""
+        store, side = self._store, self.recv_side
+        assert store is not None and side is not None
+        ticket = 1
+        while not self._stop.is_set():
+            key = f"pdkv/join/{ticket}"
+            if not store.check([key]):  # polled: a timed-out store.wait logs a C++ warning each time
+                self._stop.wait(0.01)
+                continue
+            peer = store.get(key).decode()
+            try:
+                groups = pair_groups(store, f"pair{ticket}", RECEIVER, self.config)
+            except Exception as e:
+                self.peer_errors[peer] = f"pair rendezvous failed: {e}"
+            else:
+                self._receivers.append(RecvPair(self.config, peer, groups, side, self.peer_errors))
+            ticket += 1
+
+    # -- sending --------------------------------------------------------------------------------------------
+    def _connect_pair(self, peer_address: str) -> tuple:
+        """Sender side of the rendezvous (runs on the pair's thread): take a ticket, build the groups."""
+        host, port = _split_address(peer_address)
+        store = dist.TCPStore(host, port, is_master=False,
+                              timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
+        ticket = store.add(_JOIN_COUNTER, 1)
+        store.set(f"pdkv/join/{ticket}", self.config.name)
+        return pair_groups(store, f"pair{ticket}", SENDER, self.config)
+
+    def _pair(self, peer_address: str) -> SendPair:
+        """Mutates: the live pair to ``peer_address``, starting a new one if there is none or it broke."""
+        with self._lock:
+            if self._stop.is_set():
+                raise ConnectionError("endpoint is closed")
+            pair = self._senders.get(peer_address)
+            if pair is None or pair.error is not None:
+                _split_address(peer_address)  # a bad address raises here, not in the thread
+                if pair is not None:
+                    pair.queue.put(None)  # let the broken pair's thread finish
+                pair = SendPair(self.config, peer_address, lambda: self._connect_pair(peer_address), self._send_done)
+                self._senders[peer_address] = pair
+            return pair
+
+    def connect(self, peer_address: str) -> None:
+        """Mutates: build the pair group to ``peer_address`` now (blocking). ``ConnectionError`` on failure."""
+        pair = self._pair(peer_address)
+        if not pair.connected.wait(self.config.connect_timeout_s + 5.0) or pair.error is not None:
+            raise ConnectionError(pair.error or f"connect to {peer_address} timed out")
+
+    def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates: queue one message to ``peer_address`` (connecting on first use); returns a PENDING handle."""
+        handle = self._new_send_handle(peer_address, header, payload)
+        event = None
+        if payload.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(payload.device))
+        self._pair(peer_address).queue.put((handle, header.encode(), payload, event))
+        return handle
+
+    def close(self) -> None:
+        """Mutates: finish queued sends and say goodbye on every pair, stop the acceptor. Idempotent.
+
+        A receiving thread whose peer has not said goodbye stays blocked in gloo (nothing interrupts it) until that
+        peer closes or exits; it is a daemon thread holding nothing the process needs.
+        """
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            senders = list(self._senders.values())
+        for pair in senders:
+            pair.queue.put(None)
+        for pair in senders:
+            pair.thread.join(self.config.io_timeout_s)
+        if self.recv_side is not None:
+            self.recv_side.closed.set()
+        if self._acceptor is not None:
+            self._acceptor.join(self.config.connect_timeout_s)
+        for r in self._receivers:
+            r.thread.join(0.2)
+        self._store = None

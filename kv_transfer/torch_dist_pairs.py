@@ -1,0 +1,229 @@
+"""The two ends of one torch.distributed pair: the wire format and the I/O thread of each side.
+
+Per message, in order on the pair (see :mod:`kv_transfer.torch_dist` for how pairs are made):
+
+1. an *envelope* of ``_ENVELOPE`` bytes on the control group (gloo): ``<qq`` = (header length, payload bytes), then
+   the msgpack header inline; (-1, 0) says goodbye;
+2. only if the header is longer than the envelope holds: the rest of it, on the control group;
+3. the payload bytes on the data group (the control group itself on CPU; an NCCL pair group on CUDA), received
+   straight into one of the receiver's preallocated buffers.
+
+Gloo moves a message only once its recv is posted, so the receiver posts the next envelope's recv before it waits
+for the current payload, and the sender keeps up to ``send_window`` messages posted.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import queue
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kv_transfer.base import RecvSide, TransferHandle, as_bytes
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import KVTransferHeader, MalformedHeaderError
+
+TAG = 0
+RECEIVER, SENDER = 0, 1  # ranks in every pair group: the listening endpoint is 0
+# gloo turns a wait's timeout into an int32 of milliseconds (3650 days overflow into an instant timeout), and a
+# timed-out wait closes the pair: the idle wait for the next message uses the longest safe timeout
+FOREVER = datetime.timedelta(days=20)
+_ENVELOPE = 512
+_LENGTHS = struct.Struct("<qq")
+_INLINE = _ENVELOPE - _LENGTHS.size
+
+SendItem = tuple[TransferHandle, bytes, torch.Tensor, Any]  # handle, header bytes, payload, CUDA event or None
+
+
+def _envelope(header: bytes, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The envelope (and the header's overflow, if any) of one message. Pure."""
+    env = bytearray(_ENVELOPE)
+    _LENGTHS.pack_into(env, 0, len(header), nbytes)
+    env[_LENGTHS.size : _LENGTHS.size + min(len(header), _INLINE)] = header[:_INLINE]
+    rest = torch.frombuffer(bytearray(header[_INLINE:]), dtype=torch.uint8) if len(header) > _INLINE else None
+    return torch.frombuffer(env, dtype=torch.uint8), rest
+
+
+def goodbye() -> torch.Tensor:
+    env = bytearray(_ENVELOPE)
+    _LENGTHS.pack_into(env, 0, -1, 0)
+    return torch.frombuffer(env, dtype=torch.uint8)
+
+
+class SendPair:
+    """The sending end: a thread that connects (``connect_fn``), then posts queued messages in order."""
+
+    def __init__(self, config: KVTransferConfig, peer: str, connect_fn: Callable[[], tuple[Any, ...]],
+                 on_done: Callable[[TransferHandle], None]) -> None:
+        self.config = config
+        self.peer = peer
+        self.queue: queue.Queue[SendItem | None] = queue.Queue()  # None: say goodbye and stop
+        self.connected = threading.Event()  # set once connecting has succeeded or failed
+        self.error: str | None = None  # set when the pair breaks; later messages fail with it
+        self._connect_fn = connect_fn
+        self._on_done = on_done
+        self._groups: tuple[Any, ...] = ()  # (store, control group, data group)
+        self._stream: Any = None
+        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._groups = self._connect_fn()
+        except Exception as e:
+            self.error = f"connect to {self.peer} failed: {e}"
+        self.connected.set()
+        if self.config.is_cuda and self.error is None:
+            self._stream = torch.cuda.Stream(self.config.device)
+        io = datetime.timedelta(seconds=self.config.io_timeout_s)
+        in_flight: collections.deque[tuple[TransferHandle, list[Any]]] = collections.deque()
+        while True:
+            if in_flight and (len(in_flight) >= self.config.send_window or self.queue.empty()):
+                self._complete(*in_flight.popleft(), io)
+                continue
+            item = self.queue.get()
+            if item is None:
+                while in_flight:
+                    self._complete(*in_flight.popleft(), io)
+                if self.error is None:
+                    try:
+                        self._groups[1].send([goodbye()], RECEIVER, TAG).wait(io)
+                    except Exception:
+                        pass  # the peer is gone already
+                return
+            handle = item[0]
+            if self.error is not None:
+                handle.mark_failed(self.error)
+                continue
+            handle.mark_transferring()
+            try:
+                in_flight.append((handle, self._post(*item[1:], nbytes=handle.nbytes)))
+            except Exception as e:
+                self._fail(handle, e)
+
+    def _post(self, header: bytes, payload: torch.Tensor, event: Any, nbytes: int) -> list[Any]:
+        """Start one message's sends; returns [works..., tensors to keep alive until they finish]."""
+        _, ctrl, data = self._groups
+        env, rest = _envelope(header, nbytes)
+        works = [ctrl.send([env], RECEIVER, TAG)]
+        if rest is not None:
+            works.append(ctrl.send([rest], RECEIVER, TAG))
+        if nbytes and self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                self._stream.wait_event(event)  # the payload's producer (the caller's stream) has written it
+                works.append(data.send([as_bytes(payload)], RECEIVER, TAG))
+        elif nbytes:
+            works.append(data.send([as_bytes(payload)], RECEIVER, TAG))
+        return [works, (env, rest, payload)]
+
+    def _complete(self, handle: TransferHandle, posted: list[Any], io: datetime.timedelta) -> None:
+        if self.error is not None:
+            handle.mark_failed(self.error)
+            return
+        try:
+            for w in posted[0]:
+                w.wait(io)
+            if self._stream is not None:
+                self._stream.synchronize()
+            self._on_done(handle)
+        except Exception as e:
+            self._fail(handle, e)
+
+    def _fail(self, handle: TransferHandle, e: Exception) -> None:
+        """The pair is broken: fail ``handle`` and everything after it (the backend makes a new pair next send)."""
+        self.error = f"send to {self.peer} failed: {e}"
+        handle.mark_failed(self.error)
+
+
+class RecvPair:
+    """The receiving end: a thread that reads messages into receive buffers until goodbye or a broken pair."""
+
+    def __init__(self, config: KVTransferConfig, peer: str, groups: tuple[Any, ...], side: RecvSide,
+                 peer_errors: dict[str, str]) -> None:
+        self.config = config
+        self.peer = peer
+        self.groups = groups  # (store, control group, data group): held for the pair's lifetime
+        self.side = side
+        self.peer_errors = peer_errors
+        self._stream = torch.cuda.Stream(config.device) if config.is_cuda else None
+        self._envelopes = [torch.empty(_ENVELOPE, dtype=torch.uint8) for _ in range(2)]
+        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        _, ctrl, _ = self.groups
+        io = datetime.timedelta(seconds=self.config.io_timeout_s)
+        current = 0
+        pending = ctrl.recv([self._envelopes[current]], SENDER, TAG)
+        try:
+            while True:
+                pending.wait(FOREVER)
+                env = self._envelopes[current].numpy()
+                header_len, nbytes = _LENGTHS.unpack_from(env)
+                if header_len < 0:
+                    return  # goodbye
+                if header_len > self.config.max_header_bytes or nbytes < 0:
+                    self.peer_errors[self.peer] = f"protocol error: header {header_len} B, payload {nbytes} B"
+                    return  # the stream cannot be resynchronised: drop the pair
+                header = env[_LENGTHS.size : _LENGTHS.size + min(header_len, _INLINE)].tobytes()
+                if header_len > _INLINE:
+                    rest = torch.empty(header_len - _INLINE, dtype=torch.uint8)
+                    ctrl.recv([rest], SENDER, TAG).wait(io)
+                    header += rest.numpy().tobytes()
+                current ^= 1
+                pending = self._receive(header, nbytes, self._envelopes[current], io)
+        except Exception as e:
+            if not self.side.closed.is_set():
+                self.peer_errors[self.peer] = f"connection lost: {e}"
+
+    def _receive(self, header_bytes: bytes, nbytes: int, next_envelope: torch.Tensor, io: datetime.timedelta) -> Any:
+        """Receive one payload and finish its handle; returns the posted recv of the next envelope."""
+        _, ctrl, data = self.groups
+        header: KVTransferHeader | None
+        error = None
+        try:
+            header = KVTransferHeader.decode(header_bytes)
+        except MalformedHeaderError as e:
+            header, error = None, str(e)
+        handle = self.side.new_handle(self.peer, header, nbytes)
+        try:
+            raw = self.side.acquire(handle)  # blocks while every buffer is in use: back-pressure
+            work = None
+            if nbytes and self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    work = data.recv([raw], SENDER, TAG)
+            elif nbytes:
+                work = data.recv([raw], SENDER, TAG)
+            pending = ctrl.recv([next_envelope], SENDER, TAG)
+            if work is not None:
+                work.wait(io)
+                if self._stream is not None:
+                    self._stream.synchronize()
+        except Exception as e:
+            self.side.finish(handle, None, f"receive from {self.peer} failed: {e}")
+            raise
+        self.side.finish(handle, raw, error)
+        return pending
+
+
+def pair_groups(store: dist.Store, pair: str, rank: int, config: KVTransferConfig) -> tuple[Any, ...]:
+    """Build ``(store, control group, data group)`` of one pair; blocks until the other rank builds its side."""
+    prefix = dist.PrefixStore(f"pdkv/{pair}/", store)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=config.host, lazy_init=False)]
+    opts._timeout = datetime.timedelta(seconds=config.connect_timeout_s)
+    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", prefix), rank, 2, opts)
+    if not config.is_cuda:
+        return store, ctrl, ctrl
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise RuntimeError("device is CUDA but this torch build has no NCCL")
+    nopts = nccl.Options()
+    nopts.is_high_priority_stream = True  # KV moves under the compute of the next layer
+    return store, ctrl, nccl(dist.PrefixStore("nccl/", prefix), rank, 2, nopts)

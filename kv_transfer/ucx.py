@@ -1,0 +1,259 @@
+"""KV transfer over UCX through ``ucxx`` (the maintained successor of ucx-py): host memory here, device memory on GPU.
+
+ucxx's API is asyncio; this backend owns one event loop in one thread and exposes the same non-blocking, pollable
+interface as the others. Per endpoint, messages go in order under a lock: a hello with the sender's name once, then
+per message ``int64[2]`` (header length, payload bytes; (-1, 0) says goodbye), the header bytes, and the payload
+received straight into a preallocated buffer. TCP over loopback here; UCX picks shared memory / RDMA / NVLink
+transports where they exist (``UCX_TLS``).
+
+ucxx keeps one context per process, so use one UCX backend per process (the actors have one each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import numpy as np
+import torch
+
+from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import KVTransferHeader, MalformedHeaderError
+
+
+def ucx_unavailable_reason() -> str | None:
+    """Why the UCX backend cannot run in this environment, or None if ``ucxx`` imports. Pure."""
+    try:
+        import ucxx  # noqa: F401
+    except Exception as e:  # ImportError, or a missing shared library underneath
+        return f"ucxx cannot be imported ({type(e).__name__}: {e}); pip install ucxx-cu12 (or -cu13)"
+    return None
+
+
+def _ucx_buffer(t: torch.Tensor) -> Any:
+    """What ucxx can send from / receive into without a copy: numpy on CPU, the tensor itself on CUDA. Pure."""
+    return t.numpy() if t.device.type == "cpu" else t  # CUDA tensors expose __cuda_array_interface__
+
+
+class UCXBackend(KVTransferBackend):
+    """UCX endpoints driven by a private asyncio loop thread."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        super().__init__(config)
+        reason = ucx_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        import ucxx
+
+        self._ucxx = ucxx
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-ucx-loop", daemon=True)
+        self._thread.start()
+        self._listener: Any = None
+        self._address: str | None = None
+        self._endpoints: dict[str, Any] = {}  # peer address -> ucxx endpoint (sending side)
+        self._locks: dict[str, asyncio.Lock] = {}  # peer address -> serialises its messages (and connecting)
+        self._incoming: set[Any] = set()  # receiving side endpoints, closed on close()
+        self._closed = False
+        self._run(self._init_ucx(), timeout_s=config.connect_timeout_s)
+
+    def _run(self, coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
+        """Run ``coro`` on the loop thread and wait for its result (blocking)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    async def _init_ucx(self) -> None:
+        try:
+            self._ucxx.init(options=dict(self.config.ucx_options), env_takes_precedence=True,
+                            progress_mode=self.config.ucx_progress_mode)
+        except RuntimeError:
+            pass  # already initialised in this process (its first progress mode stays)
+
+    # -- receiving ------------------------------------------------------------------------------------------
+    def listen(self) -> str:
+        """Mutates: start a UCX listener on a free port (or ``config.port``); returns ``host:port``."""
+        if self._address is None:
+            self.recv_side = RecvSide(self.config)
+
+            async def start() -> int:
+                self._listener = self._ucxx.create_listener(self._serve_peer, port=self.config.port or None)
+                return int(self._listener.port)
+
+            self._address = f"{self.config.host}:{self._run(start(), self.config.connect_timeout_s)}"
+        return self._address
+
+    async def _serve_peer(self, ep: Any) -> None:
+        side = self.recv_side
+        assert side is not None
+        self._incoming.add(ep)
+        peer = "?"
+        pending: asyncio.Future | None = None
+        try:
+            size = np.empty(1, dtype=np.int64)
+            await ep.recv(size)
+            name = np.empty(int(size[0]), dtype=np.uint8)
+            await ep.recv(name)
+            peer = name.tobytes().decode()
+            metas = [np.empty(2, dtype=np.int64) for _ in range(2)]
+            current = 0
+            pending = asyncio.ensure_future(ep.recv(metas[current]))
+            while True:
+                await pending
+                header_len, nbytes = int(metas[current][0]), int(metas[current][1])
+                if header_len < 0:
+                    return  # goodbye
+                if header_len > self.config.max_header_bytes or nbytes < 0:
+                    self.peer_errors[peer] = f"protocol error: header {header_len} bytes, payload {nbytes} bytes"
+                    return  # cannot resynchronise: drop the peer
+                hbuf = np.empty(header_len, dtype=np.uint8)
+                await ep.recv(hbuf)
+                header: KVTransferHeader | None
+                error = None
+                try:
+                    header = KVTransferHeader.decode(hbuf.data)
+                except MalformedHeaderError as e:
+                    header, error = None, str(e)
+                handle = side.new_handle(peer, header, nbytes)
+                while nbytes <= self.config.recv_buffer_bytes and not side.has_free_buffer():
+                    if side.closed.is_set():
+                        return
+                    await asyncio.sleep(0.001)  # back-pressure; only this loop takes buffers, so no race after
+                raw = side.acquire(handle)
+                # post the payload's recv and, right behind it, the next message's: tasks start in creation order
+                payload = asyncio.ensure_future(ep.recv(_ucx_buffer(raw))) if nbytes else None
+                current ^= 1
+                pending = asyncio.ensure_future(ep.recv(metas[current]))
+                try:
+                    if payload is not None:
+                        await payload
+                except Exception as e:
+                    side.finish(handle, None, f"receive from {peer} failed: {e}")
+                    raise
+                side.finish(handle, raw, error)
+        except Exception as e:
+            if not side.closed.is_set():
+                self.peer_errors[peer] = f"connection lost: {e}"  # ucxx raises on a closed endpoint
+        finally:
+            self._incoming.discard(ep)
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+    # -- sending --------------------------------------------------------------------------------------------
+    async def _endpoint(self, peer_address: str) -> Any:
+        """The endpoint to ``peer_address``, connecting (and saying hello) on first use. Call under its lock."""
+        ep = self._endpoints.get(peer_address)
+        if ep is not None:
+            return ep
+        host, sep, port = peer_address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"peer_address: expected 'host:port', got {peer_address!r}")
+        ep = await asyncio.wait_for(self._ucxx.create_endpoint(host.strip("[]"), int(port)),
+                                    self.config.connect_timeout_s)
+        name = np.frombuffer(self.config.name.encode(), dtype=np.uint8)
+        await ep.send(np.array([name.size], dtype=np.int64))
+        await ep.send(name)
+        self._endpoints[peer_address] = ep
+        return ep
+
+    def _lock(self, peer_address: str) -> asyncio.Lock:
+        """Loop thread only: the per-peer lock (created on first use)."""
+        if peer_address not in self._locks:
+            self._locks[peer_address] = asyncio.Lock()
+        return self._locks[peer_address]
+
+    def connect(self, peer_address: str) -> None:
+        """Mutates: open (and greet) the endpoint to ``peer_address`` now. ``ConnectionError`` on failure."""
+        if self._closed:
+            raise ConnectionError("endpoint is closed")
+
+        async def go() -> None:
+            async with self._lock(peer_address):
+                await self._endpoint(peer_address)
+
+        try:
+            self._run(go(), self.config.connect_timeout_s + 5.0)
+        except Exception as e:
+            raise ConnectionError(f"connect to {peer_address} failed: {e}") from e
+
+    def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates: queue one message (connecting on first use); returns a PENDING handle at once."""
+        handle = self._new_send_handle(peer_address, header, payload)
+        if self._closed:
+            handle.mark_failed("endpoint is closed")
+            return handle
+        ready = None
+        if payload.is_cuda:  # UCX reads device memory outside any stream: wait for the producer, off this thread
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(payload.device))
+        asyncio.run_coroutine_threadsafe(self._send(peer_address, handle, header.encode(), payload, ready), self._loop)
+        return handle
+
+    async def _send(self, peer: str, handle: TransferHandle, header_bytes: bytes, payload: torch.Tensor,
+                    ready: Any) -> None:
+        async with self._lock(peer):  # held only while posting, so messages are posted in order
+            while ready is not None and not ready.query():
+                await asyncio.sleep(0.0001)
+            try:
+                ep = await self._endpoint(peer)
+            except Exception as e:
+                handle.mark_failed(f"connect to {peer} failed: {e}")
+                return
+            handle.mark_transferring()
+            sends = [ep.send(np.array([len(header_bytes), handle.nbytes], dtype=np.int64)),
+                     ep.send(np.frombuffer(header_bytes, dtype=np.uint8))]
+            if handle.nbytes:
+                sends.append(ep.send(_ucx_buffer(as_bytes(payload))))
+            tasks = [asyncio.ensure_future(c) for c in sends]
+            await asyncio.sleep(0)  # each task posts its send on its first step, in creation order
+        try:
+            await asyncio.gather(*tasks)
+            self._send_done(handle)
+        except Exception as e:
+            handle.mark_failed(f"send to {peer} failed: {e}")
+            if self._endpoints.get(peer) is ep:
+                self._endpoints.pop(peer, None)  # reconnect on the next send
+
+    def close(self) -> None:
+        """Mutates: say goodbye to every peer, close endpoints and the listener, stop the loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.recv_side is not None:
+            self.recv_side.closed.set()
+
+        async def shutdown() -> None:
+            for peer, ep in list(self._endpoints.items()):
+                try:
+                    async with self._lock(peer):
+                        await asyncio.wait_for(ep.send(np.array([-1, 0], dtype=np.int64)), 5.0)
+                except Exception:
+                    pass  # the peer is gone already
+            await asyncio.sleep(0.05)  # let the goodbyes leave before the endpoints close
+            for ep in [*self._endpoints.values(), *self._incoming]:
+                try:
+                    await ep.close()
+                except Exception:
+                    pass
+            self._endpoints.clear()
+            self._incoming.clear()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            # ucxx's progress tasks live on this loop: end them and reset ucxx so a later backend in this
+            # process starts from a fresh context on its own loop
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in others:
+                t.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            try:
+                self._ucxx.reset()
+            except Exception as e:
+                self.peer_errors["<reset>"] = f"ucxx.reset failed: {e}"
+
+        try:
+            self._run(shutdown(), self.config.connect_timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5.0)
