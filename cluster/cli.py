@@ -65,7 +65,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cfg = ServeConfig(
             worker=WorkerConfig(model=args.model, dtype=args.dtype, num_threads=args.threads or 1,
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
-            decode=args.decode, prefill=args.prefill, mode=args.mode, host=args.host, port=args.port,
+            decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
+            port=args.port,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -83,7 +84,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        print(f"[pdcluster] starting {cfg.decode} decode actor(s) ({cfg.mode}) and {cfg.proxies} proxy(ies)...",
+        pre = f"{cfg.prefill} prefill + " if cfg.mode == "disaggregated" else ""
+        print(f"[pdcluster] starting {pre}{cfg.decode} decode actor(s) ({cfg.mode}) and {cfg.proxies} proxy(ies)...",
               file=sys.stderr, flush=True)
         cluster.start()
         for url in cluster.urls:
@@ -138,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="start a cluster on Ray and serve the OpenAI API")
     _add_engine_args(sv)
     sv.add_argument("--decode", type=int, default=1, help="decode actors")
-    sv.add_argument("--prefill", type=int, default=0, help="prefill actors (disaggregated mode, not built yet)")
-    sv.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
+    sv.add_argument("--prefill", type=int, default=1, help="prefill actors (disaggregated mode)")
+    sv.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
+    sv.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "ucx"])
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i")
     sv.add_argument("--proxies", type=int, default=1)

@@ -1,4 +1,4 @@
-"""Start a pdcluster on Ray: decode actors (colocated mode for now) and proxy processes.
+"""Start a pdcluster on Ray: prefill and decode actors (or decode actors only, colocated) and proxy processes.
 
 Without a Ray address it starts an embedded local Ray; with one it joins an existing cluster.
 """
@@ -20,18 +20,24 @@ from cluster.worker_config import WorkerConfig
 class ServeConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     decode: int = 1  # decode actors
-    prefill: int = 0  # prefill actors (disaggregated mode: not built yet)
-    mode: str = "colocated"
+    prefill: int = 1  # prefill actors (disaggregated mode only)
+    mode: str = "disaggregated"  # or "colocated": decode actors prefill for themselves
+    kv_backend: str = "torch_dist"  # torch_dist (gloo on CPU, NCCL on GPU) or ucx
     host: str = "127.0.0.1"
     port: int = 8000  # the first proxy's port; proxy i listens on port + i
     proxies: int = 1
     ray_address: str | None = None
     cpus_per_actor: float = 1.0
     model_name: str = "default"
+    corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
 
     def __post_init__(self) -> None:
-        if self.mode != "colocated":
-            raise ValueError(f"mode: only 'colocated' is built so far, got {self.mode!r}")
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode: 'disaggregated' or 'colocated', got {self.mode!r}")
+        if self.mode == "disaggregated" and self.prefill < 1:
+            raise ValueError(f"prefill: disaggregated mode needs at least one prefill actor, got {self.prefill}")
+        if self.kv_backend not in ("torch_dist", "ucx"):
+            raise ValueError(f"kv_backend: 'torch_dist' or 'ucx', got {self.kv_backend!r}")
         if self.decode < 1:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if self.proxies < 1:
@@ -51,6 +57,7 @@ class Cluster:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.decode_actors: list[Any] = []
+        self.prefill_actors: list[Any] = []
         self.proxy_procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
 
@@ -58,25 +65,37 @@ class Cluster:
         import ray
 
         from decode_worker.worker import DecodeWorker
-        from proxy.pools import DECODE_PREFIX, NAMESPACE
+        from kv_transfer.config import KVTransferConfig
+        from prefill_worker.worker import PrefillWorker
+        from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
 
         cfg = self.cfg
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
         else:
-            ray.init(namespace=NAMESPACE, num_cpus=max(2, int(cfg.decode * cfg.cpus_per_actor) + 1),
+            n_actors = cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
+            ray.init(namespace=NAMESPACE, num_cpus=max(2, int(n_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
-        remote = ray.remote(num_cpus=cfg.cpus_per_actor, max_concurrency=16)(DecodeWorker)
-        self.decode_actors = [remote.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker)
+        disagg = cfg.mode == "disaggregated"
+        kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.host) if disagg else None
+        decode = ray.remote(num_cpus=cfg.cpus_per_actor, max_concurrency=16)(DecodeWorker)
+        self.decode_actors = [decode.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker, kv)
                               for i in range(cfg.decode)]
-        ray.get([a.info.remote() for a in self.decode_actors], timeout=timeout_s)  # the model is loaded
+        if disagg:
+            prefill = ray.remote(num_cpus=cfg.cpus_per_actor, max_concurrency=16)(PrefillWorker)
+            self.prefill_actors = [prefill.options(name=f"{PREFILL_PREFIX}{i}").remote(
+                f"{PREFILL_PREFIX}{i}", cfg.worker, kv, cfg.corrupt_kv_every)
+                                   for i in range(cfg.prefill)]
+        actors = self.decode_actors + self.prefill_actors
+        ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for i in range(cfg.proxies):
             port = cfg.port + i
             self.proxy_procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
-                 "--port", str(port), "--model-name", cfg.model_name], env=env))
+                 "--port", str(port), "--model-name", cfg.model_name]
+                + (["--disaggregated"] if cfg.mode == "disaggregated" else []), env=env))
             self.urls.append(f"http://{cfg.host}:{port}")
         self._wait_ready(timeout_s)
 
@@ -109,7 +128,7 @@ class Cluster:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        for a in self.decode_actors:
+        for a in self.decode_actors + self.prefill_actors:
             try:
                 ray.get(a.shutdown.remote(), timeout=10)
             except Exception:

@@ -6,6 +6,7 @@ Ray-agnostic: :mod:`cluster.launcher` wraps :class:`DecodeWorker` in ``ray.remot
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from typing import Any
 from cluster.protocol import GenerateRequest, Reservation
 from cluster.worker_config import WorkerConfig
 from decode_worker.reservations import ReservationManager
+from kv_transfer.config import KVTransferConfig
 from proxy.token_stream import TokenStreamClient
 
 log = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ class _Live:
 class DecodeWorker:
     """Mutating methods say so. ``actor_id`` names this worker in reservations and stats."""
 
-    def __init__(self, actor_id: str, config: WorkerConfig) -> None:
+    def __init__(self, actor_id: str, config: WorkerConfig, kv: KVTransferConfig | None = None,
+                 on_transfer_failure: str = "recompute") -> None:
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
@@ -48,6 +51,16 @@ class DecodeWorker:
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name=f"decode-{actor_id}", daemon=True)
         self._thread.start()
+        if on_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {on_transfer_failure!r}")
+        self.on_transfer_failure = on_transfer_failure
+        self.kv_endpoint = ""
+        self.receiver = None
+        if kv is not None:
+            from decode_worker.kv_receiver import KVReceiver
+
+            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id))
+            self.kv_endpoint = self.receiver.address
 
     # -- control calls (from the proxy) ------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
@@ -64,7 +77,9 @@ class DecodeWorker:
             r = self.reservations.reserve(request_id, num_blocks, ttl, time.monotonic())
         if r is None:
             return None
-        return Reservation(r.reservation_id, request_id, self.actor_id, r.block_ids, kv_endpoint="",
+        if self.receiver is not None:
+            self.receiver.expect(r)
+        return Reservation(r.reservation_id, request_id, self.actor_id, r.block_ids, kv_endpoint=self.kv_endpoint,
                            expires_at=time.time() + ttl).to_dict()
 
     def start_colocated(self, request: dict[str, Any], reservation_id: str) -> None:
@@ -87,11 +102,52 @@ class DecodeWorker:
             self._live[req.request_id] = _Live(req)
         self._wake.set()
 
+    def start_prefilled(self, request: dict[str, Any], reservation_id: str, first: dict[str, Any],
+                        wait_s: float = 30.0) -> str:
+        """Mutates: join a request prefilled elsewhere once all its K/V parts have arrived and passed their checks.
+
+        ``first`` is the prefill's result (first token, its text and logprobs). If the K/V does not arrive intact in
+        ``wait_s`` the policy decides: ``recompute`` the prompt here (the default) or ``fail`` (raise). Returns
+        ``"transferred"`` or ``"recomputed"``.
+        """
+        from engine.sampling_params import SamplingParams
+
+        req = GenerateRequest.from_dict(request)
+        if self.receiver is None:
+            raise RuntimeError("this decode actor has no KV transfer backend (colocated mode)")
+        self.receiver.set_prompt_len(reservation_id, len(req.prompt_token_ids))
+        ok = self.receiver.wait_complete(reservation_id, wait_s)
+        params = SamplingParams(**req.sampling_kwargs())
+        lps = {int(t): float(lp) for t, lp in first["logprobs"]} if first.get("logprobs") else None
+        with self._lock:
+            self.receiver.forget(reservation_id)
+            res = self.reservations.get(reservation_id)
+            if res is None or res.request_id != req.request_id:
+                raise ValueError(f"reservation_id: {reservation_id!r} is not pending for {req.request_id!r}")
+            if not ok and self.on_transfer_failure == "fail":
+                self.reservations.release(reservation_id)
+                raise RuntimeError(f"KV transfer for {req.request_id} failed or timed out")
+            blocks = list(self.reservations.commit(reservation_id))
+            if ok:
+                out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
+                                                        int(first["token_id"]), blocks, lps)
+                finished = out.finished
+            else:
+                self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
+                                        output_prefix=[int(first["token_id"])])
+                finished = False
+            if not finished:  # the proxy already streamed the first token
+                self._live[req.request_id] = _Live(req, {0: 1}, {0: len(first.get("text", ""))})
+        self._wake.set()
+        return "transferred" if ok else "recomputed"
+
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a request and free its blocks now, or release its reservation. Whether it was known."""
         with self._lock:
             res = self.reservations.find_by_request(request_id)
             if res is not None:
+                if self.receiver is not None:
+                    self.receiver.forget(res.reservation_id)
                 self.reservations.release(res.reservation_id)
             known = self._live.pop(request_id, None) is not None
             self.engine.abort_request(request_id)
@@ -102,7 +158,8 @@ class DecodeWorker:
         with self._lock:
             c = self.reservations.counts()
             sched = self.engine.scheduler
-            return {"actor_id": self.actor_id, "role": "decode", "alive": True, "kv": c,
+            rx = self.receiver.stats() if self.receiver is not None else {}
+            return {"actor_id": self.actor_id, "role": "decode", "alive": True, "kv": c, **rx,
                     "running": len(sched.running), "waiting": len(sched.waiting),
                     "tokens_generated": self.tokens_generated,
                     "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started)}
@@ -121,6 +178,8 @@ class DecodeWorker:
         self._wake.set()
         self._thread.join(timeout=10)
         self._stream.close()
+        if self.receiver is not None:
+            self.receiver.close()
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def _loop(self) -> None:

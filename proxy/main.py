@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model-name", default="default")
     ap.add_argument("--queue-timeout", type=float, default=10.0)
+    ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                            vocab_size=int(info["vocab_size"]))
     total = min(int(a.info["total_blocks"]) for a in pools.live_decode())
     proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]), total,
-                  ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout), stream_host=args.host)
+                  ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout), stream_host=args.host,
+                  disaggregated=args.disaggregated)
     print(f"[pdcluster] proxy listening on http://{args.host}:{args.port}", flush=True)
     web.run_app(proxy.app(), host=args.host, port=args.port, handler_cancellation=True,
                 shutdown_timeout=args.shutdown_grace, print=None)

@@ -35,6 +35,10 @@ class Metrics:
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
+    kv_transfer_bytes: int = 0
+
+    def transfer(self, nbytes: int) -> None:
+        self.kv_transfer_bytes += nbytes
 
     def request_done(self, status: int) -> None:
         self.requests[status] = self.requests.get(status, 0) + 1
@@ -50,6 +54,8 @@ class Metrics:
         lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
         lines += self.e2e.render("pdcluster_e2e_seconds")
+        lines += ["# TYPE pdcluster_kv_transfer_bytes_total counter",
+                  f"pdcluster_kv_transfer_bytes_total {self.kv_transfer_bytes}"]
         lines += ["# TYPE pdcluster_queue_depth gauge", f"pdcluster_queue_depth {queue_depth}",
                   "# TYPE pdcluster_kv_blocks gauge"]
         for actor, c in sorted(kv.items()):

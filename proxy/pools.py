@@ -33,30 +33,36 @@ class Pools:
 
     def __init__(self, call_timeout_s: float = 30.0) -> None:
         self.decode: dict[str, ActorRef] = {}
+        self.prefill: dict[str, ActorRef] = {}
         self.call_timeout_s = call_timeout_s
+        self.prefill_timeout_s = 300.0
 
     async def refresh(self) -> None:
         """Mutates: pick up new named actors, drop dead ones, update each one's stats."""
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == NAMESPACE and a["name"].startswith(DECODE_PREFIX)]
-        for name in names:
-            if name not in self.decode:
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+        for prefix, pool in ((DECODE_PREFIX, self.decode), (PREFILL_PREFIX, self.prefill)):
+            names = [n for n in named if n.startswith(prefix)]
+            for name in names:
+                if name not in pool:
+                    try:
+                        handle = ray.get_actor(name, namespace=NAMESPACE)
+                        info = await asyncio.wait_for(handle.info.remote(), self.call_timeout_s)
+                        pool[name] = ActorRef(name, handle, info)
+                    except Exception:  # not ready yet: next refresh
+                        log.info("actor %s not ready", name)
+            for name in list(pool):
+                if name not in names:
+                    del pool[name]
+                    continue
+                ref = pool[name]
                 try:
-                    handle = ray.get_actor(name, namespace=NAMESPACE)
-                    info = await asyncio.wait_for(handle.info.remote(), self.call_timeout_s)
-                    self.decode[name] = ActorRef(name, handle, info)
-                except Exception:  # not ready yet: next refresh
-                    log.info("decode actor %s not ready", name)
-        for name in list(self.decode):
-            if name not in names:
-                del self.decode[name]
-                continue
-            ref = self.decode[name]
-            try:
-                ref.stats = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
-                ref.alive = True
-            except Exception:
-                ref.alive = False
+                    ref.stats = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
+                    ref.alive = True
+                except Exception:
+                    ref.alive = False
+
+    def live_prefill(self) -> list[ActorRef]:
+        return [a for a in self.prefill.values() if a.alive]
 
     def live_decode(self) -> list[ActorRef]:
         return [a for a in self.decode.values() if a.alive]
@@ -77,6 +83,14 @@ class Pools:
 
     async def start_colocated(self, actor: ActorRef, request: dict[str, Any], reservation_id: str) -> None:
         await asyncio.wait_for(actor.handle.start_colocated.remote(request, reservation_id), self.call_timeout_s)
+
+    async def prefill_call(self, actor: ActorRef, request: dict[str, Any], reservation: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.wait_for(actor.handle.prefill.remote(request, reservation), self.prefill_timeout_s)
+
+    async def start_prefilled(self, actor: ActorRef, request: dict[str, Any], reservation_id: str,
+                              first: dict[str, Any]) -> str:
+        return await asyncio.wait_for(actor.handle.start_prefilled.remote(request, reservation_id, first),
+                                      self.call_timeout_s + 30)
 
     async def abort(self, actor: ActorRef, request_id: str) -> None:
         try:

@@ -58,7 +58,9 @@ class _Sub:
 
 class Proxy:
     def __init__(self, pools: Pools, tokenizer: PromptTokenizer, proto: ProtocolConfig, block_size: int,
-                 total_blocks: int, cfg: ProxyConfig, stream_host: str = "127.0.0.1") -> None:
+                 total_blocks: int, cfg: ProxyConfig, stream_host: str = "127.0.0.1",
+                 disaggregated: bool = False) -> None:
+        self.disaggregated = disaggregated
         self.pools = pools
         self.tok = tokenizer
         self.proto = proto
@@ -68,6 +70,7 @@ class Proxy:
         self.stream = TokenStreamServer(host=stream_host)
         self.metrics = Metrics()
         self._waiting = 0
+        self._inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
         self._ids = itertools.count()
         self._refresher: asyncio.Task[None] | None = None
 
@@ -107,8 +110,10 @@ class Proxy:
 
     async def ready(self, _: web.Request) -> web.Response:
         n = len(self.pools.live_decode())
-        body = {"ready": n > 0, "decode_actors": n}
-        return web.json_response(body, status=200 if n else 503)
+        p = len(self.pools.live_prefill())
+        ok = n > 0 and (p > 0 or not self.disaggregated)
+        body = {"ready": ok, "decode_actors": n, "prefill_actors": p}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -201,8 +206,14 @@ class Proxy:
                     if res is not None:
                         sub.actor = actor
                         sub.queue = self.stream.subscribe(sub.req.request_id)
+                        prefill = self._pick_prefill()
                         try:
-                            await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
+                            if prefill is None:
+                                await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
+                            else:
+                                await self._disaggregated(sub, actor, prefill, res)
+                        except APIError:
+                            raise
                         except Exception as e:
                             raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from e
                         return
@@ -212,6 +223,36 @@ class Proxy:
                 await asyncio.sleep(0.05)
         finally:
             self._waiting -= 1
+
+    def _pick_prefill(self) -> ActorRef | None:
+        """The live prefill actor with the fewest queued prompt tokens; None in colocated mode. Pure."""
+        live = self.pools.live_prefill()
+        if not live:
+            return None
+        return min(live, key=lambda a: ((a.stats or {}).get("queued_prefill_tokens", 0) + self._inflight.get(a.name, 0),
+                                        a.name))
+
+    async def _disaggregated(self, sub: _Sub, decode: ActorRef, prefill: ActorRef, res: dict[str, Any]) -> None:
+        """Prefill on ``prefill`` (K/V streamed into ``res``'s blocks), hand the first token to the client, then
+        let ``decode`` continue (or release its blocks if the first token already ends the request)."""
+        n = len(sub.req.prompt_token_ids)
+        self._inflight[prefill.name] = self._inflight.get(prefill.name, 0) + n
+        try:
+            first = await self.pools.prefill_call(prefill, sub.req.to_dict(), res)
+        finally:
+            self._inflight[prefill.name] -= n
+        self.metrics.transfer(first.get("bytes", 0))
+        done = first["finish_reason"] == "stop" or sub.req.max_tokens == 1
+        delta: dict[str, Any] = {"request_id": sub.req.request_id, "index": 0, "token_ids": [first["token_id"]],
+                                 "text": first["text"], "finish_reason": first["finish_reason"] if done else None,
+                                 "logprobs": [first["logprobs"]] if first.get("logprobs") else None}
+        if done:
+            delta["usage"] = {"prompt_tokens": n, "completion_tokens": 1, "cached_tokens": first["cached_tokens"]}
+            await self.pools.abort(decode, sub.req.request_id)  # releases the reservation
+        assert sub.queue is not None
+        sub.queue.put_nowait(delta)
+        if not done:
+            await self.pools.start_prefilled(decode, sub.req.to_dict(), res["reservation_id"], first)
 
     async def _abort(self, subs: list[_Sub]) -> None:
         await asyncio.gather(*(self.pools.abort(s.actor, s.req.request_id) for s in subs

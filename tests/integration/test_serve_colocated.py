@@ -22,7 +22,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
     port = free_port()
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=port))
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=port, mode="colocated"))
     try:
         c.start()
         yield c
