@@ -1,1 +1,1 @@
-"""The decode Ray actor. Built in the cluster issue."""
+"""The decode actor (`worker.DecodeWorker`): reservations, KV receipt (`kv_receiver`), continuous decoding."""

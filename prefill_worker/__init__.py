@@ -1,1 +1,1 @@
-"""The prefill Ray actor. Built in the cluster issue."""
+"""The prefill actor (`worker.PrefillWorker`): chunked prefill, per-layer KV streaming, first token."""

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible routing proxy (no torch import). Built in the cluster issue."""
+"""The OpenAI-compatible routing proxy (no torch import): `server`, `main`, protocol, tokenization, token stream."""
