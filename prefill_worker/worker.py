@@ -54,7 +54,8 @@ class PrefillWorker:
         self.parts_sent = 0
         self.prompt_tokens = 0
         self.bytes_sent = 0
-        self.transfer_s = 0.0
+        self.transfer_s = 0.0  # waiting for sends after the forward finished: transfer time NOT hidden by compute
+        self.transfer_busy_s = 0.0  # sum of every part's time on the wire
         self._thread = threading.Thread(target=self._loop, name=f"prefill-{actor_id}", daemon=True)
         self._thread.start()
 
@@ -96,7 +97,7 @@ class PrefillWorker:
                     "running": len(sched.running), "waiting": len(sched.waiting),
                     "queued_prefill_tokens": sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
                     "prompt_tokens": self.prompt_tokens, "kv_bytes_sent": self.bytes_sent,
-                    "kv_transfer_seconds": self.transfer_s}
+                    "kv_transfer_seconds": self.transfer_s, "kv_transfer_busy_seconds": self.transfer_busy_s}
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -146,6 +147,7 @@ class PrefillWorker:
         t = time.perf_counter()
         failed = [h.error for h in job.handles if h.wait(self.backend.config.io_timeout_s) is not TransferState.DONE]
         self.transfer_s += time.perf_counter() - t
+        self.transfer_busy_s += sum(h.elapsed_s or 0.0 for h in job.handles)
         self.bytes_sent += job.bytes_sent
         self.prompt_tokens += len(job.request.prompt_token_ids)
         c = out.outputs[0]
