@@ -125,6 +125,28 @@ def _ask(url: str, model: str, question: str) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{args.url.rstrip('/')}/status", timeout=10) as r:
+            st = json.loads(r.read())
+    except OSError as e:
+        print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
+    print(f"mode: {st['mode']}   requests waiting for KV blocks: {st['waiting_for_blocks']}")
+    cols = ("actor", "role", "alive", "kv free", "reserved", "used", "total", "running", "waiting", "tokens")
+    print("".join(f"{c:>10}" if i else f"{c:<22}" for i, c in enumerate(cols)))
+    for a in st["actors"]:
+        kv = a.get("kv", {})
+        tokens = a.get("tokens_generated", a.get("prompt_tokens", ""))
+        row = (a["name"], a["role"], "yes" if a["alive"] else "DEAD", kv.get("free", ""), kv.get("reserved", "-"),
+               kv.get("used", ""), kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens)
+        print("".join(f"{str(c):>10}" if i else f"{str(c):<22}" for i, c in enumerate(row)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdcluster", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ask", default=None, metavar="QUESTION",
                     help="send this one chat request over HTTP once ready, print the answer, shut down")
     sv.set_defaults(func=_cmd_serve)
+    st = sub.add_parser("status", help="print the pools: each actor's health, KV blocks and token counters")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="a proxy's base URL")
+    st.set_defaults(func=_cmd_status)
     return parser
 
 

@@ -51,8 +51,8 @@ class Pools:
                     except Exception:  # not ready yet: next refresh
                         log.info("actor %s not ready", name)
             for name in list(pool):
-                if name not in names:
-                    del pool[name]
+                if name not in names:  # gone from Ray's registry: dead (requests still holding the ref see it)
+                    pool.pop(name).alive = False
                     continue
                 ref = pool[name]
                 try:

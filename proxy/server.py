@@ -79,7 +79,8 @@ class Proxy:
         app = web.Application(client_max_size=self.cfg.max_body_bytes * 2)
         app.add_routes([
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_page),
-            web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models), web.get("/status", self.status),
+            web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
         ])
         app.on_startup.append(self._start)
@@ -120,6 +121,14 @@ class Proxy:
             {"id": m, "object": "model", "created": 0, "owned_by": "pdcluster", "max_model_len": self.proto.max_model_len}
             for m in self.proto.served_models]})
 
+    async def status(self, _: web.Request) -> web.Response:
+        """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters."""
+        actors = [{"name": a.name, "role": role, "alive": a.alive, **(a.stats or {})}
+                  for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
+                  for a in pool.values()]
+        return web.json_response({"mode": "disaggregated" if self.disaggregated else "colocated",
+                                  "waiting_for_blocks": self._waiting, "actors": actors})
+
     async def metrics_page(self, _: web.Request) -> web.Response:
         kv = {a.name: a.stats.get("kv", {}) for a in self.pools.live_decode() if a.stats}
         return web.Response(text=self.metrics.render(self._waiting, kv), content_type="text/plain")
@@ -138,9 +147,8 @@ class Proxy:
             parsed, subs = self._parse(await request.read(), chat)
             await asyncio.gather(*(self._admit(s) for s in subs))
             if parsed.stream:
-                resp = await self._stream(request, parsed, subs, chat, start)
-            else:
-                resp = await self._collect(parsed, subs, chat, start)
+                return await self._stream(request, parsed, subs, chat, start)  # counts its own status
+            resp = await self._collect(parsed, subs, chat, start)
             self.metrics.request_done(200)
             return resp
         except APIError as e:
@@ -263,7 +271,10 @@ class Proxy:
         pending = {asyncio.ensure_future(s.queue.get()): s for s in subs if s.queue is not None}  # type: ignore[union-attr]
         try:
             while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                dead = [s.actor.name for s in pending.values() if s.actor is not None and not s.actor.alive]
+                if not done and dead:  # reported by the pool refresh: do not hang on an actor that is gone
+                    raise service_unavailable(f"Decode actor {dead[0]} died while serving this request.", 1)
                 for fut in done:
                     s = pending.pop(fut)
                     d = fut.result()
@@ -321,22 +332,31 @@ class Proxy:
         for s in subs if chat else []:  # OpenAI's first chat chunk carries the role
             await resp.write(sse_event(chat_chunk_body(rid, parsed.model, created,
                                                        [ChoiceOutput(s.choice_index, "")], None, include, first=True)))
-        async for s, d in self._deltas(subs):
-            first.setdefault(s.choice_index, time.monotonic())
-            lps = s.logprobs[sent_lp.get(s.choice_index, 0):]
-            sent_lp[s.choice_index] = len(s.logprobs)
-            finish = s.finish if d.get("finish_reason") else None
-            if not d.get("text") and finish is None:
-                continue
-            choice = self._choice(s, d.get("text", ""), finish, lps, len(s.text) - len(d.get("text", "")))
-            body = (chat_chunk_body(rid, parsed.model, created, [choice], None, include) if chat
-                    else completion_body(rid, parsed.model, created, [choice], None, include))
-            await resp.write(sse_event(body))
+        try:
+            async for s, d in self._deltas(subs):
+                first.setdefault(s.choice_index, time.monotonic())
+                lps = s.logprobs[sent_lp.get(s.choice_index, 0):]
+                sent_lp[s.choice_index] = len(s.logprobs)
+                finish = s.finish if d.get("finish_reason") else None
+                if not d.get("text") and finish is None:
+                    continue
+                choice = self._choice(s, d.get("text", ""), finish, lps, len(s.text) - len(d.get("text", "")))
+                body = (chat_chunk_body(rid, parsed.model, created, [choice], None, include) if chat
+                        else completion_body(rid, parsed.model, created, [choice], None, include))
+                await resp.write(sse_event(body))
+        except APIError as e:  # headers are out: report in the stream, as OpenAI does, and end it
+            await self._abort(subs)
+            await resp.write(sse_event(e.body()))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+            self.metrics.request_done(e.status)
+            return resp
         if include:
             await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(subs))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
         self._observe(subs, start, first)
+        self.metrics.request_done(200)
         return resp
 
     def _observe(self, subs: list[_Sub], start: float, first: dict[int, float]) -> None:

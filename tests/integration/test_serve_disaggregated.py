@@ -79,3 +79,32 @@ def test_corrupted_kv_is_rejected_and_recomputed(offline: LLM) -> None:
         assert counts["used"] == 0 and counts["reserved"] == 0
     finally:
         cluster.stop()
+
+
+def test_status_and_a_dead_decode_actor_is_reported_not_hung_on() -> None:
+    import subprocess
+    import sys
+    import time
+
+    cluster = run_cluster("torch_dist")
+    try:
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.urls[0]],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "pdcluster-decode-0" in out.stdout and "pdcluster-prefill-0" in out.stdout
+        client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Go on."}],
+                                                max_tokens=3000, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        next(iter(stream))
+        ray.kill(cluster.decode_actors[0])
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match="died"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 30
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.urls[0]],
+                             capture_output=True, text=True, timeout=60)
+        assert "DEAD" in out.stdout or "pdcluster-decode-0" not in out.stdout
+    finally:
+        cluster.decode_actors = []  # already killed
+        cluster.stop()
