@@ -67,7 +67,8 @@ class PrefillWorker:
 
     def prefill(self, request: dict[str, Any], reservation: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         """Compute the prompt, send its K/V layer by layer into ``reservation``'s blocks, return the first token:
-        ``{"token_id", "text", "logprobs", "finish_reason", "parts", "failed", "cached_tokens", "bytes"}``."""
+        ``{"token_id", "text", "logprobs", "finish_reason", "parts", "failed", "cached_tokens", "bytes", "transfer_s",
+        "backend"}``."""
         from engine.sampling_params import SamplingParams
 
         req = GenerateRequest.from_dict(request)
@@ -147,12 +148,13 @@ class PrefillWorker:
         t = time.perf_counter()
         failed = [h.error for h in job.handles if h.wait(self.backend.config.io_timeout_s) is not TransferState.DONE]
         self.transfer_s += time.perf_counter() - t
-        self.transfer_busy_s += sum(h.elapsed_s or 0.0 for h in job.handles)
+        busy = sum(h.elapsed_s or 0.0 for h in job.handles)
+        self.transfer_busy_s += busy
         self.bytes_sent += job.bytes_sent
         self.prompt_tokens += len(job.request.prompt_token_ids)
         c = out.outputs[0]
         job.result = {"token_id": c.token_ids[0], "text": c.text, "finish_reason": c.finish_reason,
                       "logprobs": sorted(c.logprobs[0].items()) if c.logprobs else None, "parts": len(job.handles),
                       "failed": [str(e) for e in failed], "cached_tokens": out.num_cached_tokens,
-                      "bytes": job.bytes_sent}
+                      "bytes": job.bytes_sent, "transfer_s": busy, "backend": self.backend.config.backend}
         job.done.set()

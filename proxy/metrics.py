@@ -35,10 +35,13 @@ class Metrics:
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
-    kv_transfer_bytes: int = 0
+    kv_transfer_bytes: dict[str, int] = field(default_factory=dict)  # backend -> bytes
+    kv_transfer_seconds: dict[str, float] = field(default_factory=dict)  # backend -> summed wire time of parts
 
-    def transfer(self, nbytes: int) -> None:
-        self.kv_transfer_bytes += nbytes
+    def transfer(self, backend: str, nbytes: int, seconds: float) -> None:
+        """Mutates: count one request's KV transfer."""
+        self.kv_transfer_bytes[backend] = self.kv_transfer_bytes.get(backend, 0) + nbytes
+        self.kv_transfer_seconds[backend] = self.kv_transfer_seconds.get(backend, 0.0) + seconds
 
     def request_done(self, status: int) -> None:
         self.requests[status] = self.requests.get(status, 0) + 1
@@ -54,8 +57,11 @@ class Metrics:
         lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
         lines += self.e2e.render("pdcluster_e2e_seconds")
-        lines += ["# TYPE pdcluster_kv_transfer_bytes_total counter",
-                  f"pdcluster_kv_transfer_bytes_total {self.kv_transfer_bytes}"]
+        lines += ["# TYPE pdcluster_kv_transfer_bytes_total counter"]
+        lines += [f'pdcluster_kv_transfer_bytes_total{{backend="{b}"}} {n}' for b, n in self.kv_transfer_bytes.items()]
+        lines += ["# TYPE pdcluster_kv_transfer_seconds_total counter"]
+        lines += [f'pdcluster_kv_transfer_seconds_total{{backend="{b}"}} {t}'
+                  for b, t in self.kv_transfer_seconds.items()]
         lines += ["# TYPE pdcluster_queue_depth gauge", f"pdcluster_queue_depth {queue_depth}",
                   "# TYPE pdcluster_kv_blocks gauge"]
         for actor, c in sorted(kv.items()):

@@ -47,7 +47,8 @@ class _Sub:
     def __init__(self, req: GenerateRequest, choice_index: int) -> None:
         self.req = req
         self.choice_index = choice_index
-        self.actor: ActorRef | None = None
+        self.actor: ActorRef | None = None  # the decode actor
+        self.prefill: ActorRef | None = None  # the prefill actor, while it prefills (disaggregated mode)
         self.queue: asyncio.Queue[dict[str, Any]] | None = None
         self.text = ""
         self.tokens: list[int] = []
@@ -245,11 +246,13 @@ class Proxy:
         let ``decode`` continue (or release its blocks if the first token already ends the request)."""
         n = len(sub.req.prompt_token_ids)
         self._inflight[prefill.name] = self._inflight.get(prefill.name, 0) + n
+        sub.prefill = prefill
         try:
             first = await self.pools.prefill_call(prefill, sub.req.to_dict(), res)
         finally:
             self._inflight[prefill.name] -= n
-        self.metrics.transfer(first.get("bytes", 0))
+            sub.prefill = None
+        self.metrics.transfer(first.get("backend", "unknown"), first.get("bytes", 0), first.get("transfer_s", 0.0))
         done = first["finish_reason"] == "stop" or sub.req.max_tokens == 1
         delta: dict[str, Any] = {"request_id": sub.req.request_id, "index": 0, "token_ids": [first["token_id"]],
                                  "text": first["text"], "finish_reason": first["finish_reason"] if done else None,
@@ -263,8 +266,10 @@ class Proxy:
             await self.pools.start_prefilled(decode, sub.req.to_dict(), res["reservation_id"], first)
 
     async def _abort(self, subs: list[_Sub]) -> None:
-        await asyncio.gather(*(self.pools.abort(s.actor, s.req.request_id) for s in subs
-                               if s.actor is not None and s.finish is None))
+        """Abort every unfinished sub-request on its decode actor and, if it is still prefilling, its prefill actor."""
+        live = [s for s in subs if s.finish is None]
+        await asyncio.gather(*(self.pools.abort(a, s.req.request_id) for s in live
+                               for a in (s.actor, s.prefill) if a is not None))
 
     async def _deltas(self, subs: list[_Sub]) -> AsyncIterator[tuple[_Sub, dict[str, Any]]]:
         """Every delta of every sub-request until all have finished, in arrival order."""

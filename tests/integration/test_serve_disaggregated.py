@@ -65,6 +65,11 @@ def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: L
         assert stats["kv_bytes_received"] == pstats["kv_bytes_sent"] > 0
         counts = ray.get(cluster.decode_actors[0].check_integrity.remote())
         assert counts["used"] == 0 and counts["reserved"] == 0
+        import urllib.request
+
+        metrics = urllib.request.urlopen(f"{cluster.urls[0]}/metrics", timeout=10).read().decode()
+        assert f'pdcluster_kv_transfer_bytes_total{{backend="{backend}"}} {pstats["kv_bytes_sent"]}' in metrics
+        assert 'pdcluster_requests_total{status="200"}' in metrics and "pdcluster_ttft_seconds_bucket" in metrics
     finally:
         cluster.stop()
 
