@@ -134,7 +134,8 @@ class DecodeWorker:
                 finished = out.finished
             else:
                 self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
-                                        output_prefix=[int(first["token_id"])])
+                                        output_prefix=[int(first["token_id"])],
+                                        prefix_logprobs=[lps] if lps is not None else None)
                 finished = False
             if not finished:  # the proxy already streamed the first token
                 self._live[req.request_id] = _Live(req, {0: 1}, {0: len(first.get("text", ""))})

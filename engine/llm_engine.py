@@ -101,6 +101,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
         arrival: float | None = None, block_ids: list[int] | None = None, output_prefix: list[int] | None = None,
+        prefix_logprobs: list[dict[int, float]] | None = None,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid.
 
@@ -108,7 +109,8 @@ class LLMEngine:
         the request computes its prompt into them and takes them over (it then gets no prefix-cache hits). With
         ``n > 1`` the children fork from these blocks and allocate their own as they grow.
         ``output_prefix``: tokens already generated elsewhere (a prefill actor's first token whose KV never
-        arrived): they count as output, are recomputed with the prompt, and generation continues after them.
+        arrived): they count as output, are recomputed with the prompt, and generation continues after them;
+        ``prefix_logprobs`` are their logprobs, kept so the logprobs stay aligned with the tokens.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -127,6 +129,8 @@ class LLMEngine:
             if params.n != 1 or len(output_prefix) >= params.max_tokens:
                 raise ValueError("output_prefix: needs n == 1 and fewer tokens than max_tokens")
             seqs[0].output_token_ids = list(output_prefix)
+            if params.logprobs is not None:
+                seqs[0].output_logprobs = list(prefix_logprobs or [{} for _ in output_prefix])
         if block_ids is not None:
             self.kv.adopt(seqs[0], block_ids, 0)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]

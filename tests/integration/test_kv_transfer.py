@@ -22,7 +22,7 @@ from kv_transfer.header import (
 )
 from kv_transfer.layer_parts import LayerArrivals, install_layer_part, pack_layer_part, tensor_memoryview
 from kv_transfer.loopback import (
-    CacheSpec, ReceiverProcess, checksum_speed, measure_bandwidth, memcpy_bandwidth, next_transfer,
+    CacheSpec, ReceiverProcess, checksum_speed, measure_bandwidth, memcpy_bandwidth,
 )
 from kv_transfer.ucx import ucx_unavailable_reason
 
