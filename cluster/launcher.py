@@ -29,6 +29,7 @@ class ServeConfig:
     ray_address: str | None = None
     cpus_per_actor: float = 1.0
     model_name: str = "default"
+    queue_timeout_s: float = 10.0  # how long the proxy lets a request wait for KV blocks before a 429
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
 
     def __post_init__(self) -> None:
@@ -94,7 +95,7 @@ class Cluster:
             port = cfg.port + i
             self.proxy_procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
-                 "--port", str(port), "--model-name", cfg.model_name]
+                 "--port", str(port), "--model-name", cfg.model_name, "--queue-timeout", str(cfg.queue_timeout_s)]
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else []), env=env))
             self.urls.append(f"http://{cfg.host}:{port}")
         self._wait_ready(timeout_s)
