@@ -66,7 +66,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             worker=WorkerConfig(model=args.model, dtype=args.dtype, num_threads=args.threads or 1,
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
             decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
-            port=args.port,
+            port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
+            on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -165,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--prefill", type=int, default=1, help="prefill actors (disaggregated mode)")
     sv.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     sv.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "ucx"])
+    sv.add_argument("--on-transfer-failure", default="recompute", choices=["recompute", "fail"],
+                    help="what a decode actor does when a request's KV does not arrive intact")
+    sv.add_argument("--cpus-per-actor", type=float, default=1.0)
+    sv.add_argument("--gpus-per-actor", type=float, default=0.0)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i")
     sv.add_argument("--proxies", type=int, default=1)

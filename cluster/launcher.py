@@ -27,7 +27,9 @@ class ServeConfig:
     port: int = 8000  # the first proxy's port; proxy i listens on port + i
     proxies: int = 1
     ray_address: str | None = None
-    cpus_per_actor: float = 1.0
+    cpus_per_actor: float = 1.0  # Ray CPUs per actor (CPU clusters)
+    gpus_per_actor: float = 0.0  # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU)
+    on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
     queue_timeout_s: float = 10.0  # how long the proxy lets a request wait for KV blocks before a 429
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
@@ -37,6 +39,10 @@ class ServeConfig:
             raise ValueError(f"mode: 'disaggregated' or 'colocated', got {self.mode!r}")
         if self.mode == "disaggregated" and self.prefill < 1:
             raise ValueError(f"prefill: disaggregated mode needs at least one prefill actor, got {self.prefill}")
+        if self.on_transfer_failure not in ("recompute", "fail"):
+            raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {self.on_transfer_failure!r}")
+        if self.cpus_per_actor < 0 or self.gpus_per_actor < 0:
+            raise ValueError("cpus_per_actor/gpus_per_actor: must be >= 0")
         if self.kv_backend not in ("torch_dist", "ucx"):
             raise ValueError(f"kv_backend: 'torch_dist' or 'ucx', got {self.kv_backend!r}")
         if self.decode < 1:
@@ -79,11 +85,13 @@ class Cluster:
                      include_dashboard=False, log_to_driver=False)
         disagg = cfg.mode == "disaggregated"
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.host) if disagg else None
-        decode = ray.remote(num_cpus=cfg.cpus_per_actor, max_concurrency=16)(DecodeWorker)
-        self.decode_actors = [decode.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker, kv)
+        res = {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16}
+        decode = ray.remote(**res)(DecodeWorker)
+        self.decode_actors = [decode.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker, kv,
+                                                                                 cfg.on_transfer_failure)
                               for i in range(cfg.decode)]
         if disagg:
-            prefill = ray.remote(num_cpus=cfg.cpus_per_actor, max_concurrency=16)(PrefillWorker)
+            prefill = ray.remote(**res)(PrefillWorker)
             self.prefill_actors = [prefill.options(name=f"{PREFILL_PREFIX}{i}").remote(
                 f"{PREFILL_PREFIX}{i}", cfg.worker, kv, cfg.corrupt_kv_every)
                                    for i in range(cfg.prefill)]

@@ -1,0 +1,34 @@
+"""``pdcluster serve --ray-address``: join a Ray cluster started separately (as the Helm deployment runs)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from cluster.launcher import free_port
+
+
+@pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not on PATH")
+def test_serve_joins_an_existing_ray_cluster() -> None:
+    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit in 107 bytes
+    # token auth off for this throwaway loopback cluster (the client side defaults to off, the CLI head to on)
+    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled"}
+    subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                    "--disable-usage-stats", "--node-ip-address=127.0.0.1"], check=True, capture_output=True,
+                   env=env, timeout=120)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "serve", "--ray-address", f"127.0.0.1:{port}", "--port",
+             str(free_port()), "--kv-cache-gib", "0.25", "--ask", "What is the capital of France?"],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "Paris" in out.stdout
+    finally:
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
