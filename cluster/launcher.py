@@ -77,6 +77,8 @@ class Cluster:
         from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
 
         cfg = self.cfg
+        if ray.is_initialized():
+            raise RuntimeError("Ray is already initialized in this process: stop the other Cluster first")
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
         else:
