@@ -17,7 +17,9 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_threads: int = 1  # torch threads per actor (one actor per core on CPU)
-    reservation_ttl_s: float = 30.0  # a reservation with no KV and no start by then is released
+    # a reservation with no KV and no start by then is released (orphan cleanup); each KV part that arrives renews it.
+    # Long enough to cover a busy prefill queue.
+    reservation_ttl_s: float = 120.0
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from decode_worker.reservations import Reservation
@@ -19,10 +20,13 @@ log = logging.getLogger(__name__)
 class KVReceiver:
     """Owns the backend endpoint. ``expect`` / ``forget`` / ``wait_complete`` are thread-safe."""
 
-    def __init__(self, engine: Any, config: KVTransferConfig) -> None:
+    def __init__(self, engine: Any, config: KVTransferConfig,
+                 on_part: Callable[[str], None] | None = None) -> None:
+        """``on_part(reservation_id)`` runs after each installed part (the worker extends the reservation's TTL)."""
         from kv_transfer import make_backend
 
         self.engine = engine
+        self.on_part = on_part
         self.backend = make_backend(config)
         self.address = self.backend.listen()
         self._cond = threading.Condition()
@@ -106,6 +110,8 @@ class KVReceiver:
             self.parts_installed += 1
             self.bytes_received += handle.nbytes
             self._cond.notify_all()
+        if self.on_part is not None:
+            self.on_part(header.reservation_id)
 
     def stats(self) -> dict[str, int]:
         return {"kv_parts_installed": self.parts_installed, "kv_parts_rejected": self.parts_rejected,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class DecodeWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._live: dict[str, _Live] = {}
+        self._renew: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stream = TokenStreamClient()
         self.tokens_generated = 0
         self._started = time.monotonic()
@@ -59,7 +61,7 @@ class DecodeWorker:
         if kv is not None:
             from decode_worker.kv_receiver import KVReceiver
 
-            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id))
+            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id), self._kv_arrived)
             self.kv_endpoint = self.receiver.address
 
     # -- control calls (from the proxy) ------------------------------------------------------------------------
@@ -142,6 +144,11 @@ class DecodeWorker:
         self._wake.set()
         return "transferred" if ok else "recomputed"
 
+    def _kv_arrived(self, reservation_id: str) -> None:
+        """KV is flowing for this reservation: it is not orphaned. The loop thread renews it before it next expires
+        anything (queued, so the receiver never waits for a decode step)."""
+        self._renew.put(reservation_id)
+
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a request and free its blocks now, or release its reservation. Whether it was known."""
         with self._lock:
@@ -186,7 +193,12 @@ class DecodeWorker:
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                self.reservations.expire(time.monotonic())
+                now = time.monotonic()
+                while not self._renew.empty():
+                    rid = self._renew.get()
+                    if self.reservations.get(rid) is not None:
+                        self.reservations.touch(rid, now)
+                self.reservations.expire(now)
                 outs = self.engine.step() if self.engine.has_unfinished_requests() else []
                 batches = self._deltas(outs)
             for address, deltas in batches.items():
