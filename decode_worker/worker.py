@@ -99,7 +99,7 @@ class DecodeWorker:
                 self.engine.add_request(req.request_id, list(req.prompt_token_ids),
                                         SamplingParams(**req.sampling_kwargs()), block_ids=blocks)
             except ValueError:
-                self.engine.kv.pool.free(self.engine.kv.pool.blocks[b] for b in blocks)
+                self._free(blocks)
                 raise
             self._live[req.request_id] = _Live(req)
         self._wake.set()
@@ -130,19 +130,27 @@ class DecodeWorker:
                 self.reservations.release(reservation_id)
                 raise RuntimeError(f"KV transfer for {req.request_id} failed or timed out")
             blocks = list(self.reservations.commit(reservation_id))
-            if ok:
-                out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
-                                                        int(first["token_id"]), blocks, lps)
-                finished = out.finished
-            else:
-                self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
-                                        output_prefix=[int(first["token_id"])],
-                                        prefix_logprobs=[lps] if lps is not None else None)
-                finished = False
+            try:
+                if ok:
+                    out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
+                                                            int(first["token_id"]), blocks, lps)
+                    finished = out.finished
+                else:
+                    self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
+                                            output_prefix=[int(first["token_id"])],
+                                            prefix_logprobs=[lps] if lps is not None else None)
+                    finished = False
+            except ValueError:
+                self._free(blocks)
+                raise
             if not finished:  # the proxy already streamed the first token
                 self._live[req.request_id] = _Live(req, {0: 1}, {0: len(first.get("text", ""))})
         self._wake.set()
         return "transferred" if ok else "recomputed"
+
+    def _free(self, blocks: list[int]) -> None:
+        """Mutates: return committed blocks whose request was refused (the caller holds the lock)."""
+        self.engine.kv.pool.free(self.engine.kv.pool.blocks[b] for b in blocks)
 
     def _kv_arrived(self, reservation_id: str) -> None:
         """KV is flowing for this reservation: it is not orphaned. The loop thread renews it before it next expires
