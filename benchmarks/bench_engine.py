@@ -64,9 +64,9 @@ def run_engine(model: str, dtype: str, reqs: list[Req], threads: int | None) -> 
     mixed_steps: list[float] = []
     real_execute = eng.runner.execute
 
-    def timed_execute(out: SchedulerOutput):  # type: ignore[no-untyped-def]
+    def timed_execute(out: SchedulerOutput, *args):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
-        res = real_execute(out)
+        res = real_execute(out, *args)
         if out.prefills:
             mixed_steps.append(time.perf_counter() - t)
         elif out.decodes:
