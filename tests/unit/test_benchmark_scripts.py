@@ -1,0 +1,17 @@
+"""The benchmark scripts still run end to end (tiny settings; numbers are not checked here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_engine_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--requests", "3", "--hf", "bfloat16:3",
+         "--prompt-range", "8,16", "--output-range", "4,8"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ratio engine / best hf" in out.stdout and "roofline" in out.stdout
