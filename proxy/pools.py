@@ -13,6 +13,8 @@ from typing import Any
 
 import ray
 
+from cluster.protocol import ActorStats
+
 log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
 DECODE_PREFIX = "pdcluster-decode-"
@@ -60,6 +62,18 @@ class Pools:
                     ref.alive = True
                 except Exception:
                     ref.alive = False
+
+    @staticmethod
+    def actor_stats(ref: ActorRef, role: str) -> ActorStats:
+        """The router's view of one actor, from its last reported stats (cached prefix blocks count as free). Pure."""
+        st = ref.stats or {}
+        kv = st.get("kv", {})
+        free = int(kv.get("free", 0)) + int(kv.get("cached", 0))
+        reserved, used = int(kv.get("reserved", 0)), int(kv.get("used", 0))
+        return ActorStats(actor_id=ref.name, role=role, alive=ref.alive, kv_blocks_free=free,
+                          kv_blocks_reserved=reserved, kv_blocks_used=used, kv_blocks_total=free + reserved + used,
+                          num_running=int(st.get("running", 0)), num_waiting=int(st.get("waiting", 0)),
+                          queued_prefill_tokens=int(st.get("queued_prefill_tokens", 0)))
 
     def live_prefill(self) -> list[ActorRef]:
         return [a for a in self.prefill.values() if a.alive]

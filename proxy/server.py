@@ -19,13 +19,30 @@ from typing import Any
 from aiohttp import web
 
 from cluster.protocol import GenerateRequest, Usage
+from engine.block_hash import hash_full_blocks
 from proxy.errors import APIError, internal_error, kv_capacity_exceeded, rate_limited, service_unavailable
 from proxy.metrics import Metrics
-from proxy.openai_protocol import (ChatCompletionRequest, CompletionRequest, ProtocolConfig, decode_body,
-                                   parse_chat_request, parse_completion_request, to_generate_request)
-from proxy.openai_responses import (SSE_DONE, ChoiceOutput, TokenLogprob, chat_chunk_body, chat_completion_body,
-                                    completion_body, sse_event, usage_chunk_body)
+from proxy.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ProtocolConfig,
+    decode_body,
+    parse_chat_request,
+    parse_completion_request,
+    to_generate_request,
+)
+from proxy.openai_responses import (
+    SSE_DONE,
+    ChoiceOutput,
+    TokenLogprob,
+    chat_chunk_body,
+    chat_completion_body,
+    completion_body,
+    sse_event,
+    usage_chunk_body,
+)
 from proxy.pools import ActorRef, Pools
+from proxy.router import Router, RouterConfig
 from proxy.token_stream import TokenStreamServer
 from proxy.tokenization import PromptTokenizer
 
@@ -55,6 +72,7 @@ class _Sub:
         self.logprobs: list[TokenLogprob] = []
         self.finish: str | None = None
         self.usage: dict[str, int] | None = None
+        self.prefill_cached_tokens = 0  # prompt tokens the prefill actor took from its prefix cache
 
 
 class Proxy:
@@ -72,6 +90,7 @@ class Proxy:
         self.metrics = Metrics()
         self._waiting = 0
         self._inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
+        self.router = Router(RouterConfig(block_size=block_size))
         self._ids = itertools.count()
         self._refresher: asyncio.Task[None] | None = None
 
@@ -215,7 +234,7 @@ class Proxy:
                     if res is not None:
                         sub.actor = actor
                         sub.queue = self.stream.subscribe(sub.req.request_id)
-                        prefill = self._pick_prefill()
+                        prefill = self._pick_prefill(sub.req.prompt_token_ids)
                         try:
                             if prefill is None:
                                 await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
@@ -233,13 +252,19 @@ class Proxy:
         finally:
             self._waiting -= 1
 
-    def _pick_prefill(self) -> ActorRef | None:
-        """The live prefill actor with the fewest queued prompt tokens; None in colocated mode. Pure."""
-        live = self.pools.live_prefill()
+    def _pick_prefill(self, prompt: tuple[int, ...]) -> ActorRef | None:
+        """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
+        :mod:`proxy.router`); None in colocated mode. Records the prompt's blocks as that actor's."""
+        live = {a.name: a for a in self.pools.live_prefill()}
         if not live:
             return None
-        return min(live, key=lambda a: ((a.stats or {}).get("queued_prefill_tokens", 0) + self._inflight.get(a.name, 0),
-                                        a.name))
+        hashes = hash_full_blocks(prompt, self.block_size)
+        choice = self.router.pick_prefill([Pools.actor_stats(a, "prefill") for a in live.values()], hashes,
+                                          self._inflight)
+        if choice is None:
+            return None
+        self.router.record_prefill(choice.actor_id, hashes)
+        return live[choice.actor_id]
 
     async def _disaggregated(self, sub: _Sub, decode: ActorRef, prefill: ActorRef, res: dict[str, Any]) -> None:
         """Prefill on ``prefill`` (K/V streamed into ``res``'s blocks), hand the first token to the client, then
@@ -253,6 +278,7 @@ class Proxy:
             self._inflight[prefill.name] -= n
             sub.prefill = None
         self.metrics.transfer(first.get("backend", "unknown"), first.get("bytes", 0), first.get("transfer_s", 0.0))
+        sub.prefill_cached_tokens = int(first.get("cached_tokens", 0))
         done = first["finish_reason"] == "stop" or sub.req.max_tokens == 1
         delta: dict[str, Any] = {"request_id": sub.req.request_id, "index": 0, "token_ids": [first["token_id"]],
                                  "text": first["text"], "finish_reason": first["finish_reason"] if done else None,
@@ -309,7 +335,8 @@ class Proxy:
         for s in subs:
             by_prompt.setdefault(s.req.prompt_token_ids, len(s.req.prompt_token_ids))
         return Usage(prompt_tokens=sum(by_prompt.values()), completion_tokens=sum(len(s.tokens) for s in subs),
-                     cached_tokens=sum((s.usage or {}).get("cached_tokens", 0) for s in subs))
+                     cached_tokens=sum(max((s.usage or {}).get("cached_tokens", 0), s.prefill_cached_tokens)
+                                       for s in subs))
 
     def _choice(self, s: _Sub, text: str, finish: str | None, lps: list[TokenLogprob], offset: int = 0) -> ChoiceOutput:
         return ChoiceOutput(s.choice_index, text, finish, tuple(lps) if s.req.logprobs is not None else None, offset)

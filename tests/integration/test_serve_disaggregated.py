@@ -113,3 +113,37 @@ def test_status_and_a_dead_decode_actor_is_reported_not_hung_on() -> None:
     finally:
         cluster.decode_actors = []  # already killed
         cluster.stop()
+
+
+def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() -> None:
+    """P lands on prefill-1 because prefill-0 is busy; once both are idle, a request sharing P's prefix must go to
+    prefill-1 again (its prefix cache hits), although an idle tie would otherwise pick prefill-0."""
+    import threading
+    import time
+
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, prefill=2, port=free_port()))
+    c.start()
+    try:
+        client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def chat(system: str, q: str, max_tokens: int = 4):  # type: ignore[no-untyped-def]
+            return client.chat.completions.create(model="default", max_tokens=max_tokens, temperature=0, messages=[
+                {"role": "system", "content": system}, {"role": "user", "content": q}])
+
+        busy = threading.Thread(target=chat, args=("Long context. " * 500, "Summarize."))
+        busy.start()  # ~1,500 prompt tokens keep prefill-0 busy
+        time.sleep(0.3)
+        shared = "You are a careful assistant. " * 30  # ~200 shared tokens
+        first = chat(shared, "Name a fruit.")
+        busy.join()
+        second = chat(shared, "Name a color.")
+
+        def cached(r) -> int:  # type: ignore[no-untyped-def]
+            d = r.usage.prompt_tokens_details
+            return d.cached_tokens if d is not None else 0
+
+        assert cached(first) == 0 and cached(second) > 100
+        tokens = [ray.get(a.stats.remote())["prompt_tokens"] for a in c.prefill_actors]
+        assert tokens[0] > 1000 and tokens[1] > 0  # the long prompt on one actor, the shared prefix on the other
+    finally:
+        c.stop()
