@@ -14,17 +14,10 @@ import pytest
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from http_util import post_chat  # noqa: E402
+
 from cluster.launcher import Cluster, ServeConfig, free_port  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
-
-
-def _post(url: str, body: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
@@ -49,7 +42,7 @@ def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
         hog.close()
         # once the hog's blocks are back, the same request succeeds
         for _ in range(50):
-            code, out = _post(c.urls[0], body)
+            code, out = post_chat(c.urls[0], body)
             if code == 200:
                 break
             time.sleep(0.2)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
+
+from http_util import post_chat  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig, free_port  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
@@ -80,15 +80,6 @@ def test_sixteen_concurrent_requests_through_both_proxies(cluster, offline) -> N
     assert got == want
 
 
-def _post(url: str, body: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def test_bad_inputs_get_openai_errors_and_serving_continues(cluster) -> None:  # type: ignore[no-untyped-def]
     url = cluster.urls[0]
     msg = [{"role": "user", "content": "hi"}]
@@ -102,10 +93,10 @@ def test_bad_inputs_get_openai_errors_and_serving_continues(cluster) -> None:  #
         (b"{" + b" " * (5 * 1024 * 1024) + b"}", 413, None),
     ]
     for body, status, param in cases:
-        code, err = _post(url, body)
+        code, err = post_chat(url, body)
         assert code == status, (body[:60], code, err)
         assert "message" in err["error"] and (param is None or err["error"]["param"] == param)
-    code, ok = _post(url, json.dumps({"messages": msg, "max_tokens": 4}).encode())
+    code, ok = post_chat(url, json.dumps({"messages": msg, "max_tokens": 4}).encode())
     assert code == 200 and ok["choices"][0]["message"]["content"]
 
 
