@@ -146,13 +146,6 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        """Mutates: forget every cached hash (blocks in use keep their data)."""
-        for b in self.cached.values():
-            b.block_hash = None
-            b.token_ids = None
-        self.cached.clear()
-
     # -- invariants ---------------------------------------------------------------------------------------------
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:
         """Raise ``AssertionError`` if the pool's accounting is inconsistent. Pure.

@@ -30,7 +30,6 @@ class _Request:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     texts: list[str] = field(default_factory=list)
-    aborted: bool = False
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,6 @@ Owns the model weights, the KV cache tensor and the sampler. The only state it m
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -21,13 +20,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # decodes per attention call: sorted by length, groups of 8 gather ~7x less padding than one call over the batch
 # (64 sequences of 16-512 tokens on this CPU: 26 ms -> 3.8 ms per layer)
 DECODE_GROUP = 16
-
-
-@dataclass(frozen=True)
-class StepTimings:
-    num_tokens: int
-    forward_s: float
-    sample_s: float
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
