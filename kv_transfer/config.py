@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("torch_dist", "ucx", "fake")
 UCX_PROGRESS_MODES = ("thread", "polling", "blocking", "thread-polling")
+UCX_PAYLOAD_PATHS = ("worker_address", "listener")
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,16 @@ class KVTransferConfig:
     connect_timeout_s: float = 30.0  # how long connect (and pair-group rendezvous) may take before failing
     io_timeout_s: float = 120.0  # a started message (header in) whose payload takes longer fails, and so does its pair
     max_header_bytes: int = 1 << 20  # a longer header is refused (guards allocation against a corrupt length)
-    ucx_progress_mode: str = "thread"  # ucxx progress mode; "polling" is ~3x faster on loopback but burns a core
+    # ucxx progress mode. "thread": a progress thread; once a peer is connected the receiving side's spins on a core
+    # (measured here with plain ucxx too). "blocking": this backend's event loop thread progresses UCX: ~2x the
+    # bandwidth of "thread" here, but both sides spin once connected, which slows a prefill actor's compute on a
+    # small CPU host. "polling" spins always.
+    ucx_progress_mode: str = "thread"
+    # "worker_address": payloads go over a second endpoint built from the peer's UCX worker address, so UCX may pick
+    # shared memory / CMA for peers on one host (~4x TCP loopback here) and RDMA elsewhere; that endpoint has no UCX
+    # error handling (the shared-memory transports lack it), so peer failure is seen on the listener's connection,
+    # which carries the headers, and by io_timeout_s. "listener": everything over the listener's connection.
+    ucx_payload_path: str = "worker_address"
     # UCX settings (names without the UCX_ prefix; UCX_* environment variables win). 1 MiB TCP segments instead of
     # the default 8 KiB doubled loopback bandwidth here; they cost that much buffer per connection.
     ucx_options: tuple[tuple[str, str], ...] = (("TCP_TX_SEG_SIZE", "1M"), ("TCP_RX_SEG_SIZE", "1M"))
@@ -55,6 +65,8 @@ class KVTransferConfig:
         if not all(isinstance(kv, tuple) and len(kv) == 2 and all(isinstance(x, str) for x in kv)
                    for kv in self.ucx_options):
             raise ValueError(f"ucx_options: must be (name, value) string pairs, got {self.ucx_options!r}")
+        if self.ucx_payload_path not in UCX_PAYLOAD_PATHS:
+            raise ValueError(f"ucx_payload_path: must be one of {UCX_PAYLOAD_PATHS}, got {self.ucx_payload_path!r}")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(f"ucx_progress_mode: must be one of {UCX_PROGRESS_MODES}, got {self.ucx_progress_mode!r}")
 

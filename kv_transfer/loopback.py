@@ -7,6 +7,7 @@ in-process copy and the checksum's speed, measured side by side in one run) both
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing as mp
 import statistics
 import time
@@ -18,7 +19,12 @@ from typing import Any
 import torch
 
 from kv_transfer import make_backend
-from kv_transfer.base import KVTransferBackend, TransferHandle, TransferState, torch_dtype
+from kv_transfer.base import (
+    KVTransferBackend,
+    TransferHandle,
+    TransferState,
+    torch_dtype,
+)
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader
 from kv_transfer.layer_parts import install_layer_part
@@ -176,14 +182,28 @@ def measure_bandwidth(sender: KVTransferBackend, peer: ReceiverProcess, nbytes: 
 
 
 def memcpy_bandwidth(nbytes: int, iters: int = 20) -> float:
-    """GiB/s of an in-process ``Tensor.copy_`` of ``nbytes`` into preallocated memory (median of ``iters``)."""
+    """GiB/s of an in-process ``Tensor.copy_`` of ``nbytes`` into preallocated memory (median of ``iters``).
+
+    torch splits a large copy across its threads; see :func:`single_thread_memcpy_bandwidth` for libc's memcpy.
+    """
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)
+    return _copy_speed(nbytes, iters, lambda: dst.copy_(src))
+
+
+def single_thread_memcpy_bandwidth(nbytes: int, iters: int = 5) -> float:
+    """GiB/s of libc ``memmove`` (one thread) of ``nbytes`` into preallocated memory (median of ``iters``)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return _copy_speed(nbytes, iters, lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes))
+
+
+def _copy_speed(nbytes: int, iters: int, copy: Any) -> float:
+    copy()  # first touch
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        dst.copy_(src)
+        copy()
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 2**30
 
@@ -199,33 +219,47 @@ def checksum_speed(nbytes: int, fn: Any = zlib.crc32, iters: int = 10) -> float:
     return nbytes / statistics.median(times) / 2**30
 
 
+# what the benchmark compares: ucx with payloads on a worker-address endpoint (the default), the same with the
+# "blocking" progress mode, and ucx with payloads on the listener's connection
+BENCH_BACKENDS: dict[str, dict[str, str]] = {
+    "torch_dist": {"backend": "torch_dist"},
+    "ucx": {"backend": "ucx"},
+    "ucx-blocking": {"backend": "ucx", "ucx_progress_mode": "blocking"},
+    "ucx-listener": {"backend": "ucx", "ucx_payload_path": "listener"},
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Print bandwidth per backend next to memcpy and checksum speeds, measured in one run."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--mib", type=int, default=16, help="payload size in MiB")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--backends", default="torch_dist,ucx")
-    parser.add_argument("--ucx-progress-mode", default="thread")
+    parser.add_argument("--backends", default=",".join(BENCH_BACKENDS))
+    parser.add_argument("--ucx-progress-mode", default=None, help="override every ucx variant's progress mode")
     args = parser.parse_args(argv)
     nbytes = args.mib << 20
-    base = memcpy_bandwidth(nbytes)
-    print(f"in-process torch copy_  {base:6.2f} GiB/s  (1.00x; {args.mib} MiB, cache-resident)")
-    print(f"  same, 256 MiB         {memcpy_bandwidth(256 << 20, iters=5):6.2f} GiB/s  (DRAM-bound)")
+    base = single_thread_memcpy_bandwidth(256 << 20)
+    threaded = memcpy_bandwidth(256 << 20, iters=5)
+    print(f"memcpy, one thread      {base:6.2f} GiB/s  (1.00x; 256 MiB, DRAM-bound: the baseline)")
+    print(f"torch copy_, {torch.get_num_threads()} threads  {threaded:6.2f} GiB/s  (256 MiB)")
+    print(f"torch copy_, {args.mib} MiB     {memcpy_bandwidth(nbytes):6.2f} GiB/s  (cache-resident)")
     for name, fn in (("crc32", zlib.crc32), ("adler32", zlib.adler32)):
         print(f"zlib.{name:<17} {checksum_speed(nbytes, fn):6.2f} GiB/s")
-    for backend in args.backends.split(","):
-        cfg = KVTransferConfig(backend=backend, recv_buffer_bytes=nbytes + (1 << 20), num_recv_buffers=4,
-                               ucx_progress_mode=args.ucx_progress_mode)
-        peer = ReceiverProcess(cfg, CacheSpec(1, 1, 1, 1, 1, "float16"))
-        sender = make_backend(KVTransferConfig(backend=backend, name="bench-sender",
-                                               ucx_progress_mode=args.ucx_progress_mode))
+    for label in args.backends.split(","):
+        if label not in BENCH_BACKENDS:
+            parser.error(f"--backends: {label!r} is not one of {sorted(BENCH_BACKENDS)}")
+        kind = dict(BENCH_BACKENDS[label])
+        if args.ucx_progress_mode and kind["backend"] == "ucx":
+            kind["ucx_progress_mode"] = args.ucx_progress_mode
+        peer = ReceiverProcess(KVTransferConfig(recv_buffer_bytes=nbytes + (1 << 20), num_recv_buffers=4, **kind),
+                               CacheSpec(1, 1, 1, 1, 1, "float16"))
+        sender = make_backend(KVTransferConfig(name="bench-sender", **kind))
         try:
             bw = measure_bandwidth(sender, peer, nbytes, args.iters)
-            print(f"{backend:<23} {bw:6.2f} GiB/s  ({bw / base:.2f}x of copy_)")
+            print(f"{label:<23} {bw:6.2f} GiB/s  ({bw / base:.2f}x of memcpy, {bw / threaded:.2f}x of threaded copy_)")
         finally:
             sender.close()
             peer.close()
-
 
 if __name__ == "__main__":
     main()

@@ -1,10 +1,17 @@
 """KV transfer over UCX through ``ucxx`` (the maintained successor of ucx-py): host memory here, device memory on GPU.
 
 ucxx's API is asyncio; this backend owns one event loop in one thread and exposes the same non-blocking, pollable
-interface as the others. Per endpoint, messages go in order under a lock: a hello with the sender's name once, then
-per message ``int64[2]`` (header length, payload bytes; (-1, 0) says goodbye), the header bytes, and the payload
-received straight into a preallocated buffer. TCP over loopback here; UCX picks shared memory / RDMA / NVLink
-transports where they exist (``UCX_TLS``).
+interface as the others. Per peer, messages go in order under a lock over the listener's connection: a hello once
+(``int64[2]``: name length, whether payloads take the worker-address path; then the name), then per message
+``int64[2]`` (header length, payload bytes; (-1, 0) says goodbye), the header bytes, and the payload, received straight
+into a preallocated buffer.
+
+UCX connections made through a listener (sockaddr) only use the transport they were made over (TCP here). With
+``ucx_payload_path="worker_address"`` (the default) the receiver answers the hello with its UCX worker address and a
+tag base for this peer; the sender opens a second endpoint from that address, and payloads travel on it with tag
+``base + message number``. UCX then picks shared memory or CMA between processes on one host (~4x TCP loopback here),
+RDMA or NVLink where they exist. That endpoint runs without UCX error handling (the shared-memory transports lack it):
+peer failure shows on the listener's connection, and a payload that does not arrive within ``io_timeout_s`` fails.
 
 ucxx keeps one context per process, so use one UCX backend per process (the actors have one each).
 """
@@ -22,6 +29,8 @@ import torch
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
+
+_TAG_SHIFT = 40  # payload tag = (peer number << 40) + message number: distinct per peer, and from ucxx's own tags
 
 
 def ucx_unavailable_reason() -> str | None:
@@ -57,6 +66,9 @@ class UCXBackend(KVTransferBackend):
         self._endpoints: dict[str, Any] = {}  # peer address -> ucxx endpoint (sending side)
         self._locks: dict[str, asyncio.Lock] = {}  # peer address -> serialises its messages (and connecting)
         self._incoming: set[Any] = set()  # receiving side endpoints, closed on close()
+        self._data_eps: dict[str, tuple[Any, int]] = {}  # peer -> (worker-address endpoint, tag base) for payloads
+        self._sent: dict[str, int] = {}  # peer -> payloads sent on its worker-address endpoint (the tag's low bits)
+        self._peer_tags = 0  # receiving side: tag bases handed out so far
         self._closed = False
         self._run(self._init_ucx(), timeout_s=config.connect_timeout_s)
 
@@ -91,11 +103,20 @@ class UCXBackend(KVTransferBackend):
         peer = "?"
         pending: asyncio.Future | None = None
         try:
-            size = np.empty(1, dtype=np.int64)
-            await ep.recv(size)
-            name = np.empty(int(size[0]), dtype=np.uint8)
+            hello = np.empty(2, dtype=np.int64)
+            await ep.recv(hello)
+            name = np.empty(int(hello[0]), dtype=np.uint8)
             await ep.recv(name)
             peer = name.tobytes().decode()
+            tag_base = None  # payloads arrive on this connection
+            if hello[1]:
+                self._peer_tags += 1
+                tag_base = self._peer_tags << _TAG_SHIFT
+                address = np.frombuffer(bytes(self._ucxx.get_worker_address()), dtype=np.uint8)
+                await ep.send(np.array([tag_base, address.size], dtype=np.int64))
+                await ep.send(address)
+            received = 0
+            landing: asyncio.Future | None = None  # the previous message's landing task
             metas = [np.empty(2, dtype=np.int64) for _ in range(2)]
             current = 0
             pending = asyncio.ensure_future(ep.recv(metas[current]))
@@ -121,17 +142,19 @@ class UCXBackend(KVTransferBackend):
                         return
                     await asyncio.sleep(0.001)  # back-pressure; only this loop takes buffers, so no race after
                 raw = side.acquire(handle)
-                # post the payload's recv and, right behind it, the next message's: tasks start in creation order
-                payload = asyncio.ensure_future(ep.recv(_ucx_buffer(raw))) if nbytes else None
+                # post the payload's recv and, right behind it, the next message's: tasks start in creation order.
+                # The payload lands in its own task, so the next header is read (and its payload's recv posted)
+                # while this one is still arriving; handles still finish in arrival order.
+                payload = None
+                if nbytes and tag_base is None:
+                    payload = asyncio.ensure_future(ep.recv(_ucx_buffer(raw)))
+                elif nbytes:
+                    payload = asyncio.ensure_future(self._ucxx.recv(_ucx_buffer(raw), tag=tag_base + received))
+                    received += 1
                 current ^= 1
                 pending = asyncio.ensure_future(ep.recv(metas[current]))
-                try:
-                    if payload is not None:
-                        await payload
-                except Exception as e:
-                    side.finish(handle, None, f"receive from {peer} failed: {e}")
-                    raise
-                side.finish(handle, raw, error)
+                landing = asyncio.ensure_future(
+                    self._land(handle, raw, error, payload, landing, peer, retire_on_failure=tag_base is not None))
         except Exception as e:
             if not side.closed.is_set():
                 self.peer_errors[peer] = f"connection lost: {e}"  # ucxx raises on a closed endpoint
@@ -139,6 +162,22 @@ class UCXBackend(KVTransferBackend):
             self._incoming.discard(ep)
             if pending is not None and not pending.done():
                 pending.cancel()
+
+    async def _land(self, handle: TransferHandle, raw: torch.Tensor, error: str | None, payload: asyncio.Future | None,
+                    previous: asyncio.Future | None, peer: str, retire_on_failure: bool) -> None:
+        """Wait for one payload (up to ``io_timeout_s``), then, after the previous message, finish its handle."""
+        side = self.recv_side
+        assert side is not None
+        try:
+            if payload is not None:
+                await asyncio.wait_for(payload, self.config.io_timeout_s)
+        except Exception as e:
+            if retire_on_failure:
+                handle.buffer_index = None  # a posted UCX receive may still write into it: retire the buffer
+            raw, error = None, f"receive from {peer} failed: {type(e).__name__} {e}"
+        if previous is not None:
+            await asyncio.wait([previous])
+        side.finish(handle, raw, error)
 
     # -- sending --------------------------------------------------------------------------------------------
     async def _endpoint(self, peer_address: str) -> Any:
@@ -152,8 +191,20 @@ class UCXBackend(KVTransferBackend):
         ep = await asyncio.wait_for(self._ucxx.create_endpoint(host.strip("[]"), int(port)),
                                     self.config.connect_timeout_s)
         name = np.frombuffer(self.config.name.encode(), dtype=np.uint8)
-        await ep.send(np.array([name.size], dtype=np.int64))
+        via_worker = self.config.ucx_payload_path == "worker_address"
+        await ep.send(np.array([name.size, int(via_worker)], dtype=np.int64))
         await ep.send(name)
+        if via_worker:
+            reply = np.empty(2, dtype=np.int64)
+            await asyncio.wait_for(ep.recv(reply), self.config.connect_timeout_s)
+            address = np.empty(int(reply[1]), dtype=np.uint8)
+            await ep.recv(address)
+            data_ep = await asyncio.wait_for(
+                self._ucxx.create_endpoint_from_worker_address(
+                    self._ucxx.get_ucx_address_from_buffer(address.tobytes()), endpoint_error_handling=False),
+                self.config.connect_timeout_s)
+            self._data_eps[peer_address] = (data_ep, int(reply[0]))
+            self._sent[peer_address] = 0
         self._endpoints[peer_address] = ep
         return ep
 
@@ -203,17 +254,23 @@ class UCXBackend(KVTransferBackend):
             handle.mark_transferring()
             sends = [ep.send(np.array([len(header_bytes), handle.nbytes], dtype=np.int64)),
                      ep.send(np.frombuffer(header_bytes, dtype=np.uint8))]
-            if handle.nbytes:
+            if handle.nbytes and peer in self._data_eps:
+                data_ep, tag_base = self._data_eps[peer]
+                sends.append(data_ep.send(_ucx_buffer(as_bytes(payload)), tag=tag_base + self._sent[peer],
+                                          force_tag=True))
+                self._sent[peer] += 1
+            elif handle.nbytes:
                 sends.append(ep.send(_ucx_buffer(as_bytes(payload))))
             tasks = [asyncio.ensure_future(c) for c in sends]
             await asyncio.sleep(0)  # each task posts its send on its first step, in creation order
         try:
-            await asyncio.gather(*tasks)
+            await asyncio.wait_for(asyncio.gather(*tasks), self.config.io_timeout_s)
             self._send_done(handle)
         except Exception as e:
-            handle.mark_failed(f"send to {peer} failed: {e}")
+            handle.mark_failed(f"send to {peer} failed: {type(e).__name__} {e}")
             if self._endpoints.get(peer) is ep:
                 self._endpoints.pop(peer, None)  # reconnect on the next send
+                self._data_eps.pop(peer, None)
 
     def close(self) -> None:
         """Mutates: say goodbye to every peer, close endpoints and the listener, stop the loop. Idempotent."""
@@ -231,12 +288,13 @@ class UCXBackend(KVTransferBackend):
                 except Exception:
                     pass  # the peer is gone already
             await asyncio.sleep(0.05)  # let the goodbyes leave before the endpoints close
-            for ep in [*self._endpoints.values(), *self._incoming]:
+            for ep in [*self._endpoints.values(), *(d for d, _ in self._data_eps.values()), *self._incoming]:
                 try:
                     await ep.close()
                 except Exception:
                     pass
             self._endpoints.clear()
+            self._data_eps.clear()
             self._incoming.clear()
             if self._listener is not None:
                 self._listener.close()
