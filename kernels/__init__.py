@@ -1,25 +1,52 @@
 """KV kernels behind stable functions.
 
 Each public function checks its arguments (raising ``ValueError`` that names the offending one) and runs the
-implementation for the tensors' device. Today every device runs the pure-torch reference in
-:mod:`kernels.reference`; the Triton kernels plug in behind these same functions, so callers never change.
+implementation for the tensors' device: the Triton kernels of :mod:`kernels.triton_kv` on CUDA tensors, or on any
+tensors when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter: how the tests check them here), and otherwise the
+pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path. Callers never change.
+
+An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
+``[num_blocks, kv_heads]``. Writing into it (:func:`store_kv_quantized`) re-quantizes the touched blocks, so a block's
+scale always covers its largest value; it runs the torch path on every device.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib.util
+import os
 
 import torch
 
 from kernels import reference
 
 __all__ = [
+    "dequantize_kv_fp8",
+    "pack_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
-    "store_kv",
-    "pack_blocks",
-    "unpack_blocks",
     "quantize_kv_fp8",
-    "dequantize_kv_fp8",
+    "store_kv",
+    "store_kv_quantized",
+    "unpack_blocks",
+    "uses_triton",
 ]
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_triton(t: torch.Tensor) -> bool:
+    """Whether the kernels run Triton for tensors like ``t``: CUDA tensors, or anything under ``TRITON_INTERPRET=1``."""
+    return (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and _triton_importable()
+
+
+def _triton():  # type: ignore[no-untyped-def]
+    from kernels import triton_kv
+
+    return triton_kv
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -31,6 +58,23 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     _check(k_cache.dim() == 4, "k_cache", f"expected [num_blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)}")
     _check(v_cache.shape == k_cache.shape, "v_cache", f"shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     _check(v_cache.dtype == k_cache.dtype, "v_cache", f"dtype {v_cache.dtype} != k_cache {k_cache.dtype}")
+    _, bs, kvh, hd = k_cache.shape
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(tuple(cache.stride()[1:]) == (kvh * hd, hd, 1), name,
+               f"each block must be contiguous (strides [*, {kvh * hd}, {hd}, 1]), got {tuple(cache.stride())}")
+
+
+def _check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
+    """An FP8 cache needs both scale tensors ``[num_blocks, kv_heads]`` float32; any other cache none."""
+    if k_cache.dtype != reference.FP8_DTYPE:
+        _check(k_scales is None and v_scales is None, "k_scales", f"only an FP8 cache takes scales, not {k_cache.dtype}")
+        return
+    want = (k_cache.shape[0], k_cache.shape[2])
+    for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
+        _check(sc is not None, name, "an FP8 cache needs k_scales and v_scales")
+        assert sc is not None
+        _check(tuple(sc.shape) == want and sc.dtype == torch.float32, name,
+               f"expected float32 {want}, got {sc.dtype} {tuple(sc.shape)}")
 
 
 def paged_decode_attention(
@@ -41,9 +85,14 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending over its paged KV. Pure; see :func:`reference.paged_decode_attention`."""
     _check_cache(k_cache, v_cache)
+    _check_scales(k_cache, k_scales, v_scales)
+    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
+    _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
     _check(q.dim() == 3, "q", f"expected [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     _check(q.shape[2] == k_cache.shape[3], "q", f"head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     _check(q.shape[1] % k_cache.shape[2] == 0, "q", f"num_heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
@@ -53,7 +102,12 @@ def paged_decode_attention(
     _check(seq_lens.shape == (q.shape[0],), "seq_lens", f"expected [{q.shape[0]}], got {tuple(seq_lens.shape)}")
     if q.shape[0] and int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1]:
         raise ValueError("seq_lens: longer than block_tables can address")
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    _check(not seq_lens.is_floating_point(), "seq_lens", f"must be an integer tensor, got {seq_lens.dtype}")
+    if uses_triton(q):
+        return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                                k_scales, v_scales)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                            k_scales, v_scales)
 
 
 def paged_prefill_attention(
@@ -64,15 +118,19 @@ def paged_prefill_attention(
     start_pos: int,
     scale: float,
     sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention for one sequence's prefill chunk over its paged KV. Pure."""
+    """Causal attention for one sequence's prefill chunk over its paged KV (torch SDPA on every device). Pure."""
     _check_cache(k_cache, v_cache)
+    _check_scales(k_cache, k_scales, v_scales)
     _check(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     _check(start_pos >= 0, "start_pos", f"must be >= 0, got {start_pos}")
     need = -(-(start_pos + q.shape[0]) // k_cache.shape[1])
     _check(block_table.dim() == 1 and block_table.shape[0] >= need, "block_table",
            f"needs at least {need} blocks, got {tuple(block_table.shape)}")
-    return reference.paged_prefill_attention(q, k_cache, v_cache, block_table, start_pos, scale, sliding_window)
+    return reference.paged_prefill_attention(q, k_cache, v_cache, block_table, start_pos, scale, sliding_window,
+                                             k_scales, v_scales)
 
 
 def store_kv(
@@ -85,13 +143,35 @@ def store_kv(
     _check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} != key {tuple(key.shape)}")
     _check(slot_mapping.shape == (key.shape[0],), "slot_mapping", f"expected [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
     _check(not slot_mapping.is_floating_point(), "slot_mapping", f"must be an integer tensor, got {slot_mapping.dtype}")
-    reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+    _check(k_cache.dtype != reference.FP8_DTYPE, "k_cache", "an FP8 cache is written with store_kv_quantized")
+    if uses_triton(key):
+        _triton().store_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_quantized(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`store_kv` into an FP8 cache: re-quantizes each touched block with a fresh scale. Mutates caches and
+    scales. A block's slots past its last written token must hold zeros or stale values of that block (both fine)."""
+    _check(k_cache.dtype == reference.FP8_DTYPE, "k_cache", f"expected float8_e4m3fn, got {k_cache.dtype}")
+    _check_cache(k_cache, v_cache)
+    _check_scales(k_cache, k_scales, v_scales)
+    _check(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
+           f"expected [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(key.shape)}")
+    _check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} != key {tuple(key.shape)}")
+    _check(slot_mapping.shape == (key.shape[0],), "slot_mapping", f"expected [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    reference.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Gather blocks into ``[2, n, block_size, kv_heads, head_dim]``. Pure."""
     _check_cache(k_cache, v_cache)
     _check(block_ids.dim() == 1 and not block_ids.is_floating_point(), "block_ids", "must be a 1-D integer tensor")
+    if uses_triton(k_cache):
+        return _triton().pack_blocks(k_cache, v_cache, block_ids)
     return reference.pack_blocks(k_cache, v_cache, block_ids)
 
 
@@ -101,17 +181,26 @@ def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check(block_ids.dim() == 1 and not block_ids.is_floating_point(), "block_ids", "must be a 1-D integer tensor")
     expected = (2, block_ids.shape[0], *k_cache.shape[1:])
     _check(tuple(buf.shape) == expected, "buf", f"expected {expected}, got {tuple(buf.shape)}")
-    reference.unpack_blocks(buf, k_cache, v_cache, block_ids)
+    if uses_triton(k_cache):
+        _triton().unpack_blocks(buf, k_cache, v_cache, block_ids)
+    else:
+        reference.unpack_blocks(buf, k_cache, v_cache, block_ids)
 
 
 def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float8_e4m3fn with one scale per (block, kv head). Pure."""
     _check(x.dim() == 4, "x", f"expected [num_blocks, block_size, kv_heads, head_dim], got {tuple(x.shape)}")
+    _check(x.is_floating_point() and x.dtype != reference.FP8_DTYPE, "x", f"expected a float tensor, got {x.dtype}")
+    if uses_triton(x):
+        return _triton().quantize_kv_fp8(x)
     return reference.quantize_kv_fp8(x)
 
 
 def dequantize_kv_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_kv_fp8`. Pure."""
     _check(q.dtype == reference.FP8_DTYPE, "q", f"expected float8_e4m3fn, got {q.dtype}")
+    _check(q.dim() == 4, "q", f"expected [num_blocks, block_size, kv_heads, head_dim], got {tuple(q.shape)}")
     _check(scales.shape == (q.shape[0], q.shape[2]), "scales", f"expected {(q.shape[0], q.shape[2])}, got {tuple(scales.shape)}")
+    if uses_triton(q):
+        return _triton().dequantize_kv_fp8(q, scales, dtype)
     return reference.dequantize_kv_fp8(q, scales, dtype)

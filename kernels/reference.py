@@ -21,6 +21,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Pure: returns a new tensor.
 
@@ -35,8 +37,8 @@ def paged_decode_attention(
     ctx = n_blocks * block_size
     idx = block_tables[:, :n_blocks].reshape(-1).long()
     # gather [num_seqs, ctx, kv_heads, head_dim] -> [num_seqs, kv_heads, ctx, head_dim]
-    k = k_cache.index_select(0, idx).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    v = v_cache.index_select(0, idx).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    k = _gather(k_cache, idx, k_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    v = _gather(v_cache, idx, v_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     pos = torch.arange(ctx, device=q.device)[None, :]
     lens = seq_lens.to(q.device).long()[:, None]
     allowed = pos < lens
@@ -47,6 +49,12 @@ def paged_decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def _gather(cache: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``idx`` of ``cache`` (dequantized to ``dtype`` when ``scales`` is given). Pure."""
+    blocks = cache.index_select(0, idx)
+    return blocks if scales is None else dequantize_kv_fp8(blocks, scales.index_select(0, idx), dtype)
+
+
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -55,6 +63,8 @@ def paged_prefill_attention(
     start_pos: int,
     scale: float,
     sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one sequence's chunk of queries over its paged context. Pure.
 
@@ -66,8 +76,9 @@ def paged_prefill_attention(
     ctx = start_pos + num_tokens
     n_blocks = (ctx + block_size - 1) // block_size
     table = block_table[:n_blocks].long()
-    k = k_cache[table].reshape(n_blocks * block_size, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
-    v = v_cache[table].reshape(n_blocks * block_size, num_kv_heads, head_dim)[:ctx].transpose(0, 1)
+    k = _gather(k_cache, table, k_scales, q.dtype).reshape(n_blocks * block_size, num_kv_heads, head_dim)
+    v = _gather(v_cache, table, v_scales, q.dtype).reshape(n_blocks * block_size, num_kv_heads, head_dim)
+    k, v = k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1)
     group = num_heads // num_kv_heads
     if group > 1:  # CPU flash attention has no GQA path: without this, SDPA falls back to the slow math kernel
         k = k.repeat_interleave(group, dim=0)
@@ -100,6 +111,30 @@ def store_kv(
         slots, key, value = slots[keep], key[keep], value[keep]
     k_cache.view(-1, k_cache.shape[2], k_cache.shape[3]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def store_kv_quantized(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`store_kv` into an FP8 cache: dequantize each touched block, write the tokens, re-quantize the block with
+    a fresh scale per kv head. Mutates the caches and scales; slots of -1 are skipped."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    slots, key, value = slots[keep], key[keep], value[keep]
+    if slots.numel() == 0:
+        return
+    block_size = k_cache.shape[1]
+    blocks, where = torch.unique(slots // block_size, return_inverse=True)
+    for cache, scales, new in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
+        work = dequantize_kv_fp8(cache[blocks], scales[blocks], torch.float32)
+        work[where, slots % block_size] = new.float()
+        cache[blocks], scales[blocks] = quantize_kv_fp8(work)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

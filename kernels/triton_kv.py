@@ -185,6 +185,27 @@ def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @triton.jit
+def _round_mantissa_3(a):
+    """Non-negative float32 ``a`` rounded half-to-even to 3 mantissa bits, in float32 (integer bit arithmetic)."""
+    bits = a.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_e4m3_grid(y):
+    """``y`` (float32, within +-448) rounded half-to-even onto float8_e4m3fn's values, still in float32.
+
+    The cast that follows is then exact everywhere; the Triton interpreter's own float32 -> fp8 cast truncates.
+    Below 2**-6 (subnormals: multiples of 2**-9) the same 3-bit rounding runs on ``|y| + 2**-6``.
+    """
+    a = tl.abs(y)
+    r = tl.where(a < 0.015625, _round_mantissa_3(a + 0.015625) - 0.015625, _round_mantissa_3(a))
+    sign = y.to(tl.int32, bitcast=True) & -0x80000000
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fp8_kernel(x_ptr, y_ptr, s_ptr, stride_xb, stride_xt, stride_yb, stride_yt, num_heads,
                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, T_PAD: tl.constexpr, D_PAD: tl.constexpr,
                 QUANTIZE: tl.constexpr):
@@ -199,7 +220,7 @@ def _fp8_kernel(x_ptr, y_ptr, s_ptr, stride_xb, stride_xt, stride_yb, stride_yt,
     x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     if QUANTIZE:
         s = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0) / 448.0, 1e-12)
-        y = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+        y = _to_e4m3_grid(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
         tl.store(s_ptr + b * num_heads + h, s)
     else:
         y = x * tl.load(s_ptr + b * num_heads + h)
