@@ -10,6 +10,7 @@ from typing import Any
 class WorkerConfig:
     model: str = "default"
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # or "fp8": KV stored and sent as float8_e4m3fn with per-(block, kv head) scales
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_gib: float = 1.0

@@ -97,7 +97,7 @@ class KVReceiver:
         exp, arrivals = entry
         try:
             k, v = self.engine.kv_layer(header.layer)[0], self.engine.kv_layer(header.layer)[1]
-            install_layer_part(header, handle.raw, exp, k, v)
+            install_layer_part(header, handle.raw, exp, k, v, self.engine.kv_layer_scales(header.layer))
         except (KVTransferError, ValueError, IndexError) as e:
             self.parts_rejected += 1
             log.warning("KV part for %s rejected: %s", header.request_id, e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,9 @@ class EngineConfig:
 
     model: str = "default"  # "default" (the embedded SmolLM2-135M-Instruct) or a Hugging Face folder
     dtype: str = "float32"  # weights, activations and KV cache: float32 | bfloat16
+    # KV cache storage: "auto" (= dtype) or "fp8" (float8_e4m3fn with one float32 scale per block and kv head: half
+    # of bfloat16's bytes in memory and on the wire; attention dequantizes)
+    kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # total KV blocks; None: sized from kv_cache_gib
     kv_cache_gib: float = 2.0  # memory for the KV cache when num_kv_blocks is None
@@ -30,6 +34,8 @@ class EngineConfig:
 
         if self.dtype not in SUPPORTED_DTYPES:
             raise bad("dtype", f"must be one of {SUPPORTED_DTYPES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             raise bad("block_size", "must be a power of two in [1, 128]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -16,7 +16,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
 from engine.model_loader import load_state_dict, model_fingerprint
-from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
+from engine.model_runner import DTYPES, FP8, ModelRunner, kv_block_bytes
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
@@ -51,8 +51,9 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.fingerprint = model_fingerprint(path, config.dtype)
         model = DecoderModel(mc, load_state_dict(path, dtype), dtype, self.max_model_len)
+        kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype
         num_blocks = config.num_kv_blocks or max(
-            2, int(config.kv_cache_gib * 2**30) // kv_block_bytes(mc, config.block_size, dtype)
+            2, int(config.kv_cache_gib * 2**30) // kv_block_bytes(mc, config.block_size, kv_dtype)
         )
         extra = f"{self.fingerprint}:{config.block_size}".encode()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
@@ -62,7 +63,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype)
         self._ids = seq_id_counter()
         self._requests: dict[str, _Request] = {}
 
@@ -172,6 +173,10 @@ class LLMEngine:
     def kv_layer(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` (a view: writes go through)."""
         return self.runner.kv_caches[layer]
+
+    def kv_layer_scales(self, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s FP8 scales ``[2, num_blocks, kv_heads]`` (a view), or None for an unquantized cache."""
+        return None if self.runner.kv_scale_layers is None else self.runner.kv_scale_layers[layer]
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks. Unknown or finished ids are ignored."""

@@ -82,8 +82,11 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
         after_kv_store: Callable[[int], None] | None = None,
+        kv_scales: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm. Writes the tokens' K/V into ``kv_caches``.
+
+        ``kv_scales``: for an FP8 cache, each layer's ``[2, num_blocks, kv_heads]`` scales (written with the K/V).
 
         ``after_kv_store(layer)`` runs as soon as a layer's K/V for this step is in the cache, before that layer's
         attention and MLP: a prefill worker starts sending it there, so the transfer overlaps the remaining compute.
@@ -101,10 +104,14 @@ class DecoderModel:
             v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             q, k = self.rope.apply(q, k, cos_sin)
             k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
-            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            scales = (kv_scales[i][0], kv_scales[i][1]) if kv_scales is not None else (None, None)
+            if scales[0] is None:
+                kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            else:
+                kernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
             if after_kv_store is not None:
                 after_kv_store(i)
-            attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i])
+            attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i], scales)
             h = h + F.linear(attn.reshape(T, self.q_size), lw.o)
             x = self._norm(h, lw.post_norm)
             gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
@@ -112,15 +119,17 @@ class DecoderModel:
         return self._norm(h, self.final_norm)
 
     def _attention(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
+        scales: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         parts = [
-            kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window)
+            kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window, *scales)
             for a, b, tables, lens in meta.decode_groups
         ]
         off = meta.num_decodes
         for n, start, table in meta.prefills:
-            parts.append(kernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale, window))
+            parts.append(kernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale,
+                                                         window, *scales))
             off += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

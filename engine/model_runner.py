@@ -22,21 +22,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DECODE_GROUP = 16
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes one block takes across all layers (K and V, and their scales for an FP8 cache)."""
+    values = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    return values + (2 * cfg.num_layers * cfg.num_kv_heads * 4 if dtype == FP8 else 0)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
         self.kv = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype
+            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype or model.dtype
         )
         self.kv_caches = list(self.kv.unbind(0))
+        # an FP8 cache's scales: [layers, 2, num_blocks, kv_heads] float32 (zero for a never-written block)
+        self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads) if self.kv.dtype == FP8
+                          else None)
+        self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.sampler = Sampler(seed)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -45,6 +54,8 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in pairs])
             dst = torch.tensor([d for _, d in pairs])
             self.kv[:, :, dst] = self.kv[:, :, src]
+            if self.kv_scales is not None:
+                self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
 
     def _slots(self, table: list[int], start: int, n: int) -> list[int]:
         bs = self.block_size
@@ -103,7 +114,7 @@ class ModelRunner:
         if out.is_empty:
             return {}
         ids, pos, meta, order, rows = self.prepare(out)
-        hidden = self.model.forward(ids, pos, meta, self.kv_caches, after_kv_store)
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches, after_kv_store, self.kv_scale_layers)
         to_sample = [s for s in order if s.sample]
         if not to_sample:
             return {}

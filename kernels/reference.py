@@ -123,7 +123,11 @@ def store_kv_quantized(
     slot_mapping: torch.Tensor,
 ) -> None:
     """:func:`store_kv` into an FP8 cache: dequantize each touched block, write the tokens, re-quantize the block with
-    a fresh scale per kv head. Mutates the caches and scales; slots of -1 are skipped."""
+    a fresh scale per kv head. Mutates the caches and scales; slots of -1 are skipped.
+
+    Tokens are written in position order, so a block's slots after the last one written here hold nothing yet (or
+    a previous owner's values): they are zeroed, so that stale values never inflate a scale and two caches that
+    received the same tokens hold the same bytes."""
     slots = slot_mapping.long()
     keep = slots >= 0
     slots, key, value = slots[keep], key[keep], value[keep]
@@ -131,9 +135,14 @@ def store_kv_quantized(
         return
     block_size = k_cache.shape[1]
     blocks, where = torch.unique(slots // block_size, return_inverse=True)
+    offsets = slots % block_size
+    last = torch.full((blocks.numel(),), -1, dtype=torch.long, device=slots.device)
+    last = last.scatter_reduce(0, where, offsets, "amax")
+    unwritten = torch.arange(block_size, device=slots.device)[None, :] > last[:, None]
     for cache, scales, new in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
         work = dequantize_kv_fp8(cache[blocks], scales[blocks], torch.float32)
-        work[where, slots % block_size] = new.float()
+        work[where, offsets] = new.float()
+        work[unwritten] = 0.0
         cache[blocks], scales[blocks] = quantize_kv_fp8(work)
 
 

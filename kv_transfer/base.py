@@ -172,7 +172,7 @@ class RecvSide:
         else:
             assert raw is not None and handle.header is not None
             handle.raw = raw
-            if raw.numel() == handle.header.payload_nbytes:
+            if raw.numel() == handle.header.payload_nbytes and not handle.header.scales_nbytes:
                 handle.payload = raw.view(torch_dtype(handle.header.dtype)).view(handle.header.shape)
             handle.mark_done()
         self._finished.put(handle)

@@ -1,7 +1,8 @@
 """The KV transfer wire header (msgpack) and the receiver's check of every field. Torch-free.
 
 One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
-``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``.
+``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``. An FP8 payload
+(``float8_e4m3fn``) carries its float32 scales ``[2, len(block_ids), kv_heads]`` right after the blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 1  # bump when the fields or the checksum algorithm change
+WIRE_VERSION = 2  # bump when the fields, the payload layout or the checksum algorithm change (2: FP8 scales)
+SCALED_DTYPES = ("float8_e4m3fn",)  # payload dtypes followed by float32 scales, one per (K/V, block, kv head)
 
 # itemsize per dtype name (torch's name without "torch."); a dtype outside this table is refused
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -88,8 +90,15 @@ class KVTransferHeader:
 
     @property
     def payload_nbytes(self) -> int:
-        """Bytes the payload must have for this dtype and shape. Pure."""
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+        """Bytes the payload must have for this dtype and shape (with the scales of an FP8 payload). Pure."""
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype] + self.scales_nbytes
+
+    @property
+    def scales_nbytes(self) -> int:
+        """Bytes of the float32 scales after the blocks: ``2 * blocks * kv_heads * 4`` for FP8, else 0. Pure."""
+        if self.dtype not in SCALED_DTYPES or len(self.shape) != 5:
+            return 0
+        return self.shape[0] * self.shape[1] * self.shape[3] * 4
 
     def encode(self) -> bytes:
         """msgpack bytes of this header. Pure."""

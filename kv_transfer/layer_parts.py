@@ -10,6 +10,9 @@ Receiver, for each DONE handle from ``backend.recv()``::
 
     install_layer_part(handle.header, handle.raw, expected, k_caches[handle.header.layer], v_caches[...])
     backend.release(handle)
+
+An FP8 cache passes its layer's scales ``[2, num_blocks, kv_heads]`` (``scales=``) to both: the payload then carries
+the blocks' scales after the blocks, half the bytes of bfloat16.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ def pack_layer_part(
     request_id: str,
     reservation_id: str,
     model_fingerprint: str,
+    scales: torch.Tensor | None = None,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
-    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum.
+    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum;
+    for an FP8 cache (``scales`` given) the payload is flat bytes: the blocks, then their scales ``[2, n, kv_heads]``.
     """
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
     ids = torch.tensor(list(src_block_ids), dtype=torch.long, device=k_cache.device)
-    payload = kernels.pack_blocks(k_cache, v_cache, ids).contiguous()
+    blocks = kernels.pack_blocks(k_cache, v_cache, ids).contiguous()
+    payload = blocks
+    if scales is not None:
+        payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids].contiguous())))
     header = KVTransferHeader(
         request_id=request_id,
         reservation_id=reservation_id,
@@ -59,8 +67,8 @@ def pack_layer_part(
         token_start=token_start,
         token_end=token_end,
         block_ids=tuple(int(b) for b in dst_block_ids),
-        dtype=dtype_name(payload.dtype),
-        shape=tuple(payload.shape),
+        dtype=dtype_name(blocks.dtype),
+        shape=tuple(blocks.shape),
         checksum=payload_checksum(tensor_memoryview(payload)),
         model_fingerprint=model_fingerprint,
     )
@@ -73,18 +81,26 @@ def install_layer_part(
     expected: ExpectedTransfer,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    scales: torch.Tensor | None = None,
 ) -> None:
-    """Verify ``header`` and the payload bytes ``raw`` against ``expected``, then scatter them into the caches.
+    """Verify ``header`` and the payload bytes ``raw`` against ``expected``, then scatter them into the caches
+    (and an FP8 payload's scales into ``scales``, the layer's ``[2, num_blocks, kv_heads]``).
 
     Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
     :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
     """
     if tuple(k_cache.shape[1:]) != expected.block_shape or dtype_name(k_cache.dtype) != expected.dtype:
         raise ValueError(f"k_cache: {tuple(k_cache.shape)} {k_cache.dtype} does not match {expected}")
+    if (scales is not None) != (header.scales_nbytes > 0):
+        raise ValueError(f"scales: a {header.dtype} payload into a {k_cache.dtype} cache "
+                         f"{'without' if scales is None else 'with'} scales")
     verify(header, tensor_memoryview(raw), expected)
-    payload = raw.view(k_cache.dtype).view(header.shape)
+    split = raw.numel() - header.scales_nbytes
+    payload = raw[:split].view(k_cache.dtype).view(header.shape)
     ids = torch.tensor(header.block_ids, dtype=torch.long, device=k_cache.device)
     kernels.unpack_blocks(payload, k_cache, v_cache, ids)
+    if scales is not None:
+        scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), -1)
 
 
 class LayerArrivals:

@@ -113,6 +113,7 @@ class PrefillWorker:
 
         bs = self.engine.config.block_size
         kv = self.engine.kv_layer(layer)
+        scales = self.engine.kv_layer_scales(layer)
         for s in out.scheduled:
             job = self._jobs.get(s.seq.request_id)
             if job is None:
@@ -122,7 +123,8 @@ class PrefillWorker:
                 kv[0], kv[1], [s.seq.block_table[j] for j in logical],
                 [job.reservation.block_ids[j] for j in logical], layer=layer, token_start=logical.start * bs,
                 token_end=s.start + s.num_tokens, request_id=job.request.request_id,
-                reservation_id=job.reservation.reservation_id, model_fingerprint=self.engine.fingerprint)
+                reservation_id=job.reservation.reservation_id, model_fingerprint=self.engine.fingerprint,
+                scales=scales)
             self.parts_sent += 1
             if self.corrupt_every and self.parts_sent % self.corrupt_every == 0:
                 payload.view(-1).view(torch.uint8)[0] ^= 0xFF

@@ -89,3 +89,35 @@ def test_wrappers_name_the_bad_argument() -> None:
         kernels.store_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), kc, kc, torch.zeros(3))
     with pytest.raises(ValueError, match="v_cache"):
         kernels.pack_blocks(kc, torch.zeros(4, 8, 2, 8), torch.tensor([0]))
+    with pytest.raises(ValueError, match="k_cache"):  # a block that is not contiguous
+        kernels.pack_blocks(kc.transpose(2, 3), kc.transpose(2, 3), torch.tensor([0]))
+    q8 = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_scales"):  # an FP8 cache without its scales
+        kernels.paged_decode_attention(torch.zeros(2, 4, 16), q8, q8, torch.zeros(2, 1, dtype=torch.int32),
+                                       torch.ones(2, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="store_kv_quantized"):
+        kernels.store_kv(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), q8, q8, torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="v_scales"):
+        kernels.store_kv_quantized(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), q8, q8, torch.zeros(4, 2),
+                                   torch.zeros(4, 3), torch.zeros(1, dtype=torch.long))
+
+
+def test_store_kv_quantized_refits_scales_and_zeroes_unwritten_slots() -> None:
+    torch.manual_seed(3)
+    kq = torch.full((3, 4, 2, 8), 7.0).to(torch.float8_e4m3fn)  # stale values of a previous owner
+    vq = kq.clone()
+    ks, vs = torch.ones(3, 2), torch.ones(3, 2)
+    first = torch.randn(2, 2, 8)
+    kernels.store_kv_quantized(first, -first, kq, vq, ks, vs, torch.tensor([4, 5]))  # block 1, slots 0-1
+    back = kernels.dequantize_kv_fp8(kq, ks, torch.float32)
+    torch.testing.assert_close(back[1, :2], first, rtol=1 / 16, atol=first.abs().max().item() * 2**-9)
+    assert not back[1, 2:].any()  # the stale 7s after the last written slot are gone
+    assert torch.equal(back[0], torch.full((4, 2, 8), 7.0))  # untouched blocks keep their bytes
+    big = torch.randn(1, 2, 8) * 100  # a larger value: the block's scale grows, earlier tokens survive it
+    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([6]))
+    back = kernels.dequantize_kv_fp8(kq, ks, torch.float32)
+    assert ks[1].min() > 100 / 448 * 0.5
+    torch.testing.assert_close(back[1, 2], big[0], rtol=1 / 16, atol=0.0)
+    torch.testing.assert_close(back[1, :2], first, rtol=1 / 8, atol=big.abs().max().item() * 2**-9)
+    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([-1]))  # skipped: nothing changes
+    assert torch.equal(kernels.dequantize_kv_fp8(kq, ks, torch.float32), back)

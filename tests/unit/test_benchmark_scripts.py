@@ -15,3 +15,11 @@ def test_bench_engine_runs() -> None:
          "--prompt-range", "8,16", "--output-range", "4,8"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "ratio engine / best hf" in out.stdout and "roofline" in out.stdout
+
+
+def test_bench_fp8_kv_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_fp8_kv.py"), "--model", str(tiny_checkpoint("llama")),
+         "--max-tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "identical completions:" in out.stdout and "x of bfloat16" in out.stdout

@@ -100,3 +100,59 @@ def test_recompute_after_lost_kv_continues_after_the_first_token(tiny_checkpoint
     for i, ref in enumerate(want):
         assert got[f"r{i}"].token_ids == ref.token_ids and got[f"r{i}"].text == ref.text
     eng.check_integrity()
+
+
+def test_fp8_kv_parts_carry_scales_and_decode_equals_colocated_fp8(tiny_checkpoint) -> None:
+    """An FP8 cache ships half the bytes of bfloat16 (blocks + scales) and decodes exactly like one FP8 engine."""
+    from kv_transfer.header import ExpectedTransfer
+    from kv_transfer.layer_parts import install_layer_part, pack_layer_part
+
+    folder = str(tiny_checkpoint("llama"))
+    common = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prefill = LLM(folder, num_kv_blocks=64, **common).engine
+    decode = LLM(folder, num_kv_blocks=200, **common).engine
+    # one prompt at a time, so its prefill is chunked as on the prefill engine: a block's FP8 scale is re-fit on
+    # each write, so other chunk boundaries would round the same K/V differently
+    colocated = LLM(folder, **common)
+    reference = [colocated.generate([p], params)[0] for p in prompts()[:4]]
+    assert decode.kv_layer(0).dtype == torch.float8_e4m3fn and decode.kv_layer_scales(0) is not None
+    k0 = decode.kv_layer(0)[0]
+    sent: list[tuple[int, int]] = []  # (payload bytes, the same blocks' bytes in bfloat16)
+    results = {}
+    for i, p in enumerate(prompts()[:4]):
+        rid = f"r{i}"
+        blocks = [b.block_id for b in decode.kv.pool.allocate(cdiv(len(p) + params.max_tokens, 8))]
+        expected = ExpectedTransfer(rid, f"rsv-{i}", tuple(blocks), tuple(k0.shape[1:]), "float8_e4m3fn",
+                                    decode.model_config.num_layers, decode.fingerprint)
+
+        def ship(layer: int, out: SchedulerOutput, rid: str = rid, blocks: list[int] = blocks,
+                 expected: ExpectedTransfer = expected) -> None:
+            src = prefill.kv_layer(layer)
+            for s in out.scheduled:
+                logical = s.export_range(8)
+                header, payload = pack_layer_part(
+                    src[0], src[1], [s.seq.block_table[j] for j in logical], [blocks[j] for j in logical],
+                    layer=layer, token_start=logical.start * 8, token_end=s.start + s.num_tokens, request_id=rid,
+                    reservation_id=expected.reservation_id, model_fingerprint=prefill.fingerprint,
+                    scales=prefill.kv_layer_scales(layer))
+                sent.append((payload.numel(), 2 * header.shape[0] * header.shape[1] * k0[0].numel()))
+                dst = decode.kv_layer(layer)
+                install_layer_part(header, payload, expected, dst[0], dst[1], decode.kv_layer_scales(layer))
+
+        prefill.add_request(rid, p, dataclasses.replace(params, max_tokens=1))
+        first = None
+        while prefill.has_unfinished_requests():
+            for o in prefill.step(after_kv_store=ship):
+                first = o.token_ids[0] if o.finished else first
+        decode.add_prefilled_request(rid, p, params, first, blocks)
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            if o.finished:
+                results[o.request_id] = o
+    for i, ref in enumerate(reference):
+        assert results[f"r{i}"].token_ids == ref.token_ids, f"prompt {i}"
+    fp8_bytes, bf16_bytes = sum(a for a, _ in sent), sum(b for _, b in sent)
+    assert 0.5 < fp8_bytes / bf16_bytes < 0.6  # half, plus one float32 scale per (K/V, block, kv head)
+    decode.check_integrity()
+    prefill.check_integrity()
