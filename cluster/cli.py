@@ -11,6 +11,8 @@ from collections.abc import Sequence
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV storage: auto (= --dtype) or fp8 (float8_e4m3fn with scales: half of bfloat16's bytes)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--cache-dir", default=None, help="where the default model is converted (~/.cache/pdcluster)")
 
@@ -28,7 +30,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, cache_dir=args.cache_dir, progress=progress)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
+              cache_dir=args.cache_dir, progress=progress)
     print(f"[pdcluster] model ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     printed = 0
 
@@ -63,7 +66,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         cfg = ServeConfig(
-            worker=WorkerConfig(model=args.model, dtype=args.dtype, num_threads=args.threads or 1,
+            worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                num_threads=args.threads or 1,
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
             decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,

@@ -24,6 +24,8 @@ class WorkerConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         if not self.reservation_ttl_s > 0:

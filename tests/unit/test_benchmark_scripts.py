@@ -23,3 +23,15 @@ def test_bench_fp8_kv_runs(tiny_checkpoint) -> None:
          "--max-tokens", "4"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "identical completions:" in out.stdout and "x of bfloat16" in out.stdout
+
+
+def test_bench_kernels_runs_on_cpu_for_the_script_itself(tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--allow-cpu", "--small",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = out.read_text()
+    assert "Copy bandwidth" in report and "paged decode attention, fp8 cache" in report and "pack_blocks" in report
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py")], capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode == 2 and "no CUDA device" in refused.stderr
