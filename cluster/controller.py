@@ -1,0 +1,263 @@
+"""The prefill:decode controller's pure core: ``decide(observation, config, state) -> (decision, state)``. No I/O.
+
+Stability needs ``λ·E[P] < μP·nP`` and ``λ·E[O] < μD·nD``: the prefill tokens arriving per second (after prefix-cache
+hits) below the prefill pool's capacity, the decode tokens below the decode pool's. The ``adaptive`` policy closes the
+loop on what is observed:
+
+1. Smooth the arrival rates (EWMA) and take each pool's per-actor capacity as the median of its actors' measurements
+   (prefill tokens/s within the TTFT SLO, decode tokens/s within the TPOT SLO).
+2. Size each pool for its load plus headroom: ``n = ceil(λ·(1 + headroom) / μ)``.
+3. See queueing, which averages cannot: a prefill backlog that would not drain within a TTFT SLO adds the actors that
+   drain it in one; SLO attainment under target adds one actor to the pool that misses.
+4. Respect minimums and the total budget (split in proportion to demand when it binds).
+5. Hysteresis: grow at once, shrink only when the smaller pool would still run below ``1 - hysteresis`` of the target
+   utilisation; a cooldown after each change; nothing new while a change is pending.
+6. Act: when one pool must grow and the other has surplus, flip an actor's role (same weights, no reload) if that is
+   faster than starting one; otherwise add new actors within the budget and drain the surplus.
+
+The ``throughput`` policy is a planner in the style of the published Dynamo SLA planner: each interval it sizes both
+pools from the last interval's request rate, prompt and output lengths and the profiled per-actor throughput, with
+no queue feedback and new actors only. ``fixed`` never changes anything.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+
+ROLES = ("prefill", "decode")
+POLICIES = ("fixed", "throughput", "adaptive")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """How the controller decides. Validated on construction (``ValueError`` names the field)."""
+
+    policy: str = "adaptive"  # fixed | throughput | adaptive
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.2
+    interval_s: float = 30.0  # how often decide() runs
+    headroom: float = 0.25  # size pools for load * (1 + headroom)
+    hysteresis: float = 0.2  # shrink only when the smaller pool would run below (1 - hysteresis) of target load
+    cooldown_s: float = 60.0  # after a change, no other change for this long (adaptive)
+    ewma_alpha: float = 0.5  # weight of the newest rate sample
+    attainment_target: float = 0.95  # below this in a window, the missing pool gets one more actor
+    min_prefill: int = 1
+    min_decode: int = 1
+    budget: int = 8  # most actors in all
+    # adaptive: False keeps every actor of the budget and only moves the ratio (flips, or adds up to the budget);
+    # True also shrinks pools below the budget when load drops (saves actors, pays start_s when load returns)
+    elastic: bool = False
+    start_s: float = 60.0  # time for a new actor to become ready (load weights, join)
+    flip_s: float = 5.0  # time for an actor to change role (drained first; same weights)
+    default_prefill_tps: float = 1000.0  # per-actor capacity when no actor has measured one yet
+    default_decode_tps: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES and fixed_sizes(self.policy) is None:
+            raise ValueError(f"policy: must be one of {POLICIES} or fixed:P:D, got {self.policy!r}")
+        for name in ("slo_ttft_s", "slo_tpot_s", "interval_s", "default_prefill_tps", "default_decode_tps"):
+            if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)!r}")
+        for name in ("headroom", "cooldown_s", "start_s", "flip_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
+        for name in ("hysteresis", "attainment_target"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be in [0, 1), got {getattr(self, name)!r}")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError(f"ewma_alpha: must be in (0, 1], got {self.ewma_alpha!r}")
+        if self.min_prefill < 1 or self.min_decode < 1:
+            raise ValueError(f"min_prefill/min_decode: must be >= 1, got {self.min_prefill}/{self.min_decode}")
+        if self.budget < self.min_prefill + self.min_decode:
+            raise ValueError(f"budget: must be >= min_prefill + min_decode, got {self.budget}")
+
+
+@dataclass(frozen=True)
+class ActorObservation:
+    actor_id: str
+    role: str  # prefill | decode
+    capacity_tps: float | None  # measured tokens/s within its SLO (prefill or decode tokens); None: not yet known
+    queue_depth: int = 0  # requests waiting or running on it
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the controller sees each interval (all rates over the last window)."""
+
+    t: float  # seconds (any monotonic clock)
+    prefill_tps: float  # prefill tokens arriving per second, after prefix-cache hits
+    decode_tps: float  # decode (output) tokens demanded per second
+    request_rate: float  # requests per second (the throughput planner's forecast input)
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    actors: tuple[ActorObservation, ...]
+    prefill_backlog_tokens: float = 0.0  # prompt tokens queued, not yet prefilled
+    prefill_queue_wait_s: float = 0.0  # mean wait before prefill started, last window
+    ttft_attainment: float = 1.0  # fraction of the window's requests within the TTFT SLO
+    tpot_attainment: float = 1.0
+    pending_changes: int = 0  # actors still starting, draining or flipping
+
+    def live(self, role: str) -> list[ActorObservation]:
+        return [a for a in self.actors if a.role == role and not a.draining]
+
+
+@dataclass(frozen=True)
+class Decision:
+    n_prefill: int  # target pool sizes
+    n_decode: int
+    add: tuple[str, ...] = ()  # roles of new actors to start
+    drain: tuple[str, ...] = ()  # actor ids to drain and stop
+    flip: tuple[tuple[str, str], ...] = ()  # (actor id, new role): drained, then changes role
+    reason: str = ""
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.add or self.drain or self.flip)
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """What decide() remembers between calls (returned anew each time)."""
+
+    prefill_tps: float | None = None  # smoothed rates
+    decode_tps: float | None = None
+    prefill_slope: float = 0.0  # smoothed change of the smoothed rates, tokens/s per second
+    decode_slope: float = 0.0
+    t: float | None = None  # when the rates were last updated
+    last_change_t: float = -math.inf
+    history: tuple[Decision, ...] = field(default=())  # the last decisions that changed something (newest last)
+
+
+def _capacity(obs: Observation, role: str, default: float) -> float:
+    measured = [a.capacity_tps for a in obs.live(role) if a.capacity_tps]
+    return statistics.median(measured) if measured else default
+
+
+def _fit_budget(n_p: int, n_d: int, cfg: ControllerConfig, load_p: float, load_d: float) -> tuple[int, int]:
+    """Clamp to minimums and the budget; a binding budget is split in proportion to load. Pure."""
+    n_p, n_d = max(n_p, cfg.min_prefill), max(n_d, cfg.min_decode)
+    if n_p + n_d <= cfg.budget:
+        return n_p, n_d
+    share = load_p / (load_p + load_d) if load_p + load_d > 0 else 0.5
+    n_p = min(max(round(cfg.budget * share), cfg.min_prefill), cfg.budget - cfg.min_decode)
+    return n_p, cfg.budget - n_p
+
+
+def fixed_sizes(policy: str) -> tuple[int, int] | None:
+    """``(P, D)`` of a ``fixed:P:D`` policy, else None. Pure."""
+    parts = policy.split(":")
+    if len(parts) == 3 and parts[0] == "fixed" and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return None
+
+
+def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> tuple[Decision, ControllerState]:
+    """One control step. Pure: returns the decision and the new state."""
+    n_p, n_d = len(obs.live("prefill")), len(obs.live("decode"))
+    a = cfg.ewma_alpha
+    sp = obs.prefill_tps if state.prefill_tps is None else a * obs.prefill_tps + (1 - a) * state.prefill_tps
+    sd = obs.decode_tps if state.decode_tps is None else a * obs.decode_tps + (1 - a) * state.decode_tps
+    slope_p, slope_d = state.prefill_slope, state.decode_slope
+    if state.t is not None and obs.t > state.t and state.prefill_tps is not None and state.decode_tps is not None:
+        dt = obs.t - state.t
+        slope_p = a * (sp - state.prefill_tps) / dt + (1 - a) * slope_p
+        slope_d = a * (sd - state.decode_tps) / dt + (1 - a) * slope_d
+    state = replace(state, prefill_tps=sp, decode_tps=sd, prefill_slope=slope_p, decode_slope=slope_d, t=obs.t)
+    hold = Decision(n_p, n_d)
+    if cfg.policy == "fixed" or fixed_sizes(cfg.policy):
+        return replace(hold, reason="fixed policy"), state
+    if obs.pending_changes:
+        return replace(hold, reason=f"waiting for {obs.pending_changes} pending change(s)"), state
+    mu_p = _capacity(obs, "prefill", cfg.default_prefill_tps)
+    mu_d = _capacity(obs, "decode", cfg.default_decode_tps)
+
+    if cfg.policy == "throughput":
+        # Dynamo-style: size from the forecast (last interval's) request rate x lengths and profiled throughput
+        want_p = math.ceil(obs.request_rate * obs.mean_prompt_tokens / mu_p) if obs.request_rate else n_p
+        want_d = math.ceil(obs.request_rate * obs.mean_output_tokens / mu_d) if obs.request_rate else n_d
+        t_p, t_d = _fit_budget(want_p, want_d, cfg, want_p * mu_p, want_d * mu_d)
+        why = (f"forecast {obs.request_rate:.1f} req/s x ISL {obs.mean_prompt_tokens:.0f} / OSL "
+               f"{obs.mean_output_tokens:.0f} over profiled {mu_p:.0f} / {mu_d:.0f} tok/s per actor")
+        return _act(obs, cfg, state, t_p, t_d, why, allow_flip=False)
+
+    # adaptive: size up at once on the newest sample, or on where a rising rate will be by the time a change lands
+    # (two intervals ahead); size down on the smoothed rate
+    util = 1 / (1 + cfg.headroom)
+    lead = 2 * cfg.interval_s
+    lp = max(sp, obs.prefill_tps, sp + max(0.0, slope_p) * lead)
+    ld = max(sd, obs.decode_tps, sd + max(0.0, slope_d) * lead)
+    want_p = math.ceil(lp / (mu_p * util)) if lp > 0 else cfg.min_prefill
+    want_d = math.ceil(ld / (mu_d * util)) if ld > 0 else cfg.min_decode
+    why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
+    clearable = n_p * mu_p * cfg.slo_ttft_s  # prompt tokens the present pool prefills within one TTFT SLO
+    if obs.prefill_backlog_tokens > clearable:  # queued prompts it cannot clear in time: add what clears them
+        want_p = max(want_p, n_p + math.ceil((obs.prefill_backlog_tokens - clearable) / (mu_p * cfg.slo_ttft_s)))
+        why.append(f"prefill backlog {obs.prefill_backlog_tokens:.0f} tokens")
+    # SLO misses the rates did not explain: grow the missing pool by the missed share (at least one actor)
+    if obs.ttft_attainment < cfg.attainment_target:
+        want_p = max(want_p, n_p + max(1, math.ceil(n_p * (cfg.attainment_target - obs.ttft_attainment))))
+        why.append(f"TTFT attainment {obs.ttft_attainment:.0%}")
+    if obs.tpot_attainment < cfg.attainment_target:
+        want_d = max(want_d, n_d + max(1, math.ceil(n_d * (cfg.attainment_target - obs.tpot_attainment))))
+        why.append(f"TPOT attainment {obs.tpot_attainment:.0%}")
+    # hysteresis: keep a pool unless it must grow, or one actor fewer would still run well under target
+    for role in ROLES:
+        n, want, load, mu = (n_p, want_p, lp, mu_p) if role == "prefill" else (n_d, want_d, ld, mu_d)
+        if want < n and n > 1 and load / ((n - 1) * mu) > util * (1 - cfg.hysteresis):
+            want = n
+        if role == "prefill":
+            want_p = want
+        else:
+            want_d = want
+    # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
+    fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)
+    fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
+    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, fast_d / mu_d)
+    if not cfg.elastic:  # keep the whole budget: only the ratio moves
+        if t_p <= n_p and t_d <= n_d and n_p + n_d == cfg.budget:
+            t_p, t_d = n_p, n_d  # the present split covers both pools' needs
+        else:  # needs first, then the spare actors in proportion to the pools' loads
+            spare = cfg.budget - t_p - t_d
+            wp, wd = fast_p / mu_p, fast_d / mu_d
+            extra_p = round(spare * wp / (wp + wd)) if wp + wd > 0 else spare // 2
+            t_p, t_d = t_p + extra_p, t_d + spare - extra_p
+    if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
+        grows = t_p > n_p or t_d > n_d
+        pressing = obs.ttft_attainment < cfg.attainment_target or obs.tpot_attainment < cfg.attainment_target
+        if not (grows and pressing):
+            return replace(hold, reason=f"cooldown ({obs.t - state.last_change_t:.0f}s since the last change)"), state
+    return _act(obs, cfg, state, t_p, t_d, "; ".join(why), allow_flip=cfg.flip_s < cfg.start_s)
+
+
+def _act(obs: Observation, cfg: ControllerConfig, state: ControllerState, t_p: int, t_d: int, why: str,
+         allow_flip: bool) -> tuple[Decision, ControllerState]:
+    """Turn target sizes into actions (flips, adds, drains). Pure."""
+    live = {r: sorted(obs.live(r), key=lambda x: (x.queue_depth, x.actor_id)) for r in ROLES}
+    before = f"{len(live['prefill'])}P:{len(live['decode'])}D"
+    delta = {"prefill": t_p - len(live["prefill"]), "decode": t_d - len(live["decode"])}
+    if delta["prefill"] == delta["decode"] == 0:
+        return Decision(t_p, t_d, reason=f"hold: {why}"), state
+    flips: list[tuple[str, str]] = []
+    if allow_flip:
+        for grow, shrink in (("prefill", "decode"), ("decode", "prefill")):
+            while delta[grow] > 0 and delta[shrink] < 0:
+                actor = live[shrink].pop(0)  # the least loaded drains fastest
+                flips.append((actor.actor_id, grow))
+                delta[grow] -= 1
+                delta[shrink] += 1
+    total = sum(len(v) for v in live.values()) + len(flips)
+    adds: list[str] = []
+    for role in ROLES:
+        while delta[role] > 0 and total < cfg.budget:
+            adds.append(role)
+            delta[role] -= 1
+            total += 1
+    drains = [live[role].pop(0).actor_id for role in ROLES for _ in range(max(0, -delta[role]))]
+    decision = Decision(t_p, t_d, tuple(adds), tuple(drains), tuple(flips),
+                        reason=f"{before} -> {t_p}P:{t_d}D: {why}")
+    if decision.changes:
+        state = replace(state, last_change_t=obs.t, history=(*state.history, decision)[-20:])
+    return decision, state

@@ -1,0 +1,153 @@
+"""The simulator's inputs: the cost profile of one worker, and traffic (a JSONL trace or a named workload). Pure.
+
+A trace line is ``{"t": arrival_seconds, "prompt_tokens": int, "output_tokens": int}`` (``"prefix_id"`` optional).
+Workloads are generated for a number of workers, so that the offered load stays a fixed share of what the workers
+can serve while the prompt/output mix moves:
+
+- ``diurnal``: over the duration the mix swings from prompt-heavy (long prompts, short answers) to output-heavy and
+  back, at a roughly constant total load;
+- ``bursts``: a steady mix with prompt-heavy bursts (1.3x the work) for the last 5 of every 15 minutes;
+- ``steady``: one mix, one rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+WORKLOADS = ("diurnal", "bursts", "steady")
+DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-default.json"
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """What one worker costs. ``pdcluster simulate --profile FILE`` reads these keys from JSON."""
+
+    prefill_tps: float = 900.0  # prompt tokens per second one prefill actor processes (chunked, full budget)
+    prefill_overhead_s: float = 0.01  # fixed cost per request on the prefill actor
+    kv_bytes_per_token: float = 23040.0  # KV bytes per prompt token crossing the link (all layers)
+    link_gbps: float = 2.0  # KV transfer bandwidth between a prefill and a decode actor, GB/s
+    exposed_transfer: float = 1 / 30  # share of the transfer not hidden by layer-by-layer streaming (~1 layer)
+    decode_base_s: float = 0.045  # decode step time: base + per_seq * batch + per_kv_token * context tokens
+    decode_per_seq_s: float = 0.0012
+    decode_per_kv_token_s: float = 3e-6
+    max_batch: int = 64  # most sequences one decode actor runs at once
+    start_s: float = 60.0  # a new actor: start, load weights, join
+    flip_s: float = 5.0  # an actor changing role once drained (same weights, no reload)
+    source: str = "checked-in default"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name != "source" and not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{f.name}: must be a finite number >= 0, got {v!r}")
+        if self.prefill_tps <= 0 or self.link_gbps <= 0 or self.max_batch < 1:
+            raise ValueError("prefill_tps, link_gbps and max_batch must be > 0")
+
+    def decode_capacity_tps(self, batch: int, context_tokens: float) -> float:
+        """Decode tokens per second at a batch size and mean context. Pure."""
+        step = self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * batch * context_tokens
+        return batch / step
+
+    def decode_capacity_within(self, slo_tpot_s: float, context_tokens: float) -> float:
+        """Decode tokens per second at the largest batch whose step stays within ``slo_tpot_s`` (at least 1). Pure."""
+        per = self.decode_per_seq_s + self.decode_per_kv_token_s * context_tokens
+        batch = max(1, min(self.max_batch, int((slo_tpot_s - self.decode_base_s) / per))) if per > 0 else self.max_batch
+        return self.decode_capacity_tps(batch, context_tokens)
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"profile {path}: unknown keys {unknown}")
+        return cls(**data)
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Arrivals in time order: numpy arrays of equal length."""
+
+    t: np.ndarray  # float64 seconds
+    prompt: np.ndarray  # int64 prompt tokens
+    output: np.ndarray  # int64 output tokens (>= 1)
+    duration: float
+
+    def __len__(self) -> int:
+        return len(self.t)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a JSONL trace; ``ValueError`` names the first bad line."""
+    ts, ps, os_ = [], [], []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            t, p, o = float(rec["t"]), int(rec["prompt_tokens"]), int(rec["output_tokens"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: expected {{t, prompt_tokens, output_tokens}}: {e}") from None
+        if not (math.isfinite(t) and t >= 0 and p >= 1 and o >= 1):
+            raise ValueError(f"{path}:{n}: t >= 0, prompt_tokens >= 1, output_tokens >= 1 required")
+        ts.append(t)
+        ps.append(p)
+        os_.append(o)
+    if not ts:
+        raise ValueError(f"{path}: no requests")
+    order = np.argsort(np.asarray(ts), kind="stable")
+    t = np.asarray(ts)[order]
+    return Trace(t, np.asarray(ps, dtype=np.int64)[order], np.asarray(os_, dtype=np.int64)[order], float(t[-1]))
+
+
+def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean prompt tokens, mean output tokens, load multiplier) per second. Pure."""
+    if name == "diurnal":  # prompt-heavy -> output-heavy -> prompt-heavy
+        swing = (1 - np.cos(2 * np.pi * phase)) / 2
+        return 1600 - 1400 * swing, 40 + 360 * swing, np.ones_like(phase)
+    if name == "bursts":
+        return np.where(in_burst, 1500.0, 400.0), np.where(in_burst, 60.0, 200.0), np.where(in_burst, 1.3, 1.0)
+    return np.full_like(phase, 600.0), np.full_like(phase, 150.0), np.ones_like(phase)
+
+
+def make_workload(name: str, workers: int, profile: CostProfile, duration_s: float = 3600.0, seed: int = 0,
+                  load: float = 0.6) -> Trace:
+    """Poisson arrivals whose mean work fills ``load`` of ``workers`` at the ideal split. Pure (seeded)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"workload: must be one of {WORKLOADS}, got {name!r}")
+    if workers < 2 or duration_s <= 0:
+        raise ValueError("workers must be >= 2 and duration_s > 0")
+    rng = np.random.default_rng(seed)
+    secs = np.arange(int(math.ceil(duration_s)), dtype=np.float64)
+    in_burst = (secs % 900) >= 600  # the last 5 of every 15 minutes
+    mean_p, mean_o, mult = _mix(name, secs / duration_s, in_burst)
+    decode_tps = profile.decode_capacity_tps(profile.max_batch // 2, 600.0)
+    work = mean_p / profile.prefill_tps + mean_o / decode_tps  # worker-seconds per request
+    rate = load * workers / work * mult
+    counts = rng.poisson(rate)
+    t = np.repeat(secs, counts) + rng.random(int(counts.sum()))
+    t.sort()
+    sec = t.astype(np.int64)
+    # lengths spread around each second's means: uniform in [0.5, 1.5] x mean
+    prompt = np.maximum(1, (mean_p[sec] * rng.uniform(0.5, 1.5, len(t))).astype(np.int64))
+    output = np.maximum(1, (mean_o[sec] * rng.uniform(0.5, 1.5, len(t))).astype(np.int64))
+    return Trace(t, prompt, output, float(duration_s))
+
+
+def mix_series(trace: Trace, bucket_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bucket start times, prompt-token share of all tokens, requests/s) per bucket, for plots. Pure."""
+    edges = np.arange(0.0, trace.duration + bucket_s, bucket_s)
+    idx = np.clip(np.searchsorted(edges, trace.t, side="right") - 1, 0, len(edges) - 2)
+    p = np.bincount(idx, trace.prompt, len(edges) - 1)
+    o = np.bincount(idx, trace.output, len(edges) - 1)
+    n = np.bincount(idx, minlength=len(edges) - 1)
+    share = np.divide(p, p + o, out=np.zeros_like(p, dtype=float), where=(p + o) > 0)
+    return edges[:-1], share, n / bucket_s
