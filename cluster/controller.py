@@ -216,14 +216,24 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)
     fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
     t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, fast_d / mu_d)
-    if not cfg.elastic:  # keep the whole budget: only the ratio moves
-        if t_p <= n_p and t_d <= n_d and n_p + n_d == cfg.budget:
-            t_p, t_d = n_p, n_d  # the present split covers both pools' needs
-        else:  # needs first, then the spare actors in proportion to the pools' loads
-            spare = cfg.budget - t_p - t_d
+    if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and n_p * mu_p >= sp and n_d * mu_d >= sd \
+            and obs.ttft_attainment >= cfg.attainment_target and obs.tpot_attainment >= cfg.attainment_target:
+        t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
+    elif not cfg.elastic and t_p + t_d < cfg.budget:
+        # keep the whole budget, moving as few actors as possible: a short pool takes exactly its shortfall from the
+        # other pool's surplus; spare budget goes to the pools in proportion to their loads
+        g_p, g_d = max(n_p, t_p), max(n_d, t_d)
+        over = g_p + g_d - cfg.budget
+        if over > 0:
+            if g_p - t_p >= over:
+                g_p -= over
+            else:
+                g_d -= over
+        elif over < 0:
             wp, wd = fast_p / mu_p, fast_d / mu_d
-            extra_p = round(spare * wp / (wp + wd)) if wp + wd > 0 else spare // 2
-            t_p, t_d = t_p + extra_p, t_d + spare - extra_p
+            extra_p = round(-over * wp / (wp + wd)) if wp + wd > 0 else -over // 2
+            g_p, g_d = g_p + extra_p, g_d - over - extra_p
+        t_p, t_d = g_p, g_d
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
         grows = t_p > n_p or t_d > n_d
         pressing = obs.ttft_attainment < cfg.attainment_target or obs.tpot_attainment < cfg.attainment_target

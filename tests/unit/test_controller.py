@@ -1,0 +1,118 @@
+"""The controller core on synthetic observations (no I/O, no simulator)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.controller import ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide
+
+MU_P, MU_D = 1000.0, 250.0
+
+
+def actors(n_p: int, n_d: int) -> tuple[ActorObservation, ...]:
+    return tuple([ActorObservation(f"p{i}", "prefill", MU_P) for i in range(n_p)]
+                 + [ActorObservation(f"d{i}", "decode", MU_D) for i in range(n_d)])
+
+
+def observe(t: float, prefill_tps: float, decode_tps: float, n_p: int, n_d: int, **kw) -> Observation:  # type: ignore[no-untyped-def]
+    return Observation(t=t, prefill_tps=prefill_tps, decode_tps=decode_tps, request_rate=1.0,
+                       mean_prompt_tokens=prefill_tps, mean_output_tokens=decode_tps, actors=actors(n_p, n_d), **kw)
+
+
+def apply(n_p: int, n_d: int, d: Decision) -> tuple[int, int]:
+    """The pool sizes once a decision has landed."""
+    for _, role in d.flip:
+        n_p, n_d = (n_p + 1, n_d - 1) if role == "prefill" else (n_p - 1, n_d + 1)
+    n_p += d.add.count("prefill")
+    n_d += d.add.count("decode")
+    n_p -= sum(1 for a in d.drain if a.startswith("p"))
+    n_d -= sum(1 for a in d.drain if a.startswith("d"))
+    return n_p, n_d
+
+
+def run(cfg: ControllerConfig, loads: list[tuple[float, float]], n_p: int, n_d: int,
+        noise: float = 0.0, seed: int = 0) -> list[tuple[int, int, Decision]]:
+    rng = random.Random(seed)
+    state = ControllerState()
+    out = []
+    for k, (lp, ld) in enumerate(loads):
+        jitter = (lambda x: x * (1 + rng.uniform(-noise, noise))) if noise else (lambda x: x)
+        d, state = decide(observe(k * cfg.interval_s, jitter(lp), jitter(ld), n_p, n_d), cfg, state)
+        n_p, n_d = apply(n_p, n_d, d)
+        assert n_p >= cfg.min_prefill and n_d >= cfg.min_decode and n_p + n_d <= cfg.budget, d
+        out.append((n_p, n_d, d))
+    return out
+
+
+def test_ratio_follows_prompt_heavy_to_output_heavy() -> None:
+    cfg = ControllerConfig(budget=20, interval_s=30, cooldown_s=0)
+    prompt_heavy = [(12000.0, 500.0)] * 8  # needs 15 prefill, 3 decode (with 25% headroom)
+    output_heavy = [(2000.0, 3000.0)] * 8  # needs 3 prefill, 15 decode
+    steps = run(cfg, prompt_heavy + output_heavy, 10, 10)
+    n_p, n_d, _ = steps[7]
+    assert n_p > n_d and n_p >= 15
+    n_p, n_d, _ = steps[-1]
+    assert n_d > n_p and n_d >= 15
+    assert any(d.flip for _, _, d in steps), "role flips are cheaper than new actors here"
+    assert all("->" in d.reason for _, _, d in steps if d.changes)
+
+
+def test_noisy_steady_rates_do_not_oscillate() -> None:
+    cfg = ControllerConfig(budget=20, interval_s=30, cooldown_s=60)
+    steps = run(cfg, [(6000.0, 2000.0)] * 60, 10, 10, noise=0.15, seed=1)
+    sizes = [(p, d) for p, d, _ in steps]
+    changes = sum(1 for a, b in zip(sizes, sizes[1:]) if a != b)
+    assert changes <= 3, sizes  # settles, then holds under +-15% noise
+    assert len(set(sizes[20:])) == 1
+
+
+def test_budget_and_minimums_hold_under_overload() -> None:
+    cfg = ControllerConfig(budget=6, min_prefill=2, min_decode=2, cooldown_s=0)
+    for lp, ld in [(1e6, 10.0), (10.0, 1e6), (1e6, 1e6), (0.0, 0.0)]:
+        steps = run(cfg, [(lp, ld)] * 5, 3, 3)  # run() asserts the bounds after every step
+        n_p, n_d, _ = steps[-1]
+        assert n_p + n_d <= 6 and n_p >= 2 and n_d >= 2
+
+
+def test_nothing_new_while_a_change_is_pending() -> None:
+    cfg = ControllerConfig(budget=20, cooldown_s=0)
+    d, _ = decide(observe(0.0, 9000.0, 100.0, 2, 2, pending_changes=1), cfg, ControllerState())
+    assert not d.changes and "pending" in d.reason
+    d, _ = decide(observe(0.0, 9000.0, 100.0, 2, 2), cfg, ControllerState())
+    assert d.changes
+
+
+def test_prefill_backlog_and_missed_slos_grow_the_right_pool() -> None:
+    cfg = ControllerConfig(budget=30, cooldown_s=0, elastic=True)
+    # the rates alone fit 4 prefill actors, but 40k queued prompt tokens would take 10 s to clear
+    d, _ = decide(observe(0.0, 2000.0, 500.0, 4, 4, prefill_backlog_tokens=40000.0), cfg, ControllerState())
+    assert d.n_prefill >= 4 + 16 and "backlog" in d.reason
+    d, _ = decide(observe(0.0, 2000.0, 500.0, 4, 4, tpot_attainment=0.5), cfg, ControllerState())
+    assert d.n_decode > 4 and "TPOT" in d.reason
+
+
+def test_elastic_shrinks_but_fixed_budget_keeps_every_actor() -> None:
+    low = [(500.0, 100.0)] * 10
+    elastic = run(ControllerConfig(budget=12, cooldown_s=0, elastic=True), low, 6, 6)
+    assert sum(elastic[-1][:2]) < 12
+    whole = run(ControllerConfig(budget=12, cooldown_s=0), low, 6, 6)
+    assert sum(whole[-1][:2]) == 12
+
+
+def test_throughput_policy_sizes_from_the_forecast_only() -> None:
+    cfg = ControllerConfig(policy="throughput", budget=50)
+    obs = Observation(t=0.0, prefill_tps=0.0, decode_tps=0.0, request_rate=10.0, mean_prompt_tokens=500.0,
+                      mean_output_tokens=100.0, actors=actors(2, 2), ttft_attainment=0.1)
+    d, _ = decide(obs, cfg, ControllerState())
+    assert (d.n_prefill, d.n_decode) == (5, 4) and not d.flip  # 5000/1000, 1000/250: no headroom, no flips
+    d, _ = decide(obs, ControllerConfig(policy="fixed:2:2", budget=50), ControllerState())
+    assert not d.changes
+
+
+@pytest.mark.parametrize("bad", [{"policy": "magic"}, {"budget": 1}, {"hysteresis": 1.0}, {"slo_ttft_s": 0},
+                                 {"ewma_alpha": 0}, {"min_prefill": 0}, {"policy": "fixed:a:b"}])
+def test_config_names_the_bad_field(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
+        ControllerConfig(**bad)

@@ -1,0 +1,108 @@
+"""The cluster simulator: exact on a trivial trace, deterministic for a seed, no request lost through changes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.cli import main as cli_main
+from cluster.controller import ControllerConfig
+from cluster.sim_model import DEFAULT_PROFILE, CostProfile, Trace, load_trace, make_workload
+from cluster.sim_report import summarize
+from cluster.simulator import Simulation
+
+PROFILE = CostProfile.load(DEFAULT_PROFILE)
+
+
+def cfg(policy: str = "adaptive", budget: int = 8, **kw) -> ControllerConfig:  # type: ignore[no-untyped-def]
+    return ControllerConfig(policy=policy, slo_ttft_s=5.0, slo_tpot_s=0.25, budget=budget, interval_s=15.0,
+                            start_s=PROFILE.start_s, flip_s=PROFILE.flip_s, **kw)
+
+
+def test_one_request_costs_exactly_what_the_profile_says() -> None:
+    tr = Trace(np.array([1.0]), np.array([900]), np.array([11]), 1.0)
+    r = Simulation(tr, PROFILE, cfg("fixed:1:1", 2), 2).run()
+    xfer = 900 * PROFILE.kv_bytes_per_token / (PROFILE.link_gbps * 1e9)
+    assert r.ttft[0] == pytest.approx(900 / PROFILE.prefill_tps + PROFILE.prefill_overhead_s
+                                      + xfer * PROFILE.exposed_transfer)
+    # 10 more tokens, alone on the decode actor: the step grows with the context (prompt + tokens so far)
+    assert 10 * r.tpot[0] == pytest.approx(xfer * (1 - PROFILE.exposed_transfer)
+                                           + 10 * (PROFILE.decode_base_s + PROFILE.decode_per_seq_s
+                                                   + PROFILE.decode_per_kv_token_s * 900), rel=0.02)
+    assert bool(r.ok[0])
+
+
+def test_a_deterministic_run_for_a_seed() -> None:
+    tr = make_workload("bursts", 8, PROFILE, duration_s=900, seed=3)
+    a = summarize(Simulation(tr, PROFILE, cfg(), 8).run(), tr)
+    b = summarize(Simulation(make_workload("bursts", 8, PROFILE, duration_s=900, seed=3), PROFILE, cfg(), 8).run(),
+                  tr)
+    assert a == b
+    c = make_workload("bursts", 8, PROFILE, duration_s=900, seed=4)
+    assert len(c) != len(tr) or not np.array_equal(c.t, tr.t)
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "throughput", "fixed:4:4"])
+def test_no_request_is_lost_through_flips_drains_and_starts(policy: str) -> None:
+    tr = make_workload("diurnal", 8, PROFILE, duration_s=1800, seed=1)
+    r = Simulation(tr, PROFILE, cfg(policy), 8).run()
+    assert np.isfinite(r.ttft).all() and np.isfinite(r.tpot).all()  # every request got its first and last token
+    assert (r.ttft > 0).all() and (r.tpot > 0).all()
+    if policy != "fixed:4:4":
+        assert r.decisions and len(r.timeline) > 1
+    for point in r.timeline:
+        assert 1 <= point["n_prefill"] and 1 <= point["n_decode"] and point["n_prefill"] + point["n_decode"] <= 8
+
+
+def test_adaptive_beats_a_fixed_split_when_the_mix_swings() -> None:
+    tr = make_workload("diurnal", 16, PROFILE, duration_s=3600, seed=0)
+    fixed = Simulation(tr, PROFILE, cfg("fixed:8:8", 16), 16).run()
+    adaptive = Simulation(tr, PROFILE, cfg("adaptive", 16), 16).run()
+    assert fixed.ok.mean() < 0.8 and adaptive.ok.mean() > 0.95
+
+
+def test_trace_file_errors_name_the_line(tmp_path: Path) -> None:
+    good = tmp_path / "t.jsonl"
+    good.write_text('{"t": 0.5, "prompt_tokens": 10, "output_tokens": 3}\n\n{"t": 0.1, "prompt_tokens": 5, '
+                    '"output_tokens": 1, "prefix_id": "a"}\n')
+    tr = load_trace(good)
+    assert list(tr.t) == [0.1, 0.5] and list(tr.prompt) == [5, 10]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"t": 0, "prompt_tokens": 10, "output_tokens": 3}\n{"t": 1, "prompt_tokens": 0, '
+                   '"output_tokens": 3}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        load_trace(bad)
+
+
+def test_cli_simulate_writes_the_report_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"t": i * 0.5, "prompt_tokens": 300, "output_tokens": 20}) + "\n"
+                             for i in range(200)))
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = cli_main(["simulate", "--trace", str(trace), "--workers", "4", "--policy", "adaptive", "--slo-ttft", "2",
+                   "--slo-tpot", "0.2", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for key in ("goodput_rps", "slo_attainment", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "requests",
+                "timeline"):
+        assert key in report
+    assert report["requests"] == 200 and report["served"] == 200
+    assert all(set(p) == {"t", "n_prefill", "n_decode"} for p in report["timeline"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert cli_main(["simulate", "--workload", "nope", "--workers", "4", "--policy", "adaptive", "--slo-ttft", "2",
+                     "--slo-tpot", "0.2", "--json", str(out)]) == 2
+    assert "workload" in capsys.readouterr().err
+    assert cli_main(["simulate", "--workload", "steady", "--workers", "4", "--policy", "fixed:3:3", "--slo-ttft", "2",
+                     "--slo-tpot", "0.2", "--json", str(out)]) == 2
+
+
+def test_workloads_keep_their_load_share() -> None:
+    for name in ("diurnal", "bursts", "steady"):
+        tr = make_workload(name, 10, PROFILE, duration_s=1800, seed=0)
+        work = (tr.prompt / PROFILE.prefill_tps).sum() + (tr.output / PROFILE.decode_capacity_tps(32, 600)).sum()
+        assert 0.4 < work / (10 * 1800) < 0.9, name
+        assert math.isclose(tr.duration, 1800)
