@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--cpus-per-actor", type=float, default=1.0)
     sv.add_argument("--gpus-per-actor", type=float, default=0.0)
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i")
+    sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i (0: free ports, printed)")
     sv.add_argument("--proxies", type=int, default=1)
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")

@@ -146,6 +146,31 @@ def _fit_budget(n_p: int, n_d: int, cfg: ControllerConfig, load_p: float, load_d
     return n_p, cfg.budget - n_p
 
 
+def _hysteresis(n: int, want: int, load_actors: float, util: float, band: float) -> int:
+    """Keep ``n`` rather than shrink to ``want`` unless one actor fewer would still run below ``(1 - band)`` of the
+    target utilisation (``load_actors`` is the load in actors' worth of capacity). Pure."""
+    if want < n and n > 1 and load_actors / (n - 1) > util * (1 - band):
+        return n
+    return want
+
+
+def _keep_budget(now: tuple[int, int], need: tuple[int, int], loads: tuple[float, float],
+                 budget: int) -> tuple[int, int]:
+    """Sizes that use the whole budget and move as few actors as possible: a short pool takes exactly its shortfall
+    from the other's surplus; spare budget goes to the pools in proportion to ``loads``. ``sum(need) < budget``. Pure."""
+    g_p, g_d = max(now[0], need[0]), max(now[1], need[1])
+    over = g_p + g_d - budget
+    if over > 0:  # one pool grew: the other, which has at least this surplus, gives it
+        if g_p - need[0] >= over:
+            g_p -= over
+        else:
+            g_d -= over
+    elif over < 0:
+        extra_p = round(-over * loads[0] / sum(loads)) if sum(loads) > 0 else -over // 2
+        g_p, g_d = g_p + extra_p, g_d - over - extra_p
+    return g_p, g_d
+
+
 def fixed_sizes(policy: str) -> tuple[int, int] | None:
     """``(P, D)`` of a ``fixed:P:D`` policy, else None. Pure."""
     parts = policy.split(":")
@@ -203,15 +228,8 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if obs.tpot_attainment < cfg.attainment_target:
         want_d = max(want_d, n_d + max(1, math.ceil(n_d * (cfg.attainment_target - obs.tpot_attainment))))
         why.append(f"TPOT attainment {obs.tpot_attainment:.0%}")
-    # hysteresis: keep a pool unless it must grow, or one actor fewer would still run well under target
-    for role in ROLES:
-        n, want, load, mu = (n_p, want_p, lp, mu_p) if role == "prefill" else (n_d, want_d, ld, mu_d)
-        if want < n and n > 1 and load / ((n - 1) * mu) > util * (1 - cfg.hysteresis):
-            want = n
-        if role == "prefill":
-            want_p = want
-        else:
-            want_d = want
+    want_p = _hysteresis(n_p, want_p, lp / mu_p, util, cfg.hysteresis)
+    want_d = _hysteresis(n_d, want_d, ld / mu_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
     fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)
     fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
@@ -220,20 +238,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
             and obs.ttft_attainment >= cfg.attainment_target and obs.tpot_attainment >= cfg.attainment_target:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
     elif not cfg.elastic and t_p + t_d < cfg.budget:
-        # keep the whole budget, moving as few actors as possible: a short pool takes exactly its shortfall from the
-        # other pool's surplus; spare budget goes to the pools in proportion to their loads
-        g_p, g_d = max(n_p, t_p), max(n_d, t_d)
-        over = g_p + g_d - cfg.budget
-        if over > 0:
-            if g_p - t_p >= over:
-                g_p -= over
-            else:
-                g_d -= over
-        elif over < 0:
-            wp, wd = fast_p / mu_p, fast_d / mu_d
-            extra_p = round(-over * wp / (wp + wd)) if wp + wd > 0 else -over // 2
-            g_p, g_d = g_p + extra_p, g_d - over - extra_p
-        t_p, t_d = g_p, g_d
+        t_p, t_d = _keep_budget((n_p, n_d), (t_p, t_d), (fast_p / mu_p, fast_d / mu_d), cfg.budget)
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
         grows = t_p > n_p or t_d > n_d
         pressing = obs.ttft_attainment < cfg.attainment_target or obs.tpot_attainment < cfg.attainment_target

@@ -6,9 +6,11 @@ Without a Ray address it starts an embedded local Ray; with one it joins an exis
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +26,7 @@ class ServeConfig:
     mode: str = "disaggregated"  # or "colocated": decode actors prefill for themselves
     kv_backend: str = "torch_dist"  # torch_dist (gloo on CPU, NCCL on GPU) or ucx
     host: str = "127.0.0.1"
-    port: int = 8000  # the first proxy's port; proxy i listens on port + i
+    port: int = 8000  # the first proxy's port; proxy i listens on port + i; 0: each proxy gets a free port
     proxies: int = 1
     ray_address: str | None = None
     cpus_per_actor: float = 1.0  # Ray CPUs per actor (CPU clusters)
@@ -49,6 +51,8 @@ class ServeConfig:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if self.proxies < 1:
             raise ValueError(f"proxies: need at least one, got {self.proxies}")
+        if not 0 <= self.port <= 65536 - self.proxies:
+            raise ValueError(f"port: must be 0 (free ports) or leave room for {self.proxies} proxies, got {self.port}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,8 +71,18 @@ class Cluster:
         self.prefill_actors: list[Any] = []
         self.proxy_procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
+        self._port_dir: str | None = None
+        self._owns_ray = False  # stop() shuts Ray down only if this cluster started or joined it
 
     def start(self, timeout_s: float = 300.0) -> None:
+        """Start everything and wait until every proxy is ready; on failure, stop what was started and raise."""
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> None:
         import ray
 
         from decode_worker.worker import DecodeWorker
@@ -81,10 +95,12 @@ class Cluster:
             raise RuntimeError("Ray is already initialized in this process: stop the other Cluster first")
         if cfg.ray_address:
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
+            self._owns_ray = True
         else:
             n_actors = cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
             ray.init(namespace=NAMESPACE, num_cpus=max(2, int(n_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
+            self._owns_ray = True
         disagg = cfg.mode == "disaggregated"
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.host) if disagg else None
         res = {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16}
@@ -101,16 +117,30 @@ class Cluster:
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._port_dir = tempfile.mkdtemp(prefix="pdcluster-ports-")
+        port_files = []
         for i in range(cfg.proxies):
-            port = cfg.port + i
+            port = cfg.port + i if cfg.port else 0
+            port_files.append(os.path.join(self._port_dir, f"proxy-{i}"))
             self.proxy_procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
-                 "--port", str(port), "--model-name", cfg.model_name, "--queue-timeout", str(cfg.queue_timeout_s)]
+                 "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name,
+                 "--queue-timeout", str(cfg.queue_timeout_s)]
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else []), env=env))
-            self.urls.append(f"http://{cfg.host}:{port}")
-        self._wait_ready(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound
+            while not os.path.exists(path):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a proxy exited with {proc.returncode} before listening")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"a proxy did not listen within {timeout_s}s")
+                time.sleep(0.2)
+            with open(path) as f:
+                self.urls.append(f"http://{cfg.host}:{int(f.read())}")
+        self._wait_ready(max(1.0, deadline - time.monotonic()))
 
     def _wait_ready(self, timeout_s: float) -> None:
+        import http.client
         import urllib.request
 
         deadline = time.monotonic() + timeout_s
@@ -122,7 +152,7 @@ class Cluster:
                     with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
                         if r.status == 200:
                             break
-                except OSError:
+                except (OSError, http.client.HTTPException):
                     pass
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{url} not ready after {timeout_s}s")
@@ -145,5 +175,8 @@ class Cluster:
             except Exception:
                 pass
             ray.kill(a)
-        if ray.is_initialized():
+        if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        self._owns_ray = False
+        if self._port_dir:
+            shutil.rmtree(self._port_dir, ignore_errors=True)

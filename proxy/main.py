@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 import sys
 
 import ray
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdcluster-proxy")
     ap.add_argument("--ray-address", required=True)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True, help="0: let the OS pick a free port")
+    ap.add_argument("--port-file", default=None, help="write the port listened on here once bound")
     ap.add_argument("--model-name", default="default")
     ap.add_argument("--queue-timeout", type=float, default=10.0)
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
@@ -49,9 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]), total,
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout), stream_host=args.host,
                   disaggregated=args.disaggregated)
-    print(f"[pdcluster] proxy listening on http://{args.host}:{args.port}", flush=True)
-    web.run_app(proxy.app(), host=args.host, port=args.port, handler_cancellation=True,
-                shutdown_timeout=args.shutdown_grace, print=None)
+    # bind here, so that port 0 gets a port no other process can take between choosing and binding it
+    sock = socket.create_server((args.host, args.port), reuse_port=False)
+    port = sock.getsockname()[1]
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    print(f"[pdcluster] proxy listening on http://{args.host}:{port}", flush=True)
+    web.run_app(proxy.app(), sock=sock, handler_cancellation=True, shutdown_timeout=args.shutdown_grace, print=None)
     return 0
 
 

@@ -16,12 +16,12 @@ openai = pytest.importorskip("openai")
 
 from http_util import post_chat  # noqa: E402
 
-from cluster.launcher import Cluster, ServeConfig, free_port  # noqa: E402
+from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
 
 
 def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
-    c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=free_port(), mode="colocated",
+    c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
                             queue_timeout_s=1.0))
     try:
         c.start()

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 
 from http_util import post_chat  # noqa: E402
 
-from cluster.launcher import Cluster, ServeConfig, free_port  # noqa: E402
+from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -22,8 +22,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
-    port = free_port()
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=port, mode="colocated"))
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=0, mode="colocated"))
     try:
         c.start()
         yield c

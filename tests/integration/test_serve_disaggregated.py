@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 
 import ray  # noqa: E402
 
-from cluster.launcher import Cluster, ServeConfig, free_port  # noqa: E402
+from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -28,7 +28,7 @@ def offline() -> LLM:
 
 def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
     c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
-                            port=free_port(), kv_backend=backend, corrupt_kv_every=corrupt_every))
+                            port=0, kv_backend=backend, corrupt_kv_every=corrupt_every))
     c.start()
     return c
 
@@ -121,7 +121,7 @@ def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() 
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, prefill=2, port=free_port()))
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, prefill=2, port=0))
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
