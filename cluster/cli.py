@@ -72,7 +72,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
             on_transfer_failure=args.on_transfer_failure,
-            proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name)
+            proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
+            budget=args.budget)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -146,9 +147,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for a in st["actors"]:
         kv = a.get("kv", {})
         tokens = a.get("tokens_generated", a.get("prompt_tokens", ""))
-        row = (a["name"], a["role"], "yes" if a["alive"] else "DEAD", kv.get("free", ""), kv.get("reserved", "-"),
+        alive = ("draining" if a.get("draining") else "yes") if a["alive"] else "DEAD"
+        row = (a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"),
                kv.get("used", ""), kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens)
         print("".join(f"{str(c):>10}" if i else f"{str(c):<22}" for i, c in enumerate(row)))
+    ctrl = st.get("controller")
+    if ctrl:
+        print(f"\nautoscale: {'on' if ctrl['autoscale'] else 'off'}{'   (a change is in progress)' if ctrl['busy'] else ''}")
+        for d in ctrl["decisions"][-5:]:
+            print(f"  {time.strftime('%H:%M:%S', time.localtime(d['t']))}  {d['reason']}")
     return 0
 
 
@@ -180,14 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
     sv.add_argument("--served-model-name", default="default")
+    sv.add_argument("--budget", type=int, default=0,
+                    help="most actors `pdcluster scale` / autoscale may run (default: --prefill + --decode)")
     sv.add_argument("--ask", default=None, metavar="QUESTION",
                     help="send this one chat request over HTTP once ready, print the answer, shut down")
     sv.set_defaults(func=_cmd_serve)
     st = sub.add_parser("status", help="print the pools: each actor's health, KV blocks and token counters")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="a proxy's base URL")
     st.set_defaults(func=_cmd_status)
+    from cluster.cli_scale import add_parsers as add_scale
     from cluster.cli_simulate import add_parser as add_simulate
 
+    add_scale(sub)
     add_simulate(sub)
     return parser
 

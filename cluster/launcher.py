@@ -35,6 +35,8 @@ class ServeConfig:
     model_name: str = "default"
     queue_timeout_s: float = 10.0  # how long the proxy lets a request wait for KV blocks before a 429
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
+    budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
+    # for it)
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
@@ -51,6 +53,8 @@ class ServeConfig:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if self.proxies < 1:
             raise ValueError(f"proxies: need at least one, got {self.proxies}")
+        if self.budget and self.budget < self.prefill + self.decode:
+            raise ValueError(f"budget: must be 0 or >= prefill + decode ({self.prefill + self.decode}), got {self.budget}")
         if not 0 <= self.port <= 65536 - self.proxies:
             raise ValueError(f"port: must be 0 (free ports) or leave room for {self.proxies} proxies, got {self.port}")
 
@@ -69,6 +73,7 @@ class Cluster:
         self.cfg = cfg
         self.decode_actors: list[Any] = []
         self.prefill_actors: list[Any] = []
+        self.manager: Any = None  # the PoolManager actor (disaggregated mode): scale / autoscale
         self.proxy_procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         self._port_dir: str | None = None
@@ -97,7 +102,7 @@ class Cluster:
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
             self._owns_ray = True
         else:
-            n_actors = cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
+            n_actors = cfg.budget or cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
             ray.init(namespace=NAMESPACE, num_cpus=max(2, int(n_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
             self._owns_ray = True
@@ -115,6 +120,14 @@ class Cluster:
                                    for i in range(cfg.prefill)]
         actors = self.decode_actors + self.prefill_actors
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
+        if disagg:
+            from cluster.controller import ControllerConfig
+            from cluster.pool_manager import MANAGER_NAME, PoolManager
+
+            ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode)
+            self.manager = ray.remote(num_cpus=0, max_concurrency=8)(PoolManager).options(name=MANAGER_NAME).remote(
+                cfg.worker, kv, res, cfg.on_transfer_failure, ctrl)
+            ray.get(self.manager.counts.remote(), timeout=60)
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._port_dir = tempfile.mkdtemp(prefix="pdcluster-ports-")
@@ -169,7 +182,24 @@ class Cluster:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-        for a in self.decode_actors + self.prefill_actors:
+        if self.manager is not None:
+            try:
+                ray.get(self.manager.autoscale.remote(False), timeout=10)
+            except Exception:
+                pass
+            ray.kill(self.manager)
+            self.manager = None
+        actors = list(self.decode_actors + self.prefill_actors)
+        if self._owns_ray and ray.is_initialized():  # and those the manager started
+            from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
+
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if a.get("namespace") == NAMESPACE and a["name"].startswith((DECODE_PREFIX, PREFILL_PREFIX)):
+                    try:
+                        actors.append(ray.get_actor(a["name"], namespace=NAMESPACE))
+                    except ValueError:
+                        pass
+        for a in actors:
             try:
                 ray.get(a.shutdown.remote(), timeout=10)
             except Exception:

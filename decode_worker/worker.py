@@ -47,6 +47,7 @@ class DecodeWorker:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._live: dict[str, _Live] = {}
+        self.draining = False  # set by drain(): no new reservations; in-flight requests finish
         self._renew: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stream = TokenStreamClient()
         self.tokens_generated = 0
@@ -76,6 +77,8 @@ class DecodeWorker:
         """Mutates: hold ``num_blocks`` blocks for a request before its prefill; None if they are not free."""
         ttl = ttl_s or self.config.reservation_ttl_s
         with self._lock:
+            if self.draining:
+                return None
             r = self.reservations.reserve(request_id, num_blocks, ttl, time.monotonic())
         if r is None:
             return None
@@ -169,13 +172,20 @@ class DecodeWorker:
             self.engine.abort_request(request_id)
         return known or res is not None
 
+    def drain(self) -> None:
+        """Mutates: take no new reservations from now on; requests already reserved or running finish."""
+        with self._lock:
+            self.draining = True
+
     def stats(self) -> dict[str, Any]:
         """Block counts, queue lengths and the token rate since start. Pure."""
         with self._lock:
             c = self.reservations.counts()
             sched = self.engine.scheduler
             rx = self.receiver.stats() if self.receiver is not None else {}
+            idle = not sched.running and not sched.waiting and not self._live and not c.get("reserved", 0)
             return {"actor_id": self.actor_id, "role": "decode", "alive": True, "kv": c, **rx,
+                    "draining": self.draining, "idle": idle,
                     "running": len(sched.running), "waiting": len(sched.waiting),
                     "tokens_generated": self.tokens_generated,
                     "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started)}

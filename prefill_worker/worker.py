@@ -51,6 +51,7 @@ class PrefillWorker:
         self._stop = threading.Event()
         self._jobs: dict[str, _Job] = {}
         self.corrupt_every = corrupt_every
+        self.draining = False  # set by drain(): proxies stop routing here; prompts already sent are finished
         self.parts_sent = 0
         self.prompt_tokens = 0
         self.bytes_sent = 0
@@ -90,11 +91,17 @@ class PrefillWorker:
             self._jobs.pop(request_id, None)
             self.engine.abort_request(request_id)
 
+    def drain(self) -> None:
+        """Mutates: report draining, so proxies route no new prompts here; prompts already sent are finished."""
+        with self._lock:
+            self.draining = True
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             c = self.engine.kv.pool.counts()
             sched = self.engine.scheduler
             return {"actor_id": self.actor_id, "role": "prefill", "alive": True, "kv": c,
+                    "draining": self.draining, "idle": not self._jobs and not sched.running and not sched.waiting,
                     "running": len(sched.running), "waiting": len(sched.waiting),
                     "queued_prefill_tokens": sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
                     "prompt_tokens": self.prompt_tokens, "kv_bytes_sent": self.bytes_sent,

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
 DECODE_PREFIX = "pdcluster-decode-"
 PREFILL_PREFIX = "pdcluster-prefill-"
+MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/pool_manager.py)
 
 
 @dataclass
@@ -63,6 +64,14 @@ class Pools:
                 except Exception:
                     ref.alive = False
 
+    async def manager_status(self) -> dict[str, Any] | None:
+        """The pool manager's status (autoscale, recent decisions), or None if this cluster has none."""
+        try:
+            manager = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+            return await asyncio.wait_for(manager.status.remote(), 5.0)
+        except Exception:  # colocated clusters have none; a busy or gone manager is not an error here
+            return None
+
     @staticmethod
     def actor_stats(ref: ActorRef, role: str) -> ActorStats:
         """The router's view of one actor, from its last reported stats (cached prefix blocks count as free). Pure."""
@@ -76,10 +85,12 @@ class Pools:
                           queued_prefill_tokens=int(st.get("queued_prefill_tokens", 0)))
 
     def live_prefill(self) -> list[ActorRef]:
-        return [a for a in self.prefill.values() if a.alive]
+        """Prefill actors to route new requests to: alive and not draining. Pure."""
+        return [a for a in self.prefill.values() if a.alive and not (a.stats or {}).get("draining")]
 
     def live_decode(self) -> list[ActorRef]:
-        return [a for a in self.decode.values() if a.alive]
+        """Decode actors to route new requests to: alive and not draining. Pure."""
+        return [a for a in self.decode.values() if a.alive and not (a.stats or {}).get("draining")]
 
     def by_free_blocks(self) -> list[ActorRef]:
         """Live decode actors, most free KV blocks first (as of the last refresh). Pure."""

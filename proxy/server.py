@@ -147,7 +147,8 @@ class Proxy:
                   for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
                   for a in pool.values()]
         return web.json_response({"mode": "disaggregated" if self.disaggregated else "colocated",
-                                  "waiting_for_blocks": self._waiting, "actors": actors})
+                                  "waiting_for_blocks": self._waiting, "actors": actors,
+                                  "controller": await self.pools.manager_status()})
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         kv = {a.name: a.stats.get("kv", {}) for a in self.pools.live_decode() if a.stats}

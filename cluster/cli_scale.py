@@ -1,0 +1,69 @@
+"""``pdcluster scale`` and ``pdcluster autoscale``: change a running cluster's pools through its PoolManager actor."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    sc = sub.add_parser("scale", help="resize a running cluster's prefill and decode pools (drains what it removes)")
+    sc.add_argument("--prefill", type=int, required=True)
+    sc.add_argument("--decode", type=int, required=True)
+    sc.add_argument("--ray-address", default="auto", help="the cluster's Ray (default: the local one)")
+    sc.set_defaults(func=_cmd_scale)
+    au = sub.add_parser("autoscale", help="let the controller move the prefill:decode ratio (on) or stop it (off)")
+    au.add_argument("state", choices=["on", "off"])
+    au.add_argument("--ray-address", default="auto", help="the cluster's Ray (default: the local one)")
+    au.set_defaults(func=_cmd_autoscale)
+
+
+def _manager(address: str) -> Any:
+    import ray
+
+    from proxy.pools import MANAGER_NAME, NAMESPACE
+
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+    return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    try:
+        manager = _manager(args.ray_address)
+    except (ConnectionError, ValueError) as e:
+        print(f"error: no running pdcluster found at {args.ray_address}: {e}", file=sys.stderr)
+        return 2
+    done = manager.scale.remote(args.prefill, args.decode)
+    seen = {(e["t"], e["event"]) for e in ray.get(manager.status.remote(), timeout=30)["events"]}
+    while True:  # progress: the manager's events as they happen
+        ready, _ = ray.wait([done], timeout=0.5)
+        for e in ray.get(manager.status.remote(), timeout=30)["events"]:
+            if (e["t"], e["event"]) not in seen:
+                seen.add((e["t"], e["event"]))
+                print(f"[pdcluster] {time.strftime('%H:%M:%S', time.localtime(e['t']))} {e['event']}", flush=True)
+        if ready:
+            break
+    try:
+        counts = ray.get(done)
+    except ray.exceptions.RayTaskError as e:
+        print(f"error: {e.cause if hasattr(e, 'cause') else e}", file=sys.stderr)
+        return 2
+    print(f"[pdcluster] pools now {counts['prefill']} prefill, {counts['decode']} decode")
+    return 0
+
+
+def _cmd_autoscale(args: argparse.Namespace) -> int:
+    import ray
+
+    try:
+        manager = _manager(args.ray_address)
+    except (ConnectionError, ValueError) as e:
+        print(f"error: no running pdcluster found at {args.ray_address}: {e}", file=sys.stderr)
+        return 2
+    on = ray.get(manager.autoscale.remote(args.state == "on"), timeout=30)
+    print(f"[pdcluster] autoscale {'on' if on else 'off'}")
+    return 0

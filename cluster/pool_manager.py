@@ -1,0 +1,216 @@
+"""The live connector: a Ray actor that adds and drains worker actors, by hand (``pdcluster scale``) or driven by
+the controller core (``pdcluster autoscale on``).
+
+Adding starts a named actor (``pdcluster-prefill-<i>`` / ``pdcluster-decode-<i>``); proxies find it on their next
+pool refresh (every second) once its model is loaded. Draining tells the actor to take no new work (a decode actor
+refuses new reservations; both report ``draining``, so proxies stop routing to them), waits until it is idle (every
+request it holds has finished), then stops it: no request is lost. An actor cannot change role in place here (prefill
+and decode are separate actor classes), so the controller's flips are carried out as a drain plus a start.
+
+Observations for the controller come from the actors' own counters (prompt tokens prefilled, tokens generated,
+queued prompt tokens) as rates over each interval; per-actor capacity comes from the cost profile. SLO attainment
+is not observed live yet (taken as met), so live decisions rest on rates and the prefill backlog.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import ray
+
+from cluster.controller import ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.worker_config import WorkerConfig
+from proxy.pools import DECODE_PREFIX, MANAGER_NAME, NAMESPACE, PREFILL_PREFIX
+
+PREFIXES = {"prefill": PREFILL_PREFIX, "decode": DECODE_PREFIX}
+
+
+class PoolManager:
+    """One per cluster (a named Ray actor). Changes run one at a time; ``status`` answers while they run."""
+
+    def __init__(self, worker: WorkerConfig, kv: Any, resources: dict[str, Any], on_transfer_failure: str,
+                 controller: ControllerConfig, drain_timeout_s: float = 600.0) -> None:
+        self.worker, self.kv, self.resources = worker, kv, resources
+        self.on_transfer_failure = on_transfer_failure
+        self.controller = controller
+        self.drain_timeout_s = drain_timeout_s
+        self._lock = threading.Lock()  # guards the fields below
+        self._change = threading.Lock()  # one change at a time
+        self.handles: dict[str, Any] = {}
+        self.roles: dict[str, str] = {}
+        self.draining: set[str] = set()
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            name = a["name"]
+            for role, prefix in PREFIXES.items():
+                if a.get("namespace") == NAMESPACE and name.startswith(prefix):
+                    self.handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+                    self.roles[name] = role
+        self.next_index = {role: 1 + max([int(n.removeprefix(PREFIXES[role])) for n, r in self.roles.items()
+                                          if r == role] or [-1]) for role in PREFIXES}
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
+        self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        self._autoscale = threading.Event()
+        self._auto_thread: threading.Thread | None = None
+        self._state = ControllerState()
+        self._last_counters: tuple[float, float, float] | None = None  # (time, prompt tokens, generated tokens)
+
+    # -- queries ----------------------------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            actors = [{"name": n, "role": r, "draining": n in self.draining} for n, r in sorted(self.roles.items())]
+            return {"actors": actors, "autoscale": self._autoscale.is_set(), "busy": self._change.locked(),
+                    "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:]}
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            live = [r for n, r in self.roles.items() if n not in self.draining]
+            return {"prefill": live.count("prefill"), "decode": live.count("decode")}
+
+    # -- changes ----------------------------------------------------------------------------------------------------
+    def scale(self, n_prefill: int, n_decode: int) -> dict[str, Any]:
+        """Mutates: add or drain actors until the pools have these sizes. Blocks until done; returns the counts."""
+        if n_prefill < 1 or n_decode < 1:
+            raise ValueError(f"n_prefill/n_decode: need at least one of each, got {n_prefill}/{n_decode}")
+        if n_prefill + n_decode > self.controller.budget:
+            raise ValueError(f"n_prefill + n_decode: {n_prefill + n_decode} exceeds the budget {self.controller.budget}")
+        with self._change:
+            now = self.counts()
+            adds = ["prefill"] * max(0, n_prefill - now["prefill"]) + ["decode"] * max(0, n_decode - now["decode"])
+            drains = self._least_loaded("prefill", now["prefill"] - n_prefill) + \
+                self._least_loaded("decode", now["decode"] - n_decode)
+            reason = f"manual scale {now['prefill']}P:{now['decode']}D -> {n_prefill}P:{n_decode}D"
+            self._record(Decision(n_prefill, n_decode, tuple(adds), tuple(drains), reason=reason))
+            self._apply(adds, drains)
+        return self.counts()
+
+    def autoscale(self, on: bool) -> bool:
+        """Mutates: start or stop the control loop (every ``interval_s``). Returns the new setting."""
+        if on and not self._autoscale.is_set():
+            self._autoscale.set()
+            self._auto_thread = threading.Thread(target=self._auto_loop, name="autoscale", daemon=True)
+            self._auto_thread.start()
+        elif not on:
+            self._autoscale.clear()
+        self._event(f"autoscale {'on' if on else 'off'}")
+        return self._autoscale.is_set()
+
+    def _least_loaded(self, role: str, n: int) -> list[str]:
+        if n <= 0:
+            return []
+        with self._lock:
+            names = [name for name, r in self.roles.items() if r == role and name not in self.draining]
+        stats = ray.get([self.handles[name].stats.remote() for name in names], timeout=30)
+        load = {name: int(s.get("running", 0)) + int(s.get("waiting", 0)) for name, s in zip(names, stats)}
+        return sorted(names, key=lambda name: (load[name], name))[:n]
+
+    def _apply(self, adds: list[str], drains: list[str]) -> None:
+        started = [self._start(role) for role in adds]  # start first: capacity before removal
+        for name in started:
+            ray.get(self.handles[name].info.remote(), timeout=600)
+            self._event(f"{name} ready")
+        for name in drains:
+            with self._lock:
+                self.draining.add(name)
+            ray.get(self.handles[name].drain.remote(), timeout=30)
+            self._event(f"{name} draining")
+        for name in drains:
+            self._wait_idle(name)
+            self._stop(name)
+
+    def _start(self, role: str) -> str:
+        from decode_worker.worker import DecodeWorker
+        from prefill_worker.worker import PrefillWorker
+
+        with self._lock:
+            name = f"{PREFIXES[role]}{self.next_index[role]}"
+            self.next_index[role] += 1
+        cls = ray.remote(**self.resources)(DecodeWorker if role == "decode" else PrefillWorker)
+        if role == "decode":
+            handle = cls.options(name=name).remote(name, self.worker, self.kv, self.on_transfer_failure)
+        else:
+            handle = cls.options(name=name).remote(name, self.worker, self.kv, 0)
+        with self._lock:
+            self.handles[name], self.roles[name] = handle, role
+        self._event(f"{name} starting")
+        return name
+
+    def _wait_idle(self, name: str, quiet_s: float = 3.0) -> None:
+        """Until the actor has been idle for ``quiet_s`` on end: longer than a proxy's pool refresh (1 s), so a
+        request routed just before the proxy saw ``draining`` has reached the actor and is counted."""
+        deadline = time.monotonic() + self.drain_timeout_s
+        idle_since: float | None = None
+        while time.monotonic() < deadline:
+            try:
+                idle = bool(ray.get(self.handles[name].stats.remote(), timeout=30).get("idle"))
+            except Exception:  # already gone
+                return
+            now = time.monotonic()
+            idle_since = (idle_since or now) if idle else None
+            if idle_since is not None and now - idle_since >= quiet_s:
+                return
+            time.sleep(0.25)
+        self._event(f"{name} still busy after {self.drain_timeout_s:.0f}s: stopping it anyway")
+
+    def _stop(self, name: str) -> None:
+        handle = self.handles[name]
+        try:
+            ray.get(handle.shutdown.remote(), timeout=30)
+        except Exception:
+            pass
+        ray.kill(handle)
+        with self._lock:
+            self.handles.pop(name, None)
+            self.roles.pop(name, None)
+            self.draining.discard(name)
+        self._event(f"{name} stopped")
+
+    def _event(self, what: str) -> None:
+        with self._lock:
+            self.events.append({"t": round(time.time(), 3), "event": what})
+
+    def _record(self, d: Decision) -> None:
+        with self._lock:
+            self.decisions.append({"t": round(time.time(), 3), "reason": d.reason, "add": list(d.add),
+                                   "drain": list(d.drain), "flip": [list(f) for f in d.flip]})
+
+    # -- the control loop -------------------------------------------------------------------------------------------
+    def _observe(self) -> Observation | None:
+        with self._lock:
+            names = [n for n in self.roles if n not in self.draining]
+        stats = ray.get([self.handles[n].stats.remote() for n in names], timeout=30)
+        prompt = sum(float(s.get("prompt_tokens", 0)) for s in stats if s.get("role") == "prefill")
+        generated = sum(float(s.get("tokens_generated", 0)) for s in stats if s.get("role") == "decode")
+        now = time.monotonic()
+        last, self._last_counters = self._last_counters, (now, prompt, generated)
+        if last is None or now <= last[0]:
+            return None
+        dt = now - last[0]
+        actors = tuple(ActorObservation(n, s.get("role", ""), None, int(s.get("running", 0)) + int(s.get("waiting", 0)))
+                       for n, s in zip(names, stats))
+        return Observation(t=now, prefill_tps=max(0.0, prompt - last[1]) / dt,
+                           decode_tps=max(0.0, generated - last[2]) / dt, request_rate=0.0, mean_prompt_tokens=0.0,
+                           mean_output_tokens=0.0, actors=actors,
+                           prefill_backlog_tokens=sum(float(s.get("queued_prefill_tokens", 0)) for s in stats))
+
+    def _auto_loop(self) -> None:
+        while self._autoscale.is_set():
+            time.sleep(self.controller.interval_s)
+            if not self._autoscale.is_set():
+                return
+            try:
+                obs = self._observe()
+                if obs is None:
+                    continue
+                decision, self._state = decide(obs, self.controller, self._state)
+                if not decision.changes:
+                    continue
+                self._record(decision)
+                adds = list(decision.add) + [role for _, role in decision.flip]  # a flip: drain, then start
+                drains = list(decision.drain) + [name for name, _ in decision.flip]
+                with self._change:
+                    self._apply(adds, drains)
+            except Exception as e:  # keep controlling; the error shows in status
+                self._event(f"autoscale step failed: {type(e).__name__}: {e}")

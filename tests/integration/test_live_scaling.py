@@ -1,0 +1,88 @@
+"""Scaling a live cluster while it serves: 1P1D -> 2P1D -> 1P2D, no request lost or wrong; the CLI drives it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.worker_config import WorkerConfig  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [f"{q} Answer in one sentence." for q in
+           ("What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.")]
+
+
+def status(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/status", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_scale_up_and_across_while_serving() -> None:
+    offline = LLM("default", kv_cache_gib=0.25)
+    want = {p: o.text for p, o in zip(PROMPTS, offline.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                                                            SamplingParams(max_tokens=16)))}
+    del offline
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+                            port=0, budget=3, cpus_per_actor=0.5))
+    c.start()
+    try:
+        url = c.urls[0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        stop = threading.Event()
+        results: list[tuple[str, str]] = []
+        errors: list[str] = []
+
+        def traffic() -> None:
+            i = 0
+            while not stop.is_set():
+                p = PROMPTS[i % len(PROMPTS)]
+                i += 1
+                try:
+                    r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
+                                                       max_tokens=16, temperature=0)
+                    results.append((p, r.choices[0].message.content or ""))
+                except Exception as e:  # any failure is a lost request
+                    errors.append(f"{type(e).__name__}: {e}")
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            loops = [ex.submit(traffic) for _ in range(3)]
+            # 1P1D -> 2P1D through the CLI (a separate process joining the cluster's Ray)
+            gcs = ray.get_runtime_context().gcs_address
+            out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--prefill", "2", "--decode", "1",
+                                  "--ray-address", gcs], capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert "pools now 2 prefill, 1 decode" in out.stdout and "pdcluster-prefill-1 ready" in out.stdout
+            before = len(results)
+            # 2P1D -> 1P2D in place: a prefill actor drains and stops, a decode actor starts
+            assert ray.get(c.manager.scale.remote(1, 2), timeout=900) == {"prefill": 1, "decode": 2}
+            while len(results) < before + 6 and not errors:  # traffic keeps flowing on the new pools
+                stop.wait(0.5)
+            stop.set()
+            for f in loops:
+                f.result(timeout=600)
+        assert not errors, errors[:3]
+        assert len(results) >= 10
+        wrong = [(p, got) for p, got in results if got != want[p]]
+        assert not wrong, wrong[:3]
+        st = status(url)
+        roles = sorted((a["role"], a["name"]) for a in st["actors"] if a["alive"])
+        assert [r for r, _ in roles] == ["decode", "decode", "prefill"], roles
+        reasons = [d["reason"] for d in st["controller"]["decisions"]]
+        assert reasons[-2:] == ["manual scale 1P:1D -> 2P:1D", "manual scale 2P:1D -> 1P:2D"]
+        for a in st["actors"]:  # every decode actor ends with no block held
+            if a["role"] == "decode":
+                assert a["kv"]["used"] == 0 and a["kv"]["reserved"] == 0
+        with pytest.raises(ray.exceptions.RayTaskError, match="budget"):
+            ray.get(c.manager.scale.remote(2, 2), timeout=60)
+    finally:
+        c.stop()
