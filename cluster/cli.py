@@ -73,7 +73,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
-            budget=args.budget)
+            budget=args.budget, controller_interval_s=args.controller_interval)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
     sv.add_argument("--served-model-name", default="default")
+    sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--budget", type=int, default=0,
                     help="most actors `pdcluster scale` / autoscale may run (default: --prefill + --decode)")
     sv.add_argument("--ask", default=None, metavar="QUESTION",

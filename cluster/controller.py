@@ -165,8 +165,8 @@ def _keep_budget(now: tuple[int, int], need: tuple[int, int], loads: tuple[float
             g_p -= over
         else:
             g_d -= over
-    elif over < 0:
-        extra_p = round(-over * loads[0] / sum(loads)) if sum(loads) > 0 else -over // 2
+    elif over < 0 and sum(loads) > 0:  # with no load there is nothing to go by: leave the spare budget unused
+        extra_p = round(-over * loads[0] / sum(loads))
         g_p, g_d = g_p + extra_p, g_d - over - extra_p
     return g_p, g_d
 

@@ -37,6 +37,7 @@ class ServeConfig:
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
+    controller_interval_s: float = 30.0  # how often autoscale decides
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
@@ -124,7 +125,8 @@ class Cluster:
             from cluster.controller import ControllerConfig
             from cluster.pool_manager import MANAGER_NAME, PoolManager
 
-            ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode)
+            ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
+                                    cooldown_s=2 * cfg.controller_interval_s)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8)(PoolManager).options(name=MANAGER_NAME).remote(
                 cfg.worker, kv, res, cfg.on_transfer_failure, ctrl)
             ray.get(self.manager.counts.remote(), timeout=60)

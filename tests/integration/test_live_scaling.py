@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -84,5 +85,36 @@ def test_scale_up_and_across_while_serving() -> None:
                 assert a["kv"]["used"] == 0 and a["kv"]["reserved"] == 0
         with pytest.raises(ray.exceptions.RayTaskError, match="budget"):
             ray.get(c.manager.scale.remote(2, 2), timeout=60)
+    finally:
+        c.stop()
+
+
+def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+                            port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0))
+    c.start()
+    try:
+        client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+        long_prompt = " ".join(["Summarise the history of the printing press in Europe."] * 12)
+        assert ray.get(c.manager.autoscale.remote(True)) is True
+        errors: list[str] = []
+
+        def ask(_: int) -> None:
+            try:  # prompt-heavy: long prompts, one token out
+                client.chat.completions.create(model="default", messages=[{"role": "user", "content": long_prompt}],
+                                               max_tokens=1, temperature=0)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        with cf.ThreadPoolExecutor(4) as ex:
+            list(ex.map(ask, range(24)))
+        deadline = time.monotonic() + 120
+        while ray.get(c.manager.counts.remote()) != {"prefill": 2, "decode": 1}:
+            assert time.monotonic() < deadline, ray.get(c.manager.status.remote())
+            time.sleep(1)
+        assert not errors, errors[:3]
+        st = status(c.urls[0])
+        assert st["controller"]["autoscale"] and "1P:1D -> 2P:1D" in st["controller"]["decisions"][-1]["reason"]
+        assert ray.get(c.manager.autoscale.remote(False)) is False
     finally:
         c.stop()
