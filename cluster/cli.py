@@ -73,9 +73,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
-            budget=args.budget, controller_interval_s=args.controller_interval)
+            budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.ask is not None and cfg.proxies == 0:
+        print("error: --ask needs a proxy (--proxies >= 1)", file=sys.stderr)
         return 2
     if cfg.worker.model == "default":  # convert the default model once, here, not in every actor at the same time
         from engine.default_model import resolve_model
@@ -96,6 +99,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cluster.start()
         for url in cluster.urls:
             print(f"[pdcluster] ready: {url}/v1  (model name {cfg.model_name!r})", flush=True)
+        if not cluster.urls:
+            print("[pdcluster] workers ready; no proxies here (--proxies 0): start them with python -m proxy.main",
+                  flush=True)
         if args.ask is not None:
             return _ask(cluster.urls[0], cfg.model_name, args.ask)
         while not stop["now"]:
@@ -188,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
     sv.add_argument("--served-model-name", default="default")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
+    sv.add_argument("--role-resources", action="store_true",
+                    help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
     sv.add_argument("--budget", type=int, default=0,
                     help="most actors `pdcluster scale` / autoscale may run (default: --prefill + --decode)")
     sv.add_argument("--ask", default=None, metavar="QUESTION",

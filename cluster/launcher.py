@@ -38,6 +38,9 @@ class ServeConfig:
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
     controller_interval_s: float = 30.0  # how often autoscale decides
+    # place prefill actors only on Ray nodes that offer the custom resource "pdcluster_prefill", decode actors on
+    # "pdcluster_decode" (Kubernetes: each worker group's pods advertise their role)
+    role_resources: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
@@ -52,8 +55,8 @@ class ServeConfig:
             raise ValueError(f"kv_backend: 'torch_dist' or 'ucx', got {self.kv_backend!r}")
         if self.decode < 1:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
-        if self.proxies < 1:
-            raise ValueError(f"proxies: need at least one, got {self.proxies}")
+        if self.proxies < 0:
+            raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
         if self.budget and self.budget < self.prefill + self.decode:
             raise ValueError(f"budget: must be 0 or >= prefill + decode ({self.prefill + self.decode}), got {self.budget}")
         if not 0 <= self.port <= 65536 - self.proxies:
@@ -109,13 +112,15 @@ class Cluster:
             self._owns_ray = True
         disagg = cfg.mode == "disaggregated"
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.host) if disagg else None
-        res = {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16}
-        decode = ray.remote(**res)(DecodeWorker)
+        roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
+                        **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {})}
+                 for role in ("prefill", "decode")}
+        decode = ray.remote(**roles["decode"])(DecodeWorker)
         self.decode_actors = [decode.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker, kv,
                                                                                  cfg.on_transfer_failure)
                               for i in range(cfg.decode)]
         if disagg:
-            prefill = ray.remote(**res)(PrefillWorker)
+            prefill = ray.remote(**roles["prefill"])(PrefillWorker)
             self.prefill_actors = [prefill.options(name=f"{PREFILL_PREFIX}{i}").remote(
                 f"{PREFILL_PREFIX}{i}", cfg.worker, kv, cfg.corrupt_kv_every)
                                    for i in range(cfg.prefill)]
@@ -128,7 +133,7 @@ class Cluster:
             ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
                                     cooldown_s=2 * cfg.controller_interval_s)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8)(PoolManager).options(name=MANAGER_NAME).remote(
-                cfg.worker, kv, res, cfg.on_transfer_failure, ctrl)
+                cfg.worker, kv, roles, cfg.on_transfer_failure, ctrl)
             ray.get(self.manager.counts.remote(), timeout=60)
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -152,7 +157,8 @@ class Cluster:
                 time.sleep(0.2)
             with open(path) as f:
                 self.urls.append(f"http://{cfg.host}:{int(f.read())}")
-        self._wait_ready(max(1.0, deadline - time.monotonic()))
+        if self.urls:
+            self._wait_ready(max(1.0, deadline - time.monotonic()))
 
     def _wait_ready(self, timeout_s: float) -> None:
         import http.client

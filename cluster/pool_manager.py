@@ -31,7 +31,7 @@ PREFIXES = {"prefill": PREFILL_PREFIX, "decode": DECODE_PREFIX}
 class PoolManager:
     """One per cluster (a named Ray actor). Changes run one at a time; ``status`` answers while they run."""
 
-    def __init__(self, worker: WorkerConfig, kv: Any, resources: dict[str, Any], on_transfer_failure: str,
+    def __init__(self, worker: WorkerConfig, kv: Any, resources: dict[str, dict[str, Any]], on_transfer_failure: str,
                  controller: ControllerConfig, drain_timeout_s: float = 600.0) -> None:
         self.worker, self.kv, self.resources = worker, kv, resources
         self.on_transfer_failure = on_transfer_failure
@@ -127,7 +127,7 @@ class PoolManager:
         with self._lock:
             name = f"{PREFIXES[role]}{self.next_index[role]}"
             self.next_index[role] += 1
-        cls = ray.remote(**self.resources)(DecodeWorker if role == "decode" else PrefillWorker)
+        cls = ray.remote(**self.resources[role])(DecodeWorker if role == "decode" else PrefillWorker)
         if role == "decode":
             handle = cls.options(name=name).remote(name, self.worker, self.kv, self.on_transfer_failure)
         else:

@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-timeout", type=float, default=10.0)
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    ap.add_argument("--advertise-host", default=None,
+                    help="the address decode actors reach this proxy's token stream at (default: --host; set it to "
+                         "the pod IP when --host is 0.0.0.0)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                            vocab_size=int(info["vocab_size"]))
     total = min(int(a.info["total_blocks"]) for a in pools.live_decode())
     proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]), total,
-                  ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout), stream_host=args.host,
+                  ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
+                              api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
+                  stream_host=args.host, stream_advertise_host=args.advertise_host,
                   disaggregated=args.disaggregated)
     # bind here, so that port 0 gets a port no other process can take between choosing and binding it
     sock = socket.create_server((args.host, args.port), reuse_port=False)

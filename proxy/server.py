@@ -8,6 +8,7 @@ that disconnects aborts its requests on the actors at once.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import time
@@ -20,7 +21,8 @@ from aiohttp import web
 
 from cluster.protocol import GenerateRequest, Usage
 from engine.block_hash import hash_full_blocks
-from proxy.errors import APIError, internal_error, kv_capacity_exceeded, rate_limited, service_unavailable
+from proxy.errors import (APIError, internal_error, kv_capacity_exceeded, rate_limited, service_unavailable,
+                          unauthorized)
 from proxy.metrics import Metrics
 from proxy.openai_protocol import (
     ChatCompletionRequest,
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ProxyConfig:
     model_name: str = "default"
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (401 otherwise)
     max_body_bytes: int = 4 * 1024 * 1024
     queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks before a 429
     max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
@@ -78,7 +81,7 @@ class _Sub:
 class Proxy:
     def __init__(self, pools: Pools, tokenizer: PromptTokenizer, proto: ProtocolConfig, block_size: int,
                  total_blocks: int, cfg: ProxyConfig, stream_host: str = "127.0.0.1",
-                 disaggregated: bool = False) -> None:
+                 disaggregated: bool = False, stream_advertise_host: str | None = None) -> None:
         self.disaggregated = disaggregated
         self.pools = pools
         self.tok = tokenizer
@@ -86,9 +89,10 @@ class Proxy:
         self.block_size = block_size
         self.total_blocks = total_blocks
         self.cfg = cfg
-        self.stream = TokenStreamServer(host=stream_host)
+        self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host)
         self.metrics = Metrics()
         self._waiting = 0
+        self.shutting_down = False
         self._inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
         self.router = Router(RouterConfig(block_size=block_size))
         self._ids = itertools.count()
@@ -96,7 +100,7 @@ class Proxy:
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.cfg.max_body_bytes * 2)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes * 2, middlewares=[self._auth])
         app.add_routes([
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_page),
             web.get("/v1/models", self.models), web.get("/status", self.status),
@@ -104,8 +108,24 @@ class Proxy:
             web.post("/v1/chat/completions", self.chat),
         ])
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._stopping)
         app.on_cleanup.append(self._stop)
         return app
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """With an API key configured, the OpenAI routes need it as a Bearer token; probes and metrics do not."""
+        key = self.cfg.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                err = unauthorized()
+                return web.json_response(err.body(), status=err.status, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    async def _stopping(self, _: web.Application) -> None:
+        """SIGTERM: /ready answers 503 from now on, so load balancers stop sending; in-flight streams finish."""
+        self.shutting_down = True
 
     async def _start(self, _: web.Application) -> None:
         await self.stream.start()
@@ -132,8 +152,8 @@ class Proxy:
     async def ready(self, _: web.Request) -> web.Response:
         n = len(self.pools.live_decode())
         p = len(self.pools.live_prefill())
-        ok = n > 0 and (p > 0 or not self.disaggregated)
-        body = {"ready": ok, "decode_actors": n, "prefill_actors": p}
+        ok = n > 0 and (p > 0 or not self.disaggregated) and not self.shutting_down
+        body = {"ready": ok, "decode_actors": n, "prefill_actors": p, "shutting_down": self.shutting_down}
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, _: web.Request) -> web.Response:
