@@ -99,6 +99,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         cluster.start()
         for url in cluster.urls:
             print(f"[pdcluster] ready: {url}/v1  (model name {cfg.model_name!r})", flush=True)
+        if args.autoscale:
+            if cluster.manager is None:
+                print("error: --autoscale needs --mode disaggregated", file=sys.stderr)
+                return 2
+            import ray
+
+            ray.get(cluster.manager.autoscale.remote(True), timeout=60)
+            print("[pdcluster] autoscale on", flush=True)
         if not cluster.urls:
             print("[pdcluster] workers ready; no proxies here (--proxies 0): start them with python -m proxy.main",
                   flush=True)
@@ -194,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
     sv.add_argument("--served-model-name", default="default")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
+    sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
     sv.add_argument("--role-resources", action="store_true",
                     help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
     sv.add_argument("--budget", type=int, default=0,

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queue-timeout", type=float, default=10.0)
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
+    ap.add_argument("--keepalive-timeout", type=float, default=75.0,
+                    help="idle keep-alive seconds; keep it above the load balancer's idle timeout (60 s on most)")
     ap.add_argument("--advertise-host", default=None,
                     help="the address decode actors reach this proxy's token stream at (default: --host; set it to "
                          "the pod IP when --host is 0.0.0.0)")
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write(str(port))
         os.replace(tmp, args.port_file)
     print(f"[pdcluster] proxy listening on http://{args.host}:{port}", flush=True)
-    web.run_app(proxy.app(), sock=sock, handler_cancellation=True, shutdown_timeout=args.shutdown_grace, print=None)
+    web.run_app(proxy.app(), sock=sock, handler_cancellation=True, shutdown_timeout=args.shutdown_grace, print=None,
+                keepalive_timeout=args.keepalive_timeout)
     return 0
 
 
