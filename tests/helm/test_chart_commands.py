@@ -1,0 +1,124 @@
+"""The chart's commands really run: the rendered CPU example's head, worker, controller and proxy commands start
+as local processes (KubeRay's ``ray start`` built from each group's rayStartParams, as KubeRay builds it), then a
+chat completion goes through the proxy and is checked, then everything stops. Nothing the chart runs is untested."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python")
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pdcluster"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ray_start(params: dict[str, str], head: bool, address: str) -> list[str]:
+    """The ``ray start`` command KubeRay runs for a group (its rayStartParams as ``--key=value`` flags)."""
+    cmd = ["ray", "start"] + (["--head", f"--port={address.rsplit(':', 1)[1]}"] if head else [f"--address={address}"])
+    for k, v in params.items():
+        cmd.append(f"--{k}={json.loads(v) if k == 'resources' else v}")
+    return cmd + ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+
+
+def localize(cmd: list[str], head_in_chart: str, head_here: str, port: int | None = None) -> list[str]:
+    """Point a container command at this machine: the head's address, the pod IP, a free proxy port."""
+    out = []
+    for arg in cmd:
+        arg = arg.replace(head_in_chart, head_here).replace("$(POD_IP)", "127.0.0.1")
+        if port is not None and arg.startswith("--port="):
+            arg = f"--port={port}"
+        out.append(arg)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("ray") is None or shutil.which("pdcluster") is None,
+                    reason="needs the ray and pdcluster commands on PATH (pip install -e .)")
+def test_rendered_cpu_example_serves_a_chat_completion() -> None:
+    vals = yaml.safe_load((CHART / "examples" / "values-cpu.yaml").read_text())
+    vals["engine"]["kvCacheGib"] = 0.25  # this machine's memory; the commands are otherwise the chart's own
+    with helm.Chart.load(str(CHART)) as chart:
+        rendered = chart.render(vals, name="demo", namespace="llm")
+    docs = [d for p, t in rendered.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    (rc,) = [d for d in docs if d["kind"] == "RayCluster"]
+    (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
+    head_in_chart = "demo-pdcluster-head-svc.llm.svc:6379"
+    head = f"127.0.0.1:{free_port()}"
+    proxy_port = free_port()
+    containers = {c["name"]: c for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]}
+    pod = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+    env_list = containers["controller"]["env"]
+    tmp = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # Ray's socket paths must stay short
+    env = {**os.environ, **{e["name"]: e["value"] for e in env_list if "value" in e}, "RAY_TMPDIR": tmp,
+           "HOME": os.environ.get("HOME", "/tmp"), "PDCLUSTER_CACHE_DIR": os.environ.get("PDCLUSTER_CACHE_DIR", "")}
+    if not env["PDCLUSTER_CACHE_DIR"]:
+        env.pop("PDCLUSTER_CACHE_DIR")  # the image bakes the model under /opt/pdcluster; here, the user's cache
+    assert env["RAY_AUTH_MODE"] == "disabled"
+    procs: list[subprocess.Popen[str]] = []
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+
+    try:
+        started = run(ray_start(rc["spec"]["headGroupSpec"]["rayStartParams"], True, head))
+        assert started.returncode == 0, started.stderr[-2000:]
+        for group in rc["spec"]["workerGroupSpecs"]:
+            for _ in range(group["replicas"]):
+                started = run(ray_start(group["rayStartParams"], False, head))
+                assert started.returncode == 0, started.stderr[-2000:]
+        controller = localize(containers["controller"]["command"], "127.0.0.1:6379", head)
+        procs.append(subprocess.Popen(controller, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True))
+        node = localize(pod["ray-node"]["command"], head_in_chart, head)
+        node = [a for a in node if a != "--block"]  # as a background Ray node here (the pod keeps it in front)
+        started = run(node)
+        assert started.returncode == 0, started.stderr[-2000:]
+        proxy = localize(pod["proxy"]["command"], head_in_chart, head, proxy_port)
+        procs.append(subprocess.Popen(proxy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True, cwd=ROOT))
+        url = f"http://127.0.0.1:{proxy_port}"
+        deadline = time.monotonic() + 300
+        while True:  # the readiness probe's own check
+            assert all(p.poll() is None for p in procs), [p.stdout.read()[-2000:] for p in procs if p.poll() is not None]
+            try:
+                with urllib.request.urlopen(f"{url}{pod['proxy']['readinessProbe']['httpGet']['path']}", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the proxy never became ready"
+            time.sleep(1)
+        body = json.dumps({"model": vals.get("model", {}).get("servedName", "default"), "temperature": 0,
+                           "max_tokens": 16, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        req = urllib.request.Request(f"{url}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            answer: dict[str, Any] = json.loads(r.read())
+        assert "Paris" in answer["choices"][0]["message"]["content"], answer
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(p.pid, signal.SIGKILL)
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
