@@ -52,6 +52,7 @@ class PoolManager:
                                           if r == role] or [-1]) for role in PREFIXES}
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        self.decision_count = 0  # decisions that changed something, since start
         self._autoscale = threading.Event()
         self._auto_thread: threading.Thread | None = None
         self._state = ControllerState()
@@ -62,6 +63,7 @@ class PoolManager:
         with self._lock:
             actors = [{"name": n, "role": r, "draining": n in self.draining} for n, r in sorted(self.roles.items())]
             return {"actors": actors, "autoscale": self._autoscale.is_set(), "busy": self._change.locked(),
+                    "decision_count": self.decision_count,
                     "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:]}
 
     def counts(self) -> dict[str, int]:
@@ -173,6 +175,7 @@ class PoolManager:
 
     def _record(self, d: Decision) -> None:
         with self._lock:
+            self.decision_count += 1
             self.decisions.append({"t": round(time.time(), 3), "reason": d.reason, "add": list(d.add),
                                    "drain": list(d.drain), "flip": [list(f) for f in d.flip]})
 

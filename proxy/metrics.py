@@ -51,8 +51,9 @@ class Metrics:
         self.tpot.observe(tpot)
         self.e2e.observe(e2e)
 
-    def render(self, queue_depth: int, kv: dict[str, dict[str, int]]) -> str:
-        """The exposition text. Pure."""
+    def render(self, queue_depth: int, kv: dict[str, dict[str, int]], pools: dict[str, int] | None = None,
+               decisions: int | None = None) -> str:
+        """The exposition text. Pure. ``pools``: routable actors per role; ``decisions``: the controller's count."""
         lines = ["# TYPE pdcluster_requests_total counter"]
         lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
@@ -66,4 +67,9 @@ class Metrics:
                   "# TYPE pdcluster_kv_blocks gauge"]
         for actor, c in sorted(kv.items()):
             lines += [f'pdcluster_kv_blocks{{actor="{actor}",state="{k}"}} {v}' for k, v in sorted(c.items())]
+        if pools is not None:
+            lines += ["# TYPE pdcluster_pool_actors gauge"]
+            lines += [f'pdcluster_pool_actors{{role="{r}"}} {n}' for r, n in sorted(pools.items())]
+        if decisions is not None:
+            lines += ["# TYPE pdcluster_controller_decisions gauge", f"pdcluster_controller_decisions {decisions}"]
         return "\n".join(lines) + "\n"

@@ -172,7 +172,10 @@ class Proxy:
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         kv = {a.name: a.stats.get("kv", {}) for a in self.pools.live_decode() if a.stats}
-        return web.Response(text=self.metrics.render(self._waiting, kv), content_type="text/plain")
+        pools = {"prefill": len(self.pools.live_prefill()), "decode": len(self.pools.live_decode())}
+        manager = await self.pools.manager_status()
+        decisions = manager.get("decision_count") if manager else None
+        return web.Response(text=self.metrics.render(self._waiting, kv, pools, decisions), content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

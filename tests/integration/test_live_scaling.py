@@ -80,6 +80,8 @@ def test_scale_up_and_across_while_serving() -> None:
         assert sorted(r for _, r in roles) == ["decode", "decode", "prefill"], roles
         reasons = [d["reason"] for d in st["controller"]["decisions"]]
         assert reasons[-2:] == ["manual scale 1P:1D -> 2P:1D", "manual scale 2P:1D -> 1P:2D"]
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        assert 'pdcluster_pool_actors{role="decode"} 2' in metrics and "pdcluster_controller_decisions 2" in metrics
         for name, role in roles:  # every decode actor ends with no block held (asked directly, not a cached view)
             if role == "decode":
                 actor = ray.get_actor(name, namespace="pdcluster")
@@ -104,20 +106,27 @@ def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
         long_prompt = " ".join(["Summarise the history of the printing press in Europe."] * 12)
         assert ray.get(c.manager.autoscale.remote(True)) is True
         errors: list[str] = []
+        stop = threading.Event()
 
-        def ask(_: int) -> None:
-            try:  # prompt-heavy: long prompts, one token out
-                client.chat.completions.create(model="default", messages=[{"role": "user", "content": long_prompt}],
-                                               max_tokens=1, temperature=0)
-            except Exception as e:
-                errors.append(f"{type(e).__name__}: {e}")
+        def ask() -> None:
+            while not stop.is_set():
+                try:  # prompt-heavy: long prompts, one token out
+                    client.chat.completions.create(model="default", messages=[{"role": "user", "content": long_prompt}],
+                                                   max_tokens=1, temperature=0)
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
 
         with cf.ThreadPoolExecutor(4) as ex:
-            list(ex.map(ask, range(24)))
-        deadline = time.monotonic() + 120
-        while ray.get(c.manager.counts.remote()) != {"prefill": 2, "decode": 1}:
-            assert time.monotonic() < deadline, ray.get(c.manager.status.remote())
-            time.sleep(1)
+            loops = [ex.submit(ask) for _ in range(4)]
+            deadline = time.monotonic() + 180
+            try:  # traffic flows until the controller has acted on it
+                while ray.get(c.manager.counts.remote()) != {"prefill": 2, "decode": 1}:
+                    assert time.monotonic() < deadline, ray.get(c.manager.status.remote())
+                    time.sleep(1)
+            finally:
+                stop.set()
+                for f in loops:
+                    f.result(timeout=300)
         assert not errors, errors[:3]
         st = status(c.urls[0])
         assert st["controller"]["autoscale"] and "1P:1D -> 2P:1D" in st["controller"]["decisions"][-1]["reason"]
