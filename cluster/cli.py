@@ -213,11 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="print the pools: each actor's health, KV blocks and token counters")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="a proxy's base URL")
     st.set_defaults(func=_cmd_status)
+    from cluster.profiler import add_parser as add_profile
     from cluster.cli_scale import add_parsers as add_scale
     from cluster.cli_simulate import add_parser as add_simulate
 
     add_scale(sub)
     add_simulate(sub)
+    add_profile(sub)
     return parser
 
 
