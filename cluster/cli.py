@@ -73,7 +73,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
-            budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources)
+            budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
+            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -203,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default="default")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
+    sv.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO (seconds) autoscale aims for")
+    sv.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO (seconds) autoscale aims for")
     sv.add_argument("--role-resources", action="store_true",
                     help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
     sv.add_argument("--budget", type=int, default=0,

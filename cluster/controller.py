@@ -131,6 +131,14 @@ class ControllerState:
     history: tuple[Decision, ...] = field(default=())  # the last decisions that changed something (newest last)
 
 
+def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s: float) -> tuple[float, float]:
+    """Shares of ``(TTFT, TPOT)`` samples within their SLOs; (1, 1) for no samples (nothing missed). Pure."""
+    if not samples:
+        return 1.0, 1.0
+    n = len(samples)
+    return (sum(1 for t, _ in samples if t <= slo_ttft_s) / n, sum(1 for _, p in samples if p <= slo_tpot_s) / n)
+
+
 def _capacity(obs: Observation, role: str, default: float) -> float:
     measured = [a.capacity_tps for a in obs.live(role) if a.capacity_tps]
     return statistics.median(measured) if measured else default

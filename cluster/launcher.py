@@ -38,6 +38,8 @@ class ServeConfig:
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
     controller_interval_s: float = 30.0  # how often autoscale decides
+    slo_ttft_s: float = 2.0  # the SLOs autoscale judges attainment by
+    slo_tpot_s: float = 0.2
     # place prefill actors only on Ray nodes that offer the custom resource "pdcluster_prefill", decode actors on
     # "pdcluster_decode" (Kubernetes: each worker group's pods advertise their role)
     role_resources: bool = False
@@ -131,7 +133,8 @@ class Cluster:
             from cluster.pool_manager import MANAGER_NAME, PoolManager
 
             ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
-                                    cooldown_s=2 * cfg.controller_interval_s)
+                                    cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
+                                    slo_tpot_s=cfg.slo_tpot_s)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8)(PoolManager).options(name=MANAGER_NAME).remote(
                 cfg.worker, kv, roles, cfg.on_transfer_failure, ctrl)
             ray.get(self.manager.counts.remote(), timeout=60)

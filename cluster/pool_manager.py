@@ -9,7 +9,7 @@ and decode are separate actor classes), so the controller's flips are carried ou
 
 Observations for the controller come from the actors' own counters (prompt tokens prefilled, tokens generated,
 queued prompt tokens) as rates over each interval; per-actor capacity comes from the cost profile. SLO attainment
-is not observed live yet (taken as met), so live decisions rest on rates and the prefill backlog.
+comes from the proxies: each hands the (TTFT, TPOT) of its finished requests to the manager every second.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 
 import ray
 
-from cluster.controller import ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
+                                decide)
 from cluster.worker_config import WorkerConfig
 from proxy.pools import DECODE_PREFIX, MANAGER_NAME, NAMESPACE, PREFILL_PREFIX
 
@@ -57,14 +58,22 @@ class PoolManager:
         self._auto_thread: threading.Thread | None = None
         self._state = ControllerState()
         self._last_counters: tuple[float, float, float] | None = None  # (time, prompt tokens, generated tokens)
+        self._latencies: list[tuple[float, float]] = []  # (TTFT, TPOT) reported by proxies since the last window
+        self.latency_samples = 0  # reported since start
 
     # -- queries ----------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         with self._lock:
             actors = [{"name": n, "role": r, "draining": n in self.draining} for n, r in sorted(self.roles.items())]
             return {"actors": actors, "autoscale": self._autoscale.is_set(), "busy": self._change.locked(),
-                    "decision_count": self.decision_count,
+                    "decision_count": self.decision_count, "latency_samples": self.latency_samples,
                     "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:]}
+
+    def report_latencies(self, samples: list[tuple[float, float]]) -> None:
+        """Mutates: a proxy's finished requests' (TTFT, TPOT), for the next window's SLO attainment."""
+        with self._lock:
+            self._latencies.extend((float(a), float(b)) for a, b in samples[:10_000])
+            self.latency_samples += len(samples)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -191,12 +200,16 @@ class PoolManager:
         if last is None or now <= last[0]:
             return None
         dt = now - last[0]
+        with self._lock:
+            window, self._latencies = self._latencies, []
+        ttft_ok, tpot_ok = attainment(window, self.controller.slo_ttft_s, self.controller.slo_tpot_s)
         actors = tuple(ActorObservation(n, s.get("role", ""), None, int(s.get("running", 0)) + int(s.get("waiting", 0)))
                        for n, s in zip(names, stats))
         return Observation(t=now, prefill_tps=max(0.0, prompt - last[1]) / dt,
                            decode_tps=max(0.0, generated - last[2]) / dt, request_rate=0.0, mean_prompt_tokens=0.0,
                            mean_output_tokens=0.0, actors=actors,
-                           prefill_backlog_tokens=sum(float(s.get("queued_prefill_tokens", 0)) for s in stats))
+                           prefill_backlog_tokens=sum(float(s.get("queued_prefill_tokens", 0)) for s in stats),
+                           ttft_attainment=ttft_ok, tpot_attainment=tpot_ok)
 
     def _auto_loop(self) -> None:
         while self._autoscale.is_set():

@@ -64,6 +64,14 @@ class Pools:
                 except Exception:
                     ref.alive = False
 
+    async def report_latencies(self, samples: list[tuple[float, float]]) -> None:
+        """Hand finished requests' (TTFT, TPOT) to the pool manager, if this cluster has one (best effort)."""
+        try:
+            manager = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+            await asyncio.wait_for(manager.report_latencies.remote(samples), 5.0)
+        except Exception:  # colocated clusters have none; a lost report only makes one window's estimate coarser
+            pass
+
     async def manager_status(self) -> dict[str, Any] | None:
         """The pool manager's status (autoscale, recent decisions), or None if this cluster has none."""
         try:

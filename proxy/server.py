@@ -93,6 +93,7 @@ class Proxy:
         self.metrics = Metrics()
         self._waiting = 0
         self.shutting_down = False
+        self._slo_samples: list[tuple[float, float]] = []  # (TTFT, TPOT) of finished requests, not yet reported
         self._inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
         self.router = Router(RouterConfig(block_size=block_size))
         self._ids = itertools.count()
@@ -144,6 +145,9 @@ class Proxy:
                 await self.pools.refresh()
             except Exception:
                 log.exception("pool refresh failed")
+            if self._slo_samples:  # the controller judges SLO attainment from what clients saw
+                samples, self._slo_samples = self._slo_samples, []
+                await self.pools.report_latencies(samples)
 
     # -- small endpoints ---------------------------------------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -421,4 +425,7 @@ class Proxy:
             t1 = first.get(s.choice_index)
             if t1 is None:
                 continue
-            self.metrics.latency(t1 - start, (end - t1) / max(1, len(s.tokens) - 1), end - start)
+            tpot = (end - t1) / max(1, len(s.tokens) - 1)
+            self.metrics.latency(t1 - start, tpot, end - start)
+            if len(self._slo_samples) < 10_000:  # for the controller; drained every few seconds
+                self._slo_samples.append((t1 - start, tpot))

@@ -130,6 +130,7 @@ def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
         assert not errors, errors[:3]
         st = status(c.urls[0])
         assert st["controller"]["autoscale"] and "1P:1D -> 2P:1D" in st["controller"]["decisions"][-1]["reason"]
+        assert st["controller"]["latency_samples"] > 0  # the proxies report what their clients saw
         assert ray.get(c.manager.autoscale.remote(False)) is False
     finally:
         c.stop()

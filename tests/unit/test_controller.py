@@ -116,3 +116,10 @@ def test_throughput_policy_sizes_from_the_forecast_only() -> None:
 def test_config_names_the_bad_field(bad: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         ControllerConfig(**bad)
+
+
+def test_attainment_counts_samples_within_each_slo() -> None:
+    from cluster.controller import attainment
+
+    assert attainment([], 1.0, 0.1) == (1.0, 1.0)
+    assert attainment([(0.5, 0.05), (1.5, 0.05), (0.9, 0.2), (1.0, 0.1)], 1.0, 0.1) == (0.75, 0.75)
