@@ -130,7 +130,8 @@ class Cluster:
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
         if disagg:
             from cluster.controller import ControllerConfig
-            from cluster.pool_manager import MANAGER_NAME, PoolManager
+            from cluster.pool_manager import PoolManager
+            from proxy.pools import MANAGER_NAME
 
             ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
                                     cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,

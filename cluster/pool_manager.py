@@ -24,7 +24,7 @@ import ray
 from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
                                 decide)
 from cluster.worker_config import WorkerConfig
-from proxy.pools import DECODE_PREFIX, MANAGER_NAME, NAMESPACE, PREFILL_PREFIX
+from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
 
 PREFIXES = {"prefill": PREFILL_PREFIX, "decode": DECODE_PREFIX}
 

@@ -280,7 +280,7 @@ class Simulation:
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
         tr, prof, cfg = self.trace, self.prof, self.cfg
-        t_arr, prompt = tr.t, tr.prompt
+        t_arr = tr.t
         n = len(tr)
         xfer_s = prof.kv_bytes_per_token / (prof.link_gbps * 1e9)
         next_control = cfg.interval_s
