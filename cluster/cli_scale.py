@@ -21,21 +21,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _manager(address: str) -> Any:
+    """The running cluster's PoolManager actor, or None (the error printed) if there is none at ``address``."""
     import ray
 
     from proxy.pools import MANAGER_NAME, NAMESPACE
 
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-    return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
+    except (ConnectionError, ValueError) as e:
+        print(f"error: no running pdcluster found at {address}: {e}", file=sys.stderr)
+        return None
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
     import ray
 
-    try:
-        manager = _manager(args.ray_address)
-    except (ConnectionError, ValueError) as e:
-        print(f"error: no running pdcluster found at {args.ray_address}: {e}", file=sys.stderr)
+    manager = _manager(args.ray_address)
+    if manager is None:
         return 2
     done = manager.scale.remote(args.prefill, args.decode)
     seen = {(e["t"], e["event"]) for e in ray.get(manager.status.remote(), timeout=30)["events"]}
@@ -59,10 +62,8 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 def _cmd_autoscale(args: argparse.Namespace) -> int:
     import ray
 
-    try:
-        manager = _manager(args.ray_address)
-    except (ConnectionError, ValueError) as e:
-        print(f"error: no running pdcluster found at {args.ray_address}: {e}", file=sys.stderr)
+    manager = _manager(args.ray_address)
+    if manager is None:
         return 2
     on = ray.get(manager.autoscale.remote(args.state == "on"), timeout=30)
     print(f"[pdcluster] autoscale {'on' if on else 'off'}")

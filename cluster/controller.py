@@ -220,8 +220,9 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # (two intervals ahead); size down on the smoothed rate
     util = 1 / (1 + cfg.headroom)
     lead = 2 * cfg.interval_s
-    lp = max(sp, obs.prefill_tps, sp + max(0.0, slope_p) * lead)
-    ld = max(sd, obs.decode_tps, sd + max(0.0, slope_d) * lead)
+    fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)  # the newest load, or where it is heading
+    fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
+    lp, ld = max(sp, fast_p), max(sd, fast_d)
     want_p = math.ceil(lp / (mu_p * util)) if lp > 0 else cfg.min_prefill
     want_d = math.ceil(ld / (mu_d * util)) if ld > 0 else cfg.min_decode
     why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
@@ -239,8 +240,6 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_p = _hysteresis(n_p, want_p, lp / mu_p, util, cfg.hysteresis)
     want_d = _hysteresis(n_d, want_d, ld / mu_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
-    fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)
-    fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
     t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, fast_d / mu_d)
     if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and n_p * mu_p >= sp and n_d * mu_d >= sd \
             and obs.ttft_attainment >= cfg.attainment_target and obs.tpot_attainment >= cfg.attainment_target:

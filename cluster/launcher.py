@@ -203,14 +203,13 @@ class Cluster:
             self.manager = None
         actors = list(self.decode_actors + self.prefill_actors)
         if self._owns_ray and ray.is_initialized():  # and those the manager started
-            from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
+            from proxy.pools import NAMESPACE, worker_names
 
-            for a in ray.util.list_named_actors(all_namespaces=True):
-                if a.get("namespace") == NAMESPACE and a["name"].startswith((DECODE_PREFIX, PREFILL_PREFIX)):
-                    try:
-                        actors.append(ray.get_actor(a["name"], namespace=NAMESPACE))
-                    except ValueError:
-                        pass
+            for name in worker_names():
+                try:
+                    actors.append(ray.get_actor(name, namespace=NAMESPACE))
+                except ValueError:
+                    pass
         for a in actors:
             try:
                 ray.get(a.shutdown.remote(), timeout=10)

@@ -24,9 +24,7 @@ import ray
 from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
                                 decide)
 from cluster.worker_config import WorkerConfig
-from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
-
-PREFIXES = {"prefill": PREFILL_PREFIX, "decode": DECODE_PREFIX}
+from proxy.pools import NAMESPACE, ROLE_PREFIXES, worker_names
 
 
 class PoolManager:
@@ -43,14 +41,11 @@ class PoolManager:
         self.handles: dict[str, Any] = {}
         self.roles: dict[str, str] = {}
         self.draining: set[str] = set()
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            name = a["name"]
-            for role, prefix in PREFIXES.items():
-                if a.get("namespace") == NAMESPACE and name.startswith(prefix):
-                    self.handles[name] = ray.get_actor(name, namespace=NAMESPACE)
-                    self.roles[name] = role
-        self.next_index = {role: 1 + max([int(n.removeprefix(PREFIXES[role])) for n, r in self.roles.items()
-                                          if r == role] or [-1]) for role in PREFIXES}
+        for name, role in worker_names().items():
+            self.handles[name] = ray.get_actor(name, namespace=NAMESPACE)
+            self.roles[name] = role
+        self.next_index = {role: 1 + max([int(n.removeprefix(ROLE_PREFIXES[role])) for n, r in self.roles.items()
+                                          if r == role] or [-1]) for role in ROLE_PREFIXES}
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self.decision_count = 0  # decisions that changed something, since start
@@ -136,7 +131,7 @@ class PoolManager:
         from prefill_worker.worker import PrefillWorker
 
         with self._lock:
-            name = f"{PREFIXES[role]}{self.next_index[role]}"
+            name = f"{ROLE_PREFIXES[role]}{self.next_index[role]}"
             self.next_index[role] += 1
         cls = ray.remote(**self.resources[role])(DecodeWorker if role == "decode" else PrefillWorker)
         if role == "decode":

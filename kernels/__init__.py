@@ -64,6 +64,15 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
                f"each block must be contiguous (strides [*, {kvh * hd}, {hd}, 1]), got {tuple(cache.stride())}")
 
 
+def _check_token_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """New tokens' K/V ``[num_tokens, kv_heads, head_dim]`` for a cache, and their int slots ``[num_tokens]``."""
+    _check(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
+           f"expected [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(key.shape)}")
+    _check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} != key {tuple(key.shape)}")
+    _check(slot_mapping.shape == (key.shape[0],), "slot_mapping", f"expected [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    _check(not slot_mapping.is_floating_point(), "slot_mapping", f"must be an integer tensor, got {slot_mapping.dtype}")
+
+
 def _check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
     """An FP8 cache needs both scale tensors ``[num_blocks, kv_heads]`` float32; any other cache none."""
     if k_cache.dtype != reference.FP8_DTYPE:
@@ -138,11 +147,7 @@ def store_kv(
 ) -> None:
     """Write K/V of each token into its slot (``-1`` skips). Mutates the caches."""
     _check_cache(k_cache, v_cache)
-    _check(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
-           f"expected [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(key.shape)}")
-    _check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} != key {tuple(key.shape)}")
-    _check(slot_mapping.shape == (key.shape[0],), "slot_mapping", f"expected [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
-    _check(not slot_mapping.is_floating_point(), "slot_mapping", f"must be an integer tensor, got {slot_mapping.dtype}")
+    _check_token_rows(key, value, k_cache, slot_mapping)
     _check(k_cache.dtype != reference.FP8_DTYPE, "k_cache", "an FP8 cache is written with store_kv_quantized")
     if uses_triton(key):
         _triton().store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -159,10 +164,7 @@ def store_kv_quantized(
     _check(k_cache.dtype == reference.FP8_DTYPE, "k_cache", f"expected float8_e4m3fn, got {k_cache.dtype}")
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)
-    _check(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
-           f"expected [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(key.shape)}")
-    _check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} != key {tuple(key.shape)}")
-    _check(slot_mapping.shape == (key.shape[0],), "slot_mapping", f"expected [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    _check_token_rows(key, value, k_cache, slot_mapping)
     reference.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
 
 

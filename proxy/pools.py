@@ -20,6 +20,18 @@ NAMESPACE = "pdcluster"
 DECODE_PREFIX = "pdcluster-decode-"
 PREFILL_PREFIX = "pdcluster-prefill-"
 MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/pool_manager.py)
+ROLE_PREFIXES = {"prefill": PREFILL_PREFIX, "decode": DECODE_PREFIX}
+
+
+def worker_names() -> dict[str, str]:
+    """Worker actor name -> role, for every prefill and decode actor Ray knows in our namespace."""
+    out = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a.get("namespace") == NAMESPACE:
+            for role, prefix in ROLE_PREFIXES.items():
+                if a["name"].startswith(prefix):
+                    out[a["name"]] = role
+    return out
 
 
 @dataclass
@@ -42,9 +54,9 @@ class Pools:
 
     async def refresh(self) -> None:
         """Mutates: pick up new named actors, drop dead ones, update each one's stats."""
-        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
-        for prefix, pool in ((DECODE_PREFIX, self.decode), (PREFILL_PREFIX, self.prefill)):
-            names = [n for n in named if n.startswith(prefix)]
+        named = worker_names()
+        for role, pool in (("decode", self.decode), ("prefill", self.prefill)):
+            names = [n for n, r in named.items() if r == role]
             for name in names:
                 if name not in pool:
                     try:
