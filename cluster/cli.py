@@ -97,7 +97,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         pre = f"{cfg.prefill} prefill + " if cfg.mode == "disaggregated" else ""
         print(f"[pdcluster] starting {pre}{cfg.decode} decode actor(s) ({cfg.mode}) and {cfg.proxies} proxy(ies)...",
               file=sys.stderr, flush=True)
-        cluster.start()
+        try:
+            cluster.start()
+        except ConnectionError as e:  # --ray-address that does not answer
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         for url in cluster.urls:
             print(f"[pdcluster] ready: {url}/v1  (model name {cfg.model_name!r})", flush=True)
         if args.autoscale:

@@ -24,9 +24,11 @@ def _manager(address: str) -> Any:
     """The running cluster's PoolManager actor, or None (the error printed) if there is none at ``address``."""
     import ray
 
+    from cluster.ray_address import wait_reachable
     from proxy.pools import MANAGER_NAME, NAMESPACE
 
     try:
+        wait_reachable(address, timeout_s=10.0)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
     except (ConnectionError, ValueError) as e:

@@ -99,12 +99,14 @@ class Cluster:
         from decode_worker.worker import DecodeWorker
         from kv_transfer.config import KVTransferConfig
         from prefill_worker.worker import PrefillWorker
+        from cluster.ray_address import wait_reachable
         from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
 
         cfg = self.cfg
         if ray.is_initialized():
             raise RuntimeError("Ray is already initialized in this process: stop the other Cluster first")
         if cfg.ray_address:
+            wait_reachable(cfg.ray_address, timeout_s=30.0)
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
             self._owns_ray = True
         else:

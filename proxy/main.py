@@ -12,10 +12,13 @@ import sys
 import ray
 from aiohttp import web
 
+from cluster.ray_address import wait_reachable
 from proxy.openai_protocol import ProtocolConfig
 from proxy.pools import NAMESPACE, Pools
 from proxy.server import Proxy, ProxyConfig
 from proxy.tokenization import PromptTokenizer
+
+log = logging.getLogger("pdcluster.proxy")
 
 
 async def _wait_for_decode(pools: Pools, timeout_s: float) -> dict:
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                          "the pod IP when --host is 0.0.0.0)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
+    wait_reachable(args.ray_address, timeout_s=300.0, progress=log.info)  # a pod's Ray head may still be starting
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     pools = Pools()
     info = asyncio.run(_wait_for_decode(pools, 300))

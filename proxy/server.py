@@ -21,8 +21,9 @@ from aiohttp import web
 
 from cluster.protocol import GenerateRequest, Usage
 from engine.block_hash import hash_full_blocks
-from proxy.errors import (APIError, internal_error, kv_capacity_exceeded, rate_limited, service_unavailable,
-                          unauthorized)
+from proxy.admission import AdmissionConfig, estimate_blocks
+from proxy.errors import APIError, internal_error, service_unavailable, unauthorized
+from proxy.gate import AdmissionGate
 from proxy.metrics import Metrics
 from proxy.openai_protocol import (
     ChatCompletionRequest,
@@ -56,7 +57,7 @@ class ProxyConfig:
     model_name: str = "default"
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (401 otherwise)
     max_body_bytes: int = 4 * 1024 * 1024
-    queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks before a 429
+    queue_timeout_s: float = 10.0  # how long a request may wait (FIFO) for KV blocks before a 429
     max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
     refresh_interval_s: float = 1.0
 
@@ -76,6 +77,7 @@ class _Sub:
         self.finish: str | None = None
         self.usage: dict[str, int] | None = None
         self.prefill_cached_tokens = 0  # prompt tokens the prefill actor took from its prefix cache
+        self.blocks = 0  # KV blocks reserved for it on ``actor`` until it finishes or is aborted
 
 
 class Proxy:
@@ -91,7 +93,7 @@ class Proxy:
         self.cfg = cfg
         self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host)
         self.metrics = Metrics()
-        self._waiting = 0
+        self.gate = AdmissionGate(pools, AdmissionConfig(block_size, cfg.max_waiting, cfg.queue_timeout_s))
         self.shutting_down = False
         self._slo_samples: list[tuple[float, float]] = []  # (TTFT, TPOT) of finished requests, not yet reported
         self._inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
@@ -131,11 +133,13 @@ class Proxy:
     async def _start(self, _: web.Application) -> None:
         await self.stream.start()
         await self.pools.refresh()
+        self.gate.start()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
 
     async def _stop(self, _: web.Application) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        self.gate.stop()
         await self.stream.close()
 
     async def _refresh_loop(self) -> None:
@@ -143,6 +147,7 @@ class Proxy:
             await asyncio.sleep(self.cfg.refresh_interval_s)
             try:
                 await self.pools.refresh()
+                self.gate.refreshed()
             except Exception:
                 log.exception("pool refresh failed")
             if self._slo_samples:  # the controller judges SLO attainment from what clients saw
@@ -171,7 +176,7 @@ class Proxy:
                   for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
                   for a in pool.values()]
         return web.json_response({"mode": "disaggregated" if self.disaggregated else "colocated",
-                                  "waiting_for_blocks": self._waiting, "actors": actors,
+                                  "waiting_for_blocks": self.gate.waiting, "actors": actors,
                                   "controller": await self.pools.manager_status()})
 
     async def metrics_page(self, _: web.Request) -> web.Response:
@@ -179,7 +184,7 @@ class Proxy:
         pools = {"prefill": len(self.pools.live_prefill()), "decode": len(self.pools.live_decode())}
         manager = await self.pools.manager_status()
         decisions = manager.get("decision_count") if manager else None
-        return web.Response(text=self.metrics.render(self._waiting, kv, pools, decisions), content_type="text/plain")
+        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions), content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -216,6 +221,7 @@ class Proxy:
         finally:
             for s in subs:
                 self.stream.unsubscribe(s.req.request_id)
+                self._release(s)
 
     def _parse(self, raw: bytes, chat: bool) -> tuple[ChatCompletionRequest | CompletionRequest, list[_Sub]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
@@ -245,40 +251,28 @@ class Proxy:
         return parsed, subs
 
     async def _admit(self, sub: _Sub) -> None:
-        """Reserve blocks on some decode actor and start the request there; 429 after a bounded wait."""
-        need = -(-(len(sub.req.prompt_token_ids) + sub.req.max_tokens) // self.block_size)
-        if need > self.total_blocks:
-            raise kv_capacity_exceeded(need, self.total_blocks, self.block_size)
-        if not self.pools.live_decode():
-            raise service_unavailable("No decode actor is ready.", retry_after_s=5)
-        if self._waiting >= self.cfg.max_waiting:
-            raise rate_limited("Too many requests are waiting for KV cache.", retry_after_s=1)
-        deadline = time.monotonic() + self.cfg.queue_timeout_s
-        self._waiting += 1
+        """Reserve blocks on some decode actor (waiting in the admission queue if none has room, 429 when that
+        wait runs out) and start the request there."""
+        need = estimate_blocks(len(sub.req.prompt_token_ids), sub.req.max_tokens, self.block_size)
+        actor, res = await self.gate.reserve(sub.req.request_id, need)
+        sub.actor, sub.blocks = actor, need
+        sub.queue = self.stream.subscribe(sub.req.request_id)
+        prefill = self._pick_prefill(sub.req.prompt_token_ids)
         try:
-            while True:
-                for actor in self.pools.by_free_blocks():
-                    res = await self.pools.reserve(actor, sub.req.request_id, need)
-                    if res is not None:
-                        sub.actor = actor
-                        sub.queue = self.stream.subscribe(sub.req.request_id)
-                        prefill = self._pick_prefill(sub.req.prompt_token_ids)
-                        try:
-                            if prefill is None:
-                                await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
-                            else:
-                                await self._disaggregated(sub, actor, prefill, res)
-                        except APIError:
-                            raise
-                        except Exception as e:
-                            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from e
-                        return
-                if time.monotonic() > deadline:
-                    raise rate_limited("No KV cache capacity became free in time.", retry_after_s=2,
-                                       code="queue_timeout")
-                await asyncio.sleep(0.05)
-        finally:
-            self._waiting -= 1
+            if prefill is None:
+                await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
+            else:
+                await self._disaggregated(sub, actor, prefill, res)
+        except APIError:
+            raise
+        except Exception as e:
+            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from e
+
+    def _release(self, sub: _Sub) -> None:
+        """Count ``sub``'s blocks as free again on its decode actor (it finished or was aborted). Idempotent."""
+        if sub.actor is not None and sub.blocks:
+            self.gate.released(sub.actor.name, sub.blocks)
+            sub.blocks = 0
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> ActorRef | None:
         """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
@@ -355,6 +349,7 @@ class Proxy:
                                            top[: s.req.logprobs or 0]))
         if d.get("finish_reason"):
             s.finish = "stop" if d["finish_reason"] == "abort" else d["finish_reason"]
+            self._release(s)
         if d.get("usage"):
             s.usage = d["usage"]
 

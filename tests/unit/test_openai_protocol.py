@@ -34,7 +34,8 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 
 def test_proxy_modules_do_not_import_torch() -> None:
-    code = ("import proxy.openai_protocol, proxy.openai_responses, proxy.admission, proxy.router, proxy.errors, cluster.protocol, sys; "
+    code = ("import proxy.openai_protocol, proxy.openai_responses, proxy.admission, proxy.router, proxy.errors, "
+            "proxy.gate, proxy.server, cluster.protocol, sys; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
