@@ -96,11 +96,10 @@ class Cluster:
     def _start(self, timeout_s: float) -> None:
         import ray
 
-        from decode_worker.worker import DecodeWorker
-        from kv_transfer.config import KVTransferConfig
-        from prefill_worker.worker import PrefillWorker
+        from cluster.flex_worker import FlexWorker
         from cluster.ray_address import wait_reachable
-        from proxy.pools import DECODE_PREFIX, NAMESPACE, PREFILL_PREFIX
+        from kv_transfer.config import KVTransferConfig
+        from proxy.pools import NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg
         if ray.is_initialized():
@@ -119,15 +118,17 @@ class Cluster:
         roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
                         **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {})}
                  for role in ("prefill", "decode")}
-        decode = ray.remote(**roles["decode"])(DecodeWorker)
-        self.decode_actors = [decode.options(name=f"{DECODE_PREFIX}{i}").remote(f"{DECODE_PREFIX}{i}", cfg.worker, kv,
-                                                                                 cfg.on_transfer_failure)
-                              for i in range(cfg.decode)]
+        names = iter(f"{WORKER_PREFIX}{i}" for i in range(cfg.decode + cfg.prefill))
+
+        def start(role: str) -> Any:
+            name = next(names)
+            cls = ray.remote(**roles[role])(FlexWorker)
+            return cls.options(name=name).remote(name, role, cfg.worker, kv, cfg.on_transfer_failure,
+                                                 cfg.corrupt_kv_every)
+
+        self.decode_actors = [start("decode") for _ in range(cfg.decode)]
         if disagg:
-            prefill = ray.remote(**roles["prefill"])(PrefillWorker)
-            self.prefill_actors = [prefill.options(name=f"{PREFILL_PREFIX}{i}").remote(
-                f"{PREFILL_PREFIX}{i}", cfg.worker, kv, cfg.corrupt_kv_every)
-                                   for i in range(cfg.prefill)]
+            self.prefill_actors = [start("prefill") for _ in range(cfg.prefill)]
         actors = self.decode_actors + self.prefill_actors
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
         if disagg:

@@ -1,11 +1,14 @@
 """The live connector: a Ray actor that adds and drains worker actors, by hand (``pdcluster scale``) or driven by
 the controller core (``pdcluster autoscale on``).
 
-Adding starts a named actor (``pdcluster-prefill-<i>`` / ``pdcluster-decode-<i>``); proxies find it on their next
-pool refresh (every second) once its model is loaded. Draining tells the actor to take no new work (a decode actor
-refuses new reservations; both report ``draining``, so proxies stop routing to them), waits until it is idle (every
-request it holds has finished), then stops it: no request is lost. An actor cannot change role in place here (prefill
-and decode are separate actor classes), so the controller's flips are carried out as a drain plus a start.
+Adding starts a named actor (``pdcluster-worker-<i>``, a :class:`cluster.flex_worker.FlexWorker`); proxies find it on
+their next pool refresh (every second) once its model is loaded. Draining tells the actor to take no new work (a
+decode actor refuses new reservations; both report ``draining``, so proxies stop routing to them), waits until it is
+idle (every request it holds has finished), then stops it: no request is lost. Flipping drains the same way, then
+changes the actor's role in place: the loaded engine stays, only the role's threads and sockets are rebuilt (a fraction
+of a second against a model load), and proxies move it to its new pool on their next refresh. When a resize grows one
+pool and shrinks the other, the manager flips rather than drains and starts, unless actors are pinned to role-specific
+Ray resources (``role_resources``: the pools live on different node groups), where a flip is a drain plus a start.
 
 Observations for the controller come from the actors' own counters (prompt tokens prefilled, tokens generated,
 queued prompt tokens) as rates over each interval; per-actor capacity comes from the cost profile. SLO attainment
@@ -24,7 +27,7 @@ import ray
 from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
                                 decide)
 from cluster.worker_config import WorkerConfig
-from proxy.pools import NAMESPACE, ROLE_PREFIXES, worker_names
+from proxy.pools import NAMESPACE, WORKER_PREFIX, worker_names
 
 
 class PoolManager:
@@ -41,11 +44,12 @@ class PoolManager:
         self.handles: dict[str, Any] = {}
         self.roles: dict[str, str] = {}
         self.draining: set[str] = set()
-        for name, role in worker_names().items():
+        # pinned to role-specific resources, an actor cannot serve the other role where it runs
+        self.flip_in_place = not any(r.get("resources") for r in resources.values())
+        for name in worker_names():
             self.handles[name] = ray.get_actor(name, namespace=NAMESPACE)
-            self.roles[name] = role
-        self.next_index = {role: 1 + max([int(n.removeprefix(ROLE_PREFIXES[role])) for n, r in self.roles.items()
-                                          if r == role] or [-1]) for role in ROLE_PREFIXES}
+            self.roles[name] = ray.get(self.handles[name].info.remote(), timeout=600)["role"]
+        self.next_index = 1 + max([int(n.removeprefix(WORKER_PREFIX)) for n in self.roles] or [-1])
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
         self.decisions: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self.decision_count = 0  # decisions that changed something, since start
@@ -87,10 +91,20 @@ class PoolManager:
             adds = ["prefill"] * max(0, n_prefill - now["prefill"]) + ["decode"] * max(0, n_decode - now["decode"])
             drains = self._least_loaded("prefill", now["prefill"] - n_prefill) + \
                 self._least_loaded("decode", now["decode"] - n_decode)
+            flips: list[tuple[str, str]] = []
+            while self.flip_in_place and adds and any(self.roles[d] != adds[0] for d in drains):
+                name = next(d for d in drains if self.roles[d] != adds[0])  # one pool's surplus becomes the other's
+                drains.remove(name)
+                flips.append((name, adds.pop(0)))
             reason = f"manual scale {now['prefill']}P:{now['decode']}D -> {n_prefill}P:{n_decode}D"
-            self._record(Decision(n_prefill, n_decode, tuple(adds), tuple(drains), reason=reason))
-            self._apply(adds, drains)
+            self._record(Decision(n_prefill, n_decode, tuple(adds), tuple(drains), tuple(flips), reason=reason))
+            self._apply(adds, drains, flips)
         return self.counts()
+
+    def set_flip_in_place(self, on: bool) -> bool:
+        """Mutates: flip roles in place (True) or carry flips out as a drain plus a start (False). Returns it."""
+        self.flip_in_place = bool(on)
+        return self.flip_in_place
 
     def autoscale(self, on: bool) -> bool:
         """Mutates: start or stop the control loop (every ``interval_s``). Returns the new setting."""
@@ -112,32 +126,49 @@ class PoolManager:
         load = {name: int(s.get("running", 0)) + int(s.get("waiting", 0)) for name, s in zip(names, stats)}
         return sorted(names, key=lambda name: (load[name], name))[:n]
 
-    def _apply(self, adds: list[str], drains: list[str]) -> None:
+    def _apply(self, adds: list[str], drains: list[str], flips: list[tuple[str, str]] | None = None) -> None:
+        """Start ``adds`` (roles), drain and stop ``drains`` (names), drain and flip ``flips`` ((name, new role))."""
+        flips = flips or []
         started = [self._start(role) for role in adds]  # start first: capacity before removal
         for name in started:
             ray.get(self.handles[name].info.remote(), timeout=600)
             self._event(f"{name} ready")
-        for name in drains:
+        for name in drains + [name for name, _ in flips]:
             with self._lock:
                 self.draining.add(name)
             ray.get(self.handles[name].drain.remote(), timeout=30)
             self._event(f"{name} draining")
+        for name, role in flips:
+            self._wait_idle(name)
+            self._flip(name, role)
         for name in drains:
             self._wait_idle(name)
             self._stop(name)
 
+    def _flip(self, name: str, role: str) -> None:
+        """The drained, idle actor ``name`` becomes ``role`` in place (stopped and replaced if that fails)."""
+        old = self.roles[name]
+        try:
+            out = ray.get(self.handles[name].flip.remote(role), timeout=120)
+        except Exception as e:  # a request arrived after all, or the actor is gone: do it the slow way
+            self._event(f"{name} could not flip ({type(e).__name__}: {e}); stopping it and starting a {role} actor")
+            self._wait_idle(name)
+            self._stop(name)
+            ray.get(self.handles[self._start(role)].info.remote(), timeout=600)
+            return
+        with self._lock:
+            self.roles[name] = role
+            self.draining.discard(name)
+        self._event(f"{name} flipped {old} -> {role} in {out['seconds']:.2f}s (same weights)")
+
     def _start(self, role: str) -> str:
-        from decode_worker.worker import DecodeWorker
-        from prefill_worker.worker import PrefillWorker
+        from cluster.flex_worker import FlexWorker
 
         with self._lock:
-            name = f"{ROLE_PREFIXES[role]}{self.next_index[role]}"
-            self.next_index[role] += 1
-        cls = ray.remote(**self.resources[role])(DecodeWorker if role == "decode" else PrefillWorker)
-        if role == "decode":
-            handle = cls.options(name=name).remote(name, self.worker, self.kv, self.on_transfer_failure)
-        else:
-            handle = cls.options(name=name).remote(name, self.worker, self.kv, 0)
+            name = f"{WORKER_PREFIX}{self.next_index}"
+            self.next_index += 1
+        cls = ray.remote(**self.resources[role])(FlexWorker)
+        handle = cls.options(name=name).remote(name, role, self.worker, self.kv, self.on_transfer_failure)
         with self._lock:
             self.handles[name], self.roles[name] = handle, role
         self._event(f"{name} starting")
@@ -219,9 +250,12 @@ class PoolManager:
                 if not decision.changes:
                     continue
                 self._record(decision)
-                adds = list(decision.add) + [role for _, role in decision.flip]  # a flip: drain, then start
-                drains = list(decision.drain) + [name for name, _ in decision.flip]
+                adds, drains, flips = list(decision.add), list(decision.drain), list(decision.flip)
+                if not self.flip_in_place:  # pinned actors: a flip is a drain plus a start
+                    adds += [role for _, role in flips]
+                    drains += [name for name, _ in flips]
+                    flips = []
                 with self._change:
-                    self._apply(adds, drains)
+                    self._apply(adds, drains, flips)
             except Exception as e:  # keep controlling; the error shows in status
                 self._event(f"autoscale step failed: {type(e).__name__}: {e}")

@@ -35,13 +35,14 @@ class DecodeWorker:
     """Mutating methods say so. ``actor_id`` names this worker in reservations and stats."""
 
     def __init__(self, actor_id: str, config: WorkerConfig, kv: KVTransferConfig | None = None,
-                 on_transfer_failure: str = "recompute") -> None:
+                 on_transfer_failure: str = "recompute", engine: Any = None) -> None:
+        """``engine``: an idle ``LLMEngine`` for ``config`` to reuse (a role flip keeps the weights); None loads one."""
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
         self.actor_id = actor_id
         self.config = config
-        self.engine = LLMEngine(EngineConfig(**config.engine_kwargs()))
+        self.engine = engine if engine is not None else LLMEngine(EngineConfig(**config.engine_kwargs()))
         self.reservations = ReservationManager(self.engine.kv.pool)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -206,6 +207,16 @@ class DecodeWorker:
         self._stream.close()
         if self.receiver is not None:
             self.receiver.close()
+
+    def release_engine(self) -> Any:
+        """Mutates: stop this role (loop thread, sockets, KV receiver) and hand over the engine, weights and prefix
+        cache intact. Raises ``RuntimeError`` unless drained and idle (no reservation, no request)."""
+        with self._lock:
+            busy = self._live or self.reservations.counts().get("reserved", 0) or self.engine.has_unfinished_requests()
+            if not self.draining or busy:
+                raise RuntimeError(f"{self.actor_id}: drain it and let its requests finish first")
+        self.shutdown()
+        return self.engine
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def _loop(self) -> None:

@@ -35,16 +35,18 @@ class _Job:
 
 
 class PrefillWorker:
-    def __init__(self, actor_id: str, config: WorkerConfig, kv: KVTransferConfig, corrupt_every: int = 0) -> None:
+    def __init__(self, actor_id: str, config: WorkerConfig, kv: KVTransferConfig, corrupt_every: int = 0,
+                 engine: Any = None) -> None:
         """``corrupt_every`` > 0 flips one payload byte of every n-th part after its checksum (fault injection for
-        tests and drills: the decode actor must reject the part and recompute)."""
+        tests and drills: the decode actor must reject the part and recompute). ``engine``: an idle ``LLMEngine``
+        for ``config`` to reuse (a role flip keeps the weights); None loads one."""
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
         from kv_transfer import make_backend
 
         self.actor_id = actor_id
         self.config = config
-        self.engine = LLMEngine(EngineConfig(**config.engine_kwargs()))
+        self.engine = engine if engine is not None else LLMEngine(EngineConfig(**config.engine_kwargs()))
         self.backend = make_backend(dataclasses.replace(kv, name=actor_id))
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -112,6 +114,16 @@ class PrefillWorker:
         self._wake.set()
         self._thread.join(timeout=10)
         self.backend.close()
+
+    def release_engine(self) -> Any:
+        """Mutates: stop this role (loop thread, transfer backend) and hand over the engine, weights and prefix cache
+        intact. Raises ``RuntimeError`` unless drained and idle."""
+        with self._lock:
+            busy = self._jobs or self.engine.has_unfinished_requests()
+            if not self.draining or busy:
+                raise RuntimeError(f"{self.actor_id}: drain it and let it finish its prompts first")
+        self.shutdown()
+        return self.engine
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def _ship(self, layer: int, out: Any) -> None:

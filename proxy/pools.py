@@ -17,21 +17,15 @@ from cluster.protocol import ActorStats
 
 log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
-DECODE_PREFIX = "pdcluster-decode-"
-PREFILL_PREFIX = "pdcluster-prefill-"
+WORKER_PREFIX = "pdcluster-worker-"  # every prefill and decode actor: pdcluster-worker-<i> (roles can change)
 MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/pool_manager.py)
-ROLE_PREFIXES = {"prefill": PREFILL_PREFIX, "decode": DECODE_PREFIX}
+ROLES = ("prefill", "decode")
 
 
-def worker_names() -> dict[str, str]:
-    """Worker actor name -> role, for every prefill and decode actor Ray knows in our namespace."""
-    out = {}
-    for a in ray.util.list_named_actors(all_namespaces=True):
-        if a.get("namespace") == NAMESPACE:
-            for role, prefix in ROLE_PREFIXES.items():
-                if a["name"].startswith(prefix):
-                    out[a["name"]] = role
-    return out
+def worker_names() -> list[str]:
+    """Every worker actor Ray knows in our namespace, by name (ask each for its role: it can change)."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == NAMESPACE and a["name"].startswith(WORKER_PREFIX))
 
 
 @dataclass
@@ -53,18 +47,18 @@ class Pools:
         self.prefill_timeout_s = 300.0
 
     async def refresh(self) -> None:
-        """Mutates: pick up new named actors, drop dead ones, update each one's stats."""
-        named = worker_names()
-        for role, pool in (("decode", self.decode), ("prefill", self.prefill)):
-            names = [n for n, r in named.items() if r == role]
-            for name in names:
-                if name not in pool:
-                    try:
-                        handle = ray.get_actor(name, namespace=NAMESPACE)
-                        info = await asyncio.wait_for(handle.info.remote(), self.call_timeout_s)
-                        pool[name] = ActorRef(name, handle, info)
-                    except Exception:  # not ready yet: next refresh
-                        log.info("actor %s not ready", name)
+        """Mutates: pick up new named actors, drop dead ones, update each one's stats, and move an actor whose role
+        changed (a flip) to its new pool."""
+        names = set(worker_names())
+        pools = {"decode": self.decode, "prefill": self.prefill}
+        for name in names - set(self.decode) - set(self.prefill):
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                info = await asyncio.wait_for(handle.info.remote(), self.call_timeout_s)
+                pools[info["role"]][name] = ActorRef(name, handle, info)
+            except Exception:  # not ready yet: next refresh
+                log.info("actor %s not ready", name)
+        for role, pool in list(pools.items()):
             for name in list(pool):
                 if name not in names:  # gone from Ray's registry: dead (requests still holding the ref see it)
                     pool.pop(name).alive = False
@@ -75,6 +69,11 @@ class Pools:
                     ref.alive = True
                 except Exception:
                     ref.alive = False
+                    continue
+                new_role = ref.stats.get("role", role)
+                if new_role != role and new_role in pools and name in pool:
+                    pools[new_role][name] = pool.pop(name)
+                    ref.info = {**ref.info, "role": new_role}
 
     async def report_latencies(self, samples: list[tuple[float, float]]) -> None:
         """Hand finished requests' (TTFT, TPOT) to the pool manager, if this cluster has one (best effort)."""

@@ -1,4 +1,5 @@
-"""Scaling a live cluster while it serves: 1P1D -> 2P1D -> 1P2D, no request lost or wrong; the CLI drives it."""
+"""Scaling a live cluster while it serves: 1P1D -> 2P1D -> 1P2D (a prefill actor flips to decode in place), no
+request lost or wrong; the CLI drives it."""
 
 from __future__ import annotations
 
@@ -62,9 +63,9 @@ def test_scale_up_and_across_while_serving() -> None:
             out = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", "--prefill", "2", "--decode", "1",
                                   "--ray-address", gcs], capture_output=True, text=True, timeout=600)
             assert out.returncode == 0, out.stderr[-2000:]
-            assert "pools now 2 prefill, 1 decode" in out.stdout and "pdcluster-prefill-1 ready" in out.stdout
+            assert "pools now 2 prefill, 1 decode" in out.stdout and "pdcluster-worker-2 ready" in out.stdout
             before = len(results)
-            # 2P1D -> 1P2D in place: a prefill actor drains and stops, a decode actor starts
+            # 2P1D -> 1P2D in place: a prefill actor drains and becomes a decode actor, keeping its loaded model
             assert ray.get(c.manager.scale.remote(1, 2), timeout=900) == {"prefill": 1, "decode": 2}
             while len(results) < before + 6 and not errors:  # traffic keeps flowing on the new pools
                 stop.wait(0.5)
@@ -78,6 +79,10 @@ def test_scale_up_and_across_while_serving() -> None:
         st = status(url)
         roles = sorted((a["name"], a["role"]) for a in st["actors"] if a["alive"])
         assert sorted(r for _, r in roles) == ["decode", "decode", "prefill"], roles
+        assert [n for n, _ in roles] == ["pdcluster-worker-0", "pdcluster-worker-1", "pdcluster-worker-2"], roles
+        events = [e["event"] for e in st["controller"]["events"]]
+        assert any("flipped prefill -> decode" in e for e in events), events
+        assert not any("worker-3" in e for e in events), events  # nothing new was started for the flip
         reasons = [d["reason"] for d in st["controller"]["decisions"]]
         assert reasons[-2:] == ["manual scale 1P:1D -> 2P:1D", "manual scale 2P:1D -> 1P:2D"]
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()

@@ -95,7 +95,9 @@ def test_status_and_a_dead_decode_actor_is_reported_not_hung_on() -> None:
     try:
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.urls[0]],
                              capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0 and "pdcluster-decode-0" in out.stdout and "pdcluster-prefill-0" in out.stdout
+        assert out.returncode == 0, out.stderr
+        rows = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines() if line.startswith("pdcluster-")}
+        assert rows == {"pdcluster-worker-0": "decode", "pdcluster-worker-1": "prefill"}, out.stdout
         client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=60)
         stream = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Go on."}],
                                                 max_tokens=3000, temperature=0, stream=True,
@@ -109,7 +111,7 @@ def test_status_and_a_dead_decode_actor_is_reported_not_hung_on() -> None:
         assert time.monotonic() - t0 < 30
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.urls[0]],
                              capture_output=True, text=True, timeout=60)
-        assert "DEAD" in out.stdout or "pdcluster-decode-0" not in out.stdout
+        assert "DEAD" in out.stdout or "pdcluster-worker-0" not in out.stdout
     finally:
         cluster.decode_actors = []  # already killed
         cluster.stop()

@@ -1,0 +1,104 @@
+"""A worker actor whose role can change in place: the engine (weights, KV cache, prefix cache) stays loaded, only the
+role's threads and sockets are rebuilt. :class:`cluster.pool_manager.PoolManager` flips a drained, idle actor this way
+instead of stopping it and loading a new one.
+
+Ray-agnostic like the roles it hosts (:mod:`cluster.launcher` wraps it in a threaded ``ray.remote``). Actors are named
+``pdcluster-worker-<i>`` whatever their role; each reports its current role in ``info()`` and ``stats()``, which is
+how proxies and the manager sort them into pools.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from cluster.worker_config import WorkerConfig
+
+ROLES = ("prefill", "decode")
+
+
+class FlexWorker:
+    """Hosts a :class:`prefill_worker.worker.PrefillWorker` or a :class:`decode_worker.worker.DecodeWorker`."""
+
+    def __init__(self, actor_id: str, role: str, config: WorkerConfig, kv: Any = None,
+                 on_transfer_failure: str = "recompute", corrupt_every: int = 0) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
+        self.actor_id = actor_id
+        self.config, self.kv = config, kv
+        self.on_transfer_failure, self.corrupt_every = on_transfer_failure, corrupt_every
+        self._flip_lock = threading.Lock()
+        self.flips = 0
+        self.role = role
+        self.impl: Any = self._make(role, None)
+
+    def _make(self, role: str, engine: Any) -> Any:
+        if role == "decode":
+            from decode_worker.worker import DecodeWorker
+
+            return DecodeWorker(self.actor_id, self.config, self.kv, self.on_transfer_failure, engine=engine)
+        from prefill_worker.worker import PrefillWorker
+
+        if self.kv is None:
+            raise ValueError("role: a prefill worker needs a KV transfer config (disaggregated mode)")
+        return PrefillWorker(self.actor_id, self.config, self.kv, self.corrupt_every, engine=engine)
+
+    def flip(self, role: str) -> dict[str, Any]:
+        """Mutates: become ``role``, keeping the loaded engine. The actor must be drained and idle (``RuntimeError``
+        otherwise, changing nothing); it comes back undrained. Returns ``{"role", "seconds"}``."""
+        if role not in ROLES:
+            raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
+        with self._flip_lock:
+            t0 = time.monotonic()
+            if role != self.role:
+                if role == "prefill" and self.kv is None:
+                    raise ValueError("role: a prefill worker needs a KV transfer config (disaggregated mode)")
+                engine = self.impl.release_engine()
+                self.impl = self._make(role, engine)
+                self.role = role
+                self.flips += 1
+            return {"role": self.role, "seconds": time.monotonic() - t0}
+
+    def _as(self, role: str) -> Any:
+        impl = self.impl
+        if self.role != role:
+            raise RuntimeError(f"{self.actor_id} is a {self.role} worker now, not {role}")
+        return impl
+
+    # -- both roles ----------------------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return {**self.impl.info(), "role": self.role}
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.impl.stats(), "role": self.role, "flips": self.flips}
+
+    def drain(self) -> None:
+        self.impl.drain()
+
+    def abort(self, request_id: str) -> Any:
+        return self.impl.abort(request_id)
+
+    def shutdown(self) -> None:
+        self.impl.shutdown()
+
+    # -- decode --------------------------------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_blocks: int, ttl_s: float | None = None) -> dict[str, Any] | None:
+        """None (no room here) when this actor is not a decode worker now: the proxy tries another."""
+        if self.role != "decode":
+            return None
+        return self.impl.reserve(request_id, num_blocks, ttl_s)
+
+    def start_colocated(self, request: dict[str, Any], reservation_id: str) -> None:
+        self._as("decode").start_colocated(request, reservation_id)
+
+    def start_prefilled(self, request: dict[str, Any], reservation_id: str, first: dict[str, Any],
+                        wait_s: float = 30.0) -> str:
+        return self._as("decode").start_prefilled(request, reservation_id, first, wait_s)
+
+    def check_integrity(self) -> dict[str, int]:
+        return self._as("decode").check_integrity()
+
+    # -- prefill -------------------------------------------------------------------------------------------------
+    def prefill(self, request: dict[str, Any], reservation: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        return self._as("prefill").prefill(request, reservation, timeout_s)

@@ -1,0 +1,69 @@
+"""A worker flips role in place: same engine object (no reload), new role's sockets, real KV over gloo both ways.
+
+In one process, without Ray: two FlexWorkers on the default model, the prefill one streaming a prompt's K/V into the
+decode one's reservation; then both flip and the transfer runs the other way.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.flex_worker import FlexWorker
+from cluster.protocol import GenerateRequest
+from cluster.worker_config import WorkerConfig
+from kv_transfer.config import KVTransferConfig
+
+CFG = WorkerConfig(num_kv_blocks=64)
+PROMPT = tuple(range(200, 260))
+
+
+def _transfer(prefill: FlexWorker, decode: FlexWorker, request_id: str) -> None:
+    """Prefill on one, KV into the other's reservation; the decode side must take it as transferred, not recompute."""
+    req = GenerateRequest(request_id, PROMPT, max_tokens=4, ignore_eos=True)
+    res = decode.reserve(request_id, 5)
+    assert res is not None
+    first = prefill.prefill(req.to_dict(), res)
+    assert not first["failed"] and first["parts"] > 0
+    assert decode.start_prefilled(req.to_dict(), res["reservation_id"], first) == "transferred"
+    decode.abort(request_id)
+    counts = decode.check_integrity()
+    assert counts["reserved"] == 0 and counts["used"] == 0, counts
+
+
+@pytest.fixture()
+def pair():  # type: ignore[no-untyped-def]
+    kv = KVTransferConfig(backend="torch_dist", connect_timeout_s=20, io_timeout_s=30)
+    a = FlexWorker("worker-a", "decode", CFG, kv)
+    b = FlexWorker("worker-b", "prefill", CFG, kv)
+    yield a, b
+    for w in (a, b):
+        w.shutdown()
+
+
+def test_flip_keeps_the_engine_and_carries_kv_both_ways(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b = pair
+    _transfer(b, a, "r1")
+    engine_a, engine_b = a.impl.engine, b.impl.engine
+    with pytest.raises(RuntimeError, match="drain"):  # not drained: refused, nothing changes
+        a.flip("prefill")
+    assert a.role == "decode" and a.stats()["role"] == "decode"
+    for w in (a, b):
+        w.drain()
+    assert a.flip("prefill")["role"] == "prefill" and b.flip("decode")["role"] == "decode"
+    assert a.impl.engine is engine_a and b.impl.engine is engine_b  # same weights, no reload
+    assert a.stats()["flips"] == b.stats()["flips"] == 1
+    assert not a.stats()["draining"] and not b.stats()["draining"]
+    assert a.info()["role"] == "prefill" and a.reserve("x", 1) is None  # a prefill worker has no room for KV
+    with pytest.raises(RuntimeError, match="is a prefill worker now"):
+        a.start_colocated({}, "rsv")
+    _transfer(a, b, "r2")
+
+
+def test_flip_refused_while_a_reservation_is_held(pair) -> None:  # type: ignore[no-untyped-def]
+    a, _ = pair
+    assert a.reserve("held", 2) is not None
+    a.drain()
+    with pytest.raises(RuntimeError, match="finish"):
+        a.flip("prefill")
+    a.abort("held")
+    assert a.flip("prefill")["role"] == "prefill"
