@@ -144,13 +144,20 @@ def _capacity(obs: Observation, role: str, default: float) -> float:
     return statistics.median(measured) if measured else default
 
 
-def _fit_budget(n_p: int, n_d: int, cfg: ControllerConfig, load_p: float, load_d: float) -> tuple[int, int]:
-    """Clamp to minimums and the budget; a binding budget is split in proportion to load. Pure."""
+def _fit_budget(n_p: int, n_d: int, cfg: ControllerConfig, load_p: float, load_d: float,
+                floors: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """Clamp to minimums and the budget; a binding budget is split in proportion to load, but never below a pool's
+    ``floors`` (the actors its present load needs at full utilisation). When both floors do not fit, the smaller
+    one is kept whole (that pool stays healthy; the other is short either way). Pure."""
     n_p, n_d = max(n_p, cfg.min_prefill), max(n_d, cfg.min_decode)
     if n_p + n_d <= cfg.budget:
         return n_p, n_d
+    lo_p = min(max(floors[0], cfg.min_prefill), cfg.budget - cfg.min_decode)
+    lo_d = min(max(floors[1], cfg.min_decode), cfg.budget - cfg.min_prefill)
+    if lo_p + lo_d > cfg.budget:
+        lo_p, lo_d = (lo_p, cfg.budget - lo_p) if lo_p <= lo_d else (cfg.budget - lo_d, lo_d)
     share = load_p / (load_p + load_d) if load_p + load_d > 0 else 0.5
-    n_p = min(max(round(cfg.budget * share), cfg.min_prefill), cfg.budget - cfg.min_decode)
+    n_p = min(max(round(cfg.budget * share), lo_p), cfg.budget - lo_d)
     return n_p, cfg.budget - n_p
 
 
@@ -227,8 +234,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_d = math.ceil(ld / (mu_d * util)) if ld > 0 else cfg.min_decode
     why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
     clearable = n_p * mu_p * cfg.slo_ttft_s  # prompt tokens the present pool prefills within one TTFT SLO
-    if obs.prefill_backlog_tokens > clearable:  # queued prompts it cannot clear in time: add what clears them
-        want_p = max(want_p, n_p + math.ceil((obs.prefill_backlog_tokens - clearable) / (mu_p * cfg.slo_ttft_s)))
+    if obs.prefill_backlog_tokens > clearable:  # queued prompts it cannot clear in time: size for clearing them
+        # within one TTFT SLO while new prompts keep arriving at the newest rate
+        fast_p = max(fast_p, obs.prefill_tps + obs.prefill_backlog_tokens / cfg.slo_ttft_s)
+        want_p = max(want_p, math.ceil(fast_p / mu_p))
         why.append(f"prefill backlog {obs.prefill_backlog_tokens:.0f} tokens")
     # SLO misses the rates did not explain: grow the missing pool by the missed share (at least one actor)
     if obs.ttft_attainment < cfg.attainment_target:
@@ -240,16 +249,22 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_p = _hysteresis(n_p, want_p, lp / mu_p, util, cfg.hysteresis)
     want_d = _hysteresis(n_d, want_d, ld / mu_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
-    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, fast_d / mu_d)
-    if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and n_p * mu_p >= sp and n_d * mu_d >= sd \
+    floors = (math.ceil(obs.prefill_tps / mu_p), math.ceil(obs.decode_tps / mu_d))  # the newest loads, no headroom
+    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, fast_d / mu_d, floors)
+    # overloaded now: the newest load exceeds a pool's capacity, or prompts queue beyond what it clears in a TTFT SLO
+    # (requests caught in that queue have not finished yet, so attainment cannot show them)
+    overloaded = n_p * mu_p < max(sp, obs.prefill_tps) or n_d * mu_d < max(sd, obs.decode_tps) \
+        or obs.prefill_backlog_tokens > clearable
+    if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not overloaded \
             and obs.ttft_attainment >= cfg.attainment_target and obs.tpot_attainment >= cfg.attainment_target:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
     elif not cfg.elastic and t_p + t_d < cfg.budget:
         t_p, t_d = _keep_budget((n_p, n_d), (t_p, t_d), (fast_p / mu_p, fast_d / mu_d), cfg.budget)
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
-        grows = t_p > n_p or t_d > n_d
-        pressing = obs.ttft_attainment < cfg.attainment_target or obs.tpot_attainment < cfg.attainment_target
-        if not (grows and pressing):
+        # only the pool whose own SLO is missed may skip the cooldown (growing the other would feed a see-saw)
+        pressing = (t_p > n_p and (obs.ttft_attainment < cfg.attainment_target or overloaded)) or \
+            (t_d > n_d and obs.tpot_attainment < cfg.attainment_target)
+        if not pressing:
             return replace(hold, reason=f"cooldown ({obs.t - state.last_change_t:.0f}s since the last change)"), state
     return _act(obs, cfg, state, t_p, t_d, "; ".join(why), allow_flip=cfg.flip_s < cfg.start_s)
 

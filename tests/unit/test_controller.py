@@ -93,6 +93,39 @@ def test_prefill_backlog_and_missed_slos_grow_the_right_pool() -> None:
     assert d.n_decode > 4 and "TPOT" in d.reason
 
 
+def test_a_burst_is_met_at_once_when_the_budget_binds() -> None:
+    """The smoothed rates still fit the old split, but the newest load and the queue do not: act now (the requests
+    stuck in the queue have not finished, so attainment cannot show them yet), sized to clear the queue too."""
+    cfg = ControllerConfig(budget=16, cooldown_s=60, slo_ttft_s=5.0)
+    d, state = decide(observe(0.0, 3000.0, 1500.0, 8, 8), cfg, ControllerState())
+    assert not d.changes
+    # prompt-heavy burst: 9000 prefill tok/s, 40k tokens queued (8 actors clear 40k in 5 s: just over), decode drops
+    d, state = decide(observe(15.0, 9000.0, 500.0, 8, 8, prefill_backlog_tokens=40001.0), cfg, state)
+    assert (d.n_prefill, d.n_decode) == (13, 3) and len(d.flip) == 5, d.reason
+    # without the queue the same rates still move at once: the newest prefill load exceeds 8 actors' capacity
+    d, _ = decide(observe(15.0, 9000.0, 500.0, 8, 8), cfg, decide(observe(0.0, 3000.0, 1500.0, 8, 8), cfg,
+                                                                   ControllerState())[1])
+    assert d.n_prefill > 8 and d.flip, d.reason
+
+
+def test_a_binding_budget_never_starves_a_pool_below_its_present_load() -> None:
+    cfg = ControllerConfig(budget=16, cooldown_s=0)
+    # prefill wants 50 actors, decode's 1000 tok/s needs 4: a proportional split would leave decode 1
+    d, _ = decide(observe(0.0, 50000.0, 1000.0, 8, 8), cfg, ControllerState())
+    assert (d.n_prefill, d.n_decode) == (12, 4), d.reason
+
+
+def test_only_the_missing_pool_may_skip_the_cooldown() -> None:
+    cfg = ControllerConfig(budget=16, cooldown_s=60)
+    state = ControllerState(last_change_t=0.0)
+    # TTFT misses, but the re-split would grow decode (its rates say so): that waits for the cooldown
+    d, _ = decide(observe(15.0, 3000.0, 3000.0, 8, 8, ttft_attainment=0.5), cfg, state)
+    assert not d.changes and "cooldown" in d.reason
+    # TPOT misses and decode grows: at once
+    d, _ = decide(observe(15.0, 3000.0, 3000.0, 8, 8, tpot_attainment=0.5), cfg, state)
+    assert d.changes and d.n_decode > 8, d.reason
+
+
 def test_elastic_shrinks_but_fixed_budget_keeps_every_actor() -> None:
     low = [(500.0, 100.0)] * 10
     elastic = run(ControllerConfig(budget=12, cooldown_s=0, elastic=True), low, 6, 6)
