@@ -57,6 +57,8 @@ class ServeConfig:
             raise ValueError(f"kv_backend: 'torch_dist' or 'ucx', got {self.kv_backend!r}")
         if self.decode < 1:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
+        if not self.queue_timeout_s > 0:
+            raise ValueError(f"queue_timeout_s: must be > 0, got {self.queue_timeout_s!r}")
         if self.proxies < 0:
             raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
         if self.budget and self.budget < self.prefill + self.decode:

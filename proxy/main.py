@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     info = asyncio.run(_wait_for_decode(pools, 300))
     proto = ProtocolConfig(served_models=(args.model_name,), max_model_len=int(info["max_model_len"]),
                            vocab_size=int(info["vocab_size"]))
-    total = min(int(a.info["total_blocks"]) for a in pools.live_decode())
-    proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]), total,
+    proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]),
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
                   stream_host=args.host, stream_advertise_host=args.advertise_host,

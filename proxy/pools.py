@@ -19,7 +19,6 @@ log = logging.getLogger(__name__)
 NAMESPACE = "pdcluster"
 WORKER_PREFIX = "pdcluster-worker-"  # every prefill and decode actor: pdcluster-worker-<i> (roles can change)
 MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/pool_manager.py)
-ROLES = ("prefill", "decode")
 
 
 def worker_names() -> list[str]:
@@ -110,12 +109,6 @@ class Pools:
     def live_decode(self) -> list[ActorRef]:
         """Decode actors to route new requests to: alive and not draining. Pure."""
         return [a for a in self.decode.values() if a.alive and not (a.stats or {}).get("draining")]
-
-    def by_free_blocks(self) -> list[ActorRef]:
-        """Live decode actors, most free KV blocks first (as of the last refresh). Pure."""
-        def free(a: ActorRef) -> int:
-            return int((a.stats or {}).get("kv", {}).get("free", 0))
-        return sorted(self.live_decode(), key=free, reverse=True)
 
     async def reserve(self, actor: ActorRef, request_id: str, num_blocks: int) -> dict[str, Any] | None:
         try:

@@ -82,14 +82,13 @@ class _Sub:
 
 class Proxy:
     def __init__(self, pools: Pools, tokenizer: PromptTokenizer, proto: ProtocolConfig, block_size: int,
-                 total_blocks: int, cfg: ProxyConfig, stream_host: str = "127.0.0.1",
+                 cfg: ProxyConfig, stream_host: str = "127.0.0.1",
                  disaggregated: bool = False, stream_advertise_host: str | None = None) -> None:
         self.disaggregated = disaggregated
         self.pools = pools
         self.tok = tokenizer
         self.proto = proto
         self.block_size = block_size
-        self.total_blocks = total_blocks
         self.cfg = cfg
         self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host)
         self.metrics = Metrics()

@@ -18,7 +18,7 @@ class _NoTokenizer:
 
 
 def make_proxy(api_key: str | None) -> Proxy:
-    return Proxy(Pools(), _NoTokenizer(), None, 16, 100, ProxyConfig(api_key=api_key))  # type: ignore[arg-type]
+    return Proxy(Pools(), _NoTokenizer(), None, 16, ProxyConfig(api_key=api_key))  # type: ignore[arg-type]
 
 
 async def _ok(_: web.Request) -> web.Response:
