@@ -76,8 +76,12 @@ def test_scale_up_and_across_while_serving() -> None:
         assert len(results) >= 10
         wrong = [(p, got) for p, got in results if got != want[p]]
         assert not wrong, wrong[:3]
-        st = status(url)
-        roles = sorted((a["name"], a["role"]) for a in st["actors"] if a["alive"])
+        for _ in range(40):  # the proxy moves a flipped actor to its new pool on its next refresh (each second)
+            st = status(url)
+            roles = sorted((a["name"], a["role"]) for a in st["actors"] if a["alive"])
+            if sorted(r for _, r in roles) == ["decode", "decode", "prefill"]:
+                break
+            time.sleep(0.25)
         assert sorted(r for _, r in roles) == ["decode", "decode", "prefill"], roles
         assert [n for n, _ in roles] == ["pdcluster-worker-0", "pdcluster-worker-1", "pdcluster-worker-2"], roles
         events = [e["event"] for e in st["controller"]["events"]]
