@@ -74,7 +74,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
             budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
-            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
+            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, queue_timeout_s=args.queue_timeout,
+            max_waiting=args.max_waiting)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -206,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
     sv.add_argument("--served-model-name", default="default")
+    sv.add_argument("--queue-timeout", type=float, default=10.0,
+                    help="seconds a request may wait (FIFO) for KV blocks before a 429")
+    sv.add_argument("--max-waiting", type=int, default=256,
+                    help="requests each proxy lets wait for KV blocks at once; more get a 429 at once")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
     sv.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO (seconds) autoscale aims for")

@@ -33,7 +33,8 @@ class ServeConfig:
     gpus_per_actor: float = 0.0  # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU)
     on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
-    queue_timeout_s: float = 10.0  # how long the proxy lets a request wait for KV blocks before a 429
+    queue_timeout_s: float = 10.0  # how long the proxy lets a request wait (FIFO) for KV blocks before a 429
+    max_waiting: int = 256  # requests each proxy lets wait for KV blocks at once; more get a 429 at once
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
@@ -59,6 +60,8 @@ class ServeConfig:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s: must be > 0, got {self.queue_timeout_s!r}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if self.proxies < 0:
             raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
         if self.budget and self.budget < self.prefill + self.decode:
@@ -154,7 +157,7 @@ class Cluster:
             self.proxy_procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
                  "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name,
-                 "--queue-timeout", str(cfg.queue_timeout_s)]
+                 "--queue-timeout", str(cfg.queue_timeout_s), "--max-waiting", str(cfg.max_waiting)]
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else []), env=env))
         deadline = time.monotonic() + timeout_s
         for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound

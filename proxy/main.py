@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True, help="0: let the OS pick a free port")
     ap.add_argument("--port-file", default=None, help="write the port listened on here once bound")
     ap.add_argument("--model-name", default="default")
-    ap.add_argument("--queue-timeout", type=float, default=10.0)
+    ap.add_argument("--queue-timeout", type=float, default=10.0,
+                    help="seconds a request may wait (FIFO) for KV blocks before a 429")
+    ap.add_argument("--max-waiting", type=int, default=256,
+                    help="requests that may wait for KV blocks at once; more get a 429 at once")
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     ap.add_argument("--keepalive-timeout", type=float, default=75.0,
@@ -59,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                            vocab_size=int(info["vocab_size"]))
     proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]),
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
+                              max_waiting=args.max_waiting,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
                   stream_host=args.host, stream_advertise_host=args.advertise_host,
                   disaggregated=args.disaggregated)

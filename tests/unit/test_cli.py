@@ -22,3 +22,10 @@ def test_generate_rejects_bad_parameters() -> None:
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2 and "max_tokens" in proc.stderr
+
+
+def test_serve_rejects_bad_admission_settings_before_starting_anything() -> None:
+    for flag, value, field in (("--queue-timeout", "0", "queue_timeout_s"), ("--max-waiting", "-1", "max_waiting")):
+        proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", flag, value],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and field in proc.stderr, proc.stderr
