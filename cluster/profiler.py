@@ -2,8 +2,10 @@
 
 It runs the same engine the actors run, in this process: prefill throughput at a full token budget, and decode step
 times over a grid of batch sizes and context lengths, fitted to ``base + per_seq x batch + per_kv_token x context
-tokens`` by least squares. The KV bytes per token come from the model's shape and the cache dtype; the link
-bandwidth, start and flip times are not measured here and keep the given values.
+tokens`` by least squares. The KV bytes per token come from the model's shape and the cache dtype. ``start_s`` is the
+engine's load time measured here (an actor's process start under Ray adds about a second on top); ``flip_s`` is the
+time to hand the loaded engine to a new decode role and back to a prefill role, measured on the same engine (the
+drain before a flip is simulated separately). The link bandwidth is not measured and keeps the given value.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
     from engine import LLM, SamplingParams
     from engine.model_runner import DTYPES, FP8, kv_block_bytes
 
+    t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False)
+    start_s = time.perf_counter() - t0
+    progress(f"start: engine loaded in {start_s:.2f} s")
     eng = llm.engine
     vocab = eng.model_config.vocab_size
     rng = random.Random(0)
@@ -65,6 +70,8 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
             rows.append((1.0, b, b * (ctx + steps)))
             times.append(step)
             progress(f"decode: batch {b:3d}, context {ctx:4d} -> {step * 1e3:.1f} ms per step")
+    flip_s = _flip_time(eng)
+    progress(f"flip: a role handed the loaded engine in {flip_s * 1e3:.1f} ms")
     coef, *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(times), rcond=None)
     base_s, per_seq, per_kv = (max(0.0, float(c)) for c in coef)
     kv_dtype = FP8 if eng.config.kv_cache_dtype == "fp8" else DTYPES[dtype]
@@ -73,7 +80,21 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
               f"{time.strftime('%Y-%m-%d')}{' (quick)' if quick else ''}")
     return replace(base, prefill_tps=round(prefill_tps, 1), decode_base_s=round(base_s, 6),
                    decode_per_seq_s=round(per_seq, 7), decode_per_kv_token_s=round(per_kv, 9),
-                   kv_bytes_per_token=float(kv_per_token), max_batch=int(eng.config.max_num_seqs), source=source)
+                   kv_bytes_per_token=float(kv_per_token), max_batch=int(eng.config.max_num_seqs),
+                   start_s=round(start_s, 3), flip_s=round(flip_s, 4), source=source)
+
+
+def _flip_time(engine) -> float:  # type: ignore[no-untyped-def]
+    """Seconds to build a decode role around a loaded, idle engine, drain it and release the engine (what
+    :meth:`cluster.flex_worker.FlexWorker.flip` does besides the drain). Leaves the engine as it was."""
+    from cluster.worker_config import WorkerConfig
+    from decode_worker.worker import DecodeWorker
+
+    t0 = time.perf_counter()
+    role = DecodeWorker("profile-flip", WorkerConfig(), None, engine=engine)
+    role.drain()
+    role.release_engine()
+    return time.perf_counter() - t0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

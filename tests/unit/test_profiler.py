@@ -16,6 +16,7 @@ def test_quick_profile_of_a_tiny_model_is_a_usable_cost_profile(tiny_checkpoint,
     profile = CostProfile.load(out)
     assert profile.prefill_tps > 0 and profile.link_gbps == 12.5 and "pdcluster profile" in profile.source
     assert profile.decode_base_s + profile.decode_per_seq_s > 0
+    assert 0 < profile.start_s < 60 and 0 <= profile.flip_s < profile.start_s  # measured, not the defaults
     assert profile.kv_bytes_per_token == json.loads(out.read_text())["kv_bytes_per_token"] > 0
     sim_out = tmp_path / "sim.json"
     assert cli_main(["simulate", "--workload", "steady", "--duration", "300", "--workers", "4", "--policy", "adaptive",
