@@ -36,6 +36,7 @@ class AdmissionGate:
         self._waiters: dict[str, asyncio.Future[Admit | Reject]] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()  # aborts that outlive their cancelled request
 
     @property
     def waiting(self) -> int:
@@ -79,7 +80,13 @@ class AdmissionGate:
                 raise decision.error
             assert isinstance(decision, Admit)
             actor = self.pools.decode.get(decision.actor_id)
-            res = None if actor is None else await self.pools.reserve(actor, request_id, n_blocks)
+            try:
+                res = None if actor is None else await self.pools.reserve(actor, request_id, n_blocks)
+            except asyncio.CancelledError:  # the client left while the actor was reserving: release it there
+                self._add(decision.actor_id, -n_blocks)
+                if actor is not None:
+                    self._background(self.pools.abort(actor, request_id))
+                raise
             if actor is not None and res is not None:
                 return actor, res
             self._add(decision.actor_id, -n_blocks)
@@ -115,6 +122,12 @@ class AdmissionGate:
             raise
         finally:
             self._waiters.pop(request_id, None)
+
+    def _background(self, coro: Any) -> None:
+        """Run ``coro`` to its end even though the caller is being cancelled (keeps a reference until done)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _kick(self) -> None:
         if self._wake is not None:
