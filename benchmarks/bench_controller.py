@@ -13,7 +13,6 @@ import argparse
 import time
 from pathlib import Path
 
-from cluster.controller import ControllerConfig
 from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
 from cluster.sim_report import plot, summarize
 from cluster.simulator import Simulation
@@ -36,10 +35,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in args.workloads.split(","):
             trace = make_workload(name, w, profile, args.duration, seed=0)
             for policy in (f"fixed:{w // 2}:{w - w // 2}", "throughput", "adaptive"):
-                cfg = ControllerConfig(policy=policy, slo_ttft_s=SLO_TTFT, slo_tpot_s=SLO_TPOT, interval_s=15.0,
-                                       budget=w, start_s=profile.start_s, flip_s=profile.flip_s,
-                                       default_prefill_tps=profile.prefill_tps,
-                                       default_decode_tps=profile.decode_capacity_within(SLO_TPOT, 600.0))
+                cfg = profile.controller_config(policy=policy, slo_ttft_s=SLO_TTFT, slo_tpot_s=SLO_TPOT,
+                                                interval_s=15.0, budget=w)
                 t0 = time.perf_counter()
                 result = Simulation(trace, profile, cfg, w).run()
                 wall = time.perf_counter() - t0

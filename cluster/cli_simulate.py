@@ -31,7 +31,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.controller import ControllerConfig
     from cluster.sim_model import DEFAULT_PROFILE, CostProfile, load_trace, make_workload
     from cluster.sim_report import plot, summarize
     from cluster.simulator import Simulation
@@ -48,11 +47,8 @@ def run(args: argparse.Namespace) -> int:
             if not (p.isdigit() and d.isdigit()):
                 raise ValueError(f"--initial: expected P:D, got {args.initial!r}")
             initial = (int(p), int(d))
-        cfg = ControllerConfig(policy=args.policy, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                               interval_s=args.interval, budget=args.workers, elastic=args.elastic,
-                               start_s=profile.start_s, flip_s=profile.flip_s,
-                               default_prefill_tps=profile.prefill_tps,
-                               default_decode_tps=profile.decode_capacity_within(args.slo_tpot, 600.0))
+        cfg = profile.controller_config(policy=args.policy, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                                        interval_s=args.interval, budget=args.workers, elastic=args.elastic)
         sim = Simulation(trace, profile, cfg, args.workers, initial)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -112,12 +112,11 @@ class Cluster:
         if cfg.ray_address:
             wait_reachable(cfg.ray_address, timeout_s=30.0)
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
-            self._owns_ray = True
         else:
             n_actors = cfg.budget or cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
             ray.init(namespace=NAMESPACE, num_cpus=max(2, int(n_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
-            self._owns_ray = True
+        self._owns_ray = True
         disagg = cfg.mode == "disaggregated"
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.host) if disagg else None
         roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
@@ -218,7 +217,7 @@ class Cluster:
                     actors.append(ray.get_actor(name, namespace=NAMESPACE))
                 except ValueError:
                     pass
-        for a in actors:
+        for a in dict.fromkeys(actors):  # ours are named too: shut each one down once
             try:
                 ray.get(a.shutdown.remote(), timeout=10)
             except Exception:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from cluster.controller import ControllerConfig
 
 WORKLOADS = ("diurnal", "bursts", "steady")
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-default.json"
@@ -58,6 +61,14 @@ class CostProfile:
         per = self.decode_per_seq_s + self.decode_per_kv_token_s * context_tokens
         batch = max(1, min(self.max_batch, int((slo_tpot_s - self.decode_base_s) / per))) if per > 0 else self.max_batch
         return self.decode_capacity_tps(batch, context_tokens)
+
+    def controller_config(self, **fields: Any) -> ControllerConfig:
+        """A controller config (``fields`` as :class:`ControllerConfig`'s) whose start and flip times and per-actor
+        capacities before any measurement come from this profile (decode at 600-token contexts within the TPOT SLO).
+        Pure."""
+        cfg = ControllerConfig(**fields)
+        return replace(cfg, start_s=self.start_s, flip_s=self.flip_s, default_prefill_tps=self.prefill_tps,
+                       default_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0))
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:

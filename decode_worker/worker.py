@@ -184,12 +184,15 @@ class DecodeWorker:
             c = self.reservations.counts()
             sched = self.engine.scheduler
             rx = self.receiver.stats() if self.receiver is not None else {}
-            idle = not sched.running and not sched.waiting and not self._live and not c.get("reserved", 0)
             return {"actor_id": self.actor_id, "role": "decode", "alive": True, "kv": c, **rx,
-                    "draining": self.draining, "idle": idle,
+                    "draining": self.draining, "idle": self._idle(),
                     "running": len(sched.running), "waiting": len(sched.waiting),
                     "tokens_generated": self.tokens_generated,
                     "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started)}
+
+    def _idle(self) -> bool:
+        """No request running, waiting or streaming and no reservation pending (the caller holds the lock)."""
+        return not self._live and not self.reservations.counts()["reserved"] and not self.engine.has_unfinished_requests()
 
     def check_integrity(self) -> dict[str, int]:
         """Raise ``AssertionError`` unless free + reserved + used == total and every refcount has a holder."""
@@ -212,8 +215,7 @@ class DecodeWorker:
         """Mutates: stop this role (loop thread, sockets, KV receiver) and hand over the engine, weights and prefix
         cache intact. Raises ``RuntimeError`` unless drained and idle (no reservation, no request)."""
         with self._lock:
-            busy = self._live or self.reservations.counts().get("reserved", 0) or self.engine.has_unfinished_requests()
-            if not self.draining or busy:
+            if not self.draining or not self._idle():
                 raise RuntimeError(f"{self.actor_id}: drain it and let its requests finish first")
         self.shutdown()
         return self.engine

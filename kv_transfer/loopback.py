@@ -261,5 +261,6 @@ def main(argv: list[str] | None = None) -> None:
             sender.close()
             peer.close()
 
+
 if __name__ == "__main__":
     main()

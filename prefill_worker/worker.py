@@ -103,7 +103,7 @@ class PrefillWorker:
             c = self.engine.kv.pool.counts()
             sched = self.engine.scheduler
             return {"actor_id": self.actor_id, "role": "prefill", "alive": True, "kv": c,
-                    "draining": self.draining, "idle": not self._jobs and not sched.running and not sched.waiting,
+                    "draining": self.draining, "idle": self._idle(),
                     "running": len(sched.running), "waiting": len(sched.waiting),
                     "queued_prefill_tokens": sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
                     "prompt_tokens": self.prompt_tokens, "kv_bytes_sent": self.bytes_sent,
@@ -119,11 +119,14 @@ class PrefillWorker:
         """Mutates: stop this role (loop thread, transfer backend) and hand over the engine, weights and prefix cache
         intact. Raises ``RuntimeError`` unless drained and idle."""
         with self._lock:
-            busy = self._jobs or self.engine.has_unfinished_requests()
-            if not self.draining or busy:
+            if not self.draining or not self._idle():
                 raise RuntimeError(f"{self.actor_id}: drain it and let it finish its prompts first")
         self.shutdown()
         return self.engine
+
+    def _idle(self) -> bool:
+        """No prompt held or being computed (the caller holds the lock)."""
+        return not self._jobs and not self.engine.has_unfinished_requests()
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def _ship(self, layer: int, out: Any) -> None:
