@@ -7,7 +7,10 @@ pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
 ``[num_blocks, kv_heads]``. Writing into it (:func:`store_kv_quantized`) re-quantizes the touched blocks, so a block's
-scale always covers its largest value; it runs the torch path on every device.
+scale always covers its largest value.
+
+Checks that would read a device tensor's values (``seq_lens`` within the block table, ``cu_seqlens_q`` consistent)
+run on CPU tensors only: on a GPU they would cost a host sync per call and break CUDA-graph capture.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 from kernels import reference
 
 __all__ = [
+    "decode_num_splits",
     "dequantize_kv_fp8",
     "pack_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "paged_prefill_attention_varlen",
     "quantize_kv_fp8",
     "store_kv",
     "store_kv_quantized",
@@ -47,6 +52,17 @@ def _triton():  # type: ignore[no-untyped-def]
     from kernels import triton_kv
 
     return triton_kv
+
+
+def _triton_prefill():  # type: ignore[no-untyped-def]
+    from kernels import triton_prefill
+
+    return triton_prefill
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether checking ``t``'s values is free: a CPU tensor (a device tensor would need a host sync)."""
+    return t.device.type == "cpu"
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -86,6 +102,20 @@ def _check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales
                f"expected float32 {want}, got {sc.dtype} {tuple(sc.shape)}")
 
 
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132) -> int:
+    """The KV split count :func:`paged_decode_attention` picks on a GPU when given none: enough (sequence, kv head,
+    split) programs for about two waves over ``num_sms`` multiprocessors (132 on an H100/H200), splits of at least
+    256 tokens of ``max_context``, at most 16. Shapes only: a CUDA-graph bucket can fix it once. Pure."""
+    _check(min(num_seqs, num_kv_heads, max_context, num_sms) >= 0, "num_seqs", "sizes must be >= 0")
+    programs = max(1, num_seqs * num_kv_heads)
+    return max(1, min(-(-2 * num_sms // programs), max_context // 256, 16))
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -96,8 +126,14 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence attending over its paged KV. Pure; see :func:`reference.paged_decode_attention`."""
+    """One query token per sequence attending over its paged KV; a row with ``seq_lens`` 0 (CUDA-graph padding)
+    yields zeros. Pure; see :func:`reference.paged_decode_attention`.
+
+    ``num_splits``: the Triton path splits each sequence's context into that many ranges computed in parallel and
+    then combined (split-K: more programs at small batch); ``None`` picks :func:`decode_num_splits` from the shapes
+    on a GPU and 1 elsewhere. The result does not depend on it beyond rounding; the torch path ignores it."""
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
@@ -109,12 +145,18 @@ def paged_decode_attention(
            f"expected [{q.shape[0]}, max_blocks], got {tuple(block_tables.shape)}")
     _check(not block_tables.is_floating_point(), "block_tables", f"must be an integer tensor, got {block_tables.dtype}")
     _check(seq_lens.shape == (q.shape[0],), "seq_lens", f"expected [{q.shape[0]}], got {tuple(seq_lens.shape)}")
-    if q.shape[0] and int(seq_lens.max()) > block_tables.shape[1] * k_cache.shape[1]:
-        raise ValueError("seq_lens: longer than block_tables can address")
     _check(not seq_lens.is_floating_point(), "seq_lens", f"must be an integer tensor, got {seq_lens.dtype}")
+    _check(num_splits is None or num_splits >= 1, "num_splits", f"must be >= 1, got {num_splits}")
+    if q.shape[0] and _readable(seq_lens):
+        _check(int(seq_lens.max()) <= block_tables.shape[1] * k_cache.shape[1], "seq_lens",
+               "longer than block_tables can address")
+        _check(int(seq_lens.min()) >= 0, "seq_lens", "must be >= 0")
     if uses_triton(q):
+        if num_splits is None:
+            num_splits = 1 if not q.is_cuda else decode_num_splits(
+                q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], _sm_count(q.device.index or 0))
         return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                                                k_scales, v_scales)
+                                                k_scales, v_scales, num_splits)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                             k_scales, v_scales)
 
@@ -142,6 +184,59 @@ def paged_prefill_attention(
                                              k_scales, v_scales)
 
 
+def paged_prefill_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    start_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+) -> torch.Tensor:
+    """Causal attention for several sequences' prefill chunks packed into ``q`` ``[num_tokens, num_heads, head_dim]``
+    (sequence s in rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]``, int32 ``[num_seqs + 1]``), each over its paged
+    context: ``start_pos[s]`` (int32 ``[num_seqs]``) tokens cached before the chunk (a prefix hit, earlier chunks),
+    then the chunk's own K/V, already stored. Pure; see :func:`reference.paged_prefill_attention_varlen`.
+
+    ``max_seqlen_q``, the longest chunk, sizes the Triton grid; pass it when the caller knows it (on a GPU, leaving
+    it out costs one host sync). The torch path reads ``cu_seqlens_q`` and ``start_pos`` on the host."""
+    _check_cache(k_cache, v_cache)
+    _check_scales(k_cache, k_scales, v_scales)
+    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
+    _check(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    _check(q.shape[2] == k_cache.shape[3], "q", f"head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+    _check(q.shape[1] % k_cache.shape[2] == 0, "q", f"num_heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
+    _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
+    _check(start_pos.dim() == 1 and not start_pos.is_floating_point(), "start_pos", "must be a 1-D integer tensor")
+    n = start_pos.shape[0]
+    _check(cu_seqlens_q.shape == (n + 1,) and not cu_seqlens_q.is_floating_point(), "cu_seqlens_q",
+           f"expected an integer [{n + 1}], got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == n and not block_tables.is_floating_point(),
+           "block_tables", f"expected an integer [{n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    _check(max_seqlen_q is None or max_seqlen_q >= 0, "max_seqlen_q", f"must be >= 0, got {max_seqlen_q}")
+    if _readable(cu_seqlens_q) and _readable(start_pos):
+        cu, starts = cu_seqlens_q.tolist(), start_pos.tolist()
+        lens = [b - a for a, b in zip(cu, cu[1:])]
+        _check(cu[0] == 0 and cu[-1] == q.shape[0] and min(lens, default=0) >= 0, "cu_seqlens_q",
+               f"must rise from 0 to {q.shape[0]}, got {cu}")
+        _check(min(starts, default=0) >= 0, "start_pos", f"must be >= 0, got {starts}")
+        room = block_tables.shape[1] * k_cache.shape[1]
+        _check(max((s + m for s, m in zip(starts, lens)), default=0) <= room, "block_tables",
+               f"{room} slots per sequence cannot hold start_pos + chunk")
+        _check(max_seqlen_q is None or max_seqlen_q >= max(lens, default=0), "max_seqlen_q",
+               f"{max_seqlen_q} < the longest chunk {max(lens, default=0)}")
+    if uses_triton(q):
+        return _triton_prefill().paged_prefill_attention_varlen(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, sliding_window, k_scales, v_scales,
+            max_seqlen_q)
+    return reference.paged_prefill_attention_varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale,
+                                                    sliding_window, k_scales, v_scales)
+
+
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -160,12 +255,16 @@ def store_kv_quantized(
     k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
     """:func:`store_kv` into an FP8 cache: re-quantizes each touched block with a fresh scale. Mutates caches and
-    scales. A block's slots past its last written token must hold zeros or stale values of that block (both fine)."""
+    scales. A block's slots past its last written token must hold zeros or stale values of that block (both fine).
+    The Triton path is bit-identical to the torch one."""
     _check(k_cache.dtype == reference.FP8_DTYPE, "k_cache", f"expected float8_e4m3fn, got {k_cache.dtype}")
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)
     _check_token_rows(key, value, k_cache, slot_mapping)
-    reference.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    if uses_triton(key):
+        _triton().store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    else:
+        reference.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -27,12 +27,15 @@ def paged_decode_attention(
     """Attention of one query token per sequence over its paged context. Pure: returns a new tensor.
 
     q [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
-    (context length including the query token, whose K/V must already be stored). Returns q's shape and dtype.
+    (context length including the query token, whose K/V must already be stored; 0 for a padded row, which yields
+    zeros). Returns q's shape and dtype.
     The context is gathered up to the longest sequence, so callers batch sequences of similar length together.
     """
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_len = int(seq_lens.max()) if num_seqs else 0
+    if max_len == 0:
+        return torch.zeros_like(q)
     n_blocks = (max_len + block_size - 1) // block_size
     ctx = n_blocks * block_size
     idx = block_tables[:, :n_blocks].reshape(-1).long()
@@ -46,6 +49,8 @@ def paged_decode_attention(
         allowed &= pos > lens - 1 - sliding_window
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=allowed[:, None, None, :], scale=scale)
+    # a padded row (seq_len 0) attends to nothing: zeros, whatever the SDPA backend makes of an all-masked row
+    out = out.masked_fill(~allowed.any(dim=1)[:, None, None, None], 0.0)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -95,6 +100,35 @@ def paged_prefill_attention(
             allowed &= kpos > qpos - sliding_window
         out = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=allowed, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def paged_prefill_attention_varlen(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    start_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for the packed prefill chunks of several sequences over their paged context. Pure.
+
+    q [num_tokens, num_heads, head_dim] holds sequence ``s``'s chunk in rows ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]``
+    at positions ``start_pos[s] ..``; block_tables int [num_seqs, max_blocks]. As for
+    :func:`paged_prefill_attention`, each chunk's K/V and the ``start_pos[s]`` tokens before it must already be
+    stored, so the query at position p sees positions ``max(0, p - sliding_window + 1) .. p``. One
+    :func:`paged_prefill_attention` per sequence: the CPU path costs what the per-sequence calls cost.
+    """
+    cu, starts = cu_seqlens_q.tolist(), start_pos.tolist()
+    parts = [paged_prefill_attention(q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], starts[s], scale,
+                                     sliding_window, k_scales, v_scales)
+             for s in range(len(starts)) if cu[s + 1] > cu[s]]
+    if not parts:
+        return torch.empty_like(q)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def store_kv(

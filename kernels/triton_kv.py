@@ -1,10 +1,15 @@
-"""Triton kernels for the KV cache: paged decode attention, KV store, block pack/unpack, FP8 (de)quantization.
+"""Triton kernels for the KV cache: paged decode attention (optionally split-K), KV store (plain and FP8), block
+pack/unpack, FP8 (de)quantization. The varlen prefill attention lives in :mod:`kernels.triton_prefill`.
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (exact for float32/float16; the interpreter's
 bfloat16 arithmetic is wrong, so bfloat16 is checked on a GPU only). The argument checks live in
 :mod:`kernels`; these launchers assume valid arguments. Layouts are those of :mod:`kernels.reference`: per layer
 ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` with each block contiguous (the block stride
 may be anything, so views of one ``[2, num_blocks, ...]`` tensor work).
+
+Launch settings (tiles, warps, stages) are module constants chosen for an H100/H200-class GPU from first principles;
+none has been measured yet (see docs/kernels.md). Every kernel masks instead of returning early, so it compiles
+the same way under every Triton version we support (3.6, 3.7).
 """
 
 from __future__ import annotations
@@ -14,174 +19,265 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-TOKEN_TILE = 32  # context tokens per step of the decode kernel's online softmax (spans blocks of any size)
+LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
+NEG_BIG = -1.0e30  # running-max start: finite, so a row or split that sees no key yields 0, never NaN
+# Decode: context tokens per online-softmax step (spanning blocks of any size). An FP8 tile holds half the bytes, so
+# it takes twice the tokens to keep as many bytes in flight per step.
+DECODE_TILE = 64
+DECODE_TILE_FP8 = 128
+DECODE_WARPS = 4
+DECODE_STAGES = 2
+STORE_ELEMS = 4096  # store_kv: elements per program (tokens x a row chunk)
+COPY_CHUNK = 8192  # pack/unpack: elements per program
+COPY_WARPS = 8
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr,
-    scale, window,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr,
+    scale_log2, window,
     stride_qs, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_sb,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_sh,
     stride_bts,
     stride_os, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
-    """One program per (sequence, kv head): the GROUP query heads sharing that kv head, online softmax over tiles."""
+    """One program per (sequence, kv head, split): the GROUP query heads sharing that kv head, online softmax over
+    TILE-token steps of the split's share of the context. With one split it writes the output; with more it writes
+    the unnormalized partial (acc, max, sum) that ``_decode_reduce_kernel`` combines."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     seq_len = tl.load(lens_ptr + seq)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    first = (lo // TILE) * TILE
+    begin = first
+    end = seq_len
+    if NUM_SPLITS > 1:  # whole tiles per split, so no tile straddles two splits
+        per = tl.cdiv(tl.cdiv(tl.maximum(seq_len - first, 0), NUM_SPLITS), TILE) * TILE
+        begin = first + split * per
+        end = tl.minimum(begin + per, seq_len)
+    m_i = tl.full([GROUP_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for start in range((lo // TILE) * TILE, seq_len, TILE):
+    for start in range(begin, end, TILE):
         t = start + tl.arange(0, TILE)
-        t_ok = (t < seq_len) & (t >= lo)
-        blk = tl.load(bt_ptr + seq * stride_bts + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-        base = blk * stride_kb + (t % BLOCK_SIZE) * stride_kt + kvh * stride_kh
+        t_ok = (t < end) & (t >= lo)
+        blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bts + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        row = (t % BLOCK_SIZE).to(tl.int64)
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if HAS_SCALES:  # FP8 cache: one scale per (block, kv head)
-            k = (k.to(tl.float32) * tl.load(ks_ptr + blk * stride_sb + kvh, mask=t_ok, other=0.0)[:, None])
-            v = (v.to(tl.float32) * tl.load(vs_ptr + blk * stride_sb + kvh, mask=t_ok, other=0.0)[:, None])
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [GROUP_PAD, TILE], fp32 accumulation
+        k = tl.load(k_ptr + (blk * stride_kb + row * stride_kt + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + (blk * stride_vb + row * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        if HAS_SCALES:
+            # FP8 cache: e4m3 values are exact in q's dtype; the per-(block, head) scales multiply the scores'
+            # columns and the probabilities instead of every K/V element
+            k = k.to(tl.float32).to(q.dtype)
+            v = v.to(tl.float32).to(q.dtype)
+            k_sc = tl.load(ks_ptr + blk * stride_sb + kvh * stride_sh, mask=t_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * (k_sc * scale_log2)[None, :]
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_PAD, TILE], fp32 accumulation
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if HAS_SCALES:
+            p = p * tl.load(vs_ptr + blk * stride_sb + kvh * stride_sh, mask=t_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        # partials laid out [seq, kv head, split, GROUP_PAD, (DIM_PAD | 2)], written whole (padding included)
+        cell = (seq.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS + split
+        tl.store(part_ptr + cell * GROUP_PAD * DIM_PAD + g[:, None] * DIM_PAD + d[None, :], acc)
+        tl.store(ml_ptr + cell * GROUP_PAD * 2 + g * 2, m_i)
+        tl.store(ml_ptr + cell * GROUP_PAD * 2 + g * 2 + 1, l_i)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty context (seq_len 0) gives zeros
+        tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, stride_os, stride_oh,
+                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program per (sequence, kv head): combine the splits' partials. A split that saw no key holds max
+    ``NEG_BIG`` and sum 0, so it weighs nothing; a sequence with no key at all yields zeros."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    sp_ok = sp < NUM_SPLITS
+    cell = (seq.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS + sp  # [SPLITS_PAD]
+    ml = ml_ptr + cell[None, :] * GROUP_PAD * 2 + g[:, None] * 2  # [GROUP_PAD, SPLITS_PAD]
+    m = tl.load(ml, mask=sp_ok[None, :], other=NEG_BIG)
+    l = tl.load(ml + 1, mask=sp_ok[None, :], other=0.0)
+    m_all = tl.max(m, axis=1)
+    w = tl.exp2(m - m_all[:, None])  # [GROUP_PAD, SPLITS_PAD]
+    denom = tl.sum(w * l, axis=1)
+    acc_ptr = part_ptr + (cell[None, :, None] * GROUP_PAD + g[:, None, None]) * DIM_PAD + d[None, None, :]
+    acc = tl.load(acc_ptr, mask=sp_ok[None, :, None], other=0.0)  # [GROUP_PAD, SPLITS_PAD, DIM_PAD]
+    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(denom > 0, denom, 1.0)[:, None]
+    heads = kvh * GROUP + g
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, num_splits: int = 1,
 ) -> torch.Tensor:
-    """See :func:`kernels.reference.paged_decode_attention`; ``k_scales``/``v_scales`` for an FP8 cache."""
+    """See :func:`kernels.reference.paged_decode_attention`; ``num_splits`` > 1 runs split-K (partials, then a
+    reduce). Pure; no host sync."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    q = q.contiguous()
+    q = q if q.stride(2) == 1 else q.contiguous()
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
     has_scales = k_scales is not None
     ks = k_scales if has_scales else q  # any tensor: never read
     vs = v_scales if has_scales else q
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out,
-        float(scale), int(sliding_window or 0),
+    group_pad = max(16, triton.next_power_of_2(group))  # tl.dot needs every dimension >= 16
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part = torch.empty((num_seqs, num_kv_heads, num_splits, group_pad, dim_pad), dtype=torch.float32,
+                           device=q.device)
+        ml = torch.empty((num_seqs, num_kv_heads, num_splits, group_pad, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out  # never written
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, ml,
+        float(scale) * LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        ks.stride(0) if has_scales else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        ks.stride(0) if has_scales else 0, ks.stride(1) if has_scales else 0,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        # tl.dot needs every dimension >= 16
-        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)), TILE=TOKEN_TILE,
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        TILE=DECODE_TILE_FP8 if has_scales else DECODE_TILE, NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SCALES=has_scales,
+        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
     )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
+            part, ml, out, out.stride(0), out.stride(1), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
     return out
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, k_ptr, v_ptr, slot_ptr, stride_kt, stride_vt, stride_kb,
-                     BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
-    """One program per token: its [kv_heads * head_dim] row into its slot, unless the slot is -1."""
-    tok = tl.program_id(0)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    i = tl.arange(0, ROW_PAD)
-    ok = (i < ROW) & (slot >= 0)
-    dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * ROW + i
-    k = tl.load(key_ptr + tok * stride_kt + i, mask=ok)
-    v = tl.load(value_ptr + tok * stride_vt + i, mask=ok)
-    tl.store(k_ptr + dst, k.to(k_ptr.dtype.element_ty), mask=ok)
-    tl.store(v_ptr + dst, v.to(v_ptr.dtype.element_ty), mask=ok)
+def _store_kv_kernel(key_ptr, value_ptr, k_ptr, v_ptr, slot_ptr, num_tokens, stride_kt, stride_vt, stride_kb,
+                     stride_vb, BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, TOKENS: tl.constexpr,
+                     COLS: tl.constexpr):
+    """One program per (TOKENS tokens, COLS-element chunk of their [kv_heads * head_dim] rows): a 2-D tile written
+    into the tokens' slots with contiguous vector stores; slot -1 skips."""
+    tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    ok = (slot >= 0)[:, None] & (col < ROW)[None, :]
+    slot = tl.maximum(slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = (slot % BLOCK_SIZE) * ROW
+    tok = tok.to(tl.int64)
+    k = tl.load(key_ptr + tok[:, None] * stride_kt + col[None, :], mask=ok)
+    v = tl.load(value_ptr + tok[:, None] * stride_vt + col[None, :], mask=ok)
+    tl.store(k_ptr + (blk * stride_kb + off)[:, None] + col[None, :], k.to(k_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_ptr + (blk * stride_vb + off)[:, None] + col[None, :], v.to(v_ptr.dtype.element_ty), mask=ok)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[num_tokens, kv_heads, head_dim]`` as ``[num_tokens, row]`` with unit column stride (a view when possible)."""
+    x = x.reshape(x.shape[0], -1)
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """See :func:`kernels.reference.store_kv`. Mutates the caches."""
-    if key.shape[0] == 0:
+    n = key.shape[0]
+    if n == 0:
         return
-    key = key.reshape(key.shape[0], -1)
-    value = value.reshape(value.shape[0], -1)
-    if key.stride(1) != 1:
-        key = key.contiguous()
-    if value.stride(1) != 1:
-        value = value.contiguous()
+    key, value = _token_rows(key), _token_rows(value)
     row = key.shape[1]
-    _store_kv_kernel[(key.shape[0],)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                                      k_cache.stride(0), BLOCK_SIZE=k_cache.shape[1], ROW=row,
-                                      ROW_PAD=triton.next_power_of_2(row))
+    cols = min(triton.next_power_of_2(row), STORE_ELEMS)
+    tokens = max(1, STORE_ELEMS // cols)
+    _store_kv_kernel[(triton.cdiv(n, tokens), triton.cdiv(row, cols))](
+        key, value, k_cache, v_cache, slot_mapping, n, key.stride(0), value.stride(0), k_cache.stride(0),
+        v_cache.stride(0), BLOCK_SIZE=k_cache.shape[1], ROW=row, TOKENS=tokens, COLS=cols, num_warps=4)
+
+
 
 
 @triton.jit
-def _copy_blocks_kernel(src_ptr, dst_ptr, ids_ptr, stride_src, stride_dst, numel, PACK: tl.constexpr,
-                        CHUNK: tl.constexpr):
-    """One program per (block, chunk): copy CHUNK elements of a block between the cache and the packed buffer."""
+def _copy_blocks_kernel(k_src, v_src, k_dst, v_dst, ids_ptr, stride_ks, stride_vs, stride_kd, stride_vd, numel,
+                        PACK: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per (block, chunk, K or V): copy CHUNK elements of a block between the cache and the packed
+    buffer; K and V in one launch."""
     b = tl.program_id(0)
     c = tl.program_id(1)
+    is_v = tl.program_id(2) == 1
+    src = k_src
+    dst = k_dst
+    if is_v:
+        src = v_src
+        dst = v_dst
+    stride_src = tl.where(is_v, stride_vs, stride_ks).to(tl.int64)
+    stride_dst = tl.where(is_v, stride_vd, stride_kd).to(tl.int64)
     blk = tl.load(ids_ptr + b).to(tl.int64)
     i = c * CHUNK + tl.arange(0, CHUNK)
     ok = i < numel
     if PACK:
-        x = tl.load(src_ptr + blk * stride_src + i, mask=ok)
-        tl.store(dst_ptr + b * stride_dst + i, x.to(dst_ptr.dtype.element_ty), mask=ok)
+        x = tl.load(src + blk * stride_src + i, mask=ok)
+        tl.store(dst + b.to(tl.int64) * stride_dst + i, x.to(dst.dtype.element_ty), mask=ok)
     else:
-        x = tl.load(src_ptr + b * stride_src + i, mask=ok)
-        tl.store(dst_ptr + blk * stride_dst + i, x.to(dst_ptr.dtype.element_ty), mask=ok)
+        x = tl.load(src + b.to(tl.int64) * stride_src + i, mask=ok)
+        tl.store(dst + blk * stride_dst + i, x.to(dst.dtype.element_ty), mask=ok)
 
 
-def _copy_grid(block_ids: torch.Tensor, numel: int) -> tuple[tuple[int, int], int]:
-    chunk = min(4096, triton.next_power_of_2(numel))
-    return (block_ids.shape[0], triton.cdiv(numel, chunk)), chunk
+def _copy_launch(block_ids: torch.Tensor, numel: int, *args: object, pack: bool) -> None:
+    chunk = min(COPY_CHUNK, triton.next_power_of_2(numel))
+    grid = (block_ids.shape[0], triton.cdiv(numel, chunk), 2)
+    _copy_blocks_kernel[grid](*args, numel, PACK=pack, CHUNK=chunk, num_warps=COPY_WARPS)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """See :func:`kernels.reference.pack_blocks`. Pure."""
     n = block_ids.shape[0]
     buf = torch.empty((2, n, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
-    numel = k_cache[0].numel()
-    if n == 0:
-        return buf
-    grid, chunk = _copy_grid(block_ids, numel)
-    for i, cache in enumerate((k_cache, v_cache)):
-        _copy_blocks_kernel[grid](cache, buf[i], block_ids, cache.stride(0), numel, numel, PACK=True, CHUNK=chunk)
+    if n:
+        numel = k_cache[0].numel()
+        _copy_launch(block_ids, numel, k_cache, v_cache, buf[0], buf[1], block_ids, k_cache.stride(0),
+                     v_cache.stride(0), numel, numel, pack=True)
     return buf
 
 
 def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """See :func:`kernels.reference.unpack_blocks`. Mutates the caches."""
     n = block_ids.shape[0]
-    numel = k_cache[0].numel()
-    if n == 0:
-        return
-    buf = buf.contiguous()
-    grid, chunk = _copy_grid(block_ids, numel)
-    for i, cache in enumerate((k_cache, v_cache)):
-        _copy_blocks_kernel[grid](buf[i], cache, block_ids, numel, cache.stride(0), numel, PACK=False, CHUNK=chunk)
+    if n:
+        buf = buf.contiguous()
+        numel = k_cache[0].numel()
+        _copy_launch(block_ids, numel, buf[0], buf[1], k_cache, v_cache, block_ids, numel, numel, k_cache.stride(0),
+                     v_cache.stride(0), pack=False)
 
 
 @triton.jit
@@ -219,8 +315,8 @@ def _fp8_kernel(x_ptr, y_ptr, s_ptr, stride_xb, stride_xt, stride_yb, stride_yt,
     dst = y_ptr + b.to(tl.int64) * stride_yb + t[:, None] * stride_yt + h * HEAD_DIM + d[None, :]
     x = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     if QUANTIZE:
-        s = tl.maximum(tl.max(tl.max(tl.abs(x), axis=1), axis=0) / 448.0, 1e-12)
-        y = _to_e4m3_grid(tl.minimum(tl.maximum(x / s, -448.0), 448.0))
+        s = tl.maximum(tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 448.0), 1e-12)  # IEEE division, as torch
+        y = _to_e4m3_grid(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
         tl.store(s_ptr + b * num_heads + h, s)
     else:
         y = x * tl.load(s_ptr + b * num_heads + h)
@@ -251,3 +347,87 @@ def dequantize_kv_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     _fp8_launch(q, out, scales.contiguous().float(), quantize=False)
     return out
+
+
+@triton.jit
+def _claim_slots_kernel(slot_ptr, writer_ptr, num_tokens, TOKENS: tl.constexpr):
+    """``writer[slot] = token`` for every written slot (one winner when a slot repeats)."""
+    tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    tl.store(writer_ptr + tl.maximum(slot, 0), tok, mask=slot >= 0)
+
+
+@triton.jit
+def _requantize_rows(src_ptr, stride_st, stride_sh, cache_ptr, sc_ptr, cache_base, sc_off, writer, written, keep,
+                     tile_ok, h, j, d, stride_ct, HEAD_DIM: tl.constexpr):
+    """One (block, kv head) of an FP8 cache: the old values where ``keep``, the writers' new rows where
+    ``written``, zeros elsewhere; re-quantized with a fresh scale exactly as :func:`kernels.reference.quantize_kv_fp8`."""
+    dst = cache_ptr + cache_base + j[:, None] * stride_ct + h * HEAD_DIM + d[None, :]
+    old = tl.load(dst, mask=tile_ok & keep[:, None], other=0.0).to(tl.float32) * tl.load(sc_ptr + sc_off)
+    new = tl.load(src_ptr + writer[:, None] * stride_st + h * stride_sh + d[None, :],
+                  mask=tile_ok & written[:, None], other=0.0).to(tl.float32)
+    x = tl.where(written[:, None], new, tl.where(keep[:, None], old, 0.0))
+    s = tl.maximum(tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 448.0), 1e-12)
+    y = _to_e4m3_grid(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
+    tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=tile_ok)
+    return s
+
+
+@triton.jit
+def _store_fp8_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr, writer_ptr, num_tokens,
+                      stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_ct,
+                      stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+                      BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      DIM_PAD: tl.constexpr):
+    """One program per (token, kv head). Of the tokens writing a block, only the one at its highest offset (its
+    leader) works: it rebuilds that block's head from the old values, the new rows of every token writing the block
+    (found through ``writer``, each entry verified against ``slot_mapping``, so the map needs no clearing) and zeros
+    after its own offset, and re-quantizes it. Every other program only reads the block's ``writer`` entries."""
+    tok = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    j = tl.arange(0, BS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    j_ok = (j < BLOCK_SIZE) & live
+    w = tl.load(writer_ptr + blk * BLOCK_SIZE + j, mask=j_ok, other=-1)
+    w_ok = j_ok & (w >= 0) & (w < num_tokens)
+    w = tl.where(w_ok, w, 0).to(tl.int64)
+    written = w_ok & (tl.load(slot_ptr + w, mask=w_ok, other=-1).to(tl.int64) == blk * BLOCK_SIZE + j)
+    later = tl.sum((written & (j > off)).to(tl.int32), axis=0)
+    mine = tl.sum((written & (j == off) & (w == tok)).to(tl.int32), axis=0)
+    leader = live & (later == 0) & (mine == 1)
+    tile_ok = (j_ok & leader)[:, None] & (d < HEAD_DIM)[None, :]
+    keep = j <= off
+    ks_off = blk * stride_ksb + h * stride_ksh
+    vs_off = blk * stride_vsb + h * stride_vsh
+    s_k = _requantize_rows(key_ptr, stride_kt, stride_kh, k_ptr, ks_ptr, blk * stride_kb, ks_off, w, written, keep,
+                           tile_ok, h, j, d, stride_ct, HEAD_DIM)
+    s_v = _requantize_rows(value_ptr, stride_vt, stride_vh, v_ptr, vs_ptr, blk * stride_vb, vs_off, w, written, keep,
+                           tile_ok, h, j, d, stride_ct, HEAD_DIM)
+    tl.store(ks_ptr + ks_off, s_k, mask=leader)
+    tl.store(vs_ptr + vs_off, s_v, mask=leader)
+
+
+def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """See :func:`kernels.reference.store_kv_quantized`: bit-identical to it (a slot written twice in one call
+    keeps one of its writers, as there). Mutates the caches and scales; no host sync."""
+    n = key.shape[0]
+    if n == 0:
+        return
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    nb, bs, _, hd = k_cache.shape
+    writer = torch.empty(nb * bs, dtype=torch.int32, device=key.device)  # garbage is fine: entries are verified
+    _claim_slots_kernel[(triton.cdiv(n, 1024),)](slot_mapping, writer, n, TOKENS=1024)
+    _store_fp8_kernel[(n, k_cache.shape[2])](
+        key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, writer, n,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), v_cache.stride(0),
+        k_cache.stride(1), k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
+        BLOCK_SIZE=bs, BS_PAD=triton.next_power_of_2(bs), HEAD_DIM=hd, DIM_PAD=triton.next_power_of_2(hd), num_warps=4)

@@ -33,8 +33,9 @@ def triton_path() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         if not CUDA:
             mp.setenv("TRITON_INTERPRET", "1")
-            if "kernels.triton_kv" in sys.modules:  # decorated without the interpreter: decorate again
-                importlib.reload(sys.modules["kernels.triton_kv"])
+            for name in ("kernels.triton_kv", "kernels.triton_prefill"):
+                if name in sys.modules:  # decorated without the interpreter: decorate again
+                    importlib.reload(sys.modules[name])
         assert kernels.uses_triton(torch.empty(1, device=DEVICE)), "the tests would compare the reference with itself"
         yield
 
