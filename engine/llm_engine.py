@@ -18,6 +18,7 @@ from engine.model_config import load_model_config
 from engine.model_loader import load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, FP8, ModelRunner, kv_block_bytes
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.philox import derive_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
@@ -65,6 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype)
         self._ids = seq_id_counter()
+        self._num_unseeded = 0  # unseeded requests so far: the counter derive_seed mixes with config.seed
         self._requests: dict[str, _Request] = {}
 
     # -- requests -----------------------------------------------------------------------------------------------
@@ -98,6 +100,17 @@ class LLMEngine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
 
+    def effective_seed(self, params: SamplingParams) -> int:
+        """The seed a request samples with: ``params.seed``, or for an unseeded request one derived from
+        ``config.seed`` and a count of unseeded requests (so a whole offline run reproduces). Mutates that count.
+
+        Sampling draws are keyed by (seed, completion index, token position) only: to continue a request elsewhere
+        with the same draws (prefill actor -> decode actor), give both the same ``SamplingParams.seed``."""
+        if params.seed is not None:
+            return params.seed
+        self._num_unseeded += 1
+        return derive_seed(self.config.seed, self._num_unseeded - 1)
+
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
         arrival: float | None = None, block_ids: list[int] | None = None, output_prefix: list[int] | None = None,
@@ -120,7 +133,7 @@ class LLMEngine:
         seqs = [
             Sequence(
                 seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
-                arrival=arrival, priority=priority, seed=params.seed,
+                arrival=arrival, priority=priority, seed=self.effective_seed(params),
             )
             for i in range(params.n)
         ]
@@ -156,7 +169,7 @@ class LLMEngine:
         self.validate(ids, params)
         seq = Sequence(
             seq_id=next(self._ids), request_id=request_id, index=0, prompt_token_ids=ids, params=params,
-            arrival=time.monotonic() if arrival is None else arrival, seed=params.seed,
+            arrival=time.monotonic() if arrival is None else arrival, seed=self.effective_seed(params),
         )
         self.kv.adopt(seq, block_ids, len(ids))
         req = _Request(request_id, ids, [seq], [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)],

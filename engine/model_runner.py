@@ -12,6 +12,7 @@ import torch
 from engine.model import AttentionMetadata, DecoderModel
 from engine.kv_cache_manager import cdiv
 from engine.model_config import ModelConfig
+from engine.philox import derive_seed
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
@@ -46,7 +47,8 @@ class ModelRunner:
         self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads) if self.kv.dtype == FP8
                           else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
-        self.sampler = Sampler(seed)
+        self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)
+        self.sampler = Sampler()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Mutates the KV cache: copy every layer's K/V of block ``src`` into block ``dst``."""
@@ -135,7 +137,9 @@ class ModelRunner:
             [q.params for q in seqs],
             [q.prompt_token_ids for q in seqs],
             [q.output_token_ids for q in seqs],
-            [q.generator() for q in seqs],
+            seeds=[q.seed if q.seed is not None else derive_seed(self.seed, q.seq_id) for q in seqs],
+            choices=[q.index for q in seqs],
+            positions=[q.num_tokens for q in seqs],  # a forked child's first token sits where its parent's does
         )
         result = self.sampler(logits, meta)
         sampled: dict[int, list[SampledToken]] = {}

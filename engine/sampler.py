@@ -16,6 +16,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from engine.philox import sample_uniforms, seed_as_int64
+
 # Temperatures below this are greedy: dividing by ~0 would overflow to inf/nan.
 _GREEDY_EPS = 1e-5
 # top-k/top-p rows look for their survivors among the 64, then the 1024 highest logits; only rows
@@ -58,7 +60,10 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor  # float32 [N]; subtract p once if the token is in the output
     frequency_penalty: torch.Tensor  # float32 [N]; subtract f * (count of the token in the output)
     repetition_penalty: torch.Tensor  # float32 [N]; prompt+output tokens: logit>0 -> /r, else *r
-    generators: list[torch.Generator | None]  # CPU generators; None -> the sampler's default
+    # the counter-based draw's key (engine/philox.py): a random row's uniform is a pure function of these three
+    seeds: torch.Tensor  # int64 [N]; the request's seed (low 64 bits, as a signed value)
+    choices: torch.Tensor  # int64 [N]; which of the request's n completions the row samples for
+    positions: torch.Tensor  # int64 [N]; absolute position of the token being sampled (prompt + output so far)
     prompt_token_ids: list[list[int]]  # read only by the repetition penalty
     output_token_ids: list[list[int]]  # tokens generated so far, read by all three penalties
     num_logprobs: list[int | None]  # how many top logprobs to return per row; None -> none
@@ -66,14 +71,14 @@ class SamplingMetadata:
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
         for name in ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "generators", "prompt_token_ids",
+                     "repetition_penalty", "seeds", "choices", "positions", "prompt_token_ids",
                      "output_token_ids", "num_logprobs"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"SamplingMetadata.{name} has {len(getattr(self, name))} rows, "
                                  f"temperature has {n}")
-        if any(g is not None and g.device.type != "cpu" for g in self.generators):
-            raise ValueError("per-row generators must be CPU generators: the sampler draws one "
-                             "uniform per row on the CPU, whatever the logits' device")
+        for name in ("seeds", "choices", "positions"):
+            if getattr(self, name).dtype != torch.int64:
+                raise ValueError(f"SamplingMetadata.{name} must be int64, got {getattr(self, name).dtype}")
         if any(k is not None and k < 0 for k in self.num_logprobs):
             raise ValueError(f"num_logprobs must be None or >= 0, got {self.num_logprobs}")
 
@@ -84,16 +89,19 @@ class SamplingMetadata:
 
     @staticmethod
     def build(params: Sequence[SamplingParamsLike], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]],
-              generators: list[torch.Generator | None] | None = None,
-              device: torch.device | str = "cpu") -> SamplingMetadata:
+              output_token_ids: list[list[int]], seeds: Sequence[int], choices: Sequence[int],
+              positions: Sequence[int], device: torch.device | str = "cpu") -> SamplingMetadata:
         """Packs per-request parameters into batch tensors on `device`. Pure.
 
-        Generators are passed in, not made here: a seeded request must keep its generator (and
-        its advancing state) across steps. None means every row uses the sampler's default.
+        The seeds are passed in, not read from `params`: an unseeded request still samples with
+        a seed, the one its engine gave it when it was added (see `LLMEngine.add_request`).
+        Seeds may be any non-negative int; the draw uses their low 64 bits.
         """
         def col(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        def ints(values: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.int64, device=device)
 
         return SamplingMetadata(
             temperature=col("temperature", torch.float32), top_k=col("top_k", torch.int64),
@@ -101,7 +109,8 @@ class SamplingMetadata:
             presence_penalty=col("presence_penalty", torch.float32),
             frequency_penalty=col("frequency_penalty", torch.float32),
             repetition_penalty=col("repetition_penalty", torch.float32),
-            generators=list(generators) if generators is not None else [None] * len(params),
+            seeds=ints([seed_as_int64(x) for x in seeds]), choices=ints(choices),
+            positions=ints(positions),
             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
             num_logprobs=[p.logprobs for p in params])
 
@@ -304,18 +313,11 @@ def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 
 class Sampler:
-    """Samples one token per row; its only state is the default generator for unseeded rows."""
-
-    def __init__(self, seed: int | None = None) -> None:
-        self._default_generator = torch.Generator()
-        if seed is None:
-            self._default_generator.seed()
-        else:
-            self._default_generator.manual_seed(seed)
+    """Samples one token per row. Stateless: every random draw comes from the row's key."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Samples a token per row of `logits` [N, V]. Does not modify `logits` or `meta`;
-        advances the generator of each random row by one draw.
+        """Samples a token per row of `logits` [N, V]. Pure: the same logits and metadata give
+        the same tokens, whatever the device or the other rows.
         """
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
@@ -337,17 +339,15 @@ class Sampler:
                              logprobs=_raw_logprobs(logits, token_ids, meta.num_logprobs))
 
     def _sample(self, x: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-        """Returns a token for each row of penalized logits `x` [n, V] (batch rows `rows`).
-        Advances each row's generator by one float64 uniform.
+        """Returns a token for each row of penalized logits `x` [n, V] (batch rows `rows`). Pure.
 
-        Inverse-CDF sampling with one uniform from the row's own generator: a seeded row's token
-        depends only on its logits and its generator, never on its batch neighbours or their order.
-        An Exponential(1) race would need V draws per row: ~60 ms per 64 x 49152 batch on this CPU.
+        Inverse-CDF sampling with one counter-based uniform per row, keyed by (seed, choice,
+        position): a row's token depends only on its logits and its key, never on its batch
+        neighbours, their order or the device. An Exponential(1) race would need V draws per row:
+        ~60 ms per 64 x 49152 batch on this CPU.
         """
-        generators = [g if (g := meta.generators[i]) is not None else self._default_generator
-                      for i in rows.tolist()]
-        uniforms = torch.tensor([torch.rand(1, dtype=torch.float64, generator=g).item()
-                                 for g in generators], dtype=torch.float64, device=x.device)
+        uniforms = sample_uniforms(_take(meta.seeds, rows), _take(meta.choices, rows),
+                                   _take(meta.positions, rows)).to(x.device)
         scaled = x / meta.temperature[rows].unsqueeze(1)
         token_ids = torch.empty(len(rows), dtype=torch.int64, device=x.device)
         for sub, idx, keep, weights in _filter_groups(scaled, meta.top_k[rows], meta.top_p[rows],

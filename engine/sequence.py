@@ -6,8 +6,6 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.sampling_params import SamplingParams
 
 
@@ -31,7 +29,7 @@ class Sequence:
     params: SamplingParams
     arrival: float
     priority: int = 0
-    seed: int | None = None  # seeded sampling: see generator()
+    seed: int | None = None  # keys this sequence's sampling draws with (index, position): see engine/philox.py
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -67,18 +65,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def generator(self) -> torch.Generator | None:
-        """A generator for this sequence's next token, or None when unseeded. Pure.
-
-        Seeded draws depend only on (seed, completion index, token position), never on history held in a
-        generator object: the same request continues identically after preemption, or on another actor after
-        its prefill elsewhere.
-        """
-        if self.seed is None:
-            return None
-        mixed = (self.seed * 0x9E3779B97F4A7C15 + self.index * 0xBF58476D1CE4E5B9 + len(self.output_token_ids)) % 2**63
-        return torch.Generator().manual_seed(mixed)
 
     def sort_key(self) -> tuple[int, float, int]:
         """Scheduling order: lower priority value first, then arrival (FCFS), then id."""

@@ -1,5 +1,6 @@
-"""Sampler: filters, penalties and logprobs against hand-computed answers; seeded reproducibility;
-sampled frequencies against softmax probabilities."""
+"""Sampler: filters, penalties and logprobs against hand-computed answers; counter-based draws
+(Philox known answers, same key -> same token in any batch, uniformity); sampled frequencies
+against softmax probabilities."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.philox import (derive_seed, philox4x32, philox4x32_int, sample_uniform_int,
+                           sample_uniforms, seed_as_int64)
 from engine.sampler import (Sampler, SamplingMetadata, _inverse_cdf, apply_penalties,
                             apply_top_k_top_p_min_p)
 
@@ -25,11 +28,14 @@ def make_meta(n: int, **fields: Any) -> SamplingMetadata:
         value = fields.pop(name, default)
         rows = value if isinstance(value, list) else [value] * n
         tensors[name] = torch.tensor(rows, dtype=torch.int64 if name == "top_k" else torch.float32)
-    seeds = fields.pop("seeds", None)
-    generators = [None if s is None else torch.Generator().manual_seed(s)
-                  for s in (seeds if seeds is not None else [None] * n)]
+    keys = {}
+    for name, default in (("seeds", 0), ("choices", 0), ("positions", None)):
+        value = fields.pop(name, default)
+        # by default every row is its own key: row i samples position i of seed 0
+        rows = list(range(n)) if value is None else value if isinstance(value, list) else [value] * n
+        keys[name] = torch.tensor([seed_as_int64(v) for v in rows], dtype=torch.int64)
     meta = SamplingMetadata(
-        **tensors, generators=generators,
+        **tensors, **keys,
         prompt_token_ids=fields.pop("prompt_token_ids", [[] for _ in range(n)]),
         output_token_ids=fields.pop("output_token_ids", [[] for _ in range(n)]),
         num_logprobs=fields.pop("num_logprobs", [None] * n))
@@ -125,7 +131,7 @@ def test_filters_are_per_row_and_pure() -> None:
 def test_sampling_only_draws_kept_tokens() -> None:
     logits = logits_from_probs([0.4, 0.3, 0.2, 0.1]).repeat(400, 1)
     meta = make_meta(400, temperature=1.0, top_k=3, top_p=0.75)
-    tokens = Sampler(seed=1)(logits, meta).token_ids
+    tokens = Sampler()(logits, meta).token_ids
     assert set(tokens) == {0, 1}
 
 
@@ -186,20 +192,21 @@ ROW_SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=5),
 
 def run_rows(order: list[int], seeds: list[int], logits: torch.Tensor,
              steps: int = 4) -> dict[int, list[int]]:
-    """Samples `steps` times with rows in `order`; returns each original row's tokens."""
+    """Samples positions 0..steps-1 with rows in `order`; returns each original row's tokens."""
     n = len(order)
     fields = {key: [ROW_SETTINGS[i % len(ROW_SETTINGS)].get(key, default) for i in order]
               for key, default in [("temperature", 0.0), ("top_k", 0), ("top_p", 1.0),
                                    ("min_p", 0.0)]}
-    meta = make_meta(n, seeds=[seeds[i] for i in order], **fields)
-    sampler, tokens = Sampler(seed=99), {i: [] for i in order}
-    for _ in range(steps):
+    sampler, tokens = Sampler(), {i: [] for i in order}
+    for step in range(steps):
+        meta = make_meta(n, seeds=[seeds[i] for i in order], choices=[i % 3 for i in order],
+                         positions=step + 40, **fields)
         for pos, tok in enumerate(sampler(logits[order], meta).token_ids):
             tokens[order[pos]].append(tok)
     return tokens
 
 
-def test_seeded_rows_reproduce_in_any_batch_order() -> None:
+def test_same_key_same_token_in_any_batch() -> None:
     n = 12
     logits = torch.randn(n, 3000, generator=torch.Generator().manual_seed(5)) * 1.5
     seeds = list(range(100, 100 + n))
@@ -209,16 +216,80 @@ def test_seeded_rows_reproduce_in_any_batch_order() -> None:
     assert run_rows(shuffled, seeds, logits) == baseline
     subset = [7, 3, 9, 0]
     assert run_rows(subset, seeds, logits) == {i: baseline[i] for i in subset}
+    for i in (0, 5):
+        assert run_rows([i], seeds, logits) == {i: baseline[i]}
     other = run_rows(list(range(n)), [s + 1000 for s in seeds], logits)
     random_rows = [i for i in range(n) if ROW_SETTINGS[i % len(ROW_SETTINGS)]["temperature"]]
     assert sum(other[i] != baseline[i] for i in random_rows) >= len(random_rows) - 1
 
 
-def test_unseeded_rows_follow_the_sampler_seed() -> None:
-    logits = torch.randn(16, 1000, generator=torch.Generator().manual_seed(8))
-    meta = make_meta(16, temperature=1.0)
-    assert Sampler(seed=4)(logits, meta).token_ids == Sampler(seed=4)(logits, meta).token_ids
-    assert Sampler(seed=4)(logits, meta).token_ids != Sampler(seed=5)(logits, meta).token_ids
+def test_a_row_token_is_a_function_of_its_key_and_logits() -> None:
+    """Rows of one batch with the same key and logits sample the same token; the batch's other
+    rows (greedy, other settings, other keys) change nothing."""
+    logits = torch.randn(1, 2000, generator=torch.Generator().manual_seed(1)).repeat(6, 1)
+    meta = make_meta(6, temperature=[1.0, 1.0, 0.0, 0.5, 1.0, 1.0], top_k=[0, 0, 0, 9, 0, 50],
+                     seeds=[3, 3, 3, 4, 3, 3], choices=[2, 2, 0, 0, 2, 0], positions=17)
+    tokens = Sampler()(logits, meta).token_ids
+    assert tokens[0] == tokens[1] == tokens[4]
+    alone = Sampler()(logits[:1], make_meta(1, temperature=1.0, seeds=3, choices=2, positions=17))
+    assert alone.token_ids[0] == tokens[0]
+
+
+def test_choices_and_positions_draw_different_uniforms() -> None:
+    """n choices of one request at one position (a prefill actor samples them from one logits
+    row) and successive positions of one choice all get their own draw."""
+    choices = torch.arange(128)
+    u = sample_uniforms(torch.full((128,), 7), choices, torch.full((128,), 300))
+    assert len(set(u.tolist())) == 128
+    positions = torch.arange(4096)
+    u = sample_uniforms(torch.full((4096,), 7), torch.zeros(4096, dtype=torch.int64), positions)
+    assert len(set(u.tolist())) == 4096
+    flat = torch.zeros(1, 64)  # uniform over 64 tokens: 32 choices should not all agree
+    meta = make_meta(32, temperature=1.0, seeds=9, choices=list(range(32)), positions=5)
+    assert len(set(Sampler()(flat.repeat(32, 1), meta).token_ids)) > 16
+
+
+def test_philox_matches_random123_known_answers() -> None:
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in cases:
+        assert philox4x32_int(counter, key) == expected
+        words = philox4x32(tuple(torch.tensor([w]) for w in counter), tuple(torch.tensor([w]) for w in key))
+        assert tuple(int(w) for w in words) == expected
+
+
+def test_tensor_uniforms_match_the_int_reference_for_any_seed() -> None:
+    seeds = [0, 1, 2**31, 2**32 + 5, 2**63 - 1, 2**63, 2**64 - 1, 2**70 + 3]
+    keys = [(s, c, p) for s in seeds for c, p in ((0, 0), (3, 1), (127, 2**31 + 9))]
+    u = sample_uniforms(torch.tensor([seed_as_int64(s) for s, _, _ in keys]),
+                        torch.tensor([c for _, c, _ in keys]), torch.tensor([p for _, _, p in keys]))
+    assert u.tolist() == [sample_uniform_int(s, c, p) for s, c, p in keys]
+    assert ((u >= 0) & (u < 1)).all()
+
+
+def test_uniforms_are_uniform_and_uncorrelated() -> None:
+    """Chi-square over 64 equal bins for draws across positions, choices and seeds, and the
+    serial correlation of successive positions."""
+    n = 64 * 400
+    i = torch.arange(n)
+    for seeds, choices, positions in ((torch.full((n,), 42), torch.zeros_like(i), i),
+                                      (torch.full((n,), 42), i, torch.full((n,), 10)),
+                                      (i, torch.zeros_like(i), torch.zeros_like(i))):
+        u = sample_uniforms(seeds, choices, positions)
+        counts = torch.bincount((u * 64).long(), minlength=64).double()
+        chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+        assert chi2 < 110.0  # 63 dof: P(chi2 > 110) ~ 2e-4; the keys are fixed, so is the outcome
+        x = u - 0.5
+        assert abs(float((x[1:] * x[:-1]).mean() / (x * x).mean())) < 0.03
+
+
+def test_derived_seeds_are_distinct_and_reproducible() -> None:
+    seeds = [derive_seed(0, i) for i in range(2000)]
+    assert len(set(seeds)) == 2000 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [derive_seed(0, i) for i in range(2000)]
+    assert derive_seed(1, 0) != seeds[0]
 
 
 # ---------------------------------------------------------------- distribution
@@ -235,7 +306,7 @@ def test_temperature_sampling_matches_softmax(vocab: int, support: list[int]) ->
     logits = torch.full((vocab,), NEG_INF)
     logits[support] = torch.tensor([1.0, 0.5, 0.0, -1.0])
     expected = (logits / temperature).softmax(-1)
-    tokens = Sampler(seed=11)(logits.repeat(n, 1), make_meta(n, temperature=temperature)).token_ids
+    tokens = Sampler()(logits.repeat(n, 1), make_meta(n, temperature=temperature)).token_ids
     assert set(tokens) <= set(support)
     # 3 degrees of freedom: P(chi2 > 16.27) = 0.001; the seed makes the outcome fixed.
     assert chi_square(tokens, expected, support) < 16.27
@@ -244,7 +315,7 @@ def test_temperature_sampling_matches_softmax(vocab: int, support: list[int]) ->
 def test_top_p_sampling_matches_renormalized_nucleus() -> None:
     n = 20000
     logits = logits_from_probs([0.5, 0.3, 0.15, 0.05]).repeat(n, 1)
-    tokens = Sampler(seed=12)(logits, make_meta(n, temperature=1.0, top_p=0.9)).token_ids
+    tokens = Sampler()(logits, make_meta(n, temperature=1.0, top_p=0.9)).token_ids
     expected = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
     assert set(tokens) == {0, 1, 2}
     assert chi_square(tokens, expected, [0, 1, 2]) < 13.82  # 2 dof, p = 0.001
@@ -280,6 +351,8 @@ def test_logprobs_come_from_raw_logits() -> None:
 
 def test_metadata_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError):
-        SamplingMetadata(*(torch.zeros(2) for _ in range(7)), generators=[None],
+        SamplingMetadata(*(torch.zeros(2) for _ in range(7)), seeds=torch.zeros(1, dtype=torch.int64),
+                         choices=torch.zeros(2, dtype=torch.int64),
+                         positions=torch.zeros(2, dtype=torch.int64),
                          prompt_token_ids=[[], []], output_token_ids=[[], []],
                          num_logprobs=[None, None])
