@@ -21,7 +21,7 @@ import time
 import ray
 
 from cluster.launcher import Cluster, ServeConfig, free_port
-from cluster.worker_config import WorkerConfig
+from cluster.wire.worker_config import WorkerConfig
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving large language models on small machines".split()
 

@@ -17,7 +17,7 @@ import time
 import ray
 
 from cluster.launcher import Cluster, ServeConfig
-from cluster.worker_config import WorkerConfig
+from cluster.wire.worker_config import WorkerConfig
 
 
 def timed(c: Cluster, p: int, d: int) -> tuple[float, list[str]]:

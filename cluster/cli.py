@@ -62,7 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from cluster.launcher import Cluster, ServeConfig
-    from cluster.worker_config import WorkerConfig
+    from cluster.wire.worker_config import WorkerConfig
 
     try:
         cfg = ServeConfig(

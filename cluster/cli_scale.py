@@ -24,8 +24,8 @@ def _manager(address: str) -> Any:
     """The running cluster's PoolManager actor, or None (the error printed) if there is none at ``address``."""
     import ray
 
-    from cluster.ray_address import wait_reachable
-    from proxy.pools import MANAGER_NAME, NAMESPACE
+    from cluster.wire.ray_address import wait_reachable
+    from cluster.wire.names import MANAGER_NAME, NAMESPACE
 
     try:
         wait_reachable(address, timeout_s=10.0)

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from cluster.worker_config import WorkerConfig
+from cluster.wire.worker_config import WorkerConfig
 
 ROLES = ("prefill", "decode")
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.worker_config import WorkerConfig
+from cluster.wire.worker_config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,9 @@ class Cluster:
         import ray
 
         from cluster.flex_worker import FlexWorker
-        from cluster.ray_address import wait_reachable
+        from cluster.wire.ray_address import wait_reachable
         from kv_transfer.config import KVTransferConfig
-        from proxy.pools import NAMESPACE, WORKER_PREFIX
+        from cluster.wire.names import NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg
         if ray.is_initialized():
@@ -138,7 +138,7 @@ class Cluster:
         if disagg:
             from cluster.controller import ControllerConfig
             from cluster.pool_manager import PoolManager
-            from proxy.pools import MANAGER_NAME
+            from cluster.wire.names import MANAGER_NAME
 
             ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
                                     cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
@@ -210,7 +210,7 @@ class Cluster:
             self.manager = None
         actors = list(self.decode_actors + self.prefill_actors)
         if self._owns_ray and ray.is_initialized():  # and those the manager started
-            from proxy.pools import NAMESPACE, worker_names
+            from cluster.wire.names import NAMESPACE, worker_names
 
             for name in worker_names():
                 try:

@@ -26,8 +26,8 @@ import ray
 
 from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
                                 decide)
-from cluster.worker_config import WorkerConfig
-from proxy.pools import NAMESPACE, WORKER_PREFIX, worker_names
+from cluster.wire.worker_config import WorkerConfig
+from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
 
 
 class PoolManager:

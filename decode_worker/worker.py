@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.protocol import GenerateRequest, Reservation
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest, Reservation
+from cluster.wire.worker_config import WorkerConfig
 from decode_worker.reservations import ReservationManager
 from kv_transfer.config import KVTransferConfig
-from proxy.token_stream import TokenStreamClient
+from cluster.wire.token_stream import TokenStreamClient
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.protocol import GenerateRequest, Reservation
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest, Reservation
+from cluster.wire.worker_config import WorkerConfig
 import torch
 
 from kv_transfer.base import TransferHandle, TransferState

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.protocol import ActorStats
+from cluster.wire.messages import ActorStats
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject
 from proxy.errors import rate_limited
 from proxy.pools import ActorRef, Pools

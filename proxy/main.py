@@ -12,9 +12,10 @@ import sys
 import ray
 from aiohttp import web
 
-from cluster.ray_address import wait_reachable
+from cluster.wire.ray_address import wait_reachable
 from proxy.openai_protocol import ProtocolConfig
-from proxy.pools import NAMESPACE, Pools
+from cluster.wire.names import NAMESPACE
+from proxy.pools import Pools
 from proxy.server import Proxy, ProxyConfig
 from proxy.tokenization import PromptTokenizer
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.protocol import GenerateRequest
+from cluster.wire.messages import GenerateRequest
 from proxy.errors import (body_too_large, context_length_exceeded, invalid_json, invalid_request, json_type_name,
                           model_not_found, read_bool, read_float, read_int, read_str, type_error)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.protocol import Usage
+from cluster.wire.messages import Usage
 
 SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf, which JSON cannot carry

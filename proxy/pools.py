@@ -13,18 +13,10 @@ from typing import Any
 
 import ray
 
-from cluster.protocol import ActorStats
+from cluster.wire.messages import ActorStats
+from cluster.wire.names import MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
-NAMESPACE = "pdcluster"
-WORKER_PREFIX = "pdcluster-worker-"  # every prefill and decode actor: pdcluster-worker-<i> (roles can change)
-MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/pool_manager.py)
-
-
-def worker_names() -> list[str]:
-    """Every worker actor Ray knows in our namespace, by name (ask each for its role: it can change)."""
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a.get("namespace") == NAMESPACE and a["name"].startswith(WORKER_PREFIX))
 
 
 @dataclass

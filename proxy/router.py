@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from cluster.protocol import ActorStats
+from cluster.wire.messages import ActorStats
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.protocol import GenerateRequest, Usage
+from cluster.wire.messages import GenerateRequest, Usage
 from engine.block_hash import hash_full_blocks
 from proxy.admission import AdmissionConfig, estimate_blocks
 from proxy.errors import APIError, internal_error, service_unavailable, unauthorized
@@ -46,7 +46,7 @@ from proxy.openai_responses import (
 )
 from proxy.pools import ActorRef, Pools
 from proxy.router import Router, RouterConfig
-from proxy.token_stream import TokenStreamServer
+from cluster.wire.token_stream import TokenStreamServer
 from proxy.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 from http_util import post_chat  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
 
 def _waiting(url: str) -> int:

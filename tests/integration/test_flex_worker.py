@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.flex_worker import FlexWorker
-from cluster.protocol import GenerateRequest
-from cluster.worker_config import WorkerConfig
+from cluster.wire.messages import GenerateRequest
+from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
 
 CFG = WorkerConfig(num_kv_blocks=64)

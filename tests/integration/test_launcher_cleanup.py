@@ -7,7 +7,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
 
 def test_failed_start_stops_ray_and_names_the_cause(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [f"{q} Answer in one sentence." for q in

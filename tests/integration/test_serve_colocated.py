@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 from http_util import post_chat  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
-from cluster.worker_config import WorkerConfig  # noqa: E402
+from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]

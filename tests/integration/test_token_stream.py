@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 
-from proxy.token_stream import TokenStreamClient, TokenStreamServer
+from cluster.wire.token_stream import TokenStreamClient, TokenStreamServer
 
 
 def _push(address: str, n_requests: int, n_steps: int) -> None:

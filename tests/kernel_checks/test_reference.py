@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -121,3 +122,80 @@ def test_store_kv_quantized_refits_scales_and_zeroes_unwritten_slots() -> None:
     torch.testing.assert_close(back[1, :2], first, rtol=1 / 8, atol=big.abs().max().item() * 2**-9)
     kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([-1]))  # skipped: nothing changes
     assert torch.equal(kernels.dequantize_kv_fp8(kq, ks, torch.float32), back)
+
+
+def naive_prefill(q, k, v, start, scale, window=None):  # type: ignore[no-untyped-def]
+    """Dense causal softmax attention of one chunk (positions start..) over contiguous K/V [ctx, kv_heads, D]."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for i in range(q.shape[0]):
+        p = start + i
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(q.shape[1]):
+            w = torch.softmax((k[lo : p + 1, h // group] @ q[i, h]) * scale, dim=0)
+            out[i, h] = w @ v[lo : p + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("block_size,group,window", [(8, 1, None), (16, 4, None), (8, 2, 6), (16, 4, 1)])
+def test_prefill_attention_varlen_matches_dense_causal(block_size: int, group: int, window: int | None) -> None:
+    """Chunks of several sequences packed together, each after a cached prefix (none, aligned, not aligned)."""
+    torch.manual_seed(4)
+    kvh, hd = 2, 32
+    chunks = [(0, 7), (block_size, 5), (13, 0), (block_size + 3, 2 * block_size + 1)]  # (start_pos, chunk length)
+    width = max(-(-(s + n) // block_size) for s, n in chunks)
+    nb = len(chunks) * width + 3
+    kc, vc = torch.zeros(nb, block_size, kvh, hd), torch.zeros(nb, block_size, kvh, hd)
+    tables = torch.randperm(nb)[: len(chunks) * width].view(len(chunks), width).int()
+    seqs = []
+    for s, (start, n) in enumerate(chunks):  # the whole context, prefix and chunk, stored through the paged cache
+        k, v = torch.randn(start + n, kvh, hd), torch.randn(start + n, kvh, hd)
+        slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size for p in range(start + n)])
+        kernels.store_kv(k, v, kc, vc, slots)
+        seqs.append((k, v))
+    q = torch.randn(sum(n for _, n in chunks), kvh * group, hd)
+    cu = torch.tensor([0, *itertools.accumulate(n for _, n in chunks)], dtype=torch.int32)
+    starts = torch.tensor([s for s, _ in chunks], dtype=torch.int32)
+    got = kernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, 0.3, window)
+    want = torch.cat([naive_prefill(q[cu[s] : cu[s + 1]], k, v, chunks[s][0], 0.3, window)
+                      for s, (k, v) in enumerate(seqs)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_zero_length_rows_give_zeros() -> None:
+    """CUDA-graph padding rows (seq_len 0) attend to nothing: zeros, never NaN, also when every row is padding."""
+    torch.manual_seed(5)
+    kc, vc = torch.randn(6, 8, 2, 16), torch.randn(6, 8, 2, 16)
+    tables = torch.tensor([[1, 2], [0, 0], [3, 4]], dtype=torch.int32)
+    q = torch.randn(3, 4, 16)
+    out = kernels.paged_decode_attention(q, kc, vc, tables, torch.tensor([9, 0, 3], dtype=torch.int32), 0.25)
+    assert not out[1].any() and bool(out.isfinite().all()) and out[0].abs().sum() > 0
+    out = kernels.paged_decode_attention(q, kc, vc, tables, torch.zeros(3, dtype=torch.int32), 0.25)
+    assert not out.any()
+
+
+def test_decode_num_splits_fills_the_device_and_depends_on_shapes_only() -> None:
+    assert kernels.decode_num_splits(256, 8, 4096) == 1  # the batch already fills the device
+    assert kernels.decode_num_splits(1, 8, 4096) == 16  # 8 programs -> 16 splits of 256 tokens
+    assert kernels.decode_num_splits(4, 8, 4096) == 9
+    assert kernels.decode_num_splits(1, 8, 300) == 1  # too short to split
+    assert kernels.decode_num_splits(0, 8, 0) == 1
+
+
+def test_varlen_wrapper_names_the_bad_argument() -> None:
+    kc = torch.zeros(4, 8, 2, 16)
+    q = torch.zeros(5, 4, 16)
+    tables = torch.zeros(2, 2, dtype=torch.int32)
+    good = (torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
+    assert kernels.paged_prefill_attention_varlen(q, kc, kc, tables, *good, 1.0).shape == q.shape
+    for cu, starts, name in [((0, 2, 4), (0, 3), "cu_seqlens_q"), ((0, 2), (0, 3), "cu_seqlens_q"),
+                             ((0, 3, 2), (0, 3), "cu_seqlens_q"), ((0, 2, 5), (-1, 3), "start_pos"),
+                             ((0, 2, 5), (0, 14), "block_tables")]:
+        with pytest.raises(ValueError, match=name):
+            kernels.paged_prefill_attention_varlen(q, kc, kc, tables, torch.tensor(cu, dtype=torch.int32),
+                                                   torch.tensor(starts, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        kernels.paged_prefill_attention_varlen(q, kc, kc, tables, *good, 1.0, max_seqlen_q=2)
+    with pytest.raises(ValueError, match="num_splits"):
+        kernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, tables, torch.ones(2, dtype=torch.int32), 1.0,
+                                       num_splits=0)

@@ -1,5 +1,5 @@
 """OpenAI request parsing, error mapping, response/SSE builders (checked through the official client), and the wire
-messages of ``cluster.protocol``. No torch, no HTTP server."""
+messages of ``cluster.wire.messages``. No torch, no HTTP server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from cluster.protocol import ActorStats, GenerateRequest, Reservation, TokenDelta, Usage
+from cluster.wire.messages import ActorStats, GenerateRequest, Reservation, TokenDelta, Usage
 from proxy import errors
 from proxy.errors import APIError
 from proxy.openai_protocol import (ChatCompletionRequest, CompletionRequest, ProtocolConfig, decode_body,
@@ -35,7 +35,7 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 def test_proxy_modules_do_not_import_torch() -> None:
     code = ("import proxy.openai_protocol, proxy.openai_responses, proxy.admission, proxy.router, proxy.errors, "
-            "proxy.gate, proxy.server, cluster.protocol, sys; "
+            "proxy.gate, proxy.server, cluster.wire.messages, sys; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
@@ -360,7 +360,7 @@ def test_builders_refuse_non_openai_values() -> None:
         sse_event({"x": float("nan")})
 
 
-# ---- cluster.protocol wire messages ----
+# ---- cluster.wire.messages wire messages ----
 
 def _wire(d: dict[str, Any]) -> Any:
     return msgpack.unpackb(msgpack.packb(d))

@@ -32,5 +32,5 @@ def test_matches_transformers(which: str, tiny_tokenizer_dir) -> None:  # type: 
 
 
 def test_no_torch_import() -> None:
-    code = "import proxy.tokenization, proxy.token_stream, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import proxy.tokenization, cluster.wire.token_stream, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

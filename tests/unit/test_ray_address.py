@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.ray_address import host_port, wait_reachable
+from cluster.wire.ray_address import host_port, wait_reachable
 
 
 def _closed_port() -> int:

@@ -1,0 +1,7 @@
+"""The wire floor: what crosses process boundaries, torch-free, imported by both the proxy and the actors.
+
+``messages`` (typed, versioned messages: requests, reservations, prefill results, token deltas, stats, aborts),
+``names`` (Ray namespace and actor names), ``token_stream`` (token deltas from decode actors to proxies over pyzmq),
+``worker_config`` (settings every worker shares) and ``ray_address`` (joining a Ray cluster). Nothing in ``cluster/``
+imports ``proxy/`` or the other way round except through this package.
+"""
