@@ -382,7 +382,8 @@ def _store_fp8_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr
     """One program per (token, kv head). Of the tokens writing a block, only the one at its highest offset (its
     leader) works: it rebuilds that block's head from the old values, the new rows of every token writing the block
     (found through ``writer``, each entry verified against ``slot_mapping``, so the map needs no clearing) and zeros
-    after its own offset, and re-quantizes it. Every other program only reads the block's ``writer`` entries."""
+    after its own offset, and re-quantizes it. Every other program only reads the block's ``writer`` entries.
+    (A branch, not an early return: both compile on every Triton version we support.)"""
     tok = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -399,17 +400,17 @@ def _store_fp8_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr
     written = w_ok & (tl.load(slot_ptr + w, mask=w_ok, other=-1).to(tl.int64) == blk * BLOCK_SIZE + j)
     later = tl.sum((written & (j > off)).to(tl.int32), axis=0)
     mine = tl.sum((written & (j == off) & (w == tok)).to(tl.int32), axis=0)
-    leader = live & (later == 0) & (mine == 1)
-    tile_ok = (j_ok & leader)[:, None] & (d < HEAD_DIM)[None, :]
-    keep = j <= off
-    ks_off = blk * stride_ksb + h * stride_ksh
-    vs_off = blk * stride_vsb + h * stride_vsh
-    s_k = _requantize_rows(key_ptr, stride_kt, stride_kh, k_ptr, ks_ptr, blk * stride_kb, ks_off, w, written, keep,
-                           tile_ok, h, j, d, stride_ct, HEAD_DIM)
-    s_v = _requantize_rows(value_ptr, stride_vt, stride_vh, v_ptr, vs_ptr, blk * stride_vb, vs_off, w, written, keep,
-                           tile_ok, h, j, d, stride_ct, HEAD_DIM)
-    tl.store(ks_ptr + ks_off, s_k, mask=leader)
-    tl.store(vs_ptr + vs_off, s_v, mask=leader)
+    if live & (later == 0) & (mine == 1):  # the leader
+        tile_ok = j_ok[:, None] & (d < HEAD_DIM)[None, :]
+        keep = j <= off
+        ks_off = blk * stride_ksb + h * stride_ksh
+        vs_off = blk * stride_vsb + h * stride_vsh
+        s_k = _requantize_rows(key_ptr, stride_kt, stride_kh, k_ptr, ks_ptr, blk * stride_kb, ks_off, w, written,
+                               keep, tile_ok, h, j, d, stride_ct, HEAD_DIM)
+        s_v = _requantize_rows(value_ptr, stride_vt, stride_vh, v_ptr, vs_ptr, blk * stride_vb, vs_off, w, written,
+                               keep, tile_ok, h, j, d, stride_ct, HEAD_DIM)
+        tl.store(ks_ptr + ks_off, s_k)
+        tl.store(vs_ptr + vs_off, s_v)
 
 
 def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
