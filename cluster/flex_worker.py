@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
 
 ROLES = ("prefill", "decode")
@@ -29,6 +30,7 @@ class FlexWorker:
         self.config, self.kv = config, kv
         self.on_transfer_failure, self.corrupt_every = on_transfer_failure, corrupt_every
         self._flip_lock = threading.Lock()
+        self.node_ip = node_ip()  # this actor's node, wherever Ray placed it (what ops look at first)
         self.flips = 0
         self.role = role
         self.impl: Any = self._make(role, None)
@@ -68,37 +70,37 @@ class FlexWorker:
 
     # -- both roles ----------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return {**self.impl.info(), "role": self.role}
+        return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip}
 
     def stats(self) -> dict[str, Any]:
-        return {**self.impl.stats(), "role": self.role, "flips": self.flips}
+        return {**self.impl.stats(), "role": self.role, "flips": self.flips, "node_ip": self.node_ip}
 
     def drain(self) -> None:
         self.impl.drain()
 
-    def abort(self, request_id: str) -> Any:
-        return self.impl.abort(request_id)
+    def abort(self, request_id: str) -> bool:
+        """Mutates: stop a request (reserved, prefilling or decoding) and free its blocks. Whether it was known."""
+        return bool(self.impl.abort(request_id))
 
     def shutdown(self) -> None:
         self.impl.shutdown()
 
     # -- decode --------------------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_blocks: int, ttl_s: float | None = None) -> dict[str, Any] | None:
-        """None (no room here) when this actor is not a decode worker now: the proxy tries another."""
+    def reserve(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """A :class:`~cluster.wire.messages.ReserveRequest` -> its ``ReserveGrant`` (wire forms), or None (no room
+        here; also when this actor is not a decode worker now: the proxy tries another)."""
         if self.role != "decode":
             return None
-        return self.impl.reserve(request_id, num_blocks, ttl_s)
+        return self.impl.reserve(message)
 
-    def start_colocated(self, request: dict[str, Any], reservation_id: str) -> None:
-        self._as("decode").start_colocated(request, reservation_id)
-
-    def start_prefilled(self, request: dict[str, Any], reservation_id: str, first: dict[str, Any],
-                        wait_s: float = 30.0) -> str:
-        return self._as("decode").start_prefilled(request, reservation_id, first, wait_s)
+    def prefilled(self, message: dict[str, Any]) -> None:
+        """A :class:`~cluster.wire.messages.PrefillResult` for a request this decode actor reserved."""
+        self._as("decode").prefilled(message)
 
     def check_integrity(self) -> dict[str, int]:
         return self._as("decode").check_integrity()
 
     # -- prefill -------------------------------------------------------------------------------------------------
-    def prefill(self, request: dict[str, Any], reservation: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
-        return self._as("prefill").prefill(request, reservation, timeout_s)
+    def prefill(self, message: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+        """A :class:`~cluster.wire.messages.PrefillRequest` -> its ``PrefillResult`` (wire forms)."""
+        return self._as("prefill").prefill(message, timeout_s)

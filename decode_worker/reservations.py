@@ -1,6 +1,8 @@
 """KV block reservations on a decode actor: reserve before prefill, commit when the KV has arrived, release on abort.
 
-Pure bookkeeping: no I/O, no torch, no clock of its own (callers pass ``now``, any monotonic seconds).
+Pure bookkeeping: no I/O, no torch, no clock of its own (callers pass ``now``, any monotonic seconds). The records
+are :class:`~decode_worker.intake.IntakeRecord` (one per reservation, with its state); this manager indexes the
+pending ones and keeps the block accounting.
 
 Accounting. Every block of the wrapped :class:`~engine.block_pool.BlockPool` is in exactly one bucket:
 
@@ -19,24 +21,10 @@ from __future__ import annotations
 import heapq
 import math
 import uuid
-from dataclasses import dataclass, replace
+from typing import Any
 
+from decode_worker.intake import IntakeRecord, IntakeState
 from engine.block_pool import Block, BlockPool
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """A promise of blocks to one request, until it is committed, released or expires."""
-
-    reservation_id: str  # unique per manager; every KV transfer message names it
-    request_id: str  # the request the blocks are for (at most one pending reservation per request)
-    block_ids: tuple[int, ...]  # physical ids in block-table order: logical block i of the request -> block_ids[i]
-    expires_at: float  # in the caller's clock; from then on, an uncommitted reservation is released by expire()
-    ttl_s: float  # the lease length asked for; touch() extends by it unless told otherwise
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
 
 
 def _check_time(name: str, value: float) -> None:
@@ -49,18 +37,18 @@ class ReservationManager:
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self._by_id: dict[str, Reservation] = {}
+        self._by_id: dict[str, IntakeRecord] = {}
         self._by_request: dict[str, str] = {}  # request id -> reservation id
         self._expiry_heap: list[tuple[float, int, str]] = []  # (expires_at, tiebreak, id); stale entries skipped
         self._heap_seq = 0
         self._num_reserved = 0
 
     # -- queries (pure) ---------------------------------------------------------------------------------------
-    def get(self, reservation_id: str) -> Reservation | None:
+    def get(self, reservation_id: str) -> IntakeRecord | None:
         """The pending reservation with this id, or None (unknown, committed, released or expired). Pure."""
         return self._by_id.get(reservation_id)
 
-    def find_by_request(self, request_id: str) -> Reservation | None:
+    def find_by_request(self, request_id: str) -> IntakeRecord | None:
         """The pending reservation of ``request_id``, or None. Pure."""
         rid = self._by_request.get(request_id)
         return None if rid is None else self._by_id[rid]
@@ -69,7 +57,7 @@ class ReservationManager:
         """Whether ``reserve`` of ``num_blocks`` would find enough blocks now. Pure."""
         return 0 < num_blocks <= self.pool.num_available
 
-    def pending(self) -> list[Reservation]:
+    def pending(self) -> list[IntakeRecord]:
         """All pending reservations, oldest expiry first. Pure."""
         return sorted(self._by_id.values(), key=lambda r: r.expires_at)
 
@@ -80,8 +68,10 @@ class ReservationManager:
         return {"free": free, "reserved": self._num_reserved, "used": total - free - self._num_reserved, "total": total}
 
     # -- mutations --------------------------------------------------------------------------------------------
-    def reserve(self, request_id: str, num_blocks: int, ttl_s: float, now: float) -> Reservation | None:
-        """Mutates: take ``num_blocks`` blocks for ``request_id`` until ``now + ttl_s``.
+    def reserve(self, request_id: str, num_blocks: int, ttl_s: float, now: float, prompt_len: int = 1,
+                num_layers: int = 1, request: Any = None) -> IntakeRecord | None:
+        """Mutates: take ``num_blocks`` blocks for ``request_id`` until ``now + ttl_s``; the record expects K/V for
+        ``prompt_len`` tokens in each of ``num_layers`` layers and serves ``request``.
 
         Returns None, changing nothing, when fewer than ``num_blocks`` blocks are available. Raises ``ValueError`` on
         bad arguments or when ``request_id`` already has a pending reservation.
@@ -99,12 +89,15 @@ class ReservationManager:
         if num_blocks > self.pool.num_available:
             return None
         blocks = self.pool.allocate(num_blocks)  # evicts cached prefix blocks if it must; each gets ref_cnt 1
-        reservation = Reservation(
+        reservation = IntakeRecord(
             reservation_id=f"rsv-{uuid.uuid4().hex}",  # random, so a stale message never matches a later reservation
             request_id=request_id,
             block_ids=tuple(b.block_id for b in blocks),
             expires_at=float(now) + float(ttl_s),
             ttl_s=float(ttl_s),
+            prompt_len=prompt_len,
+            num_layers=num_layers,
+            request=request,
         )
         self._by_id[reservation.reservation_id] = reservation
         self._by_request[request_id] = reservation.reservation_id
@@ -112,7 +105,7 @@ class ReservationManager:
         self._push_expiry(reservation)
         return reservation
 
-    def touch(self, reservation_id: str, now: float, ttl_s: float | None = None) -> Reservation:
+    def touch(self, reservation_id: str, now: float, ttl_s: float | None = None) -> IntakeRecord:
         """Mutates: push a pending reservation's expiry to ``now + ttl_s`` (never earlier), e.g. when KV arrives.
 
         ``ttl_s`` defaults to the reservation's own. Returns the updated reservation. Raises ``KeyError`` if it is
@@ -124,48 +117,54 @@ class ReservationManager:
         _check_time("ttl_s", ttl)
         if ttl <= 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl}")
-        updated = replace(old, expires_at=max(old.expires_at, float(now) + float(ttl)))
-        self._by_id[reservation_id] = updated
-        if updated.expires_at != old.expires_at:
-            self._push_expiry(updated)
-        return updated
+        new_expiry = max(old.expires_at, float(now) + float(ttl))
+        if new_expiry != old.expires_at:
+            old.expires_at = new_expiry
+            self._push_expiry(old)
+        return old
 
     def commit(self, reservation_id: str) -> tuple[int, ...]:
-        """Mutates: hand a pending reservation's blocks to a running sequence (reserved -> used).
+        """Mutates: hand a pending reservation's blocks to a running sequence (reserved -> used); the record moves to
+        RUNNING.
 
         Returns the block ids; the caller's sequence now holds their references and frees them through the pool
         (e.g. ``KVCacheManager.free``). Raises ``KeyError`` if the reservation is not pending.
         """
         reservation = self._pop_pending(reservation_id, "commit", remove=True)
+        reservation.advance(IntakeState.RUNNING)
         return reservation.block_ids
 
-    def release(self, reservation_id: str) -> tuple[int, ...]:
-        """Mutates: abort a pending reservation; its blocks go back to the free list at once.
+    def release(self, reservation_id: str, state: IntakeState = IntakeState.ABORTED, why: str | None = None
+                ) -> tuple[int, ...]:
+        """Mutates: end a pending reservation in ``state`` (ABORTED or EXPIRED); its blocks go back to the free list
+        at once.
 
         Returns the freed block ids. Raises ``KeyError`` if the reservation is not pending (already released,
         committed, expired or never made).
         """
         reservation = self._pop_pending(reservation_id, "release", remove=True)
+        reservation.advance(state, why)
         # reversed, like KVCacheManager.free, so the free list's LRU order mirrors the block table's
         self.pool.free(self.pool.blocks[i] for i in reversed(reservation.block_ids))
         return reservation.block_ids
 
-    def expire(self, now: float) -> list[str]:
-        """Mutates: release every pending reservation with ``expires_at <= now``; returns their ids, oldest first."""
+    def expire(self, now: float) -> list[IntakeRecord]:
+        """Mutates: release every pending reservation with ``expires_at <= now`` (EXPIRED); returns their records,
+        oldest first."""
         _check_time("now", now)
-        expired: list[str] = []
+        expired: list[IntakeRecord] = []
         heap = self._expiry_heap
         while heap and heap[0][0] <= now:
             expires_at, _, rid = heapq.heappop(heap)
             current = self._by_id.get(rid)
             if current is None or current.expires_at != expires_at:
                 continue  # stale: committed, released, or touched to a later expiry
-            self.release(rid)
-            expired.append(rid)
+            self.release(rid, IntakeState.EXPIRED, "no KV arrived within the reservation's lease")
+            expired.append(current)
         return expired
 
     # -- internals --------------------------------------------------------------------------------------------
-    def _push_expiry(self, reservation: Reservation) -> None:
+    def _push_expiry(self, reservation: IntakeRecord) -> None:
         """Mutates the expiry heap (lazy deletion: old entries stay until popped)."""
         self._heap_seq += 1
         heapq.heappush(self._expiry_heap, (reservation.expires_at, self._heap_seq, reservation.reservation_id))
@@ -173,7 +172,7 @@ class ReservationManager:
             self._expiry_heap = [(r.expires_at, i, r.reservation_id) for i, r in enumerate(self._by_id.values())]
             heapq.heapify(self._expiry_heap)
 
-    def _pop_pending(self, reservation_id: str, verb: str, remove: bool) -> Reservation:
+    def _pop_pending(self, reservation_id: str, verb: str, remove: bool) -> IntakeRecord:
         """Mutates when ``remove``: look up (and forget) a pending reservation, or raise ``KeyError``."""
         reservation = self._by_id.get(reservation_id)
         if reservation is None:

@@ -1,272 +1,293 @@
-"""The decode worker: an engine, its reservations and a loop thread that steps it and streams tokens.
+"""The decode role: the owner of every request it reserved, from ``reserve`` to its last token.
 
-Ray-agnostic: :mod:`cluster.launcher` wraps :class:`DecodeWorker` in ``ray.remote`` (a threaded actor, so that
-``reserve`` / ``abort`` / ``stats`` run while the loop thread decodes). All engine access holds one lock.
+It holds one :class:`~decode_worker.intake.IntakeRecord` per request (blocks, expected K/V parts, lease, state), joins
+a request to the running batch once its K/V is complete and the prefill actor's first tokens are here (or recomputes
+the prompt when a part failed), runs continuous batching, and is the only place where a request's text, stops, finish
+and usage are decided: its one detokenizer makes every :class:`~cluster.wire.messages.TokenDelta`, the first token's
+text included. Deltas leave through a :class:`~cluster.wire.token_stream.TokenSender`, never blocking a step.
+
+Ray-agnostic (:class:`cluster.flex_worker.FlexWorker` hosts it). Threads: the engine loop (owns the engine, the
+records and the trackers), the KV receiver (installs parts into pending records under ``_intake_lock``) and the token
+sender's. Ray calls post to the loop (:mod:`cluster.engine_loop`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.wire.messages import GenerateRequest, Reservation
+from cluster.engine_loop import EngineLoop
+from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
+from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
+from decode_worker.deltas import DeltaTracker
+from decode_worker.intake import IntakeRecord, IntakeState
+from decode_worker.kv_receiver import TAKES_PARTS
 from decode_worker.reservations import ReservationManager
 from kv_transfer.config import KVTransferConfig
-from cluster.wire.token_stream import TokenStreamClient
 
 log = logging.getLogger(__name__)
+S = IntakeState
 
 
-@dataclass
-class _Live:
-    request: GenerateRequest
-    sent_tokens: dict[int, int] = field(default_factory=dict)  # completion index -> tokens already streamed
-    sent_chars: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)  # completions whose finish has been streamed
+class DecodeWorker(EngineLoop):
+    """Mutating methods say so. ``actor_id`` names this worker in grants and stats."""
 
-
-class DecodeWorker:
-    """Mutating methods say so. ``actor_id`` names this worker in reservations and stats."""
+    role = "decode"
 
     def __init__(self, actor_id: str, config: WorkerConfig, kv: KVTransferConfig | None = None,
                  on_transfer_failure: str = "recompute", engine: Any = None) -> None:
-        """``engine``: an idle ``LLMEngine`` for ``config`` to reuse (a role flip keeps the weights); None loads one."""
+        """``engine``: an idle ``LLMEngine`` for ``config`` to reuse (a role flip keeps the weights); None loads one.
+        ``on_transfer_failure``: what a request whose K/V failed to arrive does: ``recompute`` its prompt here, or
+        ``fail`` (the client gets the error)."""
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
-        self.actor_id = actor_id
-        self.config = config
-        self.engine = engine if engine is not None else LLMEngine(EngineConfig(**config.engine_kwargs()))
-        self.reservations = ReservationManager(self.engine.kv.pool)
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._live: dict[str, _Live] = {}
-        self.draining = False  # set by drain(): no new reservations; in-flight requests finish
-        self._renew: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._stream = TokenStreamClient()
-        self.tokens_generated = 0
-        self._started = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name=f"decode-{actor_id}", daemon=True)
-        self._thread.start()
         if on_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {on_transfer_failure!r}")
+        super().__init__(actor_id, engine if engine is not None else LLMEngine(EngineConfig(**config.engine_kwargs())))
+        self.config = config
         self.on_transfer_failure = on_transfer_failure
+        self.reservations = ReservationManager(self.engine.kv.pool)
+        self._intake_lock = threading.Lock()  # pending records: the loop and the KV receiver
+        self._records: dict[str, IntakeRecord] = {}  # request id -> its one record, reserve to end (loop thread)
+        self._trackers: dict[str, DeltaTracker] = {}
+        self._outbox: dict[str, list[TokenDelta]] = {}  # proxy address -> this step's deltas
+        self._sender = TokenSender(on_stalled=self._proxy_stalled)
+        self.tokens_generated = 0
+        self.proxy_stalls = 0
+        self.recomputes = 0  # requests whose K/V failed to arrive and whose prompt was computed here instead
+        self._started = time.monotonic()
         self.kv_endpoint = ""
         self.receiver = None
         if kv is not None:
             from decode_worker.kv_receiver import KVReceiver
 
-            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id), self._kv_arrived)
+            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id), self._intake_lock,
+                                       self.reservations.get, self._part_arrived)
             self.kv_endpoint = self.receiver.address
+        self._stats: dict[str, Any] = {}
+        self._publish_stats()
+        self._start_loop()
 
-    # -- control calls (from the proxy) ------------------------------------------------------------------------
+    # -- calls (from proxies, through Ray) --------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """Static facts the proxy needs: block size, context limit, KV capacity, model fingerprint. Pure."""
         e = self.engine
-        return {"actor_id": self.actor_id, "block_size": e.config.block_size, "max_model_len": e.max_model_len,
-                "total_blocks": e.kv.pool.num_blocks, "fingerprint": e.fingerprint, "model_path": str(e.model_path),
-                "vocab_size": e.model_config.vocab_size}
+        return {"actor_id": self.actor_id, "role": "decode", "block_size": e.config.block_size,
+                "max_model_len": e.max_model_len, "total_blocks": e.kv.pool.num_blocks, "fingerprint": e.fingerprint,
+                "model_path": str(e.model_path), "vocab_size": e.model_config.vocab_size,
+                "kv_address": self.kv_endpoint}
 
-    def reserve(self, request_id: str, num_blocks: int, ttl_s: float | None = None) -> dict[str, Any] | None:
-        """Mutates: hold ``num_blocks`` blocks for a request before its prefill; None if they are not free."""
-        ttl = ttl_s or self.config.reservation_ttl_s
-        with self._lock:
-            if self.draining:
-                return None
-            r = self.reservations.reserve(request_id, num_blocks, ttl, time.monotonic())
-        if r is None:
-            return None
-        if self.receiver is not None:
-            self.receiver.expect(r)
-        return Reservation(r.reservation_id, request_id, self.actor_id, r.block_ids, kv_endpoint=self.kv_endpoint,
-                           expires_at=time.time() + ttl).to_dict()
+    def reserve(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        """Mutates: hold blocks for a :class:`ReserveRequest` and own the request from now on; returns the
+        :class:`ReserveGrant` (wire form), or None when the blocks are not free (or this actor drains). Raises
+        ``ValueError`` for a request this engine can never run. A colocated request starts at once."""
+        msg = ReserveRequest.from_dict(message)
+        return self.call(lambda: self._reserve(msg))
 
-    def start_colocated(self, request: dict[str, Any], reservation_id: str) -> None:
-        """Mutates: prefill and decode ``request`` here, in the blocks of its reservation. Raises ``ValueError``
-        (releasing the reservation) if the request is invalid or the reservation is gone."""
-        from engine.sampling_params import SamplingParams
-
-        req = GenerateRequest.from_dict(request)
-        with self._lock:
-            res = self.reservations.get(reservation_id)
-            if res is None or res.request_id != req.request_id:
-                raise ValueError(f"reservation_id: {reservation_id!r} is not pending for {req.request_id!r}")
-            blocks = list(self.reservations.commit(reservation_id))
-            try:
-                self.engine.add_request(req.request_id, list(req.prompt_token_ids),
-                                        SamplingParams(**req.sampling_kwargs()), block_ids=blocks)
-            except ValueError:
-                self._free(blocks)
-                raise
-            self._live[req.request_id] = _Live(req)
-        self._wake.set()
-
-    def start_prefilled(self, request: dict[str, Any], reservation_id: str, first: dict[str, Any],
-                        wait_s: float = 30.0) -> str:
-        """Mutates: join a request prefilled elsewhere once all its K/V parts have arrived and passed their checks.
-
-        ``first`` is the prefill's result (first token, its text and logprobs). If the K/V does not arrive intact in
-        ``wait_s`` the policy decides: ``recompute`` the prompt here (the default) or ``fail`` (raise). Returns
-        ``"transferred"`` or ``"recomputed"``.
-        """
-        from engine.sampling_params import SamplingParams
-
-        req = GenerateRequest.from_dict(request)
-        if self.receiver is None:
-            raise RuntimeError("this decode actor has no KV transfer backend (colocated mode)")
-        self.receiver.set_prompt_len(reservation_id, len(req.prompt_token_ids))
-        ok = self.receiver.wait_complete(reservation_id, wait_s)
-        params = SamplingParams(**req.sampling_kwargs())
-        lps = {int(t): float(lp) for t, lp in first["logprobs"]} if first.get("logprobs") else None
-        with self._lock:
-            self.receiver.forget(reservation_id)
-            res = self.reservations.get(reservation_id)
-            if res is None or res.request_id != req.request_id:
-                raise ValueError(f"reservation_id: {reservation_id!r} is not pending for {req.request_id!r}")
-            if not ok and self.on_transfer_failure == "fail":
-                self.reservations.release(reservation_id)
-                raise RuntimeError(f"KV transfer for {req.request_id} failed or timed out")
-            blocks = list(self.reservations.commit(reservation_id))
-            try:
-                if ok:
-                    out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
-                                                            int(first["token_id"]), blocks, lps)
-                    finished = out.finished
-                else:
-                    self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
-                                            output_prefix=[int(first["token_id"])],
-                                            prefix_logprobs=[lps] if lps is not None else None)
-                    finished = False
-            except ValueError:
-                self._free(blocks)
-                raise
-            if not finished:  # the proxy already streamed the first token
-                self._live[req.request_id] = _Live(req, {0: 1}, {0: len(first.get("text", ""))})
-        self._wake.set()
-        return "transferred" if ok else "recomputed"
-
-    def _free(self, blocks: list[int]) -> None:
-        """Mutates: return committed blocks whose request was refused (the caller holds the lock)."""
-        self.engine.kv.pool.free(self.engine.kv.pool.blocks[b] for b in blocks)
-
-    def _kv_arrived(self, reservation_id: str) -> None:
-        """KV is flowing for this reservation: it is not orphaned. The loop thread renews it before it next expires
-        anything (queued, so the receiver never waits for a decode step)."""
-        self._renew.put(reservation_id)
+    def prefilled(self, message: dict[str, Any]) -> None:
+        """Mutates: a prefill actor's :class:`PrefillResult` for a reserved request; the loop joins the request to the
+        batch once its K/V is complete (or recomputes). Returns at once."""
+        result = PrefillResult.from_dict(message)
+        self.post(lambda: self._prefilled(result))
 
     def abort(self, request_id: str) -> bool:
-        """Mutates: stop a request and free its blocks now, or release its reservation. Whether it was known."""
-        with self._lock:
-            res = self.reservations.find_by_request(request_id)
-            if res is not None:
-                if self.receiver is not None:
-                    self.receiver.forget(res.reservation_id)
-                self.reservations.release(res.reservation_id)
-            known = self._live.pop(request_id, None) is not None
-            self.engine.abort_request(request_id)
-        return known or res is not None
-
-    def drain(self) -> None:
-        """Mutates: take no new reservations from now on; requests already reserved or running finish."""
-        with self._lock:
-            self.draining = True
+        """Mutates: stop a request now and free its blocks (reserved or in use). Whether it was known."""
+        return self.call(lambda: self._abort(request_id, "aborted by the proxy"))
 
     def stats(self) -> dict[str, Any]:
-        """Block counts, queue lengths and the token rate since start. Pure."""
-        with self._lock:
-            c = self.reservations.counts()
-            sched = self.engine.scheduler
-            rx = self.receiver.stats() if self.receiver is not None else {}
-            return {"actor_id": self.actor_id, "role": "decode", "alive": True, "kv": c, **rx,
-                    "draining": self.draining, "idle": self._idle(),
-                    "running": len(sched.running), "waiting": len(sched.waiting),
-                    "tokens_generated": self.tokens_generated,
-                    "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started)}
-
-    def _idle(self) -> bool:
-        """No request running, waiting or streaming and no reservation pending (the caller holds the lock)."""
-        return not self._live and not self.reservations.counts()["reserved"] and not self.engine.has_unfinished_requests()
+        """The latest numbers the loop published (never waits for a step). Pure."""
+        return dict(self._stats)
 
     def check_integrity(self) -> dict[str, int]:
         """Raise ``AssertionError`` unless free + reserved + used == total and every refcount has a holder."""
-        with self._lock:
-            self.reservations.check_integrity()
-            held = {b: 1 for r in self.reservations.pending() for b in r.block_ids}
-            self.engine.scheduler.check_integrity(held)
-            return self.reservations.counts()
+        def check() -> dict[str, int]:
+            with self._intake_lock:
+                self.reservations.check_integrity()
+                held = {b: 1 for r in self.reservations.pending() for b in r.block_ids}
+                self.engine.scheduler.check_integrity(held)
+                return self.reservations.counts()
 
-    def shutdown(self) -> None:
-        """Mutates: stop the loop thread and close sockets."""
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=10)
-        self._stream.close()
+        return self.call(check)
+
+    # -- the loop's own work ----------------------------------------------------------------------------------------
+    def _reserve(self, msg: ReserveRequest) -> dict[str, Any] | None:
+        from engine.sampling_params import SamplingParams
+
+        if self.draining:
+            return None
+        req = msg.request
+        if req.request_id in self._records:
+            raise ValueError(f"request_id: {req.request_id!r} is already reserved here")
+        self.engine.validate(list(req.prompt_token_ids), SamplingParams(**req.sampling_kwargs()))
+        ttl = msg.ttl_s or self.config.reservation_ttl_s
+        with self._intake_lock:
+            rec = self.reservations.reserve(req.request_id, msg.num_blocks, ttl, time.monotonic(),
+                                            len(req.prompt_token_ids), self.engine.model_config.num_layers, req)
+        if rec is None:
+            return None
+        self._records[req.request_id] = rec
+        self._trackers[req.request_id] = DeltaTracker(req.request_id, len(req.prompt_token_ids))
+        log.info("reserve %s (trace %s): %d blocks, %s", req.request_id, req.trace_id, rec.num_blocks,
+                 "colocated" if msg.colocated else "awaiting KV")
+        if msg.colocated:
+            with self._intake_lock:
+                self._start(rec, None)
+        return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
+                            ttl).to_dict()
+
+    def _prefilled(self, result: PrefillResult) -> None:
+        rec = self._records.get(result.request_id)
+        if rec is None or rec.reservation_id != result.reservation_id:
+            log.info("prefill result for %s dropped: no such reservation here (aborted or expired)", result.request_id)
+            return
+        tracker = self._trackers[result.request_id]
+        tracker.cached_tokens = result.cached_tokens
+        with self._intake_lock:
+            rec.result = result
+            if rec.state in TAKES_PARTS and result.failed_parts:
+                rec.advance(S.FAILED, f"{len(result.failed_parts)} KV parts failed: {result.failed_parts[0]}")
+            elif rec.state in TAKES_PARTS:  # the sender is done: what is missing now has little time left
+                self.reservations.touch(rec.reservation_id, time.monotonic(), self.config.kv_wait_s)
+
+    def _part_arrived(self, rec: IntakeRecord) -> None:
+        """KV receiver thread, under the intake lock: K/V is flowing, the reservation is not orphaned."""
+        self.reservations.touch(rec.reservation_id, time.monotonic())
+
+    def _intake(self) -> None:
+        """Join what is complete, recompute what failed, expire what waited too long (loop thread)."""
+        now = time.monotonic()
+        with self._intake_lock:
+            for rec in self.reservations.pending():
+                late = rec.result is not None and rec.state in TAKES_PARTS and rec.expires_at <= now
+                if late:
+                    rec.advance(S.FAILED, f"KV incomplete (layers {rec.missing_layers()[:4]}...) "
+                                          f"{self.config.kv_wait_s}s after the prefill finished")
+                if rec.ready_to_join():
+                    self._start(rec, rec.result)
+                elif rec.ready_to_recompute():
+                    if self.on_transfer_failure == "fail":
+                        self.reservations.release(rec.reservation_id, S.ABORTED, rec.failure)
+                        self._fail(rec, f"KV transfer failed: {rec.failure}")
+                    else:
+                        log.warning("%s: recomputing the prompt here: %s", rec.request_id, rec.failure)
+                        self.recomputes += 1
+                        self._start(rec, rec.result, recompute=True)
+            for rec in self.reservations.expire(now):
+                self._fail(rec, f"no KV arrived within the reservation's lease ({rec.ttl_s:.0f}s)")
+
+    def _start(self, rec: IntakeRecord, result: PrefillResult | None, recompute: bool = False) -> None:
+        """Commit ``rec``'s blocks to the engine (caller holds the intake lock): computed here (colocated, or a
+        recompute with the prefill's seed, so the same first tokens come out), or joined with the prefill's first
+        tokens over the received K/V."""
+        from engine.sampling_params import SamplingParams
+
+        req: GenerateRequest = rec.request
+        kwargs = req.sampling_kwargs()
+        if result is not None:
+            kwargs["seed"] = result.seed  # keep drawing from the stream the prefill actor started
+        params = SamplingParams(**kwargs)
+        blocks = list(self.reservations.commit(rec.reservation_id))
+        try:
+            if result is None or recompute:
+                self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks)
+            else:
+                lps = None if result.first_logprobs is None else [dict(p) for p in result.first_logprobs]
+                out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
+                                                        list(result.first_token_ids), blocks, lps)
+                self._emit(out)
+        except ValueError as e:
+            self.engine.kv.pool.free(self.engine.kv.pool.blocks[b] for b in blocks)
+            rec.advance(S.ABORTED, str(e))
+            self._fail(rec, f"the decode actor refused the request: {e}")
+
+    def _abort(self, request_id: str, why: str) -> bool:
+        rec = self._records.pop(request_id, None)
+        self._trackers.pop(request_id, None)
+        if rec is None:
+            return False
+        with self._intake_lock:
+            if rec.pending:
+                self.reservations.release(rec.reservation_id, S.ABORTED, why)
+        if not rec.final:
+            self.engine.abort_request(request_id)
+            rec.advance(S.ABORTED, why)
+        return True
+
+    def _fail(self, rec: IntakeRecord, error: str) -> None:
+        """The request ends with ``error`` for its client (its record is already final)."""
+        log.warning("%s failed: %s", rec.request_id, error)
+        self._records.pop(rec.request_id, None)
+        tracker = self._trackers.pop(rec.request_id, None)
+        if tracker is not None:
+            self._queue(rec.request.reply_to, tracker.failure(error, rec.request.n))
+
+    def _proxy_stalled(self, address: str) -> None:
+        """The token sender gave up on a proxy: abort its requests and free their blocks (sender thread)."""
+        self.proxy_stalls += 1
+
+        def abort_all() -> None:
+            for rid in [r for r, rec in self._records.items() if rec.request.reply_to == address]:
+                self._abort(rid, f"proxy {address} stopped reading tokens")
+
+        self.post(abort_all)
+
+    def _step(self) -> bool:
+        self._intake()
+        busy = self.engine.has_unfinished_requests()
+        if busy:
+            for out in self.engine.step():
+                self._emit(out)
+            for rid in self.engine.last_preempted:
+                rec = self._records.get(rid)
+                if rec is not None and rec.state is S.RUNNING:
+                    rec.advance(S.PREEMPTED)
+        for address, deltas in self._outbox.items():
+            self._sender.send(address, deltas)
+        self._outbox = {}
+        self._publish_stats()
+        return busy
+
+    def _emit(self, out: Any) -> None:
+        rec = self._records.get(out.request_id)
+        tracker = self._trackers.get(out.request_id)
+        if rec is None or tracker is None:
+            return
+        if rec.state is S.PREEMPTED:
+            rec.advance(S.RUNNING)
+        deltas = tracker.deltas(out)
+        self.tokens_generated += sum(len(d.token_ids) for d in deltas)
+        self._queue(rec.request.reply_to, deltas)
+        if out.finished:
+            rec.advance(S.DONE)
+            del self._records[out.request_id], self._trackers[out.request_id]
+
+    def _queue(self, address: str, deltas: list[TokenDelta]) -> None:
+        if deltas and address:  # no address: nobody reads this request's tokens (an in-process caller)
+            self._outbox.setdefault(address, []).extend(deltas)
+
+    def _idle(self) -> bool:
+        return not self._records and not self.reservations.counts()["reserved"] \
+            and not self.engine.has_unfinished_requests()
+
+    def _publish_stats(self) -> None:
+        sched = self.engine.scheduler
+        states: dict[str, int] = {}
+        for rec in self._records.values():
+            states[rec.state.value] = states.get(rec.state.value, 0) + 1
+        rx = self.receiver.stats() if self.receiver is not None else {}
+        self._stats = {
+            "actor_id": self.actor_id, "role": "decode", "alive": True, "kv": self.reservations.counts(), **rx,
+            "draining": self.draining, "idle": self._idle(), "running": len(sched.running),
+            "waiting": len(sched.waiting), "requests": states, "tokens_generated": self.tokens_generated,
+            "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started),
+            "proxy_stalls": self.proxy_stalls, "recomputes": self.recomputes, "kv_address": self.kv_endpoint}
+
+    def _close(self) -> None:
+        self._sender.close()
         if self.receiver is not None:
             self.receiver.close()
-
-    def release_engine(self) -> Any:
-        """Mutates: stop this role (loop thread, sockets, KV receiver) and hand over the engine, weights and prefix
-        cache intact. Raises ``RuntimeError`` unless drained and idle (no reservation, no request)."""
-        with self._lock:
-            if not self.draining or not self._idle():
-                raise RuntimeError(f"{self.actor_id}: drain it and let its requests finish first")
-        self.shutdown()
-        return self.engine
-
-    # -- the loop ----------------------------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            with self._lock:
-                now = time.monotonic()
-                while not self._renew.empty():
-                    rid = self._renew.get()
-                    if self.reservations.get(rid) is not None:
-                        self.reservations.touch(rid, now)
-                self.reservations.expire(now)
-                outs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                batches = self._deltas(outs)
-            for address, deltas in batches.items():
-                try:
-                    self._stream.send(address, deltas)
-                except Exception:  # a proxy that went away must not stop the others' tokens
-                    log.exception("token stream to %s failed", address)
-            if not outs:
-                self._wake.wait(0.01)
-                self._wake.clear()
-
-    def _deltas(self, outs: list[Any]) -> dict[str, list[dict[str, Any]]]:
-        batches: dict[str, list[dict[str, Any]]] = {}
-        for out in outs:
-            live = self._live.get(out.request_id)
-            if live is None:
-                continue
-            for c in out.outputs:
-                n0 = live.sent_tokens.get(c.index, 0)
-                t0 = live.sent_chars.get(c.index, 0)
-                new = c.token_ids[n0:]
-                if c.index in live.finished or (not new and c.finish_reason is None):
-                    continue
-                if c.finish_reason is not None:
-                    live.finished.add(c.index)
-                d: dict[str, Any] = {"request_id": out.request_id, "index": c.index, "token_ids": list(new),
-                                     "text": c.text[t0:], "finish_reason": c.finish_reason}
-                if c.logprobs is not None:
-                    d["logprobs"] = [sorted(lp.items()) for lp in c.logprobs[n0:]]
-                live.sent_tokens[c.index] = len(c.token_ids)
-                live.sent_chars[c.index] = len(c.text)
-                self.tokens_generated += len(new)
-                batches.setdefault(live.request.reply_to, []).append(d)
-            if out.finished and batches.get(live.request.reply_to):
-                batches[live.request.reply_to][-1]["usage"] = {
-                    "prompt_tokens": len(out.prompt_token_ids),
-                    "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
-                    "cached_tokens": out.num_cached_tokens}
-                del self._live[out.request_id]
-        return batches

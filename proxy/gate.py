@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.wire.messages import ActorStats
+from cluster.wire.messages import ActorStats, ReserveGrant, ReserveRequest
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject
 from proxy.errors import rate_limited
 from proxy.pools import ActorRef, Pools
@@ -64,11 +64,13 @@ class AdmissionGate:
         self.ctl.observe_release(n_blocks, self.clock())
         self._kick()
 
-    async def reserve(self, request_id: str, n_blocks: int) -> tuple[ActorRef, dict[str, Any]]:
-        """Blocks for a request on some decode actor: ``(actor, reservation)``. Waits in the queue if it must.
+    async def reserve(self, message: ReserveRequest) -> tuple[ActorRef, ReserveGrant]:
+        """Blocks for a request on some decode actor, which owns the request from then on: ``(actor, grant)``.
+        Waits in the queue if it must.
 
         Raises the controller's ``APIError`` (400 never fits, 429 queue full or timed out, 503 no decode actor).
         A cancelled caller leaves the queue."""
+        request_id, n_blocks = message.request.request_id, message.num_blocks
         deadline = self.clock() + self.config.queue_timeout_s
         while True:
             decision = self.ctl.submit(request_id, n_blocks, self._stats(), self.clock(), self._pending())
@@ -81,14 +83,17 @@ class AdmissionGate:
             assert isinstance(decision, Admit)
             actor = self.pools.decode.get(decision.actor_id)
             try:
-                res = None if actor is None else await self.pools.reserve(actor, request_id, n_blocks)
+                res = None if actor is None else await self.pools.reserve(actor, message.to_dict())
+            except ValueError:  # the actor refuses the request itself: it would fail anywhere
+                self._add(decision.actor_id, -n_blocks)
+                raise
             except asyncio.CancelledError:  # the client left while the actor was reserving: release it there
                 self._add(decision.actor_id, -n_blocks)
                 if actor is not None:
                     self._background(self.pools.abort(actor, request_id))
                 raise
             if actor is not None and res is not None:
-                return actor, res
+                return actor, ReserveGrant.from_dict(res)
             self._add(decision.actor_id, -n_blocks)
             self._full.add(decision.actor_id)  # stale stats: full to us until the next refresh
             if self.clock() >= deadline:  # refused after waiting its turn: do not start the wait over

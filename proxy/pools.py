@@ -102,26 +102,31 @@ class Pools:
         """Decode actors to route new requests to: alive and not draining. Pure."""
         return [a for a in self.decode.values() if a.alive and not (a.stats or {}).get("draining")]
 
-    async def reserve(self, actor: ActorRef, request_id: str, num_blocks: int) -> dict[str, Any] | None:
+    async def reserve(self, actor: ActorRef, message: dict[str, Any]) -> dict[str, Any] | None:
+        """A ``ReserveRequest`` (wire form) on ``actor``: its ``ReserveGrant``, or None (no room, or the actor is
+        gone). Raises ``ValueError`` when the actor refuses the request itself (it can never run there)."""
         try:
-            return await asyncio.wait_for(actor.handle.reserve.remote(request_id, num_blocks), self.call_timeout_s)
+            return await asyncio.wait_for(actor.handle.reserve.remote(message), self.call_timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ValueError):
+                raise ValueError(str(e.cause)) from None
+            log.exception("reserve on %s failed", actor.name)
+            return None
         except Exception:
             actor.alive = False
             log.exception("reserve on %s failed", actor.name)
             return None
 
-    async def start_colocated(self, actor: ActorRef, request: dict[str, Any], reservation_id: str) -> None:
-        await asyncio.wait_for(actor.handle.start_colocated.remote(request, reservation_id), self.call_timeout_s)
+    async def prefill_call(self, actor: ActorRef, message: dict[str, Any]) -> dict[str, Any]:
+        """A ``PrefillRequest`` (wire form) on a prefill actor -> its ``PrefillResult``."""
+        return await asyncio.wait_for(actor.handle.prefill.remote(message), self.prefill_timeout_s)
 
-    async def prefill_call(self, actor: ActorRef, request: dict[str, Any], reservation: dict[str, Any]) -> dict[str, Any]:
-        return await asyncio.wait_for(actor.handle.prefill.remote(request, reservation), self.prefill_timeout_s)
-
-    async def start_prefilled(self, actor: ActorRef, request: dict[str, Any], reservation_id: str,
-                              first: dict[str, Any]) -> str:
-        return await asyncio.wait_for(actor.handle.start_prefilled.remote(request, reservation_id, first),
-                                      self.call_timeout_s + 30)
+    async def prefilled(self, actor: ActorRef, message: dict[str, Any]) -> None:
+        """Hand a ``PrefillResult`` (wire form) to the decode actor that owns the request (it returns at once)."""
+        await asyncio.wait_for(actor.handle.prefilled.remote(message), self.call_timeout_s)
 
     async def abort(self, actor: ActorRef, request_id: str) -> None:
+        """Stop a request on ``actor`` (best effort: a dead actor holds nothing any more)."""
         try:
             await asyncio.wait_for(actor.handle.abort.remote(request_id), self.call_timeout_s)
         except Exception:

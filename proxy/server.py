@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP server (aiohttp). A thin shell: parsing, admission and responses live in pure modules.
 
-One request: parse -> tokenize -> per prompt and completion: reserve KV blocks on a decode actor (retrying until a
-bounded wait runs out, then 429) -> start -> stream the actor's token deltas back as SSE or one JSON body. A client
-that disconnects aborts its requests on the actors at once.
+One request: parse -> tokenize -> per prompt: reserve KV blocks on a decode actor, which owns the request from then on
+(waiting in the FIFO admission queue until a bounded wait runs out, then 429) -> in disaggregated mode a prefill actor
+computes the prompt into those blocks and its typed first tokens go to the owner -> relay the owner's token deltas as
+SSE or one JSON body. The proxy never decides text or "finished". A client that disconnects aborts its requests on
+the actors at once. ``X-Request-Id`` (the client's, or one made here) is logged at every hop and returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import logging
@@ -19,7 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.wire.messages import GenerateRequest, Usage
+from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest,
+                                   TokenDelta, Usage)
+from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
 from proxy.admission import AdmissionConfig, estimate_blocks
 from proxy.errors import APIError, internal_error, service_unavailable, unauthorized
@@ -37,16 +42,19 @@ from proxy.openai_protocol import (
 from proxy.openai_responses import (
     SSE_DONE,
     ChoiceOutput,
+    ChoiceStream,
     TokenLogprob,
     chat_chunk_body,
     chat_completion_body,
     completion_body,
     sse_event,
+    token_logprob,
+    total_usage,
     usage_chunk_body,
 )
+from proxy.jobs import Job
 from proxy.pools import ActorRef, Pools
 from proxy.router import Router, RouterConfig
-from cluster.wire.token_stream import TokenStreamServer
 from proxy.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -60,24 +68,6 @@ class ProxyConfig:
     queue_timeout_s: float = 10.0  # how long a request may wait (FIFO) for KV blocks before a 429
     max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
     refresh_interval_s: float = 1.0
-
-
-class _Sub:
-    """One (prompt, completion) of a client request: its actor, queue and accumulated output."""
-
-    def __init__(self, req: GenerateRequest, choice_index: int) -> None:
-        self.req = req
-        self.choice_index = choice_index
-        self.actor: ActorRef | None = None  # the decode actor
-        self.prefill: ActorRef | None = None  # the prefill actor, while it prefills (disaggregated mode)
-        self.queue: asyncio.Queue[dict[str, Any]] | None = None
-        self.text = ""
-        self.tokens: list[int] = []
-        self.logprobs: list[TokenLogprob] = []
-        self.finish: str | None = None
-        self.usage: dict[str, int] | None = None
-        self.prefill_cached_tokens = 0  # prompt tokens the prefill actor took from its prefix cache
-        self.blocks = 0  # KV blocks reserved for it on ``actor`` until it finishes or is aborted
 
 
 class Proxy:
@@ -193,36 +183,40 @@ class Proxy:
         return await self._handle(request, chat=True)
 
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """One client request: parse, then per prompt one decode actor reserves and owns it (one prefill actor computes
+        its prompt in disaggregated mode), then relay the owners' token deltas as SSE or one JSON body."""
         start = time.monotonic()
-        subs: list[_Sub] = []
+        trace = request.headers.get("X-Request-Id", "")[:128] or uuid.uuid4().hex
+        jobs: list[Job] = []
         try:
-            parsed, subs = self._parse(await request.read(), chat)
-            await asyncio.gather(*(self._admit(s) for s in subs))
+            parsed, jobs = self._parse(await request.read(), chat, trace)
+            log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
+            await asyncio.gather(*(self._admit(j) for j in jobs))
             if parsed.stream:
-                return await self._stream(request, parsed, subs, chat, start)  # counts its own status
-            resp = await self._collect(parsed, subs, chat, start)
+                return await self._stream(request, parsed, jobs, chat, start, trace)  # counts its own status
+            resp = await self._collect(parsed, jobs, chat, start, trace)
             self.metrics.request_done(200)
             return resp
         except APIError as e:
-            await self._abort(subs)
+            await self._abort(jobs)
             self.metrics.request_done(e.status)
-            return web.json_response(e.body(), status=e.status, headers=e.headers())
+            return web.json_response(e.body(), status=e.status, headers={**e.headers(), "X-Request-Id": trace})
         except (asyncio.CancelledError, ConnectionResetError):
-            await asyncio.shield(self._abort(subs))  # the client went away: free its blocks at once
+            await asyncio.shield(self._abort(jobs))  # the client went away: free its blocks at once
             self.metrics.request_done(499)
             raise
         except Exception:
-            log.exception("request failed")
-            await self._abort(subs)
+            log.exception("request %s failed", trace)
+            await self._abort(jobs)
             err = internal_error()
             self.metrics.request_done(500)
-            return web.json_response(err.body(), status=500)
+            return web.json_response(err.body(), status=500, headers={"X-Request-Id": trace})
         finally:
-            for s in subs:
-                self.stream.unsubscribe(s.req.request_id)
-                self._release(s)
+            for j in jobs:
+                self.stream.unsubscribe(j.req.request_id)
+                self._release(j)
 
-    def _parse(self, raw: bytes, chat: bool) -> tuple[ChatCompletionRequest | CompletionRequest, list[_Sub]]:
+    def _parse(self, raw: bytes, chat: bool, trace: str) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
         parsed: ChatCompletionRequest | CompletionRequest
         if chat:
@@ -237,189 +231,175 @@ class Proxy:
             prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompts]
             param = "prompt"
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        subs = []
-        n = parsed.sampling.n
-        for i, ids in enumerate(prompts):
-            for j in range(n):
-                sampling = parsed.sampling
-                seed = None if sampling.seed is None else (sampling.seed + j) % 2**63
-                gen = to_generate_request(f"{base}-{next(self._ids)}", ids, sampling, self.proto.max_model_len,
-                                          param, self.stream.address)
-                gen = GenerateRequest.from_dict({**gen.to_dict(), "n": 1, "seed": seed})
-                subs.append(_Sub(gen, i * n + j))
-        return parsed, subs
+        jobs = []
+        for i, ids in enumerate(prompts):  # one request per prompt, with all n completions: one reserve, one prefill
+            gen = to_generate_request(f"{base}-{next(self._ids)}", ids, parsed.sampling, self.proto.max_model_len,
+                                      param, self.stream.address)
+            gen = dataclasses.replace(gen, trace_id=trace)
+            jobs.append(Job(gen, i, self.stream.subscribe(gen.request_id)))
+        return parsed, jobs
 
-    async def _admit(self, sub: _Sub) -> None:
-        """Reserve blocks on some decode actor (waiting in the admission queue if none has room, 429 when that
-        wait runs out) and start the request there."""
-        need = estimate_blocks(len(sub.req.prompt_token_ids), sub.req.max_tokens, self.block_size)
-        actor, res = await self.gate.reserve(sub.req.request_id, need)
-        sub.actor, sub.blocks = actor, need
-        sub.queue = self.stream.subscribe(sub.req.request_id)
-        prefill = self._pick_prefill(sub.req.prompt_token_ids)
+    def _blocks_needed(self, req: GenerateRequest) -> int:
+        """The prompt's blocks and each completion's output (the completions share the prompt copy-on-write)."""
+        one = estimate_blocks(len(req.prompt_token_ids), req.max_tokens, self.block_size)
+        return one + (req.n - 1) * (-(-req.max_tokens // self.block_size) + 1)
+
+    async def _admit(self, job: Job) -> None:
+        """Reserve blocks on some decode actor, which owns the request from then on (waiting in the admission queue
+        if none has room, 429 when that wait runs out); in disaggregated mode a prefill actor then computes the prompt
+        into those blocks and its first tokens go to the owner."""
+        prefill = self._pick_prefill(job.req.prompt_token_ids)
+        need = self._blocks_needed(job.req)
         try:
-            if prefill is None:
-                await self.pools.start_colocated(actor, sub.req.to_dict(), res["reservation_id"])
-            else:
-                await self._disaggregated(sub, actor, prefill, res)
-        except APIError:
-            raise
-        except Exception as e:
-            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from e
+            actor, grant = await self.gate.reserve(ReserveRequest(job.req, need, colocated=prefill is None))
+        except ValueError as e:
+            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
+        job.actor, job.grant, job.blocks = actor, grant, need
+        if prefill is not None:
+            await self._prefill(job, prefill, grant)
 
-    def _release(self, sub: _Sub) -> None:
-        """Count ``sub``'s blocks as free again on its decode actor (it finished or was aborted). Idempotent."""
-        if sub.actor is not None and sub.blocks:
-            self.gate.released(sub.actor.name, sub.blocks)
-            sub.blocks = 0
+    def _release(self, job: Job) -> None:
+        """Count ``job``'s blocks as free again on its decode actor (it finished or was aborted). Idempotent."""
+        if job.actor is not None and job.blocks:
+            self.gate.released(job.actor.name, job.blocks)
+            job.blocks = 0
 
     def _pick_prefill(self, prompt: tuple[int, ...]) -> ActorRef | None:
         """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
         :mod:`proxy.router`); None in colocated mode. Records the prompt's blocks as that actor's."""
+        if not self.disaggregated:
+            return None
         live = {a.name: a for a in self.pools.live_prefill()}
         if not live:
-            return None
+            raise service_unavailable("No prefill actor is available.", 1)
         hashes = hash_full_blocks(prompt, self.block_size)
         choice = self.router.pick_prefill([Pools.actor_stats(a, "prefill") for a in live.values()], hashes,
                                           self._inflight)
         if choice is None:
-            return None
+            raise service_unavailable("No prefill actor is available.", 1)
         self.router.record_prefill(choice.actor_id, hashes)
         return live[choice.actor_id]
 
-    async def _disaggregated(self, sub: _Sub, decode: ActorRef, prefill: ActorRef, res: dict[str, Any]) -> None:
-        """Prefill on ``prefill`` (K/V streamed into ``res``'s blocks), hand the first token to the client, then
-        let ``decode`` continue (or release its blocks if the first token already ends the request)."""
-        n = len(sub.req.prompt_token_ids)
+    async def _prefill(self, job: Job, prefill: ActorRef, grant: ReserveGrant) -> None:
+        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and hand its typed result to the
+        decode actor that owns the request. The proxy reads nothing in it but the transfer metrics."""
+        n = len(job.req.prompt_token_ids)
         self._inflight[prefill.name] = self._inflight.get(prefill.name, 0) + n
-        sub.prefill = prefill
+        job.prefill = prefill
         try:
-            first = await self.pools.prefill_call(prefill, sub.req.to_dict(), res)
+            raw = await self.pools.prefill_call(prefill, PrefillRequest(job.req, grant).to_dict())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("prefill of %s (trace %s) on %s failed: %s", job.req.request_id, job.req.trace_id,
+                        prefill.name, e)
+            raise service_unavailable(f"Prefill actor {prefill.name} failed: {type(e).__name__}", 1) from None
         finally:
             self._inflight[prefill.name] -= n
-            sub.prefill = None
-        self.metrics.transfer(first.get("backend", "unknown"), first.get("bytes", 0), first.get("transfer_s", 0.0))
-        sub.prefill_cached_tokens = int(first.get("cached_tokens", 0))
-        done = first["finish_reason"] == "stop" or sub.req.max_tokens == 1
-        delta: dict[str, Any] = {"request_id": sub.req.request_id, "index": 0, "token_ids": [first["token_id"]],
-                                 "text": first["text"], "finish_reason": first["finish_reason"] if done else None,
-                                 "logprobs": [first["logprobs"]] if first.get("logprobs") else None}
-        if done:
-            delta["usage"] = {"prompt_tokens": n, "completion_tokens": 1, "cached_tokens": first["cached_tokens"]}
-            await self.pools.abort(decode, sub.req.request_id)  # releases the reservation
-        assert sub.queue is not None
-        sub.queue.put_nowait(delta)
-        if not done:
-            await self.pools.start_prefilled(decode, sub.req.to_dict(), res["reservation_id"], first)
+            job.prefill = None
+        result = PrefillResult.from_dict(raw)
+        self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
+        await self.pools.prefilled(job.actor, raw)
 
-    async def _abort(self, subs: list[_Sub]) -> None:
-        """Abort every unfinished sub-request on its decode actor and, if it is still prefilling, its prefill actor."""
-        live = [s for s in subs if s.finish is None]
-        await asyncio.gather(*(self.pools.abort(a, s.req.request_id) for s in live
-                               for a in (s.actor, s.prefill) if a is not None))
+    async def _abort(self, jobs: list[Job]) -> None:
+        """Abort every unfinished job on its decode actor and, if it is still prefilling, its prefill actor."""
+        live = [j for j in jobs if not j.finished]
+        await asyncio.gather(*(self.pools.abort(a, j.req.request_id) for j in live
+                               for a in (j.actor, j.prefill) if a is not None))
 
-    async def _deltas(self, subs: list[_Sub]) -> AsyncIterator[tuple[_Sub, dict[str, Any]]]:
-        """Every delta of every sub-request until all have finished, in arrival order."""
-        pending = {asyncio.ensure_future(s.queue.get()): s for s in subs if s.queue is not None}  # type: ignore[union-attr]
+    async def _deltas(self, jobs: list[Job]) -> AsyncIterator[tuple[Job, TokenDelta, list[TokenLogprob]]]:
+        """Every delta of every job until all have finished, in arrival order, with its tokens' logprob entries.
+        Raises ``APIError`` when an owner reports an error or dies."""
+        pending = {asyncio.ensure_future(j.queue.get()): j for j in jobs}
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                dead = [s.actor.name for s in pending.values() if s.actor is not None and not s.actor.alive]
+                dead = [j.actor.name for j in pending.values() if j.actor is not None and not j.actor.alive]
                 if not done and dead:  # reported by the pool refresh: do not hang on an actor that is gone
                     raise service_unavailable(f"Decode actor {dead[0]} died while serving this request.", 1)
                 for fut in done:
-                    s = pending.pop(fut)
-                    d = fut.result()
-                    self._apply(s, d)
-                    yield s, d
-                    if s.finish is None:
-                        pending[asyncio.ensure_future(s.queue.get())] = s  # type: ignore[union-attr]
+                    j = pending.pop(fut)
+                    d: TokenDelta = fut.result()
+                    k = j.req.logprobs
+                    lps = [] if d.logprobs is None or k is None else [
+                        token_logprob(t, pairs, k, self.tok.decode_token) for t, pairs in zip(d.token_ids, d.logprobs)]
+                    j.apply(d, lps, time.monotonic())
+                    if j.error is not None:
+                        raise service_unavailable(f"Decode actor {j.actor.name}: {j.error}", 1)
+                    if j.finished:
+                        self._release(j)
+                    else:
+                        pending[asyncio.ensure_future(j.queue.get())] = j
+                    yield j, d, lps
         finally:
             for fut in pending:
                 fut.cancel()
 
-    def _apply(self, s: _Sub, d: dict[str, Any]) -> None:
-        s.tokens.extend(d["token_ids"])
-        s.text += d.get("text", "")
-        for tok, lps in zip(d["token_ids"], d.get("logprobs") or []):
-            table = dict((int(t), float(lp)) for t, lp in lps)
-            top = tuple(sorted(((self.tok.decode_token(t), lp) for t, lp in table.items()), key=lambda x: -x[1]))
-            s.logprobs.append(TokenLogprob(self.tok.decode_token(tok), table.get(tok, float("-inf")),
-                                           top[: s.req.logprobs or 0]))
-        if d.get("finish_reason"):
-            s.finish = "stop" if d["finish_reason"] == "abort" else d["finish_reason"]
-            self._release(s)
-        if d.get("usage"):
-            s.usage = d["usage"]
+    def _usage(self, jobs: list[Job]) -> Usage:
+        """Every prompt counted (duplicates too), every completion's tokens, the owners' cached-token counts."""
+        return total_usage([len(j.req.prompt_token_ids) for j in jobs],
+                           sum(len(c.token_ids) for j in jobs for c in j.choices),
+                           sum(j.usage.cached_tokens for j in jobs if j.usage is not None))
 
-    def _usage(self, subs: list[_Sub]) -> Usage:
-        by_prompt: dict[tuple[int, ...], int] = {}
-        for s in subs:
-            by_prompt.setdefault(s.req.prompt_token_ids, len(s.req.prompt_token_ids))
-        return Usage(prompt_tokens=sum(by_prompt.values()), completion_tokens=sum(len(s.tokens) for s in subs),
-                     cached_tokens=sum(max((s.usage or {}).get("cached_tokens", 0), s.prefill_cached_tokens)
-                                       for s in subs))
-
-    def _choice(self, s: _Sub, text: str, finish: str | None, lps: list[TokenLogprob], offset: int = 0) -> ChoiceOutput:
-        return ChoiceOutput(s.choice_index, text, finish, tuple(lps) if s.req.logprobs is not None else None, offset)
-
-    async def _collect(self, parsed: Any, subs: list[_Sub], chat: bool, start: float) -> web.Response:
-        first: dict[int, float] = {}
-        async for s, _ in self._deltas(subs):
-            first.setdefault(s.choice_index, time.monotonic())
-        self._observe(subs, start, first)
-        rid, created = subs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
-        choices = [self._choice(s, s.text, s.finish or "stop", s.logprobs) for s in subs]
-        usage = self._usage(subs)
+    async def _collect(self, parsed: Any, jobs: list[Job], chat: bool, start: float, trace: str) -> web.Response:
+        async for _ in self._deltas(jobs):
+            pass
+        self._observe(jobs, start)
+        rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
+        echo = getattr(parsed, "echo_text", None)
+        choices = [ChoiceOutput(j.choice_index(i), (echo(j.choice_index(i), self.tok.decode) if echo else "") + c.text,
+                                c.finish or "stop", tuple(c.logprobs) if j.req.logprobs is not None else None)
+                   for j in jobs for i, c in enumerate(j.choices)]
+        usage = self._usage(jobs)
         body = (chat_completion_body(rid, parsed.model, created, choices, usage) if chat
                 else completion_body(rid, parsed.model, created, choices, usage))
-        return web.json_response(body)
+        return web.json_response(body, headers={"X-Request-Id": trace})
 
-    async def _stream(self, request: web.Request, parsed: Any, subs: list[_Sub], chat: bool,
-                      start: float) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(self, request: web.Request, parsed: Any, jobs: list[Job], chat: bool,
+                      start: float, trace: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Request-Id": trace})
         await resp.prepare(request)
-        rid, created = subs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
+        rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
         include = parsed.stream_options.include_usage
-        first: dict[int, float] = {}
-        sent_lp: dict[int, int] = {}
-        for s in subs if chat else []:  # OpenAI's first chat chunk carries the role
-            await resp.write(sse_event(chat_chunk_body(rid, parsed.model, created,
-                                                       [ChoiceOutput(s.choice_index, "")], None, include, first=True)))
+        echo = getattr(parsed, "echo_text", None)
+        streams = {(id(j), i): ChoiceStream(j.choice_index(i), j.req.logprobs is not None,
+                                            echo(j.choice_index(i), self.tok.decode) if echo else "")
+                   for j in jobs for i in range(j.req.n)}
+        for j in jobs if chat else []:  # OpenAI's first chat chunk carries the role
+            for i in range(j.req.n):
+                await resp.write(sse_event(chat_chunk_body(rid, parsed.model, created,
+                                                           [ChoiceOutput(j.choice_index(i), "")], None, include,
+                                                           first=True)))
         try:
-            async for s, d in self._deltas(subs):
-                first.setdefault(s.choice_index, time.monotonic())
-                lps = s.logprobs[sent_lp.get(s.choice_index, 0):]
-                sent_lp[s.choice_index] = len(s.logprobs)
-                finish = s.finish if d.get("finish_reason") else None
-                if not d.get("text") and finish is None:
+            async for j, d, lps in self._deltas(jobs):
+                choice = streams[(id(j), d.index)].chunk(d.text, lps, d.finish_reason)
+                if choice is None:
                     continue
-                choice = self._choice(s, d.get("text", ""), finish, lps, len(s.text) - len(d.get("text", "")))
                 body = (chat_chunk_body(rid, parsed.model, created, [choice], None, include) if chat
                         else completion_body(rid, parsed.model, created, [choice], None, include))
                 await resp.write(sse_event(body))
         except APIError as e:  # headers are out: report in the stream, as OpenAI does, and end it
-            await self._abort(subs)
+            await self._abort(jobs)
             await resp.write(sse_event(e.body()))
             await resp.write(SSE_DONE)
             await resp.write_eof()
             self.metrics.request_done(e.status)
             return resp
         if include:
-            await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(subs))))
+            await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
-        self._observe(subs, start, first)
+        self._observe(jobs, start)
         self.metrics.request_done(200)
         return resp
 
-    def _observe(self, subs: list[_Sub], start: float, first: dict[int, float]) -> None:
+    def _observe(self, jobs: list[Job], start: float) -> None:
         end = time.monotonic()
-        for s in subs:
-            t1 = first.get(s.choice_index)
-            if t1 is None:
+        for c in (c for j in jobs for c in j.choices):
+            if c.first_at is None:
                 continue
-            tpot = (end - t1) / max(1, len(s.tokens) - 1)
-            self.metrics.latency(t1 - start, tpot, end - start)
+            tpot = (end - c.first_at) / max(1, len(c.token_ids) - 1)
+            self.metrics.latency(c.first_at - start, tpot, end - start)
             if len(self._slo_samples) < 10_000:  # for the controller; drained every few seconds
-                self._slo_samples.append((t1 - start, tpot))
+                self._slo_samples.append((c.first_at - start, tpot))

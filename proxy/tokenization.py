@@ -7,6 +7,7 @@ Matches ``transformers``' ``encode`` and ``apply_chat_template`` for the model f
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,10 @@ class PromptTokenizer:
     def decode_token(self, token_id: int) -> str:
         """One token's text on its own (for logprobs). Pure."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """A token sequence's text, special tokens kept (an echoed token-id prompt). Pure."""
+        return self._tok.decode(list(token_ids), skip_special_tokens=False)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """Prompt ids of a conversation with a generation prompt (special tokens come from the template)."""

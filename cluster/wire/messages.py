@@ -2,8 +2,10 @@
 
 Every message is a frozen, validated dataclass with ``to_dict()`` (only str/int/float/bool/None/list/dict values with
 string keys, so msgpack and JSON both carry it) and ``from_dict()`` (unknown keys are ignored so that a newer sender
-can talk to an older receiver). Sequences are tuples in memory and lists on the wire. Times are Unix wall-clock
-seconds (``time.time()``): they are compared across processes, where monotonic clocks mean nothing.
+can talk to an older receiver within one wire version). Every wire form carries ``"v": WIRE_VERSION``; a message of
+another version is refused with :class:`WireVersionError`, so a mixed-version cluster in a rolling upgrade fails
+cleanly instead of misreading. Sequences are tuples in memory and lists on the wire. Times that cross processes are
+durations measured on one process's clock, never timestamps to subtract across hosts.
 """
 
 from __future__ import annotations
@@ -20,20 +22,30 @@ T = TypeVar("T", bound="_Wire")
 
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
+WIRE_VERSION = 2  # bump on any change an older peer would misread
+
+
+class WireVersionError(ValueError):
+    """A message from a peer speaking another wire version (a rolling upgrade mixing versions)."""
 
 
 class _Wire:
     """Shared ``to_dict``/``from_dict`` for the flat messages below."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain wire form (tuples become lists, nested messages become dicts). Pure."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        """Plain wire form (tuples become lists, nested messages become dicts), tagged with the wire version. Pure."""
+        d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        d["v"] = WIRE_VERSION
+        return d
 
     @classmethod
     def from_dict(cls: type[T], d: Mapping[str, Any]) -> T:
         """Rebuild from the wire form; unknown keys are ignored, missing required ones raise ``ValueError``. Pure."""
         if not isinstance(d, Mapping):
             raise ValueError(f"{cls.__name__}.from_dict needs a mapping, got {type(d).__name__}")
+        if d.get("v") != WIRE_VERSION:
+            raise WireVersionError(f"{cls.__name__}: wire version {d.get('v')!r}, this process speaks {WIRE_VERSION} "
+                                   "(a cluster mixing pdcluster versions: finish the rolling upgrade)")
         names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
         try:
             return cls(**{k: v for k, v in d.items() if k in names})
@@ -56,6 +68,17 @@ def _set(obj: object, name: str, value: Any) -> None:
 def _check_int(owner: str, name: str, value: Any, lo: int = 0) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo:
         raise ValueError(f"{owner}.{name}: must be an integer >= {lo}, got {value!r}")
+
+
+def _logprob_pairs(owner: str, values: Any, n: int) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """Per token, ``(token_id, logprob)`` pairs (msgpack refuses integer map keys, so no dicts); ``n`` tokens."""
+    try:
+        lps = tuple(tuple((int(t), float(lp)) for t, lp in tok) for tok in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}.logprobs: must be, per token, [token_id, logprob] pairs") from None
+    if len(lps) != n:
+        raise ValueError(f"{owner}.logprobs: {len(lps)} entries for {n} tokens")
+    return lps
 
 
 def _check_ids(owner: str, name: str, values: tuple[Any, ...]) -> None:
@@ -106,10 +129,12 @@ class GenerateRequest(_Wire):
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     reply_to: str = ""  # the owning proxy's token-stream address: where TokenDeltas go (several proxies may serve)
+    trace_id: str = ""  # the client's X-Request-Id (or one the proxy made): every hop logs it
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reply_to, str):
-            raise ValueError(f"GenerateRequest.reply_to: must be a string, got {self.reply_to!r}")
+        for name in ("reply_to", "trace_id"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"GenerateRequest.{name}: must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"GenerateRequest.request_id: must be a non-empty string, got {self.request_id!r}")
         for name in ("prompt_token_ids", "stop", "stop_token_ids"):
@@ -128,47 +153,143 @@ class GenerateRequest(_Wire):
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``engine.SamplingParams``. Pure."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("request_id", "prompt_token_ids", "reply_to")}
+                if f.name not in ("request_id", "prompt_token_ids", "reply_to", "trace_id")}
 
 
 @dataclass(frozen=True)
-class Reservation(_Wire):
-    """Blocks a decode actor set aside for one request before its prefill starts (the decode actor owns it)."""
+class ReserveRequest(_Wire):
+    """Proxy -> decode actor: hold blocks for ``request`` (and, from now on, own it). With ``colocated`` the actor
+    prefills the prompt itself and starts at once; otherwise a prefill actor streams the prompt's K/V into the
+    granted blocks and its :class:`PrefillResult` follows."""
 
-    reservation_id: str  # names the reservation in transfer headers, renewals and releases
+    request: GenerateRequest  # the whole request: the decode actor owns its text, stops, finish and usage from here on
+    num_blocks: int  # blocks to hold: the prompt's plus a headroom for the output
+    ttl_s: float = 0.0  # released if no K/V (or start) comes within this many seconds; 0: the actor's default
+    colocated: bool = False  # prefill here too (no prefill actor, no PrefillResult)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.request, Mapping):
+            _set(self, "request", GenerateRequest.from_dict(self.request))
+        if not isinstance(self.request, GenerateRequest):
+            raise ValueError(f"ReserveRequest.request: must be a GenerateRequest, got {type(self.request).__name__}")
+        _check_int("ReserveRequest", "num_blocks", self.num_blocks, 1)
+        if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float)) or not 0 <= self.ttl_s < math.inf:
+            raise ValueError(f"ReserveRequest.ttl_s: must be a finite number >= 0, got {self.ttl_s!r}")
+        if not isinstance(self.colocated, bool):
+            raise ValueError(f"ReserveRequest.colocated: must be a bool, got {self.colocated!r}")
+
+
+@dataclass(frozen=True)
+class ReserveGrant(_Wire):
+    """Decode actor -> proxy -> prefill actor: where one request's K/V goes. The decode actor keeps the one record
+    of the reservation (``decode_worker.intake``); this is only what others need to address it."""
+
+    reservation_id: str  # names the reservation in transfer headers and the PrefillResult
     request_id: str
     decode_actor_id: str
     block_ids: tuple[int, ...]  # physical block ids on the decode actor, logical block i -> block_ids[i]
-    kv_endpoint: str  # where a prefill actor sends this request's KV (backend-specific address)
-    expires_at: float  # Unix seconds; released by the decode actor if no KV has arrived by then
+    kv_endpoint: str  # where a prefill actor sends this request's K/V (backend-specific address on D's node)
+    ttl_s: float  # how long the decode actor waits for K/V (a duration: clocks are not compared across hosts)
 
     def __post_init__(self) -> None:
         for name in ("reservation_id", "request_id", "decode_actor_id"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"Reservation.{name}: must be a non-empty string, got {getattr(self, name)!r}")
+                raise ValueError(f"ReserveGrant.{name}: must be a non-empty string, got {getattr(self, name)!r}")
         if not isinstance(self.block_ids, (list, tuple)) or not self.block_ids:
-            raise ValueError("Reservation.block_ids: must be a non-empty list")
+            raise ValueError("ReserveGrant.block_ids: must be a non-empty list")
         _set(self, "block_ids", tuple(self.block_ids))
-        _check_ids("Reservation", "block_ids", self.block_ids)
+        _check_ids("ReserveGrant", "block_ids", self.block_ids)
         if len(set(self.block_ids)) != len(self.block_ids):
-            raise ValueError("Reservation.block_ids: must be distinct")
+            raise ValueError("ReserveGrant.block_ids: must be distinct")
         if not isinstance(self.kv_endpoint, str):
-            raise ValueError(f"Reservation.kv_endpoint: must be a string, got {self.kv_endpoint!r}")
-        if not isinstance(self.expires_at, (int, float)) or not math.isfinite(self.expires_at):
-            raise ValueError(f"Reservation.expires_at: must be a finite number, got {self.expires_at!r}")
+            raise ValueError(f"ReserveGrant.kv_endpoint: must be a string, got {self.kv_endpoint!r}")
+        if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float)) or not 0 < self.ttl_s < math.inf:
+            raise ValueError(f"ReserveGrant.ttl_s: must be a finite number > 0, got {self.ttl_s!r}")
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
 
-    def expired(self, now: float) -> bool:
-        """Whether the TTL has passed at wall-clock time ``now``. Pure."""
-        return now >= self.expires_at
+
+@dataclass(frozen=True)
+class PrefillRequest(_Wire):
+    """Proxy -> prefill actor: compute ``request``'s prompt and stream its K/V into ``grant``'s blocks."""
+
+    request: GenerateRequest
+    grant: ReserveGrant
+
+    def __post_init__(self) -> None:
+        if isinstance(self.request, Mapping):
+            _set(self, "request", GenerateRequest.from_dict(self.request))
+        if isinstance(self.grant, Mapping):
+            _set(self, "grant", ReserveGrant.from_dict(self.grant))
+        if not isinstance(self.request, GenerateRequest) or not isinstance(self.grant, ReserveGrant):
+            raise ValueError("PrefillRequest: needs a GenerateRequest and a ReserveGrant")
+        if self.grant.request_id != self.request.request_id:
+            raise ValueError(f"PrefillRequest.grant: for {self.grant.request_id!r}, not {self.request.request_id!r}")
 
 
 @dataclass(frozen=True)
+class PrefillResult(_Wire):
+    """Prefill actor -> proxy -> decode actor: the first token of each of the request's n completions, sampled from
+    the prompt's last logits. Never text: the decode actor's one detokenizer owns the text. Whether the K/V arrived
+    is the decode actor's own record's business; ``failed_parts`` only lets it stop waiting at once."""
+
+    request_id: str
+    reservation_id: str
+    first_token_ids: tuple[int, ...]  # one per completion, in completion order
+    # per completion, the first token's (token_id, logprob) pairs (sampled first, then the top-k); None: not asked
+    first_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    seed: int = 0  # the seed the draws were keyed with, so the decode actor continues with the same stream
+    cached_tokens: int = 0  # prompt tokens the prefill actor served from its prefix cache
+    parts_sent: int = 0  # (layer, chunk) parts handed to the transfer backend
+    failed_parts: tuple[str, ...] = ()  # errors of parts that did not reach the decode actor
+    bytes_sent: int = 0
+    transfer_s: float = 0.0  # summed time of the parts on the wire (for metrics)
+    backend: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("request_id", "reservation_id"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"PrefillResult.{name}: must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("first_token_ids", "failed_parts"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"PrefillResult.{name}: must be a list")
+            _set(self, name, tuple(getattr(self, name)))
+        if not self.first_token_ids:
+            raise ValueError("PrefillResult.first_token_ids: must not be empty")
+        _check_ids("PrefillResult", "first_token_ids", self.first_token_ids)
+        if self.first_logprobs is not None:
+            _set(self, "first_logprobs", _logprob_pairs("PrefillResult", self.first_logprobs, len(self.first_token_ids)))
+        for name in ("seed", "cached_tokens", "parts_sent", "bytes_sent"):
+            _check_int("PrefillResult", name, getattr(self, name))
+        if not isinstance(self.transfer_s, (int, float)) or not self.transfer_s >= 0:
+            raise ValueError(f"PrefillResult.transfer_s: must be >= 0, got {self.transfer_s!r}")
+
+    @property
+    def n(self) -> int:
+        return len(self.first_token_ids)
+
+
+@dataclass(frozen=True)
+class AbortRequest(_Wire):
+    """Proxy -> actors: stop a request now (client gone, error elsewhere); its blocks are freed at once."""
+
+    request_id: str
+    reason: str = "client disconnected"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"AbortRequest.request_id: must be a non-empty string, got {self.request_id!r}")
+
+@dataclass(frozen=True)
 class TokenDelta(_Wire):
-    """New tokens of one completion since the last delta (decode actor -> proxy, batched per decode step)."""
+    """New tokens of one completion since the last delta (decode actor -> proxy, batched per decode step).
+
+    The decode actor's detokenizer is the only source of text: the concatenated deltas of a completion are its final
+    text, and no delta is ever taken back. ``token_ids`` and ``logprobs`` go with the text (a token whose text is
+    still held back is delivered now, its text later), so a request can be resumed elsewhere from what was delivered.
+    """
 
     request_id: str
     index: int  # which of the request's n completions
@@ -179,6 +300,7 @@ class TokenDelta(_Wire):
     logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set only on the last delta of a completion
     usage: Usage | None = None  # set on the last delta of the request
+    error: str | None = None  # the request failed on the actor (finish_reason "abort"): why, for the client
 
     def __post_init__(self) -> None:
         _check_int("TokenDelta", "index", self.index)
@@ -189,13 +311,7 @@ class TokenDelta(_Wire):
         if not isinstance(self.text, str):
             raise ValueError(f"TokenDelta.text: must be a string, got {self.text!r}")
         if self.logprobs is not None:
-            try:
-                lps = tuple(tuple((int(t), float(lp)) for t, lp in tok) for tok in self.logprobs)
-            except (TypeError, ValueError):
-                raise ValueError("TokenDelta.logprobs: must be, per token, [token_id, logprob] pairs") from None
-            if len(lps) != len(self.token_ids):
-                raise ValueError(f"TokenDelta.logprobs: {len(lps)} entries for {len(self.token_ids)} tokens")
-            _set(self, "logprobs", lps)
+            _set(self, "logprobs", _logprob_pairs("TokenDelta", self.logprobs, len(self.token_ids)))
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"TokenDelta.finish_reason: must be one of {FINISH_REASONS} or None, "
                              f"got {self.finish_reason!r}")
@@ -203,6 +319,8 @@ class TokenDelta(_Wire):
             _set(self, "usage", Usage.from_dict(self.usage))
         elif self.usage is not None and not isinstance(self.usage, Usage):
             raise ValueError(f"TokenDelta.usage: must be a Usage or None, got {self.usage!r}")
+        if self.error is not None and not isinstance(self.error, str):
+            raise ValueError(f"TokenDelta.error: must be a string or None, got {self.error!r}")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ class WorkerConfig:
     # a reservation with no KV and no start by then is released (orphan cleanup); each KV part that arrives renews it.
     # Long enough to cover a busy prefill queue.
     reservation_ttl_s: float = 120.0
+    # once the prefill actor reports its sends done, how long the decode actor still waits for missing K/V parts
+    # before it treats the transfer as failed (recompute or fail, by policy)
+    kv_wait_s: float = 30.0
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -28,10 +31,12 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
-        if not self.reservation_ttl_s > 0:
-            raise ValueError(f"reservation_ttl_s: must be > 0, got {self.reservation_ttl_s}")
+        for name in ("reservation_ttl_s", "kv_wait_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
 
     def engine_kwargs(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("reservation_ttl_s")
+        d.pop("kv_wait_s")
         return d

@@ -9,23 +9,34 @@ from __future__ import annotations
 import pytest
 
 from cluster.flex_worker import FlexWorker
-from cluster.wire.messages import GenerateRequest
+from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
+from tests.token_inbox import TokenInbox, token_ids
 
 CFG = WorkerConfig(num_kv_blocks=64)
 PROMPT = tuple(range(200, 260))
 
 
 def _transfer(prefill: FlexWorker, decode: FlexWorker, request_id: str) -> None:
-    """Prefill on one, KV into the other's reservation; the decode side must take it as transferred, not recompute."""
-    req = GenerateRequest(request_id, PROMPT, max_tokens=4, ignore_eos=True)
-    res = decode.reserve(request_id, 5)
-    assert res is not None
-    first = prefill.prefill(req.to_dict(), res)
-    assert not first["failed"] and first["parts"] > 0
-    assert decode.start_prefilled(req.to_dict(), res["reservation_id"], first) == "transferred"
-    decode.abort(request_id)
+    """Prefill on one, KV into the other's reservation; the decode side must take it as transferred, not recompute,
+    and stream the prefill's first token then the rest."""
+    inbox = TokenInbox()
+    try:
+        req = GenerateRequest(request_id, PROMPT, max_tokens=4, ignore_eos=True, reply_to=inbox.address)
+        grant = decode.reserve(ReserveRequest(req, 5).to_dict())
+        assert grant is not None
+        result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))
+        assert not result.failed_parts and result.parts_sent > 0
+        decode.prefilled(result.to_dict())
+        deltas = inbox.collect(request_id)
+    finally:
+        inbox.close()
+    ids = token_ids(deltas)[0]
+    assert len(ids) == 4 and ids[0] == result.first_token_ids[0]
+    assert deltas[-1].finish_reason == "length" and deltas[-1].usage is not None
+    st = decode.stats()
+    assert st["recomputes"] == 0 and st["kv_parts_installed"] > 0
     counts = decode.check_integrity()
     assert counts["reserved"] == 0 and counts["used"] == 0, counts
 
@@ -53,15 +64,16 @@ def test_flip_keeps_the_engine_and_carries_kv_both_ways(pair) -> None:  # type: 
     assert a.impl.engine is engine_a and b.impl.engine is engine_b  # same weights, no reload
     assert a.stats()["flips"] == b.stats()["flips"] == 1
     assert not a.stats()["draining"] and not b.stats()["draining"]
-    assert a.info()["role"] == "prefill" and a.reserve("x", 1) is None  # a prefill worker has no room for KV
+    held = ReserveRequest(GenerateRequest("x", PROMPT), 5).to_dict()
+    assert a.info()["role"] == "prefill" and a.reserve(held) is None  # a prefill worker has no room for KV
     with pytest.raises(RuntimeError, match="is a prefill worker now"):
-        a.start_colocated({}, "rsv")
+        a.prefilled({})
     _transfer(a, b, "r2")
 
 
 def test_flip_refused_while_a_reservation_is_held(pair) -> None:  # type: ignore[no-untyped-def]
     a, _ = pair
-    assert a.reserve("held", 2) is not None
+    assert a.reserve(ReserveRequest(GenerateRequest("held", PROMPT), 5).to_dict()) is not None
     a.drain()
     with pytest.raises(RuntimeError, match="finish"):
         a.flip("prefill")

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from decode_worker.reservations import Reservation, ReservationManager
+from decode_worker.intake import IntakeRecord as Reservation
+from decode_worker.reservations import ReservationManager
 from engine.block_pool import BlockPool
 
 
@@ -56,7 +57,7 @@ def test_reserve_commit_flow(make_manager, clock: FakeClock) -> None:
     assert m.counts() == {"free": 6, "reserved": 0, "used": 4, "total": 10}
     assert m.get(r.reservation_id) is None and m.find_by_request("req-a") is None
     # committed blocks belong to the sequence: expiry no longer touches them
-    assert m.expire(clock.advance(100.0)) == []
+    assert [x.reservation_id for x in m.expire(clock.advance(100.0))] == []
     assert m.counts()["used"] == 4
     # the sequence finishing frees them through the pool
     m.pool.free(m.pool.blocks[i] for i in r.block_ids)
@@ -127,31 +128,32 @@ def test_expire_releases_only_overdue_uncommitted(make_manager, clock: FakeClock
     released = m.reserve("released", 1, 1.0, t0)
     m.commit(committed.reservation_id)
     m.release(released.reservation_id)
-    assert m.expire(t0 + 0.999) == []
-    assert m.expire(t0 + 1.0) == [short.reservation_id]  # due at exactly expires_at
+    assert [x.reservation_id for x in m.expire(t0 + 0.999)] == []
+    assert [x.reservation_id for x in m.expire(t0 + 1.0)] == [short.reservation_id]  # due at exactly expires_at
     assert m.counts() == {"free": 5, "reserved": 3, "used": 4, "total": 12}
-    assert m.expire(t0 + 5.0) == []
+    assert [x.reservation_id for x in m.expire(t0 + 5.0)] == []
     with pytest.raises(KeyError):
         m.release(short.reservation_id)  # expired means gone
-    assert m.expire(t0 + 10.0) == [long.reservation_id]
+    assert [x.reservation_id for x in m.expire(t0 + 10.0)] == [long.reservation_id]
     assert m.counts() == {"free": 8, "reserved": 0, "used": 4, "total": 12}
 
 
 def test_expire_returns_oldest_first(make_manager, clock: FakeClock) -> None:
     m = make_manager(8)
     ids = [m.reserve(f"r{i}", 1, ttl, clock.now).reservation_id for i, ttl in enumerate([3.0, 1.0, 2.0])]
-    assert m.expire(clock.advance(5.0)) == [ids[1], ids[2], ids[0]]
+    assert [x.reservation_id for x in m.expire(clock.advance(5.0))] == [ids[1], ids[2], ids[0]]
 
 
 def test_touch_extends_and_never_shortens(make_manager, clock: FakeClock) -> None:
     m = make_manager(4)
     r = m.reserve("r", 2, 2.0, clock.now)
+    old_expiry = r.expires_at
     clock.advance(1.5)
-    r2 = m.touch(r.reservation_id, clock.now)  # KV arrived: another ttl from now
-    assert r2.expires_at == clock.now + 2.0 and m.get(r.reservation_id) == r2
+    r2 = m.touch(r.reservation_id, clock.now)  # KV arrived: another ttl from now (the one record, mutated)
+    assert r2 is r and r2.expires_at == clock.now + 2.0 and m.get(r.reservation_id) is r2
     assert m.touch(r.reservation_id, clock.now, ttl_s=0.1).expires_at == r2.expires_at
-    assert m.expire(r.expires_at) == []  # the old expiry entry is stale
-    assert m.expire(r2.expires_at) == [r.reservation_id]
+    assert [x.reservation_id for x in m.expire(old_expiry)] == []  # the old expiry entry is stale
+    assert [x.reservation_id for x in m.expire(r2.expires_at)] == [r.reservation_id]
     with pytest.raises(KeyError):
         m.touch(r.reservation_id, clock.now)
 
@@ -226,7 +228,7 @@ def test_random_operations_keep_invariants(make_manager, clock: FakeClock, seed:
             pending[rid] = m.touch(rid, clock.now, rng.uniform(0.1, 3.0))
         elif op == "expire":
             due = sorted((r.expires_at, rid) for rid, r in pending.items() if r.expires_at <= clock.now)
-            assert sorted(m.expire(clock.now)) == sorted(rid for _, rid in due)
+            assert sorted([x.reservation_id for x in m.expire(clock.now)]) == sorted(rid for _, rid in due)
             for _, rid in due:
                 del pending[rid]
         elif op == "finish" and running:

@@ -1,0 +1,152 @@
+"""One engine loop for both worker roles: one thread owns the engine, drains an input queue, then steps.
+
+Ray calls (from any of the actor's threads) never touch the engine: they post a command (a function of no arguments)
+to the inbox and, when they need an answer, wait for it. The loop thread runs every queued command between two steps,
+then asks the role to step. Drain, idleness and handing the engine over (a role flip) live here, once; the roles
+(:class:`prefill_worker.worker.PrefillWorker`, :class:`decode_worker.worker.DecodeWorker`) supply ``_step``,
+``_idle`` and ``_close``. The shape is vLLM's ``EngineCoreProc.run_busy_loop``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Command(Generic[T]):
+    __slots__ = ("fn", "done", "result", "error")
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+
+class LoopStopped(RuntimeError):
+    """The loop stopped (shutdown, flip) before it ran the command."""
+
+
+class EngineLoop:
+    """Base of both roles. Subclasses call :meth:`_start_loop` at the end of their ``__init__``."""
+
+    role = ""
+    idle_wait_s = 0.01  # how long an idle loop sleeps when nothing wakes it
+
+    def __init__(self, actor_id: str, engine: Any) -> None:
+        self.actor_id = actor_id
+        self.engine = engine
+        self.draining = False  # set by drain(): no new work is accepted; work already accepted finishes
+        self._inbox: queue.SimpleQueue[_Command[Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{self.role}-{actor_id}", daemon=True)
+
+    def _start_loop(self) -> None:
+        self._thread.start()
+
+    # -- posting work ---------------------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], T], timeout_s: float = 120.0) -> T:
+        """Run ``fn`` on the loop thread between two steps and return its result (or raise its exception).
+        Raises ``TimeoutError`` if the loop does not get to it in ``timeout_s``, :class:`LoopStopped` if it stops."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        cmd: _Command[T] = self._post(fn)
+        if not cmd.done.wait(timeout_s):
+            raise TimeoutError(f"{self.actor_id}: the engine loop did not answer in {timeout_s}s")
+        if cmd.error is not None:
+            raise cmd.error
+        return cmd.result  # type: ignore[return-value]
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Queue ``fn`` for the loop thread and return at once (its errors are logged)."""
+        self._post(fn)
+
+    def _post(self, fn: Callable[[], T]) -> _Command[T]:
+        if self._stop.is_set():
+            raise LoopStopped(f"{self.actor_id}: the {self.role} loop has stopped")
+        cmd = _Command(fn)
+        self._inbox.put(cmd)
+        self._wake.set()
+        return cmd
+
+    # -- the loop -------------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_inbox()
+            try:
+                busy = self._step()
+            except Exception:  # a bug in one step must not kill the actor's loop; the request's owner reports it
+                log.exception("%s: step failed", self.actor_id)
+                busy = False
+            if not busy and self._inbox.empty():
+                self._wake.wait(self.idle_wait_s)
+                self._wake.clear()
+        self._run_inbox()  # commands posted before the stop still get an answer
+        while True:  # and any racing in after it, a clear refusal
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            cmd.error = LoopStopped(f"{self.actor_id}: the {self.role} loop has stopped")
+            cmd.done.set()
+
+    def _run_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                cmd.result = cmd.fn()
+            except BaseException as e:  # handed to the caller (or logged for a post)
+                cmd.error = e
+                if not isinstance(e, (ValueError, KeyError, RuntimeError)):
+                    log.exception("%s: command failed", self.actor_id)
+            cmd.done.set()
+
+    # -- role hooks -------------------------------------------------------------------------------------------------
+    def _step(self) -> bool:
+        """Advance the engine (loop thread). Returns whether there was work (False: the loop may sleep)."""
+        raise NotImplementedError
+
+    def _idle(self) -> bool:
+        """No request held in any state (loop thread)."""
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        """Release the role's sockets and threads (after the loop stopped)."""
+
+    # -- lifecycle, the same for both roles ------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Mutates: accept no new work from now on; what was accepted finishes."""
+        self.call(lambda: setattr(self, "draining", True))
+
+    def is_idle(self) -> bool:
+        return self.call(self._idle)
+
+    def shutdown(self) -> None:
+        """Mutates: stop the loop thread (bounded wait) and close the role's sockets. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        self._close()
+
+    def release_engine(self) -> Any:
+        """Mutates: stop this role and hand over the engine, weights and prefix cache intact (a role flip). Raises
+        ``RuntimeError`` unless drained and idle; nothing changes then."""
+        def check_and_stop() -> None:
+            if not self.draining or not self._idle():
+                raise RuntimeError(f"{self.actor_id}: drain it and let its requests finish first")
+            self._stop.set()  # the loop ends right after this command: nothing can slip in between
+
+        self.call(check_and_stop)
+        self.shutdown()
+        return self.engine

@@ -1,0 +1,132 @@
+"""One record per reservation on the decode actor: its blocks, the K/V parts it expects and has, its lease and its
+state, from ``reserve`` until the request is done. Pure bookkeeping: no I/O, no torch, no clock of its own.
+
+States (a closed set; :data:`TRANSITIONS` is the whole table and :meth:`IntakeRecord.advance` enforces it)::
+
+    RESERVED ──first part──▶ RECEIVING ──all parts──▶ COMPLETE ──joined the batch──▶ RUNNING ──▶ DONE
+       │  └──────────── colocated start / recompute ─────────────────────────────────▲   │ ▲
+       │                    │ bad part, failed send                                  │   ▼ │
+       ├──────────────────▶ FAILED ──── recompute the prompt here ──────────────────┘  PREEMPTED
+       └──▶ ABORTED (client gone, fail policy)   EXPIRED (no K/V within the lease)
+
+Blocks of a record in RESERVED, RECEIVING, COMPLETE or FAILED count as *reserved*; from RUNNING on they belong to the
+engine's sequences (*used*). DONE, ABORTED and EXPIRED are final: nothing may write the blocks any more.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class IntakeState(enum.Enum):
+    RESERVED = "reserved"  # blocks held, nothing arrived yet
+    RECEIVING = "receiving"  # some (layer, chunk) parts installed
+    COMPLETE = "complete"  # every layer covers the whole prompt: may join the batch once the PrefillResult is here
+    FAILED = "failed"  # a part was rejected or a send failed: recompute here, or fail (policy)
+    RUNNING = "running"  # in the engine's batch; its blocks are the sequences' now
+    PREEMPTED = "preempted"  # the engine took its blocks back to recompute it later
+    DONE = "done"  # finished (stop or length); final
+    ABORTED = "aborted"  # the client left or the request failed; final
+    EXPIRED = "expired"  # no K/V within the lease; final
+
+
+S = IntakeState
+TRANSITIONS: dict[IntakeState, frozenset[IntakeState]] = {
+    S.RESERVED: frozenset({S.RECEIVING, S.COMPLETE, S.FAILED, S.RUNNING, S.ABORTED, S.EXPIRED}),
+    S.RECEIVING: frozenset({S.COMPLETE, S.FAILED, S.ABORTED, S.EXPIRED}),
+    S.COMPLETE: frozenset({S.RUNNING, S.ABORTED, S.EXPIRED}),
+    S.FAILED: frozenset({S.RUNNING, S.ABORTED, S.EXPIRED}),
+    S.RUNNING: frozenset({S.DONE, S.ABORTED, S.PREEMPTED}),
+    S.PREEMPTED: frozenset({S.RUNNING, S.DONE, S.ABORTED}),
+    S.DONE: frozenset(),
+    S.ABORTED: frozenset(),
+    S.EXPIRED: frozenset(),
+}
+PENDING = frozenset({S.RESERVED, S.RECEIVING, S.COMPLETE, S.FAILED})  # blocks still counted as reserved
+FINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
+
+
+class IllegalTransition(RuntimeError):
+    """A state change the table does not allow (a bug in the caller, never a peer's fault)."""
+
+
+@dataclass(eq=False)
+class IntakeRecord:
+    """The decode actor's one record of one request's reservation. Mutated only through its methods."""
+
+    reservation_id: str  # random per reservation: a stale message never matches a later one
+    request_id: str
+    block_ids: tuple[int, ...]  # physical ids in block-table order: logical block i -> block_ids[i]
+    ttl_s: float  # the lease; each installed part renews it
+    expires_at: float  # in the owner's clock; a pending record is released (EXPIRED) from then on
+    prompt_len: int  # tokens every layer's parts must cover, known at reserve time
+    num_layers: int
+    request: Any = None  # the GenerateRequest it serves (cluster.wire.messages): text, stops, reply_to
+    state: IntakeState = IntakeState.RESERVED
+    covered: list[int] = field(default_factory=list)  # per layer: tokens [0, covered) installed
+    out_of_order: int = 0  # parts that did not extend their layer's prefix (a gap or a repeat)
+    result: Any = None  # the PrefillResult, once the prefill actor's first tokens are here
+    failure: str | None = None  # why it FAILED / was ABORTED / EXPIRED
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.num_layers < 1:
+            raise ValueError(f"prompt_len/num_layers: must be >= 1, got {self.prompt_len}/{self.num_layers}")
+        if not self.covered:
+            self.covered = [0] * self.num_layers
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    @property
+    def pending(self) -> bool:
+        """Blocks still reserved (not yet handed to the engine, not released). Pure."""
+        return self.state in PENDING
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+    @property
+    def kv_complete(self) -> bool:
+        """Every layer holds the whole prompt's K/V. Pure."""
+        return all(c >= self.prompt_len for c in self.covered)
+
+    def missing_layers(self) -> list[int]:
+        """Layers not yet covering the prompt. Pure."""
+        return [i for i, c in enumerate(self.covered) if c < self.prompt_len]
+
+    def advance(self, new: IntakeState, why: str | None = None) -> None:
+        """Mutates: move to ``new``; raises :class:`IllegalTransition` if the table forbids it."""
+        if new not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.reservation_id} ({self.request_id}): {self.state.name} -> {new.name}")
+        self.state = new
+        if why is not None:
+            self.failure = why
+
+    def add_part(self, layer: int, token_start: int, token_end: int) -> None:
+        """Mutates: record an installed part (parts of a layer come in token order); RESERVED -> RECEIVING ->
+        COMPLETE as they arrive. Raises ``ValueError`` for a layer out of range, :class:`IllegalTransition` unless
+        the record still takes parts (RESERVED or RECEIVING)."""
+        if self.state not in (S.RESERVED, S.RECEIVING):
+            raise IllegalTransition(f"{self.reservation_id}: a part arrived in state {self.state.name}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: {layer} outside [0, {self.num_layers})")
+        if token_start <= self.covered[layer]:
+            self.covered[layer] = max(self.covered[layer], min(token_end, self.prompt_len))
+        else:
+            self.out_of_order += 1
+        if self.kv_complete:
+            self.advance(S.COMPLETE)
+        elif self.state is S.RESERVED:
+            self.advance(S.RECEIVING)
+
+    def ready_to_join(self) -> bool:
+        """The K/V is in place and the first tokens are here: the loop may join it to the batch. Pure."""
+        return self.state is S.COMPLETE and self.result is not None
+
+    def ready_to_recompute(self) -> bool:
+        """A part failed and the first tokens are here: the loop recomputes the prompt (or fails it). Pure."""
+        return self.state is S.FAILED and self.result is not None
