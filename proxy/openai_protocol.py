@@ -2,14 +2,16 @@
 
 ``decode_body`` turns raw bytes into a JSON object; ``parse_completion_request`` / ``parse_chat_request`` turn that into
 frozen request objects, raising ``APIError`` (400 with the offending ``param``, 404 for an unknown model) on anything
-wrong. Unknown fields are ignored. The builders at the end make response bodies and SSE events in OpenAI's exact
-format (the ``openai`` client's models parse them; the tests check it).
+wrong. Response bodies are built in :mod:`proxy.openai_responses`.
+
+Every field is implemented, ignored or refused; nothing that would change the output is silently dropped
+(``FIELDS`` below lists them all). As OpenAI does, a field nobody knows is a 400 naming it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +21,49 @@ from proxy.errors import (body_too_large, context_length_exceeded, invalid_json,
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**63 - 1
+
+# ---- which fields each endpoint takes ----
+# implemented: parsed below. Ignored: type-checked, then dropped because they change nothing in the output (tags,
+# storage and caching hints). Neutral-only: accepted at the values listed, which ask for nothing (no tools, no bias);
+# any other value is a 400 ``unsupported_parameter`` naming the field. Anything else: 400 ``unknown_parameter``.
+_IMPLEMENTED = frozenset({
+    "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
+    "stop", "presence_penalty", "frequency_penalty", "logprobs",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",  # vLLM's
+})
+_IGNORED: dict[str, type] = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str,
+                             "prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict,
+                             "parallel_tool_calls": bool}  # tools are always empty here, so nothing runs in parallel
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}), "service_tier": (None, "auto", "default"),
+    # vLLM's extensions, at their defaults
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+    "prompt_logprobs": (None,), "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "truncate_prompt_tokens": (None,), "structured_outputs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+}
+_COMPLETION_IMPLEMENTED = _IMPLEMENTED | {"prompt", "echo"}
+_CHAT_IMPLEMENTED = _IMPLEMENTED | {"messages", "top_logprobs"}
+_COMPLETION_NEUTRAL = {**_NEUTRAL, "best_of": (None, 1), "suffix": (None,), "add_special_tokens": (None, True)}
+_CHAT_NEUTRAL = {
+    **_NEUTRAL, "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "audio": (None,), "reasoning_effort": (None,), "verbosity": (None,),
+    "web_search_options": (None,), "prediction": (None,), "moderation": (None,),
+    "add_special_tokens": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+}
+_MESSAGE_IMPLEMENTED = frozenset({"role", "content", "name", "tool_call_id"})
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"tool_calls": (None, []), "function_call": (None,), "audio": (None,),
+                                                "refusal": (None,), "annotations": (None, [])}
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")  # the last one: ignored
+
+FIELDS = {  # endpoint -> kind -> field names (for docs; a test checks every SDK parameter is in one)
+    "completions": {"implemented": sorted(_COMPLETION_IMPLEMENTED), "ignored": sorted(_IGNORED),
+                    "neutral_only": sorted(_COMPLETION_NEUTRAL)},
+    "chat": {"implemented": sorted(_CHAT_IMPLEMENTED), "ignored": sorted(_IGNORED),
+             "neutral_only": sorted(_CHAT_NEUTRAL)},
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +113,7 @@ class SamplingOptions:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True  # vLLM's extension: special tokens left out of the text
 
 
 @dataclass(frozen=True)
@@ -86,6 +132,7 @@ class CompletionRequest:
     stream: bool = False
     stream_options: StreamOptions = StreamOptions()
     user: str | None = None
+    echo: bool = False  # each choice's text starts with its prompt's text (streamed: in the choice's first chunk)
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -95,12 +142,27 @@ class CompletionRequest:
     def num_choices(self) -> int:
         return len(self.prompts) * self.sampling.n
 
+    def prompt_index(self, choice_index: int) -> int:
+        """Which prompt choice ``choice_index`` continues (choice i*n+j is prompt i). Pure."""
+        if not 0 <= choice_index < self.num_choices:
+            raise ValueError(f"choice_index: must be in [0, {self.num_choices}), got {choice_index!r}")
+        return choice_index // self.sampling.n
+
+    def echo_text(self, choice_index: int, decode: Callable[[Sequence[int]], str]) -> str:
+        """What the text of choice ``choice_index`` starts with: its prompt as text under ``echo``, else "".
+        A text prompt is echoed as given; a token-id prompt as ``decode(ids)`` (the tokenizer's full decode). Pure."""
+        if not self.echo:
+            return ""
+        prompt = self.prompts[self.prompt_index(choice_index)]
+        return prompt if isinstance(prompt, str) else decode(prompt)
+
 
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str  # text parts joined with "\n" (as vLLM does); null assistant content becomes ""
     name: str | None = None
+    tool_call_id: str | None = None  # a "tool" message's answer-to id, handed to the chat template as vLLM does
 
 
 @dataclass(frozen=True)
@@ -120,7 +182,8 @@ class ChatCompletionRequest:
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages in the form ``tokenizer.apply_chat_template`` takes. Pure."""
-        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})} for m in self.messages]
+        return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in self.messages]
 
 
 def decode_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
@@ -149,16 +212,22 @@ def _reject_constant(name: str) -> Any:
 def parse_completion_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> CompletionRequest:
     """Validate a ``/v1/completions`` body. Pure; raises ``APIError``."""
     model = _model(body, cfg)
+    _check_fields(body, _COMPLETION_IMPLEMENTED, _COMPLETION_NEUTRAL)
     prompts = _prompts(body.get("prompt"), cfg)
     logprobs = read_int(body, "logprobs", 0, cfg.max_logprobs)
+    echo = read_bool(body, "echo") or False
+    if echo and logprobs is not None:  # vLLM would add the prompt's logprobs; the engine computes none
+        raise invalid_request("'echo' together with 'logprobs' is not supported: this server does not compute the "
+                              "prompt's logprobs.", "echo", "unsupported_parameter")
     sampling = _sampling(body, cfg, cfg.default_completion_max_tokens, logprobs)
     stream, options = _stream(body)
-    return CompletionRequest(model, prompts, sampling, stream, options, read_str(body, "user"))
+    return CompletionRequest(model, prompts, sampling, stream, options, read_str(body, "user"), echo)
 
 
 def parse_chat_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> ChatCompletionRequest:
     """Validate a ``/v1/chat/completions`` body. Pure; raises ``APIError``."""
     model = _model(body, cfg)
+    _check_fields(body, _CHAT_IMPLEMENTED, _CHAT_NEUTRAL)
     messages = _messages(body.get("messages"))
     want = read_bool(body, "logprobs") or False
     top = read_int(body, "top_logprobs", 0, cfg.max_logprobs)
@@ -182,6 +251,30 @@ def to_generate_request(request_id: str, prompt_token_ids: list[int] | tuple[int
     fields["max_tokens"] = max_tokens
     return GenerateRequest(request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), reply_to=reply_to,
                            **fields)
+
+
+def _check_fields(obj: Mapping[str, Any], implemented: frozenset[str], neutral: Mapping[str, tuple[Any, ...]],
+                  ignored: Mapping[str, type] = _IGNORED, at: str = "") -> None:
+    """400 for a field that is none of implemented, ignored (of the right type) or neutral (at a neutral value)."""
+    for name, value in obj.items():
+        param = f"{at}{name}"
+        if name in implemented:
+            continue
+        if name in ignored:
+            if value is not None and not isinstance(value, ignored[name]):
+                raise type_error(param, json_type_name(ignored[name]()), value)  # the type's JSON name
+        elif name in neutral:
+            if not any(_same(value, v) for v in neutral[name]):
+                allowed = " or ".join(json.dumps(v) for v in neutral[name])
+                raise invalid_request(f"'{param}' is not supported by this server: only {allowed} is accepted, "
+                                      f"got {json.dumps(value)[:80]}.", param, "unsupported_parameter")
+        else:
+            raise invalid_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: ``true`` is not ``1``. Pure."""
+    return isinstance(a, bool) == isinstance(b, bool) and a == b
 
 
 def _model(body: Mapping[str, Any], cfg: ProtocolConfig) -> str:
@@ -218,6 +311,7 @@ def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, default_max_tokens: 
         presence_penalty=opt(read_float(body, "presence_penalty", -2.0, 2.0), 0.0),
         frequency_penalty=opt(read_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
         repetition_penalty=opt(read_float(body, "repetition_penalty", 0.0, 10.0, lo_open=True), 1.0),
+        skip_special_tokens=opt(read_bool(body, "skip_special_tokens"), True),
     )
 
 
@@ -281,13 +375,12 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         at = f"messages[{i}]"
         if not isinstance(m, dict):
             raise type_error(at, "an object", m)
+        _check_fields(m, _MESSAGE_IMPLEMENTED, _MESSAGE_NEUTRAL, {}, f"{at}.")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise invalid_request(f"'{at}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}.", f"{at}.role")
-        name = m.get("name")
-        if name is not None and not isinstance(name, str):
-            raise type_error(f"{at}.name", "a string", name)
-        out.append(ChatMessage(role, _content(m.get("content"), role, f"{at}.content"), name))
+        out.append(ChatMessage(role, _content(m.get("content"), role, f"{at}.content"),
+                               read_str(m, "name", f"{at}.name"), read_str(m, "tool_call_id", f"{at}.tool_call_id")))
     return tuple(out)
 
 
@@ -322,6 +415,11 @@ def _stream(body: Mapping[str, Any]) -> tuple[bool, StreamOptions]:
         raise type_error("stream_options", "an object", options)
     if not stream:  # OpenAI and vLLM refuse it too
         raise invalid_request("'stream_options' is only allowed when 'stream' is true.", "stream_options")
+    for name in options:
+        if name not in _STREAM_OPTIONS:
+            raise invalid_request(f"Unrecognized request argument supplied: stream_options.{name}",
+                                  f"stream_options.{name}", "unknown_parameter")
+    read_bool(options, "include_obfuscation", "stream_options.include_obfuscation")  # ignored: nothing to pad
     return stream, StreamOptions(
         include_usage=read_bool(options, "include_usage", "stream_options.include_usage") or False,
         continuous_usage_stats=read_bool(options, "continuous_usage_stats",

@@ -1,10 +1,15 @@
-"""Response bodies and SSE events in OpenAI's format (torch-free), for completions and chat completions."""
+"""Response bodies and SSE events in OpenAI's format (torch-free), for completions and chat completions.
+
+Also the accounting the bodies carry: ``total_usage`` (every prompt counted, duplicates too), ``token_logprob`` (one
+token's entry from the actor's (token id, logprob) pairs) and ``ChoiceStream`` (one choice's stream chunks, one
+logprob entry per generated token even while the token's text is held back, the echoed prompt first).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +34,73 @@ class ChoiceOutput:
     text: str  # the whole text (response) or the new text (chunk)
     finish_reason: str | None = None  # "stop" | "length"; None only in a chunk. Engine "abort" is the caller's call.
     logprobs: tuple[TokenLogprob, ...] | None = None
-    text_offset: int = 0  # completions: where ``text`` starts within the whole completion (logprobs' text_offset)
+    text_offset: int = 0  # completions: the first token's text_offset (the tokens' texts before it, echo included)
 
     def __post_init__(self) -> None:
         if self.finish_reason not in ("stop", "length", None):
             raise ValueError(f"ChoiceOutput.finish_reason: must be 'stop', 'length' or None, "
                              f"got {self.finish_reason!r}")
+
+
+def total_usage(prompt_lens: list[int], completion_tokens: int, cached_tokens: int) -> Usage:
+    """One request's usage. ``prompt_lens``: one entry per prompt of the request (a completions batch may repeat a
+    prompt: each copy counts, as in OpenAI and vLLM), not one per choice (``n`` choices of a prompt read it once).
+    ``completion_tokens``: generated tokens over all choices. ``cached_tokens``: prompt tokens taken from a prefix
+    cache, at most one prompt's worth per prompt. Pure; raises ``ValueError`` on counts that cannot be."""
+    if not prompt_lens or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in prompt_lens):
+        raise ValueError(f"prompt_lens: must be a non-empty list of integers >= 1, got {prompt_lens!r}")
+    prompt_tokens = sum(prompt_lens)
+    if not isinstance(cached_tokens, int) or not 0 <= cached_tokens <= prompt_tokens:
+        raise ValueError(f"cached_tokens: must be in [0, {prompt_tokens}] (the prompt tokens), got {cached_tokens!r}")
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached_tokens)
+
+
+def token_logprob(token_id: int, pairs: Iterable[tuple[int, float]], k: int,
+                  decode_token: Callable[[int], str]) -> TokenLogprob:
+    """The entry of one generated token from the actor's (token id, logprob) pairs (the sampled token and the top-k,
+    in any order): its own logprob and the ``k`` best alternatives, best first (ties by token id). Pure."""
+    table = {int(t): float(lp) for t, lp in pairs}
+    top = sorted(table.items(), key=lambda x: (-x[1], x[0]))[:k]
+    return TokenLogprob(decode_token(token_id), table.get(token_id, float("-inf")),
+                        tuple((decode_token(t), lp) for t, lp in top))
+
+
+class ChoiceStream:
+    """One choice of a streamed response: what it has sent so far. ``chunk`` mutates it.
+
+    Every delta that brings tokens yields a chunk when logprobs are on, even with empty text (the detokenizer holds
+    back half a character or a possible stop string), so the chunks carry exactly one logprob entry per generated
+    token; the final chunk carries the finish reason and whatever came with it. Under ``echo`` the prompt text is
+    the start of the first chunk's text, as vLLM sends it. ``text_offset`` (completions) continues over the tokens'
+    own texts, so the streamed offsets are the ones the whole response would give, in order even while the text
+    lags behind the tokens.
+    """
+
+    def __init__(self, index: int, with_logprobs: bool, echo: str = "") -> None:
+        self.index = index
+        self.with_logprobs = with_logprobs
+        self.text = ""  # all text sent, echo included
+        self.num_logprobs = 0  # logprob entries sent
+        self.finished = False
+        self._echo = echo
+        self._token_chars = len(echo)  # where the next token starts, counted over the tokens' texts
+
+    def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (),
+              finish_reason: str | None = None) -> ChoiceOutput | None:
+        """The chunk for one delta (its new text, its tokens' entries, the finish reason on the last), or None when
+        it carries nothing a client could see."""
+        if self.finished:
+            raise ValueError(f"choice {self.index}: a delta after the finish")
+        text, self._echo = self._echo + text, ""
+        lps = tuple(logprobs) if self.with_logprobs else ()
+        if not text and not lps and finish_reason is None:
+            return None
+        out = ChoiceOutput(self.index, text, finish_reason, lps if self.with_logprobs else None, self._token_chars)
+        self.text += text
+        self.num_logprobs += len(lps)
+        self._token_chars += sum(len(t.token) for t in lps)
+        self.finished = finish_reason is not None
+        return out
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
