@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-SUPPORTED_DTYPES = ("float32", "bfloat16")
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -13,13 +15,22 @@ class EngineConfig:
     """Everything that shapes one engine instance. Invalid values raise ``ValueError`` naming the field."""
 
     model: str = "default"  # "default" (the embedded SmolLM2-135M-Instruct) or a Hugging Face folder
-    dtype: str = "float32"  # weights, activations and KV cache: float32 | bfloat16
+    # where weights, activations, KV cache and sampling live: "auto" (CUDA when available, else the CPU), "cpu",
+    # "cuda" (the current CUDA device) or "cuda:N"
+    device: str = "auto"
+    dtype: str = "auto"  # weights, activations and KV cache: auto (bfloat16 on CUDA, float32 on the CPU) | float32 | bfloat16
     # KV cache storage: "auto" (= dtype) or "fp8" (float8_e4m3fn with one float32 scale per block and kv head: half
     # of bfloat16's bytes in memory and on the wire; attention dequantizes)
     kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # total KV blocks; None: sized from kv_cache_gib
-    kv_cache_gib: float = 2.0  # memory for the KV cache when num_kv_blocks is None
+    # memory for the KV cache when num_kv_blocks is None; None: 2 GiB on the CPU, and on CUDA whatever
+    # gpu_memory_utilization leaves after the weights and a profiled peak of activations
+    kv_cache_gib: float | None = None
+    # CUDA: the fraction of the device's total memory this engine may take (weights + activations + KV cache). An
+    # actor holding a fractional GPU share passes its share here (e.g. two actors per GPU: 0.45 each). Ignored on CPU.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
     max_num_seqs: int = 64  # most sequences in one step
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts to fit)
     max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings
@@ -32,6 +43,8 @@ class EngineConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise bad("device", 'must be "auto", "cpu", "cuda" or "cuda:N"')
         if self.dtype not in SUPPORTED_DTYPES:
             raise bad("dtype", f"must be one of {SUPPORTED_DTYPES}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -40,8 +53,10 @@ class EngineConfig:
             raise bad("block_size", "must be a power of two in [1, 128]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise bad("num_kv_blocks", "must be >= 2")
-        if not self.kv_cache_gib > 0:
-            raise bad("kv_cache_gib", "must be > 0")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise bad("kv_cache_gib", "must be > 0 or None")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be >= 1")
         if self.max_num_batched_tokens < 1:

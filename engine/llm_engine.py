@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
 from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.device import num_kv_blocks, resolve_device, resolve_dtype
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
@@ -48,14 +49,17 @@ class LLMEngine:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        dtype = DTYPES[config.dtype]
+        self.device = resolve_device(config.device)
+        dtype_name = resolve_dtype(config.dtype, self.device)
+        dtype = DTYPES[dtype_name]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.fingerprint = model_fingerprint(path, config.dtype)
-        model = DecoderModel(mc, load_state_dict(path, dtype), dtype, self.max_model_len)
+        self.fingerprint = model_fingerprint(path, dtype_name)
+        model = DecoderModel(mc, load_state_dict(path, dtype, self.device), dtype, self.max_model_len)
         kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype
-        num_blocks = config.num_kv_blocks or max(
-            2, int(config.kv_cache_gib * 2**30) // kv_block_bytes(mc, config.block_size, kv_dtype)
-        )
+        num_blocks = config.num_kv_blocks or num_kv_blocks(
+            self.device, model, config.kv_cache_gib, config.gpu_memory_utilization, config.max_num_batched_tokens,
+            config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
+            kv_block_bytes(mc, config.block_size, kv_dtype))
         extra = f"{self.fingerprint}:{config.block_size}".encode()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
         eos = set(mc.eos_token_ids)
@@ -65,9 +69,12 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self._ids = seq_id_counter()
         self._num_unseeded = 0  # unseeded requests so far: the counter derive_seed mixes with config.seed
         self._requests: dict[str, _Request] = {}
+        self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -153,31 +160,45 @@ class LLMEngine:
         return ids
 
     def add_prefilled_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_token: int,
-        block_ids: list[int], first_logprobs: dict[int, float] | None = None, arrival: float | None = None,
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_tokens: list[int],
+        block_ids: list[int], first_logprobs: list[dict[int, float]] | None = None, arrival: float | None = None,
     ) -> RequestOutput:
         """Decode side of disaggregation: join a request whose prompt K/V already sits in ``block_ids`` (allocated
-        in this engine's pool, e.g. a committed reservation) and whose first token was sampled by a prefill actor.
+        in this engine's pool, e.g. a committed reservation) and whose first tokens were sampled by a prefill actor:
+        one per completion (``params.n``), with their logprobs when asked for.
 
-        Takes ownership of the blocks. Returns the output after the first token (finished if it already stops).
+        Takes ownership of the blocks; with ``n > 1`` the completions share the prompt's blocks copy-on-write and the
+        blocks past the prompt go back to the pool (each completion allocates its own as it grows). Returns the
+        output after the first tokens (finished if they already stop). Raises ``ValueError`` (changing nothing) if
+        the request is invalid.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if params.n != 1:
-            raise ValueError(f"n: prefilled requests carry one completion, got {params.n}")
+        if len(first_tokens) != params.n:
+            raise ValueError(f"first_tokens: {len(first_tokens)} for n = {params.n} completions")
+        if first_logprobs is not None and len(first_logprobs) != params.n:
+            raise ValueError(f"first_logprobs: {len(first_logprobs)} for n = {params.n} completions")
         ids = list(prompt_token_ids)
         self.validate(ids, params)
-        seq = Sequence(
-            seq_id=next(self._ids), request_id=request_id, index=0, prompt_token_ids=ids, params=params,
-            arrival=time.monotonic() if arrival is None else arrival, seed=self.effective_seed(params),
-        )
-        self.kv.adopt(seq, block_ids, len(ids))
-        req = _Request(request_id, ids, [seq], [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)],
-                       [""])
+        seed = self.effective_seed(params)
+        arrival = time.monotonic() if arrival is None else arrival
+        seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
+                         arrival=arrival, seed=seed) for i in range(params.n)]
+        keep = len(block_ids) if params.n == 1 else cdiv(len(ids), self.config.block_size)
+        self.kv.adopt(seqs[0], block_ids[:keep], len(ids))
+        self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))
+        req = _Request(request_id, ids, seqs,
+                       [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs],
+                       [""] * len(seqs))
         self._requests[request_id] = req
-        self.scheduler.add_running(seq)
-        self.scheduler.append_token(seq, SampledToken(first_token, first_logprobs))
-        self._detokenize(req, seq)
+        self.scheduler.add_running(seqs[0])
+        for child in seqs[1:]:
+            self.kv.fork(seqs[0], child)
+            self.scheduler.add_running(child)
+        for i, seq in enumerate(seqs):
+            self.scheduler.append_token(seq, SampledToken(first_tokens[i], None if first_logprobs is None
+                                                          else first_logprobs[i]))
+            self._detokenize(req, seq)
         out = self._output(req)
         if req.finished:
             del self._requests[request_id]
@@ -210,6 +231,7 @@ class LLMEngine:
         prefill worker streams it to the decode actor from there).
         """
         out = self.scheduler.schedule()
+        self.last_preempted = [s.request_id for s in out.preempted]
         hook = None if after_kv_store is None else (lambda layer: after_kv_store(layer, out))
         sampled = self.runner.execute(out, hook)
         updated, finished = self.scheduler.update_from_output(out, sampled)
@@ -230,7 +252,11 @@ class LLMEngine:
     def _detokenize(self, req: _Request, seq: Sequence) -> None:
         i = seq.index
         detok = req.detoks[i]
-        delta = detok.add_token(seq.output_token_ids[-1])
+        tok, p = seq.output_token_ids[-1], seq.params
+        stopped_by_token = seq.finish_reason == "stop" and (
+            tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids))
+        # a stop token ends the text without adding its own (as vLLM's server does); its id stays in token_ids
+        delta = "" if stopped_by_token else detok.add_token(tok)
         if seq.is_finished:
             delta += detok.finish()
         text = req.texts[i] + delta

@@ -38,6 +38,10 @@ class AttentionMetadata:
     # (first token, end token, int32 block tables [n, blocks of the group's longest], int32 context lengths [n])
     decode_groups: list[tuple[int, int, torch.Tensor, torch.Tensor]]
     prefills: list[tuple[int, int, torch.Tensor]]  # per chunk: (token count, start position, block table)
+    # the same chunks for one varlen attention call (on a GPU): int32 block tables [n, width], cu_seqlens [n + 1],
+    # start positions [n], and the longest chunk (sizes the kernel grid without a host sync); None: one call per chunk
+    prefill_varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+    decode_num_splits: int | None = None  # split-K of decode attention; None lets the kernel pick (fixed in a graph)
 
 
 class DecoderModel:
@@ -51,7 +55,8 @@ class DecoderModel:
         self.final_norm = state.pop("model.norm.weight")
         self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_dim**-0.5
-        self.rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling_dict, dtype)
+        self.device = self.embed.device
+        self.rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling_dict, dtype, self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -123,10 +128,17 @@ class DecoderModel:
         scales: tuple[torch.Tensor | None, torch.Tensor | None],
     ) -> torch.Tensor:
         parts = [
-            kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window, *scales)
+            kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window, *scales,
+                                           **({} if meta.decode_num_splits is None
+                                              else {"num_splits": meta.decode_num_splits}))
             for a, b, tables, lens in meta.decode_groups
         ]
         off = meta.num_decodes
+        if meta.prefill_varlen is not None:
+            tables, cu, starts, longest = meta.prefill_varlen
+            parts.append(kernels.paged_prefill_attention_varlen(q[off:], k_cache, v_cache, tables, cu, starts,
+                                                                self.scale, window, *scales, max_seqlen_q=longest))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
         for n, start, table in meta.prefills:
             parts.append(kernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale,
                                                          window, *scales))

@@ -12,14 +12,15 @@ from safetensors import safe_open
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
-def load_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of ``folder/*.safetensors``, cast to ``dtype``. Raises ``ValueError`` if there are none."""
+def load_state_dict(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of ``folder/*.safetensors``, cast to ``dtype``, on ``device`` (read straight onto it). Raises
+    ``ValueError`` if there are none."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {folder}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
             for name in st.keys():
                 out[name] = st.get_tensor(name).to(dtype)
     return out

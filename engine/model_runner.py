@@ -1,16 +1,19 @@
 """Executes a :class:`SchedulerOutput`: builds the flattened batch, runs the forward, samples.
 
-Owns the model weights, the KV cache tensor and the sampler. The only state it mutates is the KV cache.
+Owns the model weights, the KV cache tensor and the sampler, all on the model's device. The only state it mutates is
+the KV cache. A step's inputs are built on the host and copied to the device without waiting (pinned memory); the only
+wait is for the sampled ids (and logprobs) coming back, once per step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Seq
 
 import torch
 
-from engine.model import AttentionMetadata, DecoderModel
+from engine.cuda_graphs import DecodeGraphRunner
 from engine.kv_cache_manager import cdiv
+from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig
 from engine.philox import derive_seed
 from engine.sampler import Sampler, SamplingMetadata
@@ -18,8 +21,9 @@ from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# decodes per attention call: sorted by length, groups of 8 gather ~7x less padding than one call over the batch
-# (64 sequences of 16-512 tokens on this CPU: 26 ms -> 3.8 ms per layer)
+# CPU: decodes per attention call: sorted by length, groups of 8 gather ~7x less padding than one call over the batch
+# (64 sequences of 16-512 tokens on this CPU: 26 ms -> 3.8 ms per layer). On a GPU the Triton kernel reads each
+# sequence's own length, so the whole batch is one call.
 DECODE_GROUP = 16
 
 
@@ -32,29 +36,45 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     return values + (2 * cfg.num_layers * cfg.num_kv_heads * 4 if dtype == FP8 else 0)
 
 
+def to_device(values: Seq[int] | Seq[float] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on ``device``; to CUDA through pinned memory without waiting. Pure."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
                  kv_dtype: torch.dtype | None = None) -> None:
         cfg = model.cfg
         self.model = model
+        self.device = model.device
         self.block_size = block_size
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
-        self.kv = torch.zeros(
-            cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype or model.dtype
-        )
+        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                              dtype=kv_dtype or model.dtype, device=self.device)
         self.kv_caches = list(self.kv.unbind(0))
         # an FP8 cache's scales: [layers, 2, num_blocks, kv_heads] float32 (zero for a never-written block)
-        self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads) if self.kv.dtype == FP8
-                          else None)
+        self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, device=self.device)
+                          if self.kv.dtype == FP8 else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)
         self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphRunner | None = None  # decode-only steps on padded buckets (see enable_...)
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Mutates: decode-only steps from now on run on a :class:`DecodeGraphRunner`'s persistent padded buffers,
+        replaying one CUDA graph per batch-size bucket when ``capture`` (captured here), else eagerly (the CPU
+        tests of the padding and bucketing)."""
+        self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, self.kv_scale_layers, self.block_size,
+                                               max_num_seqs, max_model_len, capture)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Mutates the KV cache: copy every layer's K/V of block ``src`` into block ``dst``."""
         if pairs:
-            src = torch.tensor([s for s, _ in pairs])
-            dst = torch.tensor([d for _, d in pairs])
+            src = to_device([s for s, _ in pairs], torch.int64, self.device)
+            dst = to_device([d for _, d in pairs], torch.int64, self.device)
             self.kv[:, :, dst] = self.kv[:, :, src]
             if self.kv_scales is not None:
                 self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
@@ -66,8 +86,9 @@ class ModelRunner:
     def prepare(
         self, out: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
-        """Flattened token ids, positions, attention metadata, the scheduled sequences in batch order, and the
-        batch row of each sequence that samples (in that order). Pure."""
+        """Flattened token ids, positions, attention metadata (all on the device), the scheduled sequences in batch
+        order, and the batch row of each sequence that samples (in that order). Pure."""
+        dev = self.device
         decodes = sorted(out.decodes, key=lambda s: s.start)  # similar lengths side by side
         order = decodes + out.prefills
         ids: list[int] = []
@@ -80,29 +101,44 @@ class ModelRunner:
             ids.append(s.seq.token_at(s.start))
             pos.append(s.start)
             slots.extend(self._slots(s.seq.block_table, s.start, 1))
+        group_size = DECODE_GROUP if dev.type == "cpu" else max(1, len(decodes))
         groups = []
-        for a in range(0, len(decodes), DECODE_GROUP):
-            group = decodes[a : a + DECODE_GROUP]
-            width = cdiv(group[-1].start + 1, self.block_size)
-            tables = torch.tensor([s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table)))
-                                   for s in group], dtype=torch.int32)
-            lens = torch.tensor([s.start + 1 for s in group], dtype=torch.int32)
+        for a in range(0, len(decodes), group_size):
+            group = decodes[a : a + group_size]
+            width = cdiv(max(s.start for s in group) + 1, self.block_size)
+            tables = to_device([s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table)))
+                                for s in group], torch.int32, dev)
+            lens = to_device([s.start + 1 for s in group], torch.int32, dev)
             groups.append((a, a + len(group), tables, lens))
         prefills = []
         for s in out.prefills:
             ids.extend(s.seq.token_slice(s.start, s.start + s.num_tokens))
             pos.extend(range(s.start, s.start + s.num_tokens))
             slots.extend(self._slots(s.seq.block_table, s.start, s.num_tokens))
-            prefills.append((s.num_tokens, s.start, torch.tensor(s.seq.block_table, dtype=torch.int32)))
+            if dev.type == "cpu":
+                prefills.append((s.num_tokens, s.start, torch.tensor(s.seq.block_table, dtype=torch.int32)))
+            else:
+                prefills.append((s.num_tokens, s.start, torch.empty(0)))  # read through prefill_varlen
             if s.sample:
                 sample_rows.append(len(ids) - 1)
+        varlen = None
+        if dev.type != "cpu" and out.prefills:
+            width = max(cdiv(s.start + s.num_tokens, self.block_size) for s in out.prefills)
+            cu = [0]
+            for s in out.prefills:
+                cu.append(cu[-1] + s.num_tokens)
+            varlen = (to_device([s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table)))
+                                 for s in out.prefills], torch.int32, dev),
+                      to_device(cu, torch.int32, dev), to_device([s.start for s in out.prefills], torch.int32, dev),
+                      max(s.num_tokens for s in out.prefills))
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=to_device(slots, torch.int64, dev),
             num_decodes=len(decodes),
             decode_groups=groups,
             prefills=prefills,
+            prefill_varlen=varlen,
         )
-        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta, order, sample_rows
+        return to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), meta, order, sample_rows
 
     @torch.inference_mode()
     def execute(
@@ -115,24 +151,38 @@ class ModelRunner:
         self.copy_blocks(out.blocks_to_copy)
         if out.is_empty:
             return {}
+        graphs = self.decode_graphs
+        if graphs is not None and after_kv_store is None and graphs.fits(out):
+            order = sorted(out.decodes, key=lambda s: s.start)
+            to_sample = [s for s in order if s.sample]
+            meta = self._sampling_metadata(to_sample)  # built (and sent) before the step is launched
+            logits = graphs.run(order)
+            if len(to_sample) != len(order):
+                logits = logits[to_device([i for i, s in enumerate(order) if s.sample], torch.int64, self.device)]
+            return self._sample(logits, to_sample, meta)
         ids, pos, meta, order, rows = self.prepare(out)
-        hidden = self.model.forward(ids, pos, meta, self.kv_caches, after_kv_store, self.kv_scale_layers)
         to_sample = [s for s in order if s.sample]
-        if not to_sample:
+        sampling = self._sampling_metadata(to_sample) if to_sample else None
+        row_index = to_device(rows, torch.int64, self.device) if to_sample else None
+        hidden = self.model.forward(ids, pos, meta, self.kv_caches, after_kv_store, self.kv_scale_layers)
+        if sampling is None or row_index is None:
             return {}
-        logits = self.model.logits(hidden[torch.tensor(rows)])
-        return self._sample(logits, to_sample)
+        logits = self.model.logits(hidden[row_index])
+        return self._sample(logits, to_sample, sampling)
 
-    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledSeq]) -> dict[int, list[SampledToken]]:
-        # a parent sampling its first token also samples for its not-yet-forked children, from the same logits
+    def _sampling_rows(self, scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
+        """The sequences that sample and the logits row each reads. Pure. A parent sampling its first token also
+        samples for its not-yet-forked children, from the same logits row."""
         seqs: list[Sequence] = []
         rows: list[int] = []
         for r, s in enumerate(scheduled):
             for seq in (s.seq, *s.seq.pending_children):
                 seqs.append(seq)
                 rows.append(r)
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows)]
+        return seqs, rows
+
+    def _sampling_metadata(self, scheduled: list[ScheduledSeq]) -> tuple[SamplingMetadata, list[int]]:
+        seqs, rows = self._sampling_rows(scheduled)
         meta = SamplingMetadata.build(
             [q.params for q in seqs],
             [q.prompt_token_ids for q in seqs],
@@ -140,7 +190,15 @@ class ModelRunner:
             seeds=[q.seed if q.seed is not None else derive_seed(self.seed, q.seq_id) for q in seqs],
             choices=[q.index for q in seqs],
             positions=[q.num_tokens for q in seqs],  # a forked child's first token sits where its parent's does
+            device=self.device,
         )
+        return meta, rows
+
+    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledSeq],
+                sampling: tuple[SamplingMetadata, list[int]]) -> dict[int, list[SampledToken]]:
+        meta, rows = sampling
+        if len(rows) != logits.shape[0]:
+            logits = logits[to_device(rows, torch.int64, self.device)]
         result = self.sampler(logits, meta)
         sampled: dict[int, list[SampledToken]] = {}
         for i, r in enumerate(rows):

@@ -31,12 +31,14 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> tor
 class RotaryEmbedding:
     """Precomputed cos/sin tables; :meth:`apply` rotates q and k in place of the rotate-half convention."""
 
-    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict[str, Any], dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        # computed in float32 on the CPU whatever the device, so every device rotates by the same table values
         inv = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` of shape ``[T, 1, D]`` for token positions ``[T]``; computed once per step. Pure."""

@@ -67,6 +67,10 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]  # read only by the repetition penalty
     output_token_ids: list[list[int]]  # tokens generated so far, read by all three penalties
     num_logprobs: list[int | None]  # how many top logprobs to return per row; None -> none
+    # host-side facts about the rows, known when the metadata is built from Python values: they spare the sampler a
+    # device -> host sync to find out (None: read from the tensors)
+    all_greedy: bool | None = None  # every row is greedy
+    any_penalty: bool | None = None  # some row has a repetition, presence or frequency penalty
 
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
@@ -97,11 +101,18 @@ class SamplingMetadata:
         a seed, the one its engine gave it when it was added (see `LLMEngine.add_request`).
         Seeds may be any non-negative int; the draw uses their low 64 bits.
         """
+        device = torch.device(device)
+
+        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.tensor(values, dtype=dtype)
+            # pinned + non-blocking: building the batch never waits for the device
+            return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
         def col(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+            return on_device([getattr(p, name) for p in params], dtype)
 
         def ints(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(list(values), dtype=torch.int64, device=device)
+            return on_device(list(values), torch.int64)
 
         return SamplingMetadata(
             temperature=col("temperature", torch.float32), top_k=col("top_k", torch.int64),
@@ -112,7 +123,10 @@ class SamplingMetadata:
             seeds=ints([seed_as_int64(x) for x in seeds]), choices=ints(choices),
             positions=ints(positions),
             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
-            num_logprobs=[p.logprobs for p in params])
+            num_logprobs=[p.logprobs for p in params],
+            all_greedy=all(p.temperature < _GREEDY_EPS for p in params),
+            any_penalty=any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                            or p.frequency_penalty != 0.0 for p in params))
 
 
 @dataclass
@@ -291,25 +305,32 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return pos
 
 
-def _raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                  num_logprobs: list[int | None]) -> list[dict[int, float] | None]:
-    """Returns per-row {token: logprob} (sampled token + top-k) from the raw logits. Pure."""
+def _to_host(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+             ) -> tuple[list[int], list[dict[int, float] | None]]:
+    """The sampled ids and per-row {token: logprob} (sampled + top-k, from the raw logits), brought to the host in
+    one transfer (ids and logprobs packed into one float64 tensor: ids < 2**53 stay exact). Pure."""
     result: list[dict[int, float] | None] = [None] * len(num_logprobs)
     rows = [i for i, k in enumerate(num_logprobs) if k is not None]
     if not rows:
-        return result
-    lp = logits[rows].float().log_softmax(dim=-1)
-    sampled_ids = token_ids[rows]
-    sampled = lp.gather(1, sampled_ids.unsqueeze(1)).squeeze(1).tolist()
+        return token_ids.tolist(), result
+    row_index = torch.tensor(rows, device=logits.device) if len(rows) < len(num_logprobs) else None
+    lp = (logits if row_index is None else logits[row_index]).float().log_softmax(dim=-1)
+    sampled_ids = token_ids if row_index is None else token_ids[row_index]
+    sampled = lp.gather(1, sampled_ids.unsqueeze(1))
     max_k = min(logits.shape[1], max(num_logprobs[i] or 0 for i in rows))
     top_vals, top_idx = lp.topk(max_k, dim=-1)
-    top_vals_l, top_idx_l, sampled_l = top_vals.tolist(), top_idx.tolist(), sampled_ids.tolist()
+    n, m = len(num_logprobs), len(rows)
+    packed = torch.cat([token_ids.double(), sampled.double().flatten(), top_vals.double().flatten(),
+                        top_idx.double().flatten()]).tolist()
+    ids = [int(t) for t in packed[:n]]
+    sampled_l = packed[n : n + m]
+    vals_l, idx_l = packed[n + m : n + m + m * max_k], packed[n + m + m * max_k :]
     for j, i in enumerate(rows):
         k = num_logprobs[i] or 0
-        entry = dict(zip(top_idx_l[j][:k], top_vals_l[j][:k]))
-        entry[sampled_l[j]] = sampled[j]
+        entry = {int(idx_l[j * max_k + c]): vals_l[j * max_k + c] for c in range(k)}
+        entry[ids[i]] = sampled_l[j]
         result[i] = entry
-    return result
+    return ids, result
 
 
 class Sampler:
@@ -322,11 +343,14 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
         x = logits.float()
-        if bool(((meta.repetition_penalty != 1.0) | (meta.frequency_penalty != 0.0)
-                 | (meta.presence_penalty != 0.0)).any()):
+        any_penalty = meta.any_penalty
+        if any_penalty is None:
+            any_penalty = bool(((meta.repetition_penalty != 1.0) | (meta.frequency_penalty != 0.0)
+                                | (meta.presence_penalty != 0.0)).any())
+        if any_penalty:
             x = apply_penalties(x, meta)
         greedy = meta.temperature < _GREEDY_EPS
-        if bool(greedy.all()):
+        if meta.all_greedy if meta.all_greedy is not None else bool(greedy.all()):
             token_ids = x.argmax(dim=-1)
         else:
             token_ids = torch.empty(meta.num_rows, dtype=torch.int64, device=x.device)
@@ -335,8 +359,8 @@ class Sampler:
                 token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
             random_rows = (~greedy).nonzero().squeeze(1)
             token_ids[random_rows] = self._sample(_take(x, random_rows), meta, random_rows)
-        return SamplerOutput(token_ids=token_ids.tolist(),
-                             logprobs=_raw_logprobs(logits, token_ids, meta.num_logprobs))
+        ids, logprobs = _to_host(logits, token_ids, meta.num_logprobs)
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
 
     def _sample(self, x: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
         """Returns a token for each row of penalized logits `x` [n, V] (batch rows `rows`). Pure.

@@ -1,0 +1,132 @@
+"""Decode-only steps on persistent, fixed-width, padded buffers: one CUDA graph per batch-size bucket.
+
+A decode step's shapes depend only on its batch size once the inputs live in fixed buffers: token ids, positions and
+slots ``[B]``, block tables ``[B, max blocks per sequence]``, context lengths ``[B]``. A step of ``n`` sequences runs
+the smallest bucket ``b >= n``; rows ``n..b`` are padding: slot -1 (the KV store skips it), context length 0 (the
+attention kernels return zeros for it, so no NaN reaches the logits). Each bucket's forward and logits are captured
+once (after a warm-up that compiles the Triton kernels for its shapes) with a split-K count fixed per bucket, and
+replayed; the step's inputs reach the buffers as non-blocking copies from pinned host memory, so the host never waits
+inside a step. With ``capture=False`` (the CPU, or ``enforce_eager``) the very same padded buffers run eagerly: that
+is how the CPU tests check the padding and bucketing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from engine.kv_cache_manager import cdiv
+from engine.model import AttentionMetadata, DecoderModel
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes captured: 1, 2, 4, 8, then every multiple of 16, up to (and including) ``max_num_seqs``. Pure."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphRunner:
+    """Owns the persistent decode buffers and one graph (or eager forward) per bucket. :meth:`run` mutates the
+    buffers and the KV cache."""
+
+    def __init__(self, model: DecoderModel, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None,
+                 block_size: int, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv_scales = kv_scales
+        self.block_size = block_size
+        self.buckets = bucket_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        dev = self.device = model.device
+        size, width = self.buckets[-1], cdiv(max_model_len, block_size)
+        self.input_ids = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.slots = torch.full((size,), -1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(size, width, dtype=torch.int32, device=dev)
+        self.capture = capture and dev.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
+        if self.capture:
+            self._capture_all()
+
+    def num_splits(self, batch: int) -> int | None:
+        """The split-K count of a bucket: fixed from shapes (the kernel picks from the longest possible context). On
+        the CPU the torch path ignores it."""
+        if self.device.type != "cuda":
+            return None
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return kernels.decode_num_splits(batch, self.kv_caches[0].shape[3], self.max_model_len, sms)
+
+    def fits(self, out: SchedulerOutput) -> bool:
+        """Whether this step is decode-only and no larger than the largest bucket. Pure."""
+        return not out.prefills and 0 < len(out.decodes) <= self.buckets[-1]
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket holding ``n`` rows. Pure."""
+        return next(b for b in self.buckets if b >= n)
+
+    def _metadata(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slots[:batch], num_decodes=batch,
+            decode_groups=[(0, batch, self.block_tables[:batch], self.seq_lens[:batch])], prefills=[],
+            decode_num_splits=self.num_splits(batch))
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        hidden = self.model.forward(self.input_ids[:batch], self.positions[:batch], self._metadata(batch),
+                                    self.kv_caches, None, self.kv_scales)
+        return self.model.logits(hidden)
+
+    def _capture_all(self) -> None:
+        """Mutates: captures every bucket, largest first (smaller graphs reuse its memory pool). The buffers hold
+        padding (slot -1, length 0) throughout, so the warm-up and capture runs write no KV."""
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        for batch in reversed(self.buckets):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles the Triton kernels for these shapes, settles the allocator
+                    self._forward(batch)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[batch] = self._forward(batch)
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _stage(self, decodes: list[ScheduledSeq], batch: int) -> None:
+        """Mutates the buffers: rows ``0..n`` from ``decodes``, rows ``n..batch`` padding. Only the block-table
+        columns this step reads are written; the kernel never reads past a row's length."""
+        n, bs = len(decodes), self.block_size
+        width = cdiv(max(s.start for s in decodes) + 1, bs)
+        ids, pos, slots, lens = [], [], [], []
+        tables = torch.zeros(n, width, dtype=torch.int32)
+        for i, s in enumerate(decodes):
+            table = s.seq.block_table
+            ids.append(s.seq.token_at(s.start))
+            pos.append(s.start)
+            slots.append(table[s.start // bs] * bs + s.start % bs)
+            lens.append(s.start + 1)
+            used = min(width, len(table))
+            tables[i, :used] = torch.tensor(table[:used], dtype=torch.int32)
+        pad = batch - n
+        cols = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        lens_t = torch.tensor(lens + [0] * pad, dtype=torch.int32)
+        if self.device.type == "cuda":
+            cols, lens_t, tables = cols.pin_memory(), lens_t.pin_memory(), tables.pin_memory()
+        self.input_ids[:batch].copy_(cols[0], non_blocking=True)
+        self.positions[:batch].copy_(cols[1], non_blocking=True)
+        self.slots[:batch].copy_(cols[2], non_blocking=True)
+        self.seq_lens[:batch].copy_(lens_t, non_blocking=True)
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+
+    def run(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
+        """Runs one decode-only step for ``decodes`` (in this order); returns float32 logits ``[n, vocab]`` (a view
+        of the bucket's output buffer on a GPU, valid until the next run). Mutates the buffers and the KV cache."""
+        batch = self.bucket(len(decodes))
+        self._stage(decodes, batch)
+        if batch in self.graphs:
+            self.graphs[batch].replay()
+            return self.logits[batch][: len(decodes)]
+        return self._forward(batch)[: len(decodes)]
