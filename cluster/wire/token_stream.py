@@ -43,6 +43,7 @@ _POLL_SLICE_MS = 50  # a blocked send re-checks "stalled by send()" and "close()
 _SNDHWM = 16  # messages zmq may buffer per proxy: small, so that a proxy that stops reading is noticed soon
 _HEARTBEAT_IVL_MS = 1000  # ZMTP pings; a peer that has not answered for _HEARTBEAT_TIMEOUT_MS is disconnected
 _HEARTBEAT_TIMEOUT_MS = 3000
+_RCVHWM = 64  # messages a proxy's zmq buffers per decode actor while its loop is not reading; more wait at the sender
 
 
 class MalformedTokenMessage(ValueError):
@@ -108,6 +109,7 @@ class TokenStreamServer:
         """Mutates: bind (a free port when ``port`` is 0) and start receiving. Returns the address actors push to."""
         sock = self._ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
         if self._port:
             sock.bind(f"tcp://{self._host}:{self._port}")
             port = self._port
@@ -171,7 +173,10 @@ def _worth_logging(count: int) -> bool:
 class TokenSenderConfig:
     """How long a proxy may fall behind before its requests are given up."""
 
-    queue_batches: int = 256  # send() calls a proxy may have pending; one more and it is stalled
+    # send() calls (decode steps) a proxy may have pending; one more and it is stalled. At 100 steps/s, 256 lets a
+    # proxy pause for ~2.5 s. The sender thread sends whatever is pending as one message, so it falls behind only when
+    # zmq does not take a message (the proxy is not reading) or when it gets no CPU at all.
+    queue_batches: int = 256
     stall_timeout_s: float = 5.0  # the longest one message may wait for zmq to take it
     cooldown_s: float = 10.0  # after a stall, sends to that address are dropped this long, then it is tried afresh
     idle_close_s: float = 60.0  # a proxy address unused this long has its thread and socket closed (proxies come
