@@ -1,0 +1,142 @@
+"""The decode actor as the owner of its requests, in one process without Ray (tiny model, real sockets, real gloo KV).
+
+- a part that fails its checksum makes the owner recompute the prompt at once, with the prefill's seed: the text is the
+  same as a clean transfer's;
+- a failed send reported in the PrefillResult is recomputed without waiting for the lease;
+- ``fail`` policy: the client gets an error delta, the blocks come back;
+- a proxy that stops reading has its requests aborted and their blocks freed while another proxy's request keeps going;
+- a reservation whose K/V never comes expires with an error delta to its proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from cluster.flex_worker import FlexWorker
+from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
+from cluster.wire.worker_config import WorkerConfig
+from kv_transfer.config import KVTransferConfig
+from tests.token_inbox import TokenInbox, texts, token_ids
+
+PROMPT = tuple(range(40, 110))
+KV = KVTransferConfig(backend="torch_dist", connect_timeout_s=20, io_timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint: Any) -> str:
+    return str(tiny_checkpoint("llama"))
+
+
+def _workers(model: str, corrupt_every: int = 0, policy: str = "recompute",
+             **cfg: Any) -> tuple[FlexWorker, FlexWorker]:
+    config = WorkerConfig(model=model, num_kv_blocks=64, **cfg)
+    return (FlexWorker("pf", "prefill", config, KV, corrupt_every=corrupt_every),
+            FlexWorker("dc", "decode", config, KV, on_transfer_failure=policy))
+
+
+@pytest.fixture()
+def inbox() -> Iterator[TokenInbox]:
+    box = TokenInbox()
+    yield box
+    box.close()
+
+
+def _run(prefill: FlexWorker, decode: FlexWorker, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
+    req = GenerateRequest(rid, PROMPT, reply_to=inbox.address, **{"max_tokens": 12, "ignore_eos": True, **sampling})
+    grant = decode.reserve(ReserveRequest(req, 6).to_dict())
+    assert grant is not None
+    result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))
+    decode.prefilled(result.to_dict())
+    return inbox.collect(rid), result
+
+
+def _leak_free(decode: FlexWorker) -> None:
+    counts = decode.check_integrity()
+    assert counts["reserved"] == 0 and counts["used"] == 0, counts
+
+
+def test_corrupt_part_recomputes_with_the_same_text(model: str, inbox: TokenInbox) -> None:
+    clean_p, clean_d = _workers(model)
+    bad_p, bad_d = _workers(model, corrupt_every=1)  # every part fails its checksum
+    try:
+        for sampling in ({}, {"temperature": 1.0, "seed": 5}, {"temperature": 1.0}):  # greedy, seeded, unseeded
+            rid = f"r{len(sampling)}"
+            good, r1 = _run(clean_p, clean_d, inbox, rid + "a", **sampling)
+            bad, r2 = _run(bad_p, bad_d, inbox, rid + "b", **sampling)
+            if "seed" in sampling or not sampling:  # unseeded draws differ between two engines' seed streams
+                assert token_ids(good) == token_ids(bad) and texts(good) == texts(bad)
+            assert token_ids(bad)[0][0] == r2.first_token_ids[0]  # the recompute drew the prefill's first token again
+        assert clean_d.stats()["recomputes"] == 0 and bad_d.stats()["recomputes"] == 3
+        assert bad_d.stats()["kv_parts_rejected"] >= 3
+        _leak_free(clean_d)
+        _leak_free(bad_d)
+    finally:
+        for w in (clean_p, clean_d, bad_p, bad_d):
+            w.shutdown()
+
+
+def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: str, inbox: TokenInbox) -> None:
+    prefill, decode = _workers(model, reservation_ttl_s=600.0)
+    strict = FlexWorker("dc2", "decode", WorkerConfig(model=model, num_kv_blocks=64, reservation_ttl_s=600.0), KV,
+                        on_transfer_failure="fail")
+    try:
+        for dc, rid in ((decode, "sf1"), (strict, "sf2")):
+            req = GenerateRequest(rid, PROMPT, max_tokens=5, ignore_eos=True, reply_to=inbox.address)
+            grant = ReserveGrant.from_dict(dc.reserve(ReserveRequest(req, 6).to_dict()))
+            # no part was ever sent; the prefill actor says its sends failed: no 600 s wait for the lease
+            result = PrefillResult(rid, grant.reservation_id, (7,), seed=3, failed_parts=("connection refused",))
+            t0 = time.monotonic()
+            dc.prefilled(result.to_dict())
+            deltas = inbox.collect(rid, timeout_s=30)
+            assert time.monotonic() - t0 < 10
+            if dc is decode:
+                assert len(token_ids(deltas)[0]) == 5 and deltas[-1].error is None
+            else:
+                assert deltas[-1].error and "connection refused" in deltas[-1].error
+                assert deltas[-1].finish_reason == "abort"
+            _leak_free(dc)
+    finally:
+        for w in (prefill, decode, strict):
+            w.shutdown()
+
+
+def test_reservation_without_kv_expires_with_an_error(model: str, inbox: TokenInbox) -> None:
+    _, decode = None, FlexWorker("dc3", "decode", WorkerConfig(model=model, num_kv_blocks=64), KV)
+    try:
+        req = GenerateRequest("lost", PROMPT, max_tokens=5, reply_to=inbox.address)
+        assert decode.reserve(ReserveRequest(req, 6, ttl_s=0.5).to_dict()) is not None
+        deltas = inbox.collect("lost", timeout_s=20)
+        assert deltas[-1].error and "lease" in deltas[-1].error and deltas[-1].finish_reason == "abort"
+        _leak_free(decode)
+        assert decode.stats()["requests"] == {}
+    finally:
+        decode.shutdown()
+
+
+def test_a_proxy_that_stops_reading_loses_its_requests_not_others(model: str, inbox: TokenInbox) -> None:
+    ctx = zmq.Context()
+    dead = ctx.socket(zmq.PULL)
+    port = dead.bind_to_random_port("tcp://127.0.0.1")
+    dead.close(0)  # nobody listens there any more: a proxy that went away
+    decode = FlexWorker("dc4", "decode", WorkerConfig(model=model, num_kv_blocks=64), None)
+    try:
+        gone = GenerateRequest("gone", PROMPT, max_tokens=400, ignore_eos=True, reply_to=f"tcp://127.0.0.1:{port}")
+        live = GenerateRequest("live", PROMPT, max_tokens=60, ignore_eos=True, reply_to=inbox.address)
+        assert decode.reserve(ReserveRequest(gone, 32, colocated=True).to_dict()) is not None
+        assert decode.reserve(ReserveRequest(live, 12, colocated=True).to_dict()) is not None
+        deltas = inbox.collect("live", timeout_s=60)
+        assert len(token_ids(deltas)[0]) == 60  # every token, whatever happens to the other proxy
+        deadline = time.monotonic() + 30
+        while decode.stats()["requests"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        st = decode.stats()
+        assert st["requests"] == {} and st["proxy_stalls"] >= 1  # the dead proxy's request was aborted
+        _leak_free(decode)
+    finally:
+        decode.shutdown()
+        ctx.term()
