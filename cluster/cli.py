@@ -70,6 +70,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                 num_threads=args.threads or 1,
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
             decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
+            kv_host=args.kv_host,
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
@@ -162,15 +163,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
     print(f"mode: {st['mode']}   requests waiting for KV blocks: {st['waiting_for_blocks']}")
-    cols = ("actor", "role", "alive", "kv free", "reserved", "used", "total", "running", "waiting", "tokens")
-    print("".join(f"{c:>10}" if i else f"{c:<22}" for i, c in enumerate(cols)))
+    # node and kv address last: what to look at first when a KV transfer fails (is it the node the actor runs on?)
+    cols = ("actor", "role", "alive", "kv free", "reserved", "used", "total", "running", "waiting", "tokens", "node",
+            "kv address")
+
+    def line(cells: Sequence[object]) -> str:
+        head, *nums, node, addr = (str(c) for c in cells)
+        return f"{head:<22}" + "".join(f"{c:>10}" for c in nums) + f"  {node:<16}{addr}"
+
+    print(line(cols))
     for a in st["actors"]:
         kv = a.get("kv", {})
         tokens = a.get("tokens_generated", a.get("prompt_tokens", ""))
         alive = ("draining" if a.get("draining") else "yes") if a["alive"] else "DEAD"
-        row = (a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"),
-               kv.get("used", ""), kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens)
-        print("".join(f"{str(c):>10}" if i else f"{str(c):<22}" for i, c in enumerate(row)))
+        print(line((a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"), kv.get("used", ""),
+                    kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens, a.get("node_ip") or "?",
+                    a.get("kv_address") or "-")))
     ctrl = st.get("controller")
     if ctrl:
         print(f"\nautoscale: {'on' if ctrl['autoscale'] else 'off'}{'   (a change is in progress)' if ctrl['busy'] else ''}")
@@ -201,7 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what a decode actor does when a request's KV does not arrive intact")
     sv.add_argument("--cpus-per-actor", type=float, default=1.0)
     sv.add_argument("--gpus-per-actor", type=float, default=0.0)
-    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--host", default="127.0.0.1", help="where the proxies serve HTTP (0.0.0.0: every interface)")
+    sv.add_argument("--kv-host", default=None,
+                    help="the address every actor's KV endpoint binds and advertises (default: each actor's own node "
+                         "address, PDCLUSTER_NODE_IP or Ray's node IP; 127.0.0.1 without --ray-address); one address "
+                         "for all actors fits only a cluster on one machine")
     sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i (0: free ports, printed)")
     sv.add_argument("--proxies", type=int, default=1)
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")

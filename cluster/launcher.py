@@ -1,6 +1,11 @@
 """Start a pdcluster on Ray: prefill and decode actors (or decode actors only, colocated) and proxy processes.
 
 Without a Ray address it starts an embedded local Ray; with one it joins an existing cluster.
+
+Addresses. Every actor's KV endpoint binds and advertises its own node's address (``cluster.wire.node.node_ip()``,
+resolved inside the actor) unless ``kv_host`` names one for all; each proxy's token stream binds and advertises its
+own node's address. An embedded Ray is one node, this machine, so there both stay on ``127.0.0.1`` (nothing listens on
+the network for a laptop run). ``host`` is only where the proxies serve HTTP.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
 
 
@@ -25,7 +31,10 @@ class ServeConfig:
     prefill: int = 1  # prefill actors (disaggregated mode only)
     mode: str = "disaggregated"  # or "colocated": decode actors prefill for themselves
     kv_backend: str = "torch_dist"  # torch_dist (gloo on CPU, NCCL on GPU) or ucx
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the proxies serve HTTP (0.0.0.0: every interface)
+    # where every actor's KV endpoint binds and advertises. None: each actor's own node address (with an embedded
+    # Ray: 127.0.0.1). One address for all actors fits only actors that all run on one machine.
+    kv_host: str | None = None
     port: int = 8000  # the first proxy's port; proxy i listens on port + i; 0: each proxy gets a free port
     proxies: int = 1
     ray_address: str | None = None
@@ -66,6 +75,8 @@ class ServeConfig:
             raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
         if self.budget and self.budget < self.prefill + self.decode:
             raise ValueError(f"budget: must be 0 or >= prefill + decode ({self.prefill + self.decode}), got {self.budget}")
+        if self.kv_host is not None and (not self.kv_host or is_wildcard(self.kv_host)):
+            raise ValueError(f"kv_host: an address peers can dial (not a wildcard), or unset, got {self.kv_host!r}")
         if not 0 <= self.port <= 65536 - self.proxies:
             raise ValueError(f"port: must be 0 (free ports) or leave room for {self.proxies} proxies, got {self.port}")
 
@@ -118,7 +129,8 @@ class Cluster:
                      include_dashboard=False, log_to_driver=False)
         self._owns_ray = True
         disagg = cfg.mode == "disaggregated"
-        kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.host) if disagg else None
+        local = None if cfg.ray_address else LOOPBACK  # None: each actor or proxy resolves its own node's address
+        kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.kv_host or local) if disagg else None
         roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
                         **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {})}
                  for role in ("prefill", "decode")}
@@ -157,6 +169,7 @@ class Cluster:
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
                  "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name,
                  "--queue-timeout", str(cfg.queue_timeout_s), "--max-waiting", str(cfg.max_waiting)]
+                + (["--stream-host", local] if local else [])
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else []), env=env))
         deadline = time.monotonic() + timeout_s
         for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound

@@ -41,7 +41,9 @@ __all__ = [
 
 
 def make_backend(config: KVTransferConfig, fabric: FakeFabric | None = None) -> KVTransferBackend:
-    """A new endpoint of ``config.backend`` (the fake one needs the ``fabric`` its peers share). Pure."""
+    """A new endpoint of ``config.backend`` (the fake one needs the ``fabric`` its peers share); an unset
+    ``config.host`` becomes this process's node address (``KVTransferConfig.resolved``), so call it on the actor's own
+    node."""
     if config.backend == "torch_dist":
         from kv_transfer.torch_dist import TorchDistBackend
 

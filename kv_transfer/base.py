@@ -199,7 +199,7 @@ class KVTransferBackend(ABC):
     """One endpoint of a KV transport. Both roles in one object: a decode actor listens, a prefill actor sends."""
 
     def __init__(self, config: KVTransferConfig) -> None:
-        self.config = config
+        self.config = config.resolved()  # host unset: this process's node address (made inside the actor)
         self.recv_side: RecvSide | None = None  # created by listen()
         self._send_ids = itertools.count()
         self.bytes_sent = 0  # payload bytes of DONE sends (for pdcluster_kv_transfer_bytes_total)

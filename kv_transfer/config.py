@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+from cluster.wire.node import is_wildcard, node_ip
 
 BACKENDS = ("torch_dist", "ucx", "fake")
 UCX_PROGRESS_MODES = ("thread", "polling", "blocking", "thread-polling")
@@ -16,7 +19,10 @@ class KVTransferConfig:
 
     backend: str = "torch_dist"  # which transport: torch_dist (gloo on CPU, NCCL on CUDA), ucx, or fake (in-process)
     name: str = "kv"  # this endpoint's name, told to peers on connect (logs, per-peer stats)
-    host: str = "127.0.0.1"  # the address peers reach this endpoint at; also the interface gloo binds
+    # the address peers reach this endpoint at; also the interface gloo binds. None: this node's address
+    # (cluster.wire.node.node_ip()), filled in by resolved() where the endpoint is made, i.e. inside each actor on
+    # its own node, so one config serves actors wherever Ray places them. Never a wildcard (0.0.0.0): peers dial it.
+    host: str | None = None
     port: int = 0  # 0: pick a free port when listening (never a fixed one by default)
     device: str = "cpu"  # where payloads and receive buffers live: "cpu" (gloo) or "cuda[:i]" (NCCL / UCX device memory)
     recv_buffer_bytes: int = 64 << 20  # size of each preallocated receive buffer: the largest payload accepted
@@ -44,8 +50,9 @@ class KVTransferConfig:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"name: must be a non-empty string, got {self.name!r}")
-        if not self.host or not isinstance(self.host, str):
-            raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
+        if self.host is not None and (not self.host or not isinstance(self.host, str) or is_wildcard(self.host)):
+            raise ValueError(f"host: must be None (this node's address) or an address peers can dial, got "
+                             f"{self.host!r}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port: must be an int in [0, 65535], got {self.port!r}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
@@ -69,6 +76,13 @@ class KVTransferConfig:
             raise ValueError(f"ucx_payload_path: must be one of {UCX_PAYLOAD_PATHS}, got {self.ucx_payload_path!r}")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(f"ucx_progress_mode: must be one of {UCX_PROGRESS_MODES}, got {self.ucx_progress_mode!r}")
+
+    def resolved(self) -> KVTransferConfig:
+        """This config with ``host`` filled in: the calling process's node address when unset (see
+        ``cluster.wire.node``). Call it where the endpoint is made. Pure apart from reading the environment and Ray."""
+        if self.host is not None:
+            return self
+        return dataclasses.replace(self, host=node_ip())
 
     @property
     def is_cuda(self) -> bool:

@@ -12,6 +12,7 @@ import sys
 import ray
 from aiohttp import web
 
+from cluster.wire.node import advertised, is_wildcard, node_ip
 from cluster.wire.ray_address import wait_reachable
 from proxy.openai_protocol import ProtocolConfig
 from cluster.wire.names import NAMESPACE
@@ -38,7 +39,7 @@ async def _wait_for_decode(pools: Pools, timeout_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdcluster-proxy")
     ap.add_argument("--ray-address", required=True)
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="where HTTP is served (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, required=True, help="0: let the OS pick a free port")
     ap.add_argument("--port-file", default=None, help="write the port listened on here once bound")
     ap.add_argument("--model-name", default="default")
@@ -50,13 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     ap.add_argument("--keepalive-timeout", type=float, default=75.0,
                     help="idle keep-alive seconds; keep it above the load balancer's idle timeout (60 s on most)")
+    ap.add_argument("--stream-host", default=None,
+                    help="where the token stream (decode actors -> this proxy) binds (default: every interface when "
+                         "--host is 0.0.0.0, else this node's address: PDCLUSTER_NODE_IP or Ray's node IP)")
     ap.add_argument("--advertise-host", default=None,
-                    help="the address decode actors reach this proxy's token stream at (default: --host; set it to "
-                         "the pod IP when --host is 0.0.0.0)")
+                    help="the address decode actors reach the token stream at (default: --stream-host, or this "
+                         "node's address when that is a wildcard)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
     wait_reachable(args.ray_address, timeout_s=300.0, progress=log.info)  # a pod's Ray head may still be starting
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    # decode actors on other nodes push tokens here: never a loopback address unless asked for (an embedded Ray)
+    stream_host = args.stream_host or (args.host if is_wildcard(args.host) else node_ip())
+    stream_advertise = args.advertise_host or advertised(stream_host)
     pools = Pools()
     info = asyncio.run(_wait_for_decode(pools, 300))
     proto = ProtocolConfig(served_models=(args.model_name,), max_model_len=int(info["max_model_len"]),
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
                               max_waiting=args.max_waiting,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
-                  stream_host=args.host, stream_advertise_host=args.advertise_host,
+                  stream_host=stream_host, stream_advertise_host=stream_advertise,
                   disaggregated=args.disaggregated)
     # bind here, so that port 0 gets a port no other process can take between choosing and binding it
     sock = socket.create_server((args.host, args.port), reuse_port=False)

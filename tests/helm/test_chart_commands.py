@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -18,6 +16,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from own_processes import OwnProcesses, start_ray_node
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("ray")
@@ -33,11 +33,12 @@ def free_port() -> int:
 
 
 def ray_start(params: dict[str, str], head: bool, address: str) -> list[str]:
-    """The ``ray start`` command KubeRay runs for a group (its rayStartParams as ``--key=value`` flags)."""
+    """The ``ray start`` command KubeRay runs for a group (its rayStartParams as ``--key=value`` flags; in front with
+    ``--block``, as in the pod)."""
     cmd = ["ray", "start"] + (["--head", f"--port={address.rsplit(':', 1)[1]}"] if head else [f"--address={address}"])
     for k, v in params.items():
         cmd.append(f"--{k}={json.loads(v) if k == 'resources' else v}")
-    return cmd + ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+    return cmd + ["--node-ip-address=127.0.0.1", "--disable-usage-stats", "--block"]
 
 
 def localize(cmd: list[str], head_in_chart: str, head_here: str, port: int | None = None) -> list[str]:
@@ -73,32 +74,21 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
     if not env["PDCLUSTER_CACHE_DIR"]:
         env.pop("PDCLUSTER_CACHE_DIR")  # the image bakes the model under /opt/pdcluster; here, the user's cache
     assert env["RAY_AUTH_MODE"] == "disabled"
-    procs: list[subprocess.Popen[str]] = []
-
-    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    # every process in its own session, stopped by what was started here: never `ray stop`, which stops any Ray
+    own = OwnProcesses(env, tmp)
 
     try:
-        started = run(ray_start(rc["spec"]["headGroupSpec"]["rayStartParams"], True, head))
-        assert started.returncode == 0, started.stderr[-2000:]
+        start_ray_node(own, ray_start(rc["spec"]["headGroupSpec"]["rayStartParams"], True, head))
         for group in rc["spec"]["workerGroupSpecs"]:
             for _ in range(group["replicas"]):
-                started = run(ray_start(group["rayStartParams"], False, head))
-                assert started.returncode == 0, started.stderr[-2000:]
-        controller = localize(containers["controller"]["command"], "127.0.0.1:6379", head)
-        procs.append(subprocess.Popen(controller, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, start_new_session=True))
-        node = localize(pod["ray-node"]["command"], head_in_chart, head)
-        node = [a for a in node if a != "--block"]  # as a background Ray node here (the pod keeps it in front)
-        started = run(node)
-        assert started.returncode == 0, started.stderr[-2000:]
-        proxy = localize(pod["proxy"]["command"], head_in_chart, head, proxy_port)
-        procs.append(subprocess.Popen(proxy, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True, cwd=ROOT))
+                start_ray_node(own, ray_start(group["rayStartParams"], False, head))
+        own.start(localize(containers["controller"]["command"], "127.0.0.1:6379", head))
+        start_ray_node(own, localize(pod["ray-node"]["command"], head_in_chart, head))  # --block, as in the pod
+        own.start(localize(pod["proxy"]["command"], head_in_chart, head, proxy_port), cwd=ROOT)
         url = f"http://127.0.0.1:{proxy_port}"
         deadline = time.monotonic() + 300
         while True:  # the readiness probe's own check
-            assert all(p.poll() is None for p in procs), [p.stdout.read()[-2000:] for p in procs if p.poll() is not None]
+            assert not own.exited(), own.exited()
             try:
                 with urllib.request.urlopen(f"{url}{pod['proxy']['readinessProbe']['httpGet']['path']}", timeout=5) as r:
                     if r.status == 200:
@@ -114,11 +104,6 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
             answer: dict[str, Any] = json.loads(r.read())
         assert "Paris" in answer["choices"][0]["message"]["content"], answer
     finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(p.pid, signal.SIGKILL)
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        own.stop()
+        assert own.marked() == [], "processes this test started outlived it"
         shutil.rmtree(tmp, ignore_errors=True)

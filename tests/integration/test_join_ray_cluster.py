@@ -11,6 +11,7 @@ import tempfile
 import pytest
 
 from cluster.launcher import free_port
+from own_processes import OwnProcesses, ray_start, start_ray_node
 
 
 @pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not on PATH")
@@ -18,17 +19,17 @@ def test_serve_joins_an_existing_ray_cluster() -> None:
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit in 107 bytes
     # token auth off for this throwaway loopback cluster (the client side defaults to off, the CLI head to on)
-    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled"}
-    subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                    "--disable-usage-stats", "--node-ip-address=127.0.0.1"], check=True, capture_output=True,
-                   env=env, timeout=120)
-    try:
+    own = OwnProcesses({**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled"}, tmp)
+    try:  # the head stays in front (--block) in its own session: stopping it stops this Ray and no other
+        start_ray_node(own, ray_start(f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                                      "--node-ip-address=127.0.0.1", head=True))
         out = subprocess.run(
             [sys.executable, "-m", "cluster.cli", "serve", "--ray-address", f"127.0.0.1:{port}", "--port",
              "0", "--kv-cache-gib", "0.25", "--ask", "What is the capital of France?"],
-            capture_output=True, text=True, timeout=300, env=env)
+            capture_output=True, text=True, timeout=300, env=own.env)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "Paris" in out.stdout
     finally:
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env, timeout=120)
+        own.stop()
+        assert own.marked() == [], "processes this test started outlived it"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -54,6 +54,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   value: "0"
 - name: POD_IP
   valueFrom: {fieldRef: {fieldPath: status.podIP}}
+{{- /* the address every KV endpoint and token stream in this pod binds and advertises (cluster/wire/node.py) */}}
+- name: PDCLUSTER_NODE_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
 {{- end -}}
 
 {{- define "pdcluster.volumeMounts" -}}
