@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default="auto", help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "
+                        "it by a fractional --gpus-per-actor, so actors sharing a GPU split it)")
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV storage: auto (= --dtype) or fp8 (float8_e4m3fn with scales: half of bfloat16's bytes)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -31,7 +37,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return 2
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
-              cache_dir=args.cache_dir, progress=progress)
+              cache_dir=args.cache_dir, progress=progress, device=args.device,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     print(f"[pdcluster] model ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     printed = 0
 
@@ -67,7 +74,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         cfg = ServeConfig(
             worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                num_threads=args.threads or 1,
+                                num_threads=args.threads or 1, device=args.device, enforce_eager=args.enforce_eager,
+                                gpu_memory_utilization=args.gpu_memory_utilization * (
+                                    args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
             decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
             kv_host=args.kv_host,

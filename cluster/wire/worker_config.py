@@ -9,7 +9,8 @@ from typing import Any
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str = "default"
-    dtype: str = "float32"
+    device: str = "auto"  # the engine's device: auto (CUDA when the actor sees a GPU) | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     kv_cache_dtype: str = "auto"  # or "fp8": KV stored and sent as float8_e4m3fn with per-(block, kv head) scales
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -18,6 +19,10 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_threads: int = 1  # torch threads per actor (one actor per core on CPU)
+    # CUDA: the share of the device's memory this actor's engine may take (weights + activations + KV cache); actors
+    # sharing one GPU (a fractional --gpus-per-actor) get their share of it
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: decode steps without CUDA graphs
     # a reservation with no KV and no start by then is released (orphan cleanup); each KV part that arrives renews it.
     # Long enough to cover a busy prefill queue.
     reservation_ttl_s: float = 120.0
@@ -29,6 +34,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
         for name in ("reservation_ttl_s", "kv_wait_s"):
