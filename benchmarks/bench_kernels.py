@@ -28,6 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GRAPH_CALLS = 10
+# launch settings the sweep tries (each a dict of module constants of kernels.triton_kv / kernels.triton_prefill); the
+# report lists them so that one GPU run shows which to make the default
+DECODE_SWEEP = [dict(DECODE_TILE=t, DECODE_WARPS=w, DECODE_STAGES=s) for t in (32, 64, 128) for w in (4, 8)
+                for s in (2, 3)]
+FP8_SWEEP = [dict(DECODE_TILE_FP8=t, DECODE_WARPS_FP8=w, DECODE_STAGES_FP8=s) for t in (64, 128, 256) for w in (4, 8)
+             for s in (2, 3)]
+PREFILL_SWEEP = [dict(PREFILL_ROWS=r, PREFILL_TILE_N=n, PREFILL_STAGES=s) for r in (64, 128) for n in (32, 64, 128)
+                 for s in (2, 3)]
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-cpu", action="store_true", help="run the torch reference on the CPU (tests the script)")
     ap.add_argument("--small", action="store_true", help="tiny sizes")
     ap.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, tiny sizes (tests the script)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the launch-settings sweep")
     args = ap.parse_args(argv)
     if args.smoke:  # before anything imports triton: the interpreter is chosen at import
         os.environ["TRITON_INTERPRET"] = "1"
@@ -76,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     bench = Bench(device, shapes_for(args))
     bench.run()
+    if not args.no_sweep and (device == "cuda" or args.smoke):
+        bench.sweep(smoke=args.smoke)
     report = bench.report(argv if argv is not None else sys.argv[1:])
     print(report)
     if args.out:
@@ -93,6 +104,7 @@ class Bench:
 
         self.torch, self.kernels, self.device, self.s = torch, kernels, device, shapes
         self.rows: list[tuple[str, float, float | None, str]] = []
+        self.sweep_rows: list[tuple[str, dict[str, int], float | None, float | str]] = []
         self.bw = self.copy_bandwidth()
 
     # -- timing --------------------------------------------------------------------------------------------------
@@ -254,6 +266,48 @@ class Bench:
         self.row(f"dequantize_kv_fp8, {nb} blocks", lambda: k.dequantize_kv_fp8(k8, ks, dtype),
                  kc.numel() * (kc.element_size() + 1))
 
+    def sweep(self, smoke: bool) -> None:
+        """Decode (bf16, FP8) and prefill under each launch setting of the sweeps; the module constants are
+        restored after each. A setting that fails to compile (too much shared memory) is reported, not fatal."""
+        from kernels import triton_kv, triton_prefill
+
+        torch, k, s = self.torch, self.kernels, self.s
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        b, ctx, hd = s.batch, s.context, s.head_dim
+        kc, vc, tables = self._paged(dtype, b, ctx)
+        (k8, ks), (v8, vs) = k.quantize_kv_fp8(kc), k.quantize_kv_fp8(vc)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=self.device)
+        q = torch.randn(b, s.kv_heads * s.group, hd, device=self.device).to(dtype)
+        kv_bytes = 2 * b * ctx * s.kv_heads * hd * kc.element_size()
+        n, L = s.prefill_seqs, s.prefill_len
+        pc, pv, ptables = self._paged(dtype, n, L)
+        pq = torch.randn(n * L, s.kv_heads * s.group, hd, device=self.device).to(dtype)
+        cu = torch.arange(0, n * L + 1, L, dtype=torch.int32, device=self.device)
+        starts = torch.zeros(n, dtype=torch.int32, device=self.device)
+        flops = 4 * n * s.kv_heads * s.group * hd * L * (L + 1) // 2
+        cases = [
+            ("decode " + dtype_name(dtype), triton_kv, DECODE_SWEEP, kv_bytes,
+             lambda: k.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5, num_splits=1)),
+            ("decode fp8 cache", triton_kv, FP8_SWEEP, kv_bytes // 2,
+             lambda: k.paged_decode_attention(q, k8, v8, tables, lens, hd**-0.5, None, ks, vs, num_splits=1)),
+            ("varlen prefill (TFLOP/s)", triton_prefill, PREFILL_SWEEP, -flops,
+             lambda: k.paged_prefill_attention_varlen(pq, pc, pv, ptables, cu, starts, hd**-0.5, max_seqlen_q=L)),
+        ]
+        for label, mod, configs, amount, fn in cases:
+            for cfg in configs[:1] if smoke else configs:
+                saved = {name: getattr(mod, name) for name in cfg}
+                try:
+                    for name, value in cfg.items():
+                        setattr(mod, name, value)
+                    self.sweep_rows.append((label, cfg, self.timeit(fn)[0], amount))
+                except Exception as e:  # noqa: BLE001 -- e.g. out of shared memory: reported
+                    self.sweep_rows.append((label, cfg, None, f"{type(e).__name__}: {str(e)[:80]}"))
+                    if self.device == "cuda":
+                        torch.cuda.synchronize()
+                finally:
+                    for name, value in saved.items():
+                        setattr(mod, name, value)
+
     # -- report --------------------------------------------------------------------------------------------------
     def report(self, argv: list[str]) -> str:
         torch = self.torch
@@ -280,6 +334,28 @@ class Bench:
             gbs = f"{nbytes / t / 1e9:.0f}" if nbytes else "-"
             share = f"{nbytes / t / self.bw:.0%}" if nbytes else "-"
             lines.append(f"| {what} | {t * 1e6:.1f} us | {gbs} | {share} | {note} |")
+        if self.sweep_rows:
+            lines += ["", "## Launch-settings sweep", "",
+                      "Each kernel under each setting (module constants of `kernels/triton_kv.py` and "
+                      "`kernels/triton_prefill.py`); * marks the fastest, (current) the default in the code.", "",
+                      "| kernel | settings | time | share of copy bandwidth or TFLOP/s |", "|---|---|---|---|"]
+            from kernels import triton_kv, triton_prefill
+
+            best: dict[str, float] = {}
+            for label, _, t, _ in self.sweep_rows:
+                if t is not None:
+                    best[label] = min(best.get(label, t), t)
+            for label, cfg, t, amount in self.sweep_rows:
+                mod = triton_prefill if "prefill" in label else triton_kv
+                current = all(getattr(mod, name) == value for name, value in cfg.items())
+                settings = ", ".join(f"{name}={value}" for name, value in cfg.items())
+                settings += " (current)" if current else ""
+                if t is None:
+                    lines.append(f"| {label} | {settings} | failed | {amount} |")
+                    continue
+                assert isinstance(amount, (int, float))
+                value = f"{-amount / t / 1e12:.1f}" if amount < 0 else f"{amount / t / self.bw:.0%}"
+                lines.append(f"| {label} | {settings} | {t * 1e6:.1f} us{' *' if t == best[label] else ''} | {value} |")
         return "\n".join(lines) + "\n"
 
 

@@ -216,7 +216,8 @@ def paged_prefill_attention_varlen(
     _check(cu_seqlens_q.shape == (n + 1,) and not cu_seqlens_q.is_floating_point(), "cu_seqlens_q",
            f"expected an integer [{n + 1}], got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
     _check(block_tables.dim() == 2 and block_tables.shape[0] == n and not block_tables.is_floating_point(),
-           "block_tables", f"expected an integer [{n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+           "block_tables", f"expected an integer [{n}, max_blocks], got {block_tables.dtype} "
+           f"{tuple(block_tables.shape)}")
     _check(max_seqlen_q is None or max_seqlen_q >= 0, "max_seqlen_q", f"must be >= 0, got {max_seqlen_q}")
     if _readable(cu_seqlens_q) and _readable(start_pos):
         cu, starts = cu_seqlens_q.tolist(), start_pos.tolist()

@@ -20,13 +20,18 @@ import triton.language as tl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
-NEG_BIG = -1.0e30  # running-max start: finite, so a row or split that sees no key yields 0, never NaN
+NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a split that sees no key yields 0, never NaN
 # Decode: context tokens per online-softmax step (spanning blocks of any size). An FP8 tile holds half the bytes, so
 # it takes twice the tokens to keep as many bytes in flight per step.
 DECODE_TILE = 64
 DECODE_TILE_FP8 = 128
+# Warps and pipeline stages: ptxas (sm_90) gives bf16 at TILE 64 with 4 warps, 3 stages 122 registers (4 programs per
+# SM; 3 stages is Triton's default, what the first H200 run used); FP8 at TILE 128 with 8 warps, 2 stages 128
+# registers (2 per SM; 3 stages: 176, 4 warps: 211). Unmeasured: bench_kernels.py sweeps them.
 DECODE_WARPS = 4
-DECODE_STAGES = 2
+DECODE_STAGES = 3
+DECODE_WARPS_FP8 = 8
+DECODE_STAGES_FP8 = 2
 STORE_ELEMS = 4096  # store_kv: elements per program (tokens x a row chunk)
 COPY_CHUNK = 8192  # pack/unpack: elements per program
 COPY_WARPS = 8
@@ -116,24 +121,26 @@ def _paged_decode_kernel(
 def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, stride_os, stride_oh,
                           GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                           DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One program per (sequence, kv head): combine the splits' partials. A split that saw no key holds max
-    ``NEG_BIG`` and sum 0, so it weighs nothing; a sequence with no key at all yields zeros."""
+    """One program per (sequence, kv head): combine the splits' partials, one [GROUP_PAD, DIM_PAD] tile at a time
+    (few registers). A split that saw no key holds max ``NEG_BIG`` and sum 0, so it weighs nothing; a sequence
+    with no key at all yields zeros."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     g = tl.arange(0, GROUP_PAD)
     sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
-    sp_ok = sp < NUM_SPLITS
-    cell = (seq.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS + sp  # [SPLITS_PAD]
-    ml = ml_ptr + cell[None, :] * GROUP_PAD * 2 + g[:, None] * 2  # [GROUP_PAD, SPLITS_PAD]
-    m = tl.load(ml, mask=sp_ok[None, :], other=NEG_BIG)
-    l = tl.load(ml + 1, mask=sp_ok[None, :], other=0.0)
+    first = (seq.to(tl.int64) * tl.num_programs(1) + kvh) * NUM_SPLITS
+    ml = ml_ptr + (first + sp[None, :]) * GROUP_PAD * 2 + g[:, None] * 2  # [GROUP_PAD, SPLITS_PAD]
+    m = tl.load(ml, mask=(sp < NUM_SPLITS)[None, :], other=NEG_BIG)
+    l = tl.load(ml + 1, mask=(sp < NUM_SPLITS)[None, :], other=0.0)
     m_all = tl.max(m, axis=1)
-    w = tl.exp2(m - m_all[:, None])  # [GROUP_PAD, SPLITS_PAD]
-    denom = tl.sum(w * l, axis=1)
-    acc_ptr = part_ptr + (cell[None, :, None] * GROUP_PAD + g[:, None, None]) * DIM_PAD + d[None, None, :]
-    acc = tl.load(acc_ptr, mask=sp_ok[None, :, None], other=0.0)  # [GROUP_PAD, SPLITS_PAD, DIM_PAD]
-    out = tl.sum(acc * w[:, :, None], axis=1) / tl.where(denom > 0, denom, 1.0)[:, None]
+    denom = tl.sum(tl.exp2(m - m_all[:, None]) * l, axis=1)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for i in range(NUM_SPLITS):
+        m_s = tl.load(ml_ptr + (first + i) * GROUP_PAD * 2 + g * 2)
+        part = tl.load(part_ptr + ((first + i) * GROUP_PAD + g[:, None]) * DIM_PAD + d[None, :])
+        acc += part * tl.exp2(m_s - m_all)[:, None]
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     heads = kvh * GROUP + g
     tl.store(out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
@@ -168,14 +175,16 @@ def paged_decode_attention(
         q, k_cache, v_cache, ks, vs, block_tables, seq_lens, out, part, ml,
         float(scale) * LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0) if has_scales else 0, ks.stride(1) if has_scales else 0,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         TILE=DECODE_TILE_FP8 if has_scales else DECODE_TILE, NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None, HAS_SCALES=has_scales,
-        num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+        num_warps=DECODE_WARPS_FP8 if has_scales else DECODE_WARPS,
+        num_stages=DECODE_STAGES_FP8 if has_scales else DECODE_STAGES,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_kv_heads)](
@@ -361,7 +370,8 @@ def _claim_slots_kernel(slot_ptr, writer_ptr, num_tokens, TOKENS: tl.constexpr):
 def _requantize_rows(src_ptr, stride_st, stride_sh, cache_ptr, sc_ptr, cache_base, sc_off, writer, written, keep,
                      tile_ok, h, j, d, stride_ct, HEAD_DIM: tl.constexpr):
     """One (block, kv head) of an FP8 cache: the old values where ``keep``, the writers' new rows where
-    ``written``, zeros elsewhere; re-quantized with a fresh scale exactly as :func:`kernels.reference.quantize_kv_fp8`."""
+    ``written``, zeros elsewhere; re-quantized with a fresh scale exactly as
+    :func:`kernels.reference.quantize_kv_fp8`. Returns the scale."""
     dst = cache_ptr + cache_base + j[:, None] * stride_ct + h * HEAD_DIM + d[None, :]
     old = tl.load(dst, mask=tile_ok & keep[:, None], other=0.0).to(tl.float32) * tl.load(sc_ptr + sc_off)
     new = tl.load(src_ptr + writer[:, None] * stride_st + h * stride_sh + d[None, :],

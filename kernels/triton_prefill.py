@@ -18,8 +18,9 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-NEG_BIG = -1.0e30  # finite running-max start: a row that sees no key in a step (sliding window) stays NaN-free
-PREFILL_ROWS = 128  # query rows (tokens x GQA group) per program: the M of each tl.dot
+NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: a row that sees no key in a step stays NaN-free
+PREFILL_ROWS = 128  # query rows (tokens x GQA group) per program, the M of each tl.dot; bf16: ~180 registers
+PREFILL_ROWS_FP32 = 64  # float32 q: 128 rows spill heavily (ptxas, sm_90)
 PREFILL_TILE_N = 64  # keys per step
 PREFILL_STAGES = 2
 
@@ -115,7 +116,7 @@ def paged_prefill_attention_varlen(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group_pad = triton.next_power_of_2(group)
-    block_m = max(1, PREFILL_ROWS // group_pad)
+    block_m = max(1, (PREFILL_ROWS_FP32 if q.dtype == torch.float32 else PREFILL_ROWS) // group_pad)
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     has_scales = k_scales is not None
     ks = k_scales if has_scales else q  # any tensor: never read
@@ -125,7 +126,8 @@ def paged_prefill_attention_varlen(
         q, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, start_pos, out,
         float(scale) * LOG2E, int(sliding_window or 0),
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         ks.stride(0) if has_scales else 0, ks.stride(1) if has_scales else 0,
         block_tables.stride(0),
         out.stride(0), out.stride(1),

@@ -164,7 +164,8 @@ def _varlen_case(hd: int, bs: int, group: int, dtype: torch.dtype, window: int |
     if fp8:
         (kc, ks), (vc, vs) = reference.quantize_kv_fp8(kc), reference.quantize_kv_fp8(vc)  # Triton's: checked below
         scales = (ks, vs)
-        k_ref, v_ref = reference.dequantize_kv_fp8(kc, ks, torch.float32), reference.dequantize_kv_fp8(vc, vs, torch.float32)
+        k_ref = reference.dequantize_kv_fp8(kc, ks, torch.float32)
+        v_ref = reference.dequantize_kv_fp8(vc, vs, torch.float32)
     else:
         k_ref, v_ref = kc.float(), vc.float()
     got = kernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, hd**-0.5, window, *scales,
