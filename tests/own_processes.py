@@ -128,8 +128,8 @@ def ray_start(*args: str, head: bool) -> list[str]:
 
 
 def start_ray_node(own: OwnProcesses, cmd: Sequence[str], timeout_s: float = 180.0) -> subprocess.Popen[bytes]:
-    """Start one ``ray start --block`` and wait until its node runs: one at a time, as several raylets starting at
-    once on a small machine time out against the GCS."""
+    """Start one ``ray start --block`` and wait until its node runs: one at a time, as even two raylets starting at
+    once on a small, busy machine time out against the GCS ("The current node timed out during startup")."""
     proc = own.start(cmd)
     own.wait_for_output(proc, RAY_STARTED, timeout_s)
     return proc
