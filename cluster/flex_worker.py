@@ -9,6 +9,7 @@ how proxies and the manager sort them into pools.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -73,7 +74,8 @@ class FlexWorker:
         return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip}
 
     def stats(self) -> dict[str, Any]:
-        return {**self.impl.stats(), "role": self.role, "flips": self.flips, "node_ip": self.node_ip}
+        """A :class:`~cluster.wire.messages.WorkerStats` (wire form): what proxies and the pool manager read."""
+        return dataclasses.replace(self.impl.stats(), flips=self.flips, node_ip=self.node_ip).to_dict()
 
     def drain(self) -> None:
         self.impl.drain()

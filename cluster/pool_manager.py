@@ -27,6 +27,7 @@ import ray
 from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
                                 decide)
 from cluster.wire.worker_config import WorkerConfig
+from cluster.wire.messages import WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
 
 
@@ -122,8 +123,8 @@ class PoolManager:
             return []
         with self._lock:
             names = [name for name, r in self.roles.items() if r == role and name not in self.draining]
-        stats = ray.get([self.handles[name].stats.remote() for name in names], timeout=30)
-        load = {name: int(s.get("running", 0)) + int(s.get("waiting", 0)) for name, s in zip(names, stats)}
+        stats = [WorkerStats.from_dict(s) for s in ray.get([self.handles[n].stats.remote() for n in names], timeout=30)]
+        load = {name: s.running + s.waiting for name, s in zip(names, stats)}
         return sorted(names, key=lambda name: (load[name], name))[:n]
 
     def _apply(self, adds: list[str], drains: list[str], flips: list[tuple[str, str]] | None = None) -> None:
@@ -181,7 +182,7 @@ class PoolManager:
         idle_since: float | None = None
         while time.monotonic() < deadline:
             try:
-                idle = bool(ray.get(self.handles[name].stats.remote(), timeout=30).get("idle"))
+                idle = WorkerStats.from_dict(ray.get(self.handles[name].stats.remote(), timeout=30)).idle
             except Exception:  # already gone
                 return
             now = time.monotonic()
@@ -218,9 +219,9 @@ class PoolManager:
     def _observe(self) -> Observation | None:
         with self._lock:
             names = [n for n in self.roles if n not in self.draining]
-        stats = ray.get([self.handles[n].stats.remote() for n in names], timeout=30)
-        prompt = sum(float(s.get("prompt_tokens", 0)) for s in stats if s.get("role") == "prefill")
-        generated = sum(float(s.get("tokens_generated", 0)) for s in stats if s.get("role") == "decode")
+        stats = [WorkerStats.from_dict(s) for s in ray.get([self.handles[n].stats.remote() for n in names], timeout=30)]
+        prompt = float(sum(s.prompt_tokens for s in stats if s.role == "prefill"))
+        generated = float(sum(s.tokens_generated for s in stats if s.role == "decode"))
         now = time.monotonic()
         last, self._last_counters = self._last_counters, (now, prompt, generated)
         if last is None or now <= last[0]:
@@ -229,12 +230,11 @@ class PoolManager:
         with self._lock:
             window, self._latencies = self._latencies, []
         ttft_ok, tpot_ok = attainment(window, self.controller.slo_ttft_s, self.controller.slo_tpot_s)
-        actors = tuple(ActorObservation(n, s.get("role", ""), None, int(s.get("running", 0)) + int(s.get("waiting", 0)))
-                       for n, s in zip(names, stats))
+        actors = tuple(ActorObservation(n, s.role, None, s.running + s.waiting) for n, s in zip(names, stats))
         return Observation(t=now, prefill_tps=max(0.0, prompt - last[1]) / dt,
                            decode_tps=max(0.0, generated - last[2]) / dt, request_rate=0.0, mean_prompt_tokens=0.0,
                            mean_output_tokens=0.0, actors=actors,
-                           prefill_backlog_tokens=sum(float(s.get("queued_prefill_tokens", 0)) for s in stats),
+                           prefill_backlog_tokens=float(sum(s.queued_prefill_tokens for s in stats)),
                            ttft_attainment=ttft_ok, tpot_attainment=tpot_ok)
 
     def _auto_loop(self) -> None:

@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from cluster.engine_loop import EngineLoop
-from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
+from cluster.wire.messages import (GenerateRequest, KVCounts, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta,
+                                   WorkerStats)
 from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker
@@ -69,7 +70,7 @@ class DecodeWorker(EngineLoop):
             self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id), self._intake_lock,
                                        self.reservations.get, self._part_arrived)
             self.kv_endpoint = self.receiver.address
-        self._stats: dict[str, Any] = {}
+        self._stats: WorkerStats
         self._publish_stats()
         self._start_loop()
 
@@ -99,9 +100,9 @@ class DecodeWorker(EngineLoop):
         """Mutates: stop a request now and free its blocks (reserved or in use). Whether it was known."""
         return self.call(lambda: self._abort(request_id, "aborted by the proxy"))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """The latest numbers the loop published (never waits for a step). Pure."""
-        return dict(self._stats)
+        return self._stats
 
     def check_integrity(self) -> dict[str, int]:
         """Raise ``AssertionError`` unless free + reserved + used == total and every refcount has a holder."""
@@ -280,12 +281,13 @@ class DecodeWorker(EngineLoop):
         for rec in self._records.values():
             states[rec.state.value] = states.get(rec.state.value, 0) + 1
         rx = self.receiver.stats() if self.receiver is not None else {}
-        self._stats = {
-            "actor_id": self.actor_id, "role": "decode", "alive": True, "kv": self.reservations.counts(), **rx,
-            "draining": self.draining, "idle": self._idle(), "running": len(sched.running),
-            "waiting": len(sched.waiting), "requests": states, "tokens_generated": self.tokens_generated,
-            "decode_tokens_per_s": self.tokens_generated / max(1e-9, time.monotonic() - self._started),
-            "proxy_stalls": self.proxy_stalls, "recomputes": self.recomputes, "kv_address": self.kv_endpoint}
+        self._stats = WorkerStats(
+            actor_id=self.actor_id, role="decode", draining=self.draining, idle=self._idle(),
+            kv=KVCounts(**self.reservations.counts(), cached=self.engine.kv.pool.counts()["cached"]),
+            running=len(sched.running), waiting=len(sched.waiting), requests=states,
+            tokens_generated=self.tokens_generated,
+            decode_tokens_per_s=self.tokens_generated / max(1e-9, time.monotonic() - self._started),
+            proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, kv_address=self.kv_endpoint, **rx)
 
     def _close(self) -> None:
         self._sender.close()

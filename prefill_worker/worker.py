@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from cluster.engine_loop import EngineLoop
-from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
+from cluster.wire.messages import GenerateRequest, KVCounts, PrefillRequest, PrefillResult, ReserveGrant, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.base import TransferHandle, TransferState
 from kv_transfer.config import KVTransferConfig
@@ -60,7 +60,7 @@ class PrefillWorker(EngineLoop):
         self.bytes_sent = 0
         self.transfer_s = 0.0  # waiting for sends after the forward finished: transfer time NOT hidden by compute
         self.transfer_busy_s = 0.0  # sum of every part's time on the wire
-        self._stats: dict[str, Any] = {}
+        self._stats: WorkerStats
         self._publish_stats()
         self._start_loop()
 
@@ -109,21 +109,21 @@ class PrefillWorker(EngineLoop):
 
         return self.call(do)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> WorkerStats:
         """The latest numbers the loop published (never waits for a step). Pure."""
-        return dict(self._stats)
+        return self._stats
 
     def _publish_stats(self) -> None:
         e = self.engine
         sched = e.scheduler
-        self._stats = {
-            "actor_id": self.actor_id, "role": "prefill", "alive": True, "kv": e.kv.pool.counts(),
-            "draining": self.draining, "idle": self._idle(), "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "queued_prefill_tokens": sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
-            "prompt_tokens": self.prompt_tokens, "kv_bytes_sent": self.bytes_sent,
-            "kv_transfer_seconds": self.transfer_s, "kv_transfer_busy_seconds": self.transfer_busy_s,
-            "kv_address": "", "backend": self.backend.config.backend}
+        c = e.kv.pool.counts()
+        self._stats = WorkerStats(
+            actor_id=self.actor_id, role="prefill", draining=self.draining, idle=self._idle(),
+            kv=KVCounts(free=c["free"] + c["cached"], used=c["used"], total=c["total"], cached=c["cached"]),
+            running=len(sched.running), waiting=len(sched.waiting),
+            queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            prompt_tokens=self.prompt_tokens, kv_bytes_sent=self.bytes_sent, kv_transfer_seconds=self.transfer_s,
+            kv_transfer_busy_seconds=self.transfer_busy_s, backend=self.backend.config.backend)
 
     def _idle(self) -> bool:
         return not self._jobs and not self.engine.has_unfinished_requests()

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from cluster.wire.messages import ActorStats
+from cluster.wire.messages import ActorStats, WorkerStats
 from cluster.wire.names import MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class ActorRef:
     name: str
     handle: Any
     info: dict[str, Any]
-    stats: dict[str, Any] | None = None
+    stats: WorkerStats | None = None  # the last stats it reported
     alive: bool = True
 
 
@@ -56,12 +56,13 @@ class Pools:
                     continue
                 ref = pool[name]
                 try:
-                    ref.stats = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
+                    raw = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
+                    ref.stats = WorkerStats.from_dict(raw)
                     ref.alive = True
                 except Exception:
                     ref.alive = False
                     continue
-                new_role = ref.stats.get("role", role)
+                new_role = ref.stats.role
                 if new_role != role and new_role in pools and name in pool:
                     pools[new_role][name] = pool.pop(name)
                     ref.info = {**ref.info, "role": new_role}
@@ -85,22 +86,20 @@ class Pools:
     @staticmethod
     def actor_stats(ref: ActorRef, role: str) -> ActorStats:
         """The router's view of one actor, from its last reported stats (cached prefix blocks count as free). Pure."""
-        st = ref.stats or {}
-        kv = st.get("kv", {})
-        free = int(kv.get("free", 0)) + int(kv.get("cached", 0))
-        reserved, used = int(kv.get("reserved", 0)), int(kv.get("used", 0))
-        return ActorStats(actor_id=ref.name, role=role, alive=ref.alive, kv_blocks_free=free,
-                          kv_blocks_reserved=reserved, kv_blocks_used=used, kv_blocks_total=free + reserved + used,
-                          num_running=int(st.get("running", 0)), num_waiting=int(st.get("waiting", 0)),
-                          queued_prefill_tokens=int(st.get("queued_prefill_tokens", 0)))
+        st = ref.stats or WorkerStats(ref.name, role if role in ("prefill", "decode") else "decode")
+        kv = st.kv
+        return ActorStats(actor_id=ref.name, role=role, alive=ref.alive, draining=st.draining, kv_blocks_free=kv.free,
+                          kv_blocks_reserved=kv.reserved, kv_blocks_used=kv.used, kv_blocks_total=kv.total,
+                          num_running=st.running, num_waiting=st.waiting,
+                          queued_prefill_tokens=st.queued_prefill_tokens)
 
     def live_prefill(self) -> list[ActorRef]:
         """Prefill actors to route new requests to: alive and not draining. Pure."""
-        return [a for a in self.prefill.values() if a.alive and not (a.stats or {}).get("draining")]
+        return [a for a in self.prefill.values() if a.alive and not (a.stats is not None and a.stats.draining)]
 
     def live_decode(self) -> list[ActorRef]:
         """Decode actors to route new requests to: alive and not draining. Pure."""
-        return [a for a in self.decode.values() if a.alive and not (a.stats or {}).get("draining")]
+        return [a for a in self.decode.values() if a.alive and not (a.stats is not None and a.stats.draining)]
 
     async def reserve(self, actor: ActorRef, message: dict[str, Any]) -> dict[str, Any] | None:
         """A ``ReserveRequest`` (wire form) on ``actor``: its ``ReserveGrant``, or None (no room, or the actor is

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest,
-                                   TokenDelta, Usage)
+                                   TokenDelta, Usage, WorkerStats)
 from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
 from proxy.admission import AdmissionConfig, estimate_blocks
@@ -58,6 +58,14 @@ from proxy.router import Router, RouterConfig
 from proxy.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
+
+
+def _plain_stats(stats: WorkerStats) -> dict[str, Any]:
+    """A worker's stats for ``/status`` (the wire form without its version tags)."""
+    d = stats.to_dict()
+    d.pop("v")
+    d["kv"].pop("v")
+    return d
 
 
 @dataclass(frozen=True)
@@ -161,7 +169,7 @@ class Proxy:
 
     async def status(self, _: web.Request) -> web.Response:
         """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters."""
-        actors = [{"name": a.name, "role": role, "alive": a.alive, **(a.stats or {})}
+        actors = [{**(_plain_stats(a.stats) if a.stats else {}), "name": a.name, "role": role, "alive": a.alive}
                   for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
                   for a in pool.values()]
         return web.json_response({"mode": "disaggregated" if self.disaggregated else "colocated",
@@ -169,7 +177,7 @@ class Proxy:
                                   "controller": await self.pools.manager_status()})
 
     async def metrics_page(self, _: web.Request) -> web.Response:
-        kv = {a.name: a.stats.get("kv", {}) for a in self.pools.live_decode() if a.stats}
+        kv = {a.name: a.stats.kv.gauges() for a in self.pools.live_decode() if a.stats}
         pools = {"prefill": len(self.pools.live_prefill()), "decode": len(self.pools.live_decode())}
         manager = await self.pools.manager_status()
         decisions = manager.get("decision_count") if manager else None

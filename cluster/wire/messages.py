@@ -365,3 +365,81 @@ class ActorStats(_Wire):
     def schedulable(self) -> bool:
         """Alive and not draining: may receive new requests."""
         return self.alive and not self.draining
+
+
+@dataclass(frozen=True)
+class KVCounts(_Wire):
+    """A worker's KV blocks: ``free + reserved + used == total``. ``free`` includes evictable prefix-cache blocks
+    (a reservation may take them); ``cached`` says how many of the free ones hold a cached prefix."""
+
+    free: int = 0
+    reserved: int = 0  # held for requests whose K/V has not arrived yet (decode)
+    used: int = 0
+    total: int = 0
+    cached: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("free", "reserved", "used", "total", "cached"):
+            _check_int("KVCounts", name, getattr(self, name))
+        if self.free + self.reserved + self.used != self.total or self.cached > self.free:
+            raise ValueError(f"KVCounts: free {self.free} + reserved {self.reserved} + used {self.used} != total "
+                             f"{self.total} (or cached {self.cached} > free)")
+
+    def gauges(self) -> dict[str, int]:
+        """The counts by state, for metrics. Pure."""
+        return {"free": self.free, "reserved": self.reserved, "used": self.used, "total": self.total,
+                "cached": self.cached}
+
+
+@dataclass(frozen=True)
+class WorkerStats(_Wire):
+    """What a worker actor (either role) reports about itself: ``FlexWorker.stats()`` sends this, proxies and the pool
+    manager read it. Counters are cumulative since the actor started (a reader takes differences); the other role's
+    counters stay 0."""
+
+    actor_id: str
+    role: str  # "prefill" | "decode"
+    alive: bool = True
+    draining: bool = False  # finishing its work before removal or a flip; gets no new requests
+    idle: bool = True  # holds no request in any state
+    flips: int = 0  # role changes in place so far
+    node_ip: str = ""  # the node Ray placed it on
+    kv_address: str = ""  # its KV endpoint (decode): where prefill actors send
+    backend: str = ""  # its KV transfer backend (prefill)
+    kv: KVCounts = KVCounts()
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed (the router's load signal)
+    prompt_tokens: int = 0  # prompts computed (prefill)
+    tokens_generated: int = 0  # tokens delivered (decode)
+    decode_tokens_per_s: float = 0.0  # tokens_generated over the actor's lifetime
+    kv_bytes_sent: int = 0
+    kv_transfer_seconds: float = 0.0  # waiting for sends after the forward: transfer time not hidden by compute
+    kv_transfer_busy_seconds: float = 0.0  # every part's time on the wire
+    kv_parts_installed: int = 0
+    kv_parts_rejected: int = 0
+    kv_bytes_received: int = 0
+    recomputes: int = 0  # requests whose K/V failed to arrive and whose prompt was computed on the decode actor
+    proxy_stalls: int = 0  # proxies that stopped reading tokens (their requests were aborted)
+    requests: dict[str, int] = dataclasses.field(default_factory=dict)  # requests held, by intake state (decode)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.actor_id, str) or not self.actor_id:
+            raise ValueError(f"WorkerStats.actor_id: must be a non-empty string, got {self.actor_id!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"WorkerStats.role: must be one of {ROLES}, got {self.role!r}")
+        if isinstance(self.kv, Mapping):
+            _set(self, "kv", KVCounts.from_dict(self.kv))
+        if not isinstance(self.kv, KVCounts):
+            raise ValueError(f"WorkerStats.kv: must be KVCounts, got {self.kv!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type in ("bool",) and not isinstance(v, bool):
+                raise ValueError(f"WorkerStats.{f.name}: must be a bool, got {v!r}")
+            if f.type == "int":
+                _check_int("WorkerStats", f.name, v)
+            if f.type == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise ValueError(f"WorkerStats.{f.name}: must be a number >= 0, got {v!r}")
+        if not isinstance(self.requests, Mapping) or any(
+                not isinstance(k, str) or not isinstance(n, int) for k, n in self.requests.items()):
+            raise ValueError(f"WorkerStats.requests: must map state names to counts, got {self.requests!r}")
