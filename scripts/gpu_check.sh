@@ -1,37 +1,116 @@
 #!/usr/bin/env bash
-# GPU check for the kernels (issue 4), one prepared run on a CUDA machine:
+# GPU check (issues 4 and 12), one prepared run on a CUDA machine, at most ~8 minutes:
 #   1. the kernel tests on the device (the full grid, bfloat16 included; no Triton interpreter),
 #   2. the kernel micro-benchmarks against the device's copy bandwidth measured in the same run,
-# and a report in docs/gpu-results.md (also copied to $OUT when that is set, as on the lent device machine).
-# Needs torch with CUDA and triton==3.7.1 (torch 2.13's pin); pytest is installed if missing.
-#   bash scripts/gpu_check.sh
+#   3. engine vs Hugging Face identity on the device (float32 greedy ids + logprobs, bfloat16 teacher-forced),
+#   4. the engine benchmark: engine vs HF generate, random-weight Llama-3.2-1B shape, 256 mixed requests, and the
+#      decode step at batch 256 against its roofline.
+# Each stage appends its result to the report as soon as it finishes (docs/gpu-results.md, also copied to $OUT when
+# that is set, as on the lent device machine); a failing or timed-out stage does not stop the later ones.
+# Needs torch with CUDA, triton and transformers; no Ray, no pyzmq. pytest is installed if missing.
+#   bash scripts/gpu_check.sh                      # on the GPU machine
+#   bash scripts/gpu_check.sh --smoke [--report F] # CPU, tiny shapes, Triton interpreter: tests this script (CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
-python - <<'PY'
-import torch, triton
-assert torch.cuda.is_available(), "no CUDA device: this script checks the kernels on a GPU"
-print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
-PY
-python -c "import pytest" 2>/dev/null || pip install -q "pytest>=8"
+smoke=0
 report=docs/gpu-results.md
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --smoke) smoke=1 ;;
+    --report) report="$2"; shift ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+logs=$(mktemp -d)
+if [ "$smoke" = 1 ]; then
+  # the kernel tests under Triton's interpreter (bench_kernels --smoke sets it itself); the engine stages run the
+  # torch path on the CPU, as the engine does here
+  export CUDA_VISIBLE_DEVICES=""
+  unset TRITON_INTERPRET
+  test_env=(env TRITON_INTERPRET=1)
+  test_args=(tests/kernel_checks/test_triton_kernels.py -k "store_kv_matches_reference")
+  kernels_args=(--smoke); identity_args=(--smoke); engine_args=(--smoke)
+  budget=(120 120 120 120)
+else
+  unset TRITON_INTERPRET
+  test_env=(env)
+  test_args=(tests/kernel_checks -m "slow or not slow")
+  kernels_args=(); identity_args=(--device cuda); engine_args=(--device cuda)
+  budget=(150 60 75 210)  # seconds per stage: 495 s of the 8 minutes, the rest for start-up
+fi
+python - "$smoke" <<'PY'
+import sys, torch
+if sys.argv[1] != "1":
+    assert torch.cuda.is_available(), "no CUDA device: this script checks the engine and kernels on a GPU"
+PY
+device=$(python -c "import torch; print(torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU (smoke)')")
+versions=$(python -c "import torch, triton, transformers; print(f'torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}')")
+publish() { if [ -n "${OUT:-}" ]; then cp "$report" "$OUT/" || true; fi; }
+{
+  echo "# GPU check results"
+  echo
+  echo "\`bash scripts/gpu_check.sh$([ "$smoke" = 1 ] && echo ' --smoke')\` on $device; $versions;"
+  echo "started $(date -u +%Y-%m-%dT%H:%MZ). Each section below was written when its stage finished."
+} > "$report"
+publish
+rc=0
+
+# 1. kernel tests
 set +e
-python -m pytest -q -p no:cacheprovider tests/kernel_checks -m "slow or not slow" 2>&1 | tee /tmp/gpu-kernel-tests.log
-tests_rc=${PIPESTATUS[0]}
+timeout "${budget[0]}" "${test_env[@]}" python -m pytest -q -p no:cacheprovider "${test_args[@]}" > "$logs/tests.log" 2>&1
+tests_rc=$?
 set -e
-python benchmarks/bench_kernels.py --out "$report"
+[ "$tests_rc" = 0 ] || rc=1
 {
   echo
   echo "## Kernel tests on the device"
   echo
-  echo "\`python -m pytest -q tests/kernel_checks -m \"slow or not slow\"\` (exit $tests_rc):"
+  echo "\`python -m pytest -q ${test_args[*]}\` (exit $tests_rc$([ "$tests_rc" = 124 ] && echo ', timed out')):"
   echo
   echo '```'
-  tail -n 15 /tmp/gpu-kernel-tests.log
+  tail -n 15 "$logs/tests.log"
   echo '```'
-  echo
-  echo "Run $(date -u +%Y-%m-%dT%H:%MZ) by scripts/gpu_check.sh."
 } >> "$report"
-if [ -n "${OUT:-}" ]; then cp "$report" "$OUT/"; cp /tmp/gpu-kernel-tests.log "$OUT/"; fi
-exit "$tests_rc"
+publish
+
+# 2. kernel benchmarks (bench_kernels writes a whole report: append it)
+set +e
+timeout "${budget[1]}" python benchmarks/bench_kernels.py "${kernels_args[@]}" --out "$logs/kernels.md" > "$logs/kernels.log" 2>&1
+kernels_rc=$?
+set -e
+[ "$kernels_rc" = 0 ] || rc=1
+{
+  echo
+  if [ -s "$logs/kernels.md" ]; then sed 's/^# /## /' "$logs/kernels.md"; else
+    echo "## Kernel benchmarks: exit $kernels_rc"; echo; echo '```'; tail -n 20 "$logs/kernels.log"; echo '```'; fi
+} >> "$report"
+publish
+
+# 3. identity (appends its own section)
+set +e
+timeout "${budget[2]}" python benchmarks/check_identity.py "${identity_args[@]}" --out "$report" > "$logs/identity.log" 2>&1
+identity_rc=$?
+set -e
+if [ "$identity_rc" != 0 ]; then
+  rc=1
+  { echo; echo "## Identity check: exit $identity_rc$([ "$identity_rc" = 124 ] && echo ', timed out')"; echo
+    echo '```'; tail -n 20 "$logs/identity.log"; echo '```'; } >> "$report"
+fi
+publish
+
+# 4. engine benchmark (appends its own section)
+set +e
+timeout "${budget[3]}" python benchmarks/bench_engine.py "${engine_args[@]}" --out "$report" > "$logs/engine.log" 2>&1
+engine_rc=$?
+set -e
+if [ "$engine_rc" != 0 ]; then
+  rc=1
+  { echo; echo "## Engine benchmark: exit $engine_rc$([ "$engine_rc" = 124 ] && echo ', timed out')"; echo
+    echo '```'; tail -n 25 "$logs/engine.log"; echo '```'; } >> "$report"
+fi
+{ echo; echo "Finished $(date -u +%Y-%m-%dT%H:%MZ) by scripts/gpu_check.sh (exit $rc)."; } >> "$report"
+publish
+if [ -n "${OUT:-}" ]; then cp "$logs"/*.log "$OUT/" 2>/dev/null || true; fi
+exit "$rc"
