@@ -1,0 +1,131 @@
+"""Compile every Triton kernel of ``kernels/`` for an H100/H200 (sm_90) down to a cubin, without a GPU.
+
+    python tests/kernel_checks/compile_sm90.py          # prints one line per case; exit 1 if any fails
+
+The interpreter runs the kernels' Python, not Triton's compiler, so it accepts what a GPU build rejects (a plain
+global inside a kernel, a shape the layout passes refuse). ``triton.compile`` with an explicit target needs no device:
+code generation, the MLIR passes and ``ptxas`` (shipped in Triton's wheel) all run on the CPU. It must run in a
+process where Triton was never imported under ``TRITON_INTERPRET=1`` (Triton's own library functions would be
+interpreted ones), hence a script that ``test_compile_sm90.py`` starts. One launch configuration per kernel, as the
+launchers pick them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+os.environ.pop("TRITON_INTERPRET", None)
+import triton  # noqa: E402
+
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+I32, I32_16 = ("i32", False), ("i32", True)  # an integer argument, and one divisible by 16 (as Triton specializes)
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_sm90_{name}", KERNELS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> Any:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig: dict[str, str] = {}
+    consts: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for i, name in enumerate(fn.arg_names):
+        v = args[name]
+        if isinstance(v, str):  # a pointer, 16-byte aligned
+            sig[name] = v
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, tuple):
+            sig[name] = v[0]
+            if v[1]:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            sig[name], consts[name] = "constexpr", v
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+CASES = ["decode_bf16_split", "decode_fp8", "decode_reduce", "prefill_bf16_window", "prefill_fp8", "store_kv",
+         "store_fp8", "copy_blocks", "fp8_quantize"]
+
+
+def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
+    """Compile the kernel(s) of one case; raises on any compiler error."""
+    attn = dict(bt_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", scale_log2=0.1, window=I32, stride_kb=I32_16,
+                stride_kt=I32_16, stride_kh=I32_16, stride_vb=I32_16, stride_vt=I32_16, stride_vh=I32_16,
+                stride_sb=I32, stride_sh=I32, stride_bts=I32, BLOCK_SIZE=16, HEAD_DIM=128, DIM_PAD=128)
+    if case.startswith("decode_") and case != "decode_reduce":
+        fp8 = case == "decode_fp8"
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        args = dict(attn, q_ptr="*bf16", k_ptr=cache, v_ptr=cache, lens_ptr="*i32", out_ptr="*bf16",
+                    part_ptr="*fp32", ml_ptr="*fp32", stride_qs=I32_16, stride_qh=I32_16, stride_os=I32_16,
+                    stride_oh=I32_16, GROUP=4, GROUP_PAD=16, TILE=kv.DECODE_TILE_FP8 if fp8 else kv.DECODE_TILE,
+                    NUM_SPLITS=1 if fp8 else 8, HAS_WINDOW=not fp8, HAS_SCALES=fp8)
+        _compile(kv._paged_decode_kernel, args, kv.DECODE_WARPS_FP8 if fp8 else kv.DECODE_WARPS,
+                 kv.DECODE_STAGES_FP8 if fp8 else kv.DECODE_STAGES)
+    elif case == "decode_reduce":
+        _compile(kv._decode_reduce_kernel, dict(part_ptr="*fp32", ml_ptr="*fp32", out_ptr="*bf16", stride_os=I32_16,
+                                                stride_oh=I32_16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128,
+                                                NUM_SPLITS=9, SPLITS_PAD=16), 4, 2)
+    elif case.startswith("prefill_"):
+        fp8 = case == "prefill_fp8"
+        cache = "*fp8e4nv" if fp8 else "*bf16"
+        args = dict(attn, q_ptr="*bf16", k_ptr=cache, v_ptr=cache, cu_ptr="*i32", start_ptr="*i32", out_ptr="*bf16",
+                    stride_qt=I32_16, stride_qh=I32_16, stride_ot=I32_16, stride_oh=I32_16, GROUP=4, GROUP_PAD=4,
+                    BLOCK_M=pf.PREFILL_ROWS // 4, TILE_N=pf.PREFILL_TILE_N, HAS_WINDOW=not fp8, HAS_SCALES=fp8)
+        _compile(pf._prefill_varlen_kernel, args, 8, pf.PREFILL_STAGES)
+    elif case == "store_kv":
+        _compile(kv._store_kv_kernel, dict(key_ptr="*bf16", value_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16",
+                                           slot_ptr="*i64", num_tokens=I32, stride_kt=I32_16, stride_vt=I32_16,
+                                           stride_kb=I32_16, stride_vb=I32_16, BLOCK_SIZE=16, ROW=1024, TOKENS=4,
+                                           COLS=1024), 4, 2)
+    elif case == "store_fp8":
+        _compile(kv._claim_slots_kernel, dict(slot_ptr="*i64", writer_ptr="*i32", num_tokens=I32, TOKENS=1024), 4, 2)
+        _compile(kv._store_fp8_kernel, dict(
+            key_ptr="*bf16", value_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr="*fp32", vs_ptr="*fp32",
+            slot_ptr="*i64", writer_ptr="*i32", num_tokens=I32, stride_kt=I32_16, stride_kh=I32_16, stride_vt=I32_16,
+            stride_vh=I32_16, stride_kb=I32_16, stride_vb=I32_16, stride_ct=I32_16, stride_ksb=I32, stride_ksh=I32,
+            stride_vsb=I32, stride_vsh=I32, BLOCK_SIZE=16, BS_PAD=16, HEAD_DIM=128, DIM_PAD=128), 4, 2)
+    elif case == "copy_blocks":
+        _compile(kv._copy_blocks_kernel, dict(k_src="*bf16", v_src="*bf16", k_dst="*bf16", v_dst="*bf16",
+                                              ids_ptr="*i64", stride_ks=I32_16, stride_vs=I32_16, stride_kd=I32_16,
+                                              stride_vd=I32_16, numel=I32_16, PACK=True, CHUNK=kv.COPY_CHUNK),
+                 kv.COPY_WARPS, 2)
+    else:
+        _compile(kv._fp8_kernel, dict(x_ptr="*bf16", y_ptr="*fp8e4nv", s_ptr="*fp32", stride_xb=I32_16,
+                                      stride_xt=I32_16, stride_yb=I32_16, stride_yt=I32_16, num_heads=I32,
+                                      BLOCK_SIZE=16, HEAD_DIM=128, T_PAD=16, D_PAD=128, QUANTIZE=True), 4, 2)
+
+
+def main() -> int:
+    if "nvidia" not in triton.backends.backends:
+        print("skip: this Triton has no NVIDIA backend")
+        return 0
+    kv, pf = _load("triton_kv"), _load("triton_prefill")
+    failed = 0
+    for case in CASES:
+        try:
+            compile_case(case, kv, pf)
+            print(f"compiled {case}")
+        except Exception:  # noqa: BLE001 -- report every case
+            failed += 1
+            print(f"FAILED {case}\n{traceback.format_exc()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
