@@ -38,8 +38,9 @@ def _prefill_varlen_kernel(
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
-    """Program (query tile, sequence, kv head). A tile past its sequence's chunk reads and writes nothing."""
-    mt = tl.program_id(0)
+    """Program (query tile, sequence, kv head). A tile past its sequence's chunk reads and writes nothing. Query
+    tiles run last-first: the later a tile, the more keys it reads, so the longest programs start first."""
+    mt = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
     q_begin = tl.load(cu_ptr + seq)
