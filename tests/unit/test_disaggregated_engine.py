@@ -25,7 +25,9 @@ def prompts(seed: int = 3) -> list[list[int]]:
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=12, ignore_eos=True),
     SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7),
-], ids=["greedy", "seeded"])
+    # n completions from one prefill: each first token drawn from the same logits with its own key, then forked
+    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=7, n=3, logprobs=2),
+], ids=["greedy", "seeded", "seeded-n3"])
 def test_prefill_here_decode_there_equals_colocated(tiny_checkpoint, params: SamplingParams) -> None:
     folder = str(tiny_checkpoint("llama"))
     common = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, enable_prefix_caching=True)
@@ -55,10 +57,11 @@ def test_prefill_here_decode_there_equals_colocated(tiny_checkpoint, params: Sam
         while prefill.has_unfinished_requests():
             for o in prefill.step(after_kv_store=ship):
                 if o.finished:
-                    first = o.token_ids[0]
+                    first = sorted(o.outputs, key=lambda c: c.index)
         assert first is not None
         decode.scheduler.check_integrity({b: 1 for b in reserved[rid]})
-        decode.add_prefilled_request(rid, p, params, first, reserved[rid])
+        decode.add_prefilled_request(rid, p, params, [c.token_ids[0] for c in first], reserved[rid],
+                                     None if params.logprobs is None else [c.logprobs[0] for c in first])
     while decode.has_unfinished_requests():
         for o in decode.step():
             if o.finished:
@@ -67,7 +70,14 @@ def test_prefill_here_decode_there_equals_colocated(tiny_checkpoint, params: Sam
     assert prefill.scheduler.stats.partial_prefills > 0
     assert layers_seen[:2] == [0, 1]
     for i, ref in enumerate(reference):
-        assert results[f"r{i}"].token_ids == ref.token_ids, f"prompt {i}"
+        got = sorted(results[f"r{i}"].outputs, key=lambda c: c.index)
+        want = sorted(ref.outputs, key=lambda c: c.index)
+        assert [(c.token_ids, c.text) for c in got] == [(c.token_ids, c.text) for c in want], f"prompt {i}"
+        if params.logprobs is not None:  # the first token's logprobs came from the prefill engine
+            for a, b in zip(got, want):
+                assert len(a.logprobs) == len(a.token_ids)
+                for la, lb in zip(a.logprobs, b.logprobs):
+                    assert la.keys() == lb.keys() and all(abs(la[t] - lb[t]) < 1e-4 for t in la)
     decode.check_integrity()
     prefill.check_integrity()
     assert decode.kv.pool.counts()["used"] == 0
@@ -77,9 +87,9 @@ def test_adopt_rejects_blocks_it_cannot_own(tiny_checkpoint) -> None:
     eng = LLM(str(tiny_checkpoint("llama")), block_size=8, num_kv_blocks=16).engine
     (b,) = [x.block_id for x in eng.kv.pool.allocate(1)]
     with pytest.raises(ValueError, match="block_ids"):
-        eng.add_prefilled_request("x", list(range(3, 20)), SamplingParams(), 5, [b])  # 17 tokens, one block
+        eng.add_prefilled_request("x", list(range(3, 20)), SamplingParams(), [5], [b])  # 17 tokens, one block
     with pytest.raises(ValueError, match="block_ids"):
-        eng.add_prefilled_request("y", [3, 4], SamplingParams(), 5, [15])  # a free block, not allocated for it
+        eng.add_prefilled_request("y", [3, 4], SamplingParams(), [5], [15])  # a free block, not allocated for it
     eng.scheduler.check_integrity({b: 1})  # the failed adoptions changed nothing
 
 
@@ -145,7 +155,7 @@ def test_fp8_kv_parts_carry_scales_and_decode_equals_colocated_fp8(tiny_checkpoi
         while prefill.has_unfinished_requests():
             for o in prefill.step(after_kv_store=ship):
                 first = o.token_ids[0] if o.finished else first
-        decode.add_prefilled_request(rid, p, params, first, blocks)
+        decode.add_prefilled_request(rid, p, params, [first], blocks)
     while decode.has_unfinished_requests():
         for o in decode.step():
             if o.finished:
