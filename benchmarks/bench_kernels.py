@@ -36,6 +36,8 @@ FP8_SWEEP = [dict(DECODE_TILE_FP8=t, DECODE_WARPS_FP8=w, DECODE_STAGES_FP8=s) fo
              for s in (2, 3)]
 PREFILL_SWEEP = [dict(PREFILL_ROWS=r, PREFILL_TILE_N=n, PREFILL_STAGES=s) for r in (64, 128) for n in (32, 64, 128)
                  for s in (2, 3)]
+COPY_SWEEP = [dict(COPY_CHUNK=c, COPY_WARPS=w) for c in (4096, 8192, 16384) for w in (4, 8)]
+STORE_SWEEP = [dict(STORE_ELEMS=e, STORE_WARPS=w) for e in (2048, 4096, 8192) for w in (4, 8)]
 
 
 @dataclass(frozen=True)
@@ -285,6 +287,10 @@ class Bench:
         cu = torch.arange(0, n * L + 1, L, dtype=torch.int32, device=self.device)
         starts = torch.zeros(n, dtype=torch.int32, device=self.device)
         flops = 4 * n * s.kv_heads * s.group * hd * L * (L + 1) // 2
+        ids = tables.reshape(-1)[: kc.shape[0] // 2].long()
+        blk_bytes = 2 * ids.numel() * kc[0].numel() * kc.element_size()
+        key = torch.randn(s.store_tokens[-1], s.kv_heads, hd, device=self.device).to(dtype)
+        slots = torch.randperm(kc.shape[0] * s.block_size, device=self.device)[: key.shape[0]]
         cases = [
             ("decode " + dtype_name(dtype), triton_kv, DECODE_SWEEP, kv_bytes,
              lambda: k.paged_decode_attention(q, kc, vc, tables, lens, hd**-0.5, num_splits=1)),
@@ -292,6 +298,10 @@ class Bench:
              lambda: k.paged_decode_attention(q, k8, v8, tables, lens, hd**-0.5, None, ks, vs, num_splits=1)),
             ("varlen prefill (TFLOP/s)", triton_prefill, PREFILL_SWEEP, -flops,
              lambda: k.paged_prefill_attention_varlen(pq, pc, pv, ptables, cu, starts, hd**-0.5, max_seqlen_q=L)),
+            (f"pack_blocks, {ids.numel()} blocks", triton_kv, COPY_SWEEP, 2 * blk_bytes,
+             lambda: k.pack_blocks(kc, vc, ids)),
+            (f"store_kv, {key.shape[0]} tokens, random slots", triton_kv, STORE_SWEEP,
+             4 * key.numel() * key.element_size(), lambda: k.store_kv(key, key, kc, vc, slots)),
         ]
         for label, mod, configs, amount, fn in cases:
             for cfg in configs[:1] if smoke else configs:

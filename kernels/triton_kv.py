@@ -33,6 +33,7 @@ DECODE_STAGES = 3
 DECODE_WARPS_FP8 = 8
 DECODE_STAGES_FP8 = 2
 STORE_ELEMS = 4096  # store_kv: elements per program (tokens x a row chunk)
+STORE_WARPS = 4
 COPY_CHUNK = 8192  # pack/unpack: elements per program
 COPY_WARPS = 8
 
@@ -231,7 +232,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     tokens = max(1, STORE_ELEMS // cols)
     _store_kv_kernel[(triton.cdiv(n, tokens), triton.cdiv(row, cols))](
         key, value, k_cache, v_cache, slot_mapping, n, key.stride(0), value.stride(0), k_cache.stride(0),
-        v_cache.stride(0), BLOCK_SIZE=k_cache.shape[1], ROW=row, TOKENS=tokens, COLS=cols, num_warps=4)
+        v_cache.stride(0), BLOCK_SIZE=k_cache.shape[1], ROW=row, TOKENS=tokens, COLS=cols, num_warps=STORE_WARPS)
 
 
 
