@@ -60,6 +60,7 @@ class DecodeWorker(EngineLoop):
         self._sender = TokenSender(on_stalled=self._proxy_stalled)
         self.tokens_generated = 0
         self.proxy_stalls = 0
+        self.reservations_made = 0
         self.recomputes = 0  # requests whose K/V failed to arrive and whose prompt was computed here instead
         self._started = time.monotonic()
         self.kv_endpoint = ""
@@ -131,6 +132,7 @@ class DecodeWorker(EngineLoop):
                                             len(req.prompt_token_ids), self.engine.model_config.num_layers, req)
         if rec is None:
             return None
+        self.reservations_made += 1
         self._records[req.request_id] = rec
         self._trackers[req.request_id] = DeltaTracker(req.request_id, len(req.prompt_token_ids))
         log.info("reserve %s (trace %s): %d blocks, %s", req.request_id, req.trace_id, rec.num_blocks,
@@ -285,6 +287,7 @@ class DecodeWorker(EngineLoop):
             actor_id=self.actor_id, role="decode", draining=self.draining, idle=self._idle(),
             kv=KVCounts(**self.reservations.counts(), cached=self.engine.kv.pool.counts()["cached"]),
             running=len(sched.running), waiting=len(sched.waiting), requests=states,
+            reservations=self.reservations_made,
             tokens_generated=self.tokens_generated,
             decode_tokens_per_s=self.tokens_generated / max(1e-9, time.monotonic() - self._started),
             proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, kv_address=self.kv_endpoint, **rx)

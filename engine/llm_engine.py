@@ -152,7 +152,7 @@ class LLMEngine:
             if params.logprobs is not None:
                 seqs[0].output_logprobs = list(prefix_logprobs or [{} for _ in output_prefix])
         if block_ids is not None:
-            self.kv.adopt(seqs[0], block_ids, 0)
+            self._adopt_reserved(seqs[0], block_ids, 0)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
         texts = ["".join(detoks[0].add_token(t) for t in (output_prefix or []))] + [""] * (len(seqs) - 1)
         self._requests[request_id] = _Request(request_id, ids, seqs, detoks, texts)
@@ -184,9 +184,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
                          arrival=arrival, seed=seed) for i in range(params.n)]
-        keep = len(block_ids) if params.n == 1 else cdiv(len(ids), self.config.block_size)
-        self.kv.adopt(seqs[0], block_ids[:keep], len(ids))
-        self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))
+        self._adopt_reserved(seqs[0], block_ids, len(ids))
         req = _Request(request_id, ids, seqs,
                        [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs],
                        [""] * len(seqs))
@@ -203,6 +201,15 @@ class LLMEngine:
         if req.finished:
             del self._requests[request_id]
         return out
+
+    def _adopt_reserved(self, parent: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
+        """Mutates: ``parent`` takes over blocks reserved for its request. With ``n > 1`` it keeps only the prompt's:
+        its children will share every block it holds, and copy-on-write copies only a table's last block, so a
+        shared block past the prompt would be written by every completion; the rest go back to the pool."""
+        n = parent.params.n
+        keep = len(block_ids) if n == 1 else cdiv(len(parent.prompt_token_ids), self.config.block_size)
+        self.kv.adopt(parent, block_ids[:keep], num_computed_tokens)
+        self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))
 
     def kv_layer(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` (a view: writes go through)."""

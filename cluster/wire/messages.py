@@ -419,6 +419,7 @@ class WorkerStats(_Wire):
     kv_parts_installed: int = 0
     kv_parts_rejected: int = 0
     kv_bytes_received: int = 0
+    reservations: int = 0  # reservations granted (decode): one per request, whatever its n
     recomputes: int = 0  # requests whose K/V failed to arrive and whose prompt was computed on the decode actor
     proxy_stalls: int = 0  # proxies that stopped reading tokens (their requests were aborted)
     requests: dict[str, int] = dataclasses.field(default_factory=dict)  # requests held, by intake state (decode)

@@ -146,18 +146,9 @@ def test_streamed_equals_non_streamed_equals_offline(cluster: Cluster, cases: di
             assert reasons == ["stop"], (c.name, s, reasons)
 
 
-COLOCATED_N3_BUG = (
-    "colocated n>1 into reserved blocks: LLMEngine.add_request(block_ids=...) gives the parent every reserved block "
-    "and fork() shares them all; KVCacheManager.allocate_slots copies-on-write only the table's last block, so the "
-    "completions overwrite each other's K/V in the shared blocks past the prompt")
-
-
-def test_n3_seeded_is_one_reserve_and_one_prefill(cluster: Cluster, cases: dict[str, Case], offline: LLM,
-                                                  request: pytest.FixtureRequest) -> None:
+def test_n3_seeded_is_one_reserve_and_one_prefill(cluster: Cluster, cases: dict[str, Case], offline: LLM) -> None:
     """``n=3, seed=7`` gives ``LLM.chat``'s three choices, streamed and not; disaggregated, each request's prompt is
     prefilled once and its K/V crosses once (one reservation: three would each take their own transfer)."""
-    if cluster.cfg.mode == "colocated":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=COLOCATED_N3_BUG))
     case = cases["n3"]
     before = status(cluster)
     with cf.ThreadPoolExecutor(2) as ex:
@@ -166,6 +157,7 @@ def test_n3_seeded_is_one_reserve_and_one_prefill(cluster: Cluster, cases: dict[
     for stream, (texts, reasons, usage) in zip((False, True), got):
         assert texts == case.want and len(set(texts)) > 1, (cluster.cfg.mode, stream, texts, case.want)
         assert usage.completion_tokens == sum(case.want_tokens) and None not in reasons
+    assert after["decode"]["reservations"] - before["decode"]["reservations"] == 2, "not one reserve per request"
     if cluster.cfg.mode != "disaggregated":
         return
     prompt_tokens = got[0][2].prompt_tokens

@@ -401,10 +401,6 @@ def test_first_token_that_stops_at_once(engines: Engines) -> None:
                [[0, 5, 6, 7], word + [5, 6, 7], bytes_of(e, "你") + [0]])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "add_request(block_ids=...) with n > 1 (the colocated decode actor's path, and a failed transfer's recompute): "
-    "the parent adopts every reserved block and fork() shares them all; KVCacheManager.allocate_slots copies-on-write "
-    "only the table's last block, so completions overwrite each other's K/V in the shared blocks past the prompt"))
 def test_colocated_n_gt_1_into_reserved_blocks_samples_like_offline(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Real (unscripted) sampling: the colocated decode actor's ``add_request`` into a reservation sized like the
     proxy's (``proxy/server.py`` ``_blocks_needed``) must give ``LLM.generate``'s n completions."""
