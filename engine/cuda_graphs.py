@@ -12,6 +12,8 @@ is how the CPU tests check the padding and bucketing.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 import kernels
@@ -48,8 +50,15 @@ class DecodeGraphRunner:
         self.capture = capture and dev.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
+        self.capture_error: str | None = None  # why capture failed (the buckets then run eagerly)
         if self.capture:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except RuntimeError as e:  # e.g. a kernel that syncs with the host: keep serving, eagerly
+                self.graphs.clear()
+                self.logits.clear()
+                self.capture_error = str(e)
+                warnings.warn(f"CUDA graph capture failed, decode runs eagerly: {e}", RuntimeWarning, stacklevel=2)
 
     def num_splits(self, batch: int) -> int | None:
         """The split-K count of a bucket: fixed from shapes (the kernel picks from the longest possible context). On
@@ -78,6 +87,7 @@ class DecodeGraphRunner:
                                     self.kv_caches, None, self.kv_scales)
         return self.model.logits(hidden)
 
+    @torch.inference_mode()
     def _capture_all(self) -> None:
         """Mutates: captures every bucket, largest first (smaller graphs reuse its memory pool). The buffers hold
         padding (slot -1, length 0) throughout, so the warm-up and capture runs write no KV."""
