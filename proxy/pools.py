@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from cluster.wire.messages import ActorStats, WorkerStats
+from cluster.wire.messages import ActorStats, WireVersionError, WorkerStats
 from cluster.wire.names import MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,10 @@ class Pools:
                     raw = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
                     ref.stats = WorkerStats.from_dict(raw)
                     ref.alive = True
+                except WireVersionError as e:  # a rolling upgrade mixing versions: never route to it
+                    log.error("actor %s: %s", name, e)
+                    ref.alive = False
+                    continue
                 except Exception:
                     ref.alive = False
                     continue
