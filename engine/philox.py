@@ -40,13 +40,11 @@ def philox4x32_int(counter: tuple[int, int, int, int], key: tuple[int, int], rou
     return c0, c1, c2, c3
 
 
-def _mulhilo(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32-bit words of ``a * m`` for 32-bit words ``a`` (int64 tensor) and a 32-bit constant ``m``. Pure.
-
-    ``a * m`` can reach 2**64 and would overflow int64, so it is built from the two 16-bit halves of ``m``.
-    """
-    p_lo = a * (m & 0xFFFF)  # < 2**48
-    mid = a * (m >> 16) + (p_lo >> 16)  # a * m >> 16, < 2**49
+def _mulhilo(a: torch.Tensor, m_lo: torch.Tensor | int, m_hi: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high, low) 32-bit words of ``a * m`` for 32-bit words ``a`` (int64 tensor) and a 32-bit ``m`` given as its
+    16-bit halves. Pure. ``a * m`` can reach 2**64 and would overflow int64; the partial products stay < 2**49."""
+    p_lo = a * m_lo  # < 2**48
+    mid = a * m_hi + (p_lo >> 16)  # a * m >> 16
     return mid >> 16, ((mid & 0xFFFF) << 16) | (p_lo & 0xFFFF)
 
 
@@ -54,16 +52,24 @@ def philox4x32(counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
                key: tuple[torch.Tensor, torch.Tensor], rounds: int = ROUNDS
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`philox4x32_int` elementwise over int64 tensors of 32-bit words (broadcast together), on their
-    device. Pure."""
-    c0, c1, c2, c3 = (w & _M32 for w in counter)
-    k0, k1 = (w & _M32 for w in key)
+    device. Pure. Both multiplications of a round run as one op on stacked words (c0, c2): ~15 ops per round."""
+    c = torch.broadcast_tensors(*counter, *key)
+    dev = c[0].device
+    shape = (2,) + (1,) * c[0].dim()
+    mul = torch.stack([c[0], c[2]]) & _M32  # the multiplied words
+    other = torch.stack([c[1], c[3]]) & _M32
+    k = torch.stack([c[4], c[5]]) & _M32
+    m_lo = torch.tensor([m & 0xFFFF for m in _MUL], device=dev).view(shape)
+    m_hi = torch.tensor([m >> 16 for m in _MUL], device=dev).view(shape)
+    weyl = torch.tensor(_WEYL, device=dev).view(shape)
+    swap = torch.tensor([1, 0], device=dev)
     for r in range(rounds):
         if r:
-            k0, k1 = (k0 + _WEYL[0]) & _M32, (k1 + _WEYL[1]) & _M32
-        hi0, lo0 = _mulhilo(c0, _MUL[0])
-        hi1, lo1 = _mulhilo(c2, _MUL[1])
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
+            k = (k + weyl) & _M32
+        hi, lo = _mulhilo(mul, m_lo, m_hi)
+        # (c0, c1, c2, c3) <- (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
+        mul, other = hi.index_select(0, swap) ^ other ^ k, lo.index_select(0, swap)
+    return mul[0], other[0], mul[1], other[1]
 
 
 def _to_double(w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
