@@ -226,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i (0: free ports, printed)")
     sv.add_argument("--proxies", type=int, default=1)
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
-    sv.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache per actor")
+    sv.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV cache per actor (default: 1 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)")
     sv.add_argument("--served-model-name", default="default")
     sv.add_argument("--queue-timeout", type=float, default=10.0,
                     help="seconds a request may wait (FIFO) for KV blocks before a 429")

@@ -19,6 +19,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+CPU_KV_CACHE_GIB = 1.0  # a worker's KV cache on the CPU when its config leaves it open
+
+
+def load_engine(config: Any) -> Any:
+    """Mutates nothing: a new ``LLMEngine`` for a :class:`~cluster.wire.worker_config.WorkerConfig`, on the device the
+    config names. A KV cache size left open (None) is :data:`CPU_KV_CACHE_GIB` on the CPU and, on CUDA, what the
+    config's ``gpu_memory_utilization`` leaves after the weights and activations."""
+    from engine.config import EngineConfig
+    from engine.device import resolve_device
+    from engine.llm_engine import LLMEngine
+
+    kwargs = config.engine_kwargs()
+    if kwargs["kv_cache_gib"] is None and resolve_device(kwargs["device"]).type == "cpu":
+        kwargs["kv_cache_gib"] = CPU_KV_CACHE_GIB
+    return LLMEngine(EngineConfig(**kwargs))
+
+
 class _Command(Generic[T]):
     __slots__ = ("fn", "done", "result", "error")
 

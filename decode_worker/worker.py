@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from cluster.engine_loop import EngineLoop
+from cluster.engine_loop import EngineLoop, load_engine
 from cluster.wire.messages import (GenerateRequest, KVCounts, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta,
                                    WorkerStats)
 from cluster.wire.token_stream import TokenSender
@@ -44,12 +44,9 @@ class DecodeWorker(EngineLoop):
         """``engine``: an idle ``LLMEngine`` for ``config`` to reuse (a role flip keeps the weights); None loads one.
         ``on_transfer_failure``: what a request whose K/V failed to arrive does: ``recompute`` its prompt here, or
         ``fail`` (the client gets the error)."""
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
-
         if on_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {on_transfer_failure!r}")
-        super().__init__(actor_id, engine if engine is not None else LLMEngine(EngineConfig(**config.engine_kwargs())))
+        super().__init__(actor_id, engine if engine is not None else load_engine(config))
         self.config = config
         self.on_transfer_failure = on_transfer_failure
         self.reservations = ReservationManager(self.engine.kv.pool)

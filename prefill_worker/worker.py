@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from cluster.engine_loop import EngineLoop
+from cluster.engine_loop import EngineLoop, load_engine
 from cluster.wire.messages import GenerateRequest, KVCounts, PrefillRequest, PrefillResult, ReserveGrant, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.base import TransferHandle, TransferState
@@ -46,11 +46,9 @@ class PrefillWorker(EngineLoop):
         """``corrupt_every`` > 0 flips one payload byte of every n-th part after its checksum (fault injection for
         tests and drills: the decode actor must reject the part and recompute). ``engine``: an idle ``LLMEngine``
         for ``config`` to reuse (a role flip keeps the weights); None loads one."""
-        from engine.config import EngineConfig
-        from engine.llm_engine import LLMEngine
         from kv_transfer import make_backend
 
-        super().__init__(actor_id, engine if engine is not None else LLMEngine(EngineConfig(**config.engine_kwargs())))
+        super().__init__(actor_id, engine if engine is not None else load_engine(config))
         self.config = config
         self.backend = make_backend(dataclasses.replace(kv, name=actor_id))
         self._jobs: dict[str, _Job] = {}  # loop thread only

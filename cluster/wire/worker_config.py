@@ -14,7 +14,8 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"  # or "fp8": KV stored and sent as float8_e4m3fn with per-(block, kv head) scales
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_gib: float = 1.0
+    # KV cache per actor, GiB; None: 1 GiB on the CPU, on CUDA what gpu_memory_utilization leaves
+    kv_cache_gib: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
