@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -55,6 +56,7 @@ class EngineLoop:
 
     role = ""
     idle_wait_s = 0.01  # how long an idle loop sleeps when nothing wakes it
+    stats_interval_s = 0.1  # the loop republishes its stats at most this often (counting cached blocks is O(cache))
 
     def __init__(self, actor_id: str, engine: Any) -> None:
         self.actor_id = actor_id
@@ -64,6 +66,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{self.role}-{actor_id}", daemon=True)
+        self._published_at = float("-inf")
 
     def _start_loop(self) -> None:
         self._thread.start()
@@ -99,6 +102,10 @@ class EngineLoop:
             self._run_inbox()
             try:
                 busy = self._step()
+                now = time.monotonic()
+                if now - self._published_at >= self.stats_interval_s:
+                    self._publish_stats()
+                    self._published_at = now
             except Exception:  # a bug in one step must not kill the actor's loop; the request's owner reports it
                 log.exception("%s: step failed", self.actor_id)
                 busy = False
@@ -137,13 +144,21 @@ class EngineLoop:
         """No request held in any state (loop thread)."""
         raise NotImplementedError
 
+    def _publish_stats(self) -> None:
+        """Take a snapshot of the role's stats for ``stats()`` to return without waiting (loop thread)."""
+        raise NotImplementedError
+
     def _close(self) -> None:
         """Release the role's sockets and threads (after the loop stopped)."""
 
     # -- lifecycle, the same for both roles ------------------------------------------------------------------------
     def drain(self) -> None:
         """Mutates: accept no new work from now on; what was accepted finishes."""
-        self.call(lambda: setattr(self, "draining", True))
+        def mark() -> None:
+            self.draining = True
+            self._publish_stats()  # at once: whoever drains it polls the stats next
+
+        self.call(mark)
 
     def is_idle(self) -> bool:
         return self.call(self._idle)

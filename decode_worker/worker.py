@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from cluster.engine_loop import EngineLoop, load_engine
+from cluster.engine_loop import EngineLoop, LoopStopped, load_engine
 from cluster.wire.messages import (GenerateRequest, KVCounts, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta,
                                    WorkerStats)
 from cluster.wire.token_stream import TokenSender
@@ -234,7 +234,10 @@ class DecodeWorker(EngineLoop):
             for rid in [r for r, rec in self._records.items() if rec.request.reply_to == address]:
                 self._abort(rid, f"proxy {address} stopped reading tokens")
 
-        self.post(abort_all)
+        try:
+            self.post(abort_all)
+        except LoopStopped:  # shutting down: nothing left to abort
+            pass
 
     def _step(self) -> bool:
         self._intake()
@@ -249,7 +252,6 @@ class DecodeWorker(EngineLoop):
         for address, deltas in self._outbox.items():
             self._sender.send(address, deltas)
         self._outbox = {}
-        self._publish_stats()
         return busy
 
     def _emit(self, out: Any) -> None:

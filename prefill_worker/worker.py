@@ -132,14 +132,12 @@ class PrefillWorker(EngineLoop):
     # -- the loop ----------------------------------------------------------------------------------------------------
     def _step(self) -> bool:
         if not self.engine.has_unfinished_requests():
-            self._publish_stats()
             return False
         for out in self.engine.step(after_kv_store=self._ship):
             job = self._jobs.pop(out.request_id, None) if out.finished else None
             if job is not None:
                 job.output = out
                 job.done.set()  # the caller's thread waits for the wire, not this loop
-        self._publish_stats()
         return True
 
     def _ship(self, layer: int, out: Any) -> None:

@@ -55,6 +55,13 @@ def _run(prefill: FlexWorker, decode: FlexWorker, inbox: TokenInbox, rid: str, *
     return inbox.collect(rid), result
 
 
+def _eventually(cond: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
 def _leak_free(decode: FlexWorker) -> None:
     counts = decode.check_integrity()
     assert counts["reserved"] == 0 and counts["used"] == 0, counts
@@ -71,8 +78,8 @@ def test_corrupt_part_recomputes_with_the_same_text(model: str, inbox: TokenInbo
             if "seed" in sampling or not sampling:  # unseeded draws differ between two engines' seed streams
                 assert token_ids(good) == token_ids(bad) and texts(good) == texts(bad)
             assert token_ids(bad)[0][0] == r2.first_token_ids[0]  # the recompute drew the prefill's first token again
-        assert clean_d.stats()["recomputes"] == 0 and bad_d.stats()["recomputes"] == 3
-        assert bad_d.stats()["kv_parts_rejected"] >= 3
+        _eventually(lambda: bad_d.stats()["recomputes"] == 3 and bad_d.stats()["kv_parts_rejected"] >= 3)
+        assert clean_d.stats()["recomputes"] == 0
         _leak_free(clean_d)
         _leak_free(bad_d)
     finally:
@@ -113,7 +120,7 @@ def test_reservation_without_kv_expires_with_an_error(model: str, inbox: TokenIn
         deltas = inbox.collect("lost", timeout_s=20)
         assert deltas[-1].error and "lease" in deltas[-1].error and deltas[-1].finish_reason == "abort"
         _leak_free(decode)
-        assert decode.stats()["requests"] == {}
+        _eventually(lambda: decode.stats()["requests"] == {})  # stats are republished every 0.1 s
     finally:
         decode.shutdown()
 

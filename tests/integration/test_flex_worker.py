@@ -6,6 +6,8 @@ decode one's reservation; then both flip and the transfer runs the other way.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cluster.flex_worker import FlexWorker
@@ -35,6 +37,9 @@ def _transfer(prefill: FlexWorker, decode: FlexWorker, request_id: str) -> None:
     ids = token_ids(deltas)[0]
     assert len(ids) == 4 and ids[0] == result.first_token_ids[0]
     assert deltas[-1].finish_reason == "length" and deltas[-1].usage is not None
+    deadline = time.monotonic() + 5  # stats are republished every 0.1 s
+    while decode.stats()["kv_parts_installed"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     st = decode.stats()
     assert st["recomputes"] == 0 and st["kv_parts_installed"] > 0
     counts = decode.check_integrity()
