@@ -51,14 +51,22 @@ def roofline(dtype: torch.dtype) -> tuple[float, float]:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     bw = 2 * src.numel() * 4 / best
-    a = torch.randn(2048, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
+    # the largest square up to 2048 whose product takes under ~50 ms: a CPU without bf16 matmul units runs 2048^3 in
+    # bf16 for a minute (0.3 GFLOP/s, seen on a 2-vCPU EPYC), which would only time the benchmark itself
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        t = time.perf_counter()
+        torch.mm(a, b)
+        if n >= 2048 or time.perf_counter() - t > 0.05:
+            break
+        n *= 2
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         t = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t)
-    return bw, 2 * 2048**3 / best
+    return bw, 2 * n**3 / best
 
 
 def run_engine(model: str, dtype: str, reqs: list[Req], threads: int | None) -> dict:

@@ -77,9 +77,7 @@ class PrefillWorker(EngineLoop):
         req = msg.request
         job = _Job(req, msg.grant)
 
-        def add() -> None:
-            if self.draining:
-                raise RuntimeError(f"{self.actor_id} is draining")
+        def add() -> None:  # also while draining: a proxy may have routed it here before it saw the drain
             params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1})
             job.seed = self.engine.effective_seed(params)
             params = dataclasses.replace(params, seed=job.seed)
