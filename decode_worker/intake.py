@@ -45,6 +45,7 @@ TRANSITIONS: dict[IntakeState, frozenset[IntakeState]] = {
     S.EXPIRED: frozenset(),
 }
 PENDING = frozenset({S.RESERVED, S.RECEIVING, S.COMPLETE, S.FAILED})  # blocks still counted as reserved
+TAKES_PARTS = frozenset({S.RESERVED, S.RECEIVING})  # K/V parts may still be installed
 FINAL = frozenset(s for s, nxt in TRANSITIONS.items() if not nxt)
 
 
@@ -110,7 +111,7 @@ class IntakeRecord:
         """Mutates: record an installed part (parts of a layer come in token order); RESERVED -> RECEIVING ->
         COMPLETE as they arrive. Raises ``ValueError`` for a layer out of range, :class:`IllegalTransition` unless
         the record still takes parts (RESERVED or RECEIVING)."""
-        if self.state not in (S.RESERVED, S.RECEIVING):
+        if self.state not in TAKES_PARTS:
             raise IllegalTransition(f"{self.reservation_id}: a part arrived in state {self.state.name}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: {layer} outside [0, {self.num_layers})")

@@ -13,14 +13,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from decode_worker.intake import IntakeRecord, IntakeState
+from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from kv_transfer.base import dtype_name
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import ExpectedTransfer, KVTransferError
 from kv_transfer.layer_parts import install_layer_part
 
 log = logging.getLogger(__name__)
-TAKES_PARTS = (IntakeState.RESERVED, IntakeState.RECEIVING)
 
 
 class KVReceiver:

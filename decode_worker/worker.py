@@ -25,8 +25,7 @@ from cluster.wire.messages import (GenerateRequest, KVCounts, PrefillResult, Res
 from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker
-from decode_worker.intake import IntakeRecord, IntakeState
-from decode_worker.kv_receiver import TAKES_PARTS
+from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from decode_worker.reservations import ReservationManager
 from kv_transfer.config import KVTransferConfig
 
@@ -162,7 +161,7 @@ class DecodeWorker(EngineLoop):
         """Join what is complete, recompute what failed, expire what waited too long (loop thread)."""
         now = time.monotonic()
         with self._intake_lock:
-            for rec in self.reservations.pending():
+            for rec in [r for r in self._records.values() if r.pending]:  # no sort on this per-iteration path
                 late = rec.result is not None and rec.state in TAKES_PARTS and rec.expires_at <= now
                 if late:
                     rec.advance(S.FAILED, f"KV incomplete (layers {rec.missing_layers()[:4]}...) "

@@ -1,4 +1,5 @@
-"""Per-(layer, chunk) KV parts: pack on the prefill side, verify and install on the decode side, track arrival.
+"""Per-(layer, chunk) KV parts: pack on the prefill side, verify and install on the decode side (which parts of a
+reservation have arrived is its intake record's business: ``decode_worker.intake.IntakeRecord.add_part``).
 
 Sender, after a layer's forward for a chunk covering tokens ``[s, e)``::
 
@@ -101,30 +102,3 @@ def install_layer_part(
     kernels.unpack_blocks(payload, k_cache, v_cache, ids)
     if scales is not None:
         scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), -1)
-
-
-class LayerArrivals:
-    """Which (layer, token range) parts of one request have been installed; complete when every layer covers
-    ``[0, num_tokens)``. Pure bookkeeping."""
-
-    def __init__(self, num_layers: int, num_tokens: int) -> None:
-        if num_layers < 1 or num_tokens < 1:
-            raise ValueError(f"num_layers/num_tokens: must be >= 1, got {num_layers}/{num_tokens}")
-        self.num_tokens = num_tokens
-        self._covered = [0] * num_layers  # per layer: tokens [0, covered) installed (chunks arrive in order)
-        self.out_of_order = 0  # parts that did not extend their layer's prefix (a gap or a repeat)
-
-    def add(self, layer: int, token_start: int, token_end: int) -> None:
-        """Mutates: record an installed part. Parts of a layer are expected in token order."""
-        if token_start <= self._covered[layer]:
-            self._covered[layer] = max(self._covered[layer], min(token_end, self.num_tokens))
-        else:
-            self.out_of_order += 1
-
-    @property
-    def complete(self) -> bool:
-        return all(c >= self.num_tokens for c in self._covered)
-
-    def missing_layers(self) -> list[int]:
-        """Layers not yet covering every token. Pure."""
-        return [i for i, c in enumerate(self._covered) if c < self.num_tokens]

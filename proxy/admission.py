@@ -54,11 +54,13 @@ class AdmissionConfig:
                              f"({self.retry_after_floor_s})")
 
 
-def estimate_blocks(prompt_tokens: int, max_tokens: int, block_size: int) -> int:
-    """KV blocks a request may need: ``ceil((prompt + max_tokens) / block_size)``. Pure."""
-    if prompt_tokens < 0 or max_tokens < 0 or block_size < 1:
-        raise ValueError(f"estimate_blocks({prompt_tokens}, {max_tokens}, {block_size}): bad arguments")
-    return -(-(prompt_tokens + max_tokens) // block_size)
+def estimate_blocks(prompt_tokens: int, max_tokens: int, block_size: int, n: int = 1) -> int:
+    """KV blocks a request may need: ``ceil((prompt + max_tokens) / block_size)`` for its first completion, and for
+    each of the other ``n - 1`` (which share the prompt's blocks copy-on-write) its output's blocks plus the copy of
+    the prompt's last block. Pure."""
+    if prompt_tokens < 0 or max_tokens < 0 or block_size < 1 or n < 1:
+        raise ValueError(f"estimate_blocks({prompt_tokens}, {max_tokens}, {block_size}, {n}): bad arguments")
+    return -(-(prompt_tokens + max_tokens) // block_size) + (n - 1) * (-(-max_tokens // block_size) + 1)
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ class Pools:
     @staticmethod
     def actor_stats(ref: ActorRef, role: str) -> ActorStats:
         """The router's view of one actor, from its last reported stats (cached prefix blocks count as free). Pure."""
-        st = ref.stats or WorkerStats(ref.name, role if role in ("prefill", "decode") else "decode")
+        st = ref.stats
+        if st is None:  # not heard from yet: nothing free, nothing queued
+            return ActorStats(actor_id=ref.name, role=role, alive=ref.alive)
         kv = st.kv
         return ActorStats(actor_id=ref.name, role=role, alive=ref.alive, draining=st.draining, kv_blocks_free=kv.free,
                           kv_blocks_reserved=kv.reserved, kv_blocks_used=kv.used, kv_blocks_total=kv.total,

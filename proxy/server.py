@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest,
+from cluster.wire.messages import (PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest,
                                    TokenDelta, Usage, WorkerStats)
 from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
@@ -247,17 +247,12 @@ class Proxy:
             jobs.append(Job(gen, i, self.stream.subscribe(gen.request_id)))
         return parsed, jobs
 
-    def _blocks_needed(self, req: GenerateRequest) -> int:
-        """The prompt's blocks and each completion's output (the completions share the prompt copy-on-write)."""
-        one = estimate_blocks(len(req.prompt_token_ids), req.max_tokens, self.block_size)
-        return one + (req.n - 1) * (-(-req.max_tokens // self.block_size) + 1)
-
     async def _admit(self, job: Job) -> None:
         """Reserve blocks on some decode actor, which owns the request from then on (waiting in the admission queue
         if none has room, 429 when that wait runs out); in disaggregated mode a prefill actor then computes the prompt
         into those blocks and its first tokens go to the owner."""
         prefill = self._pick_prefill(job.req.prompt_token_ids)
-        need = self._blocks_needed(job.req)
+        need = estimate_blocks(len(job.req.prompt_token_ids), job.req.max_tokens, self.block_size, job.req.n)
         try:
             actor, grant = await self.gate.reserve(ReserveRequest(job.req, need, colocated=prefill is None))
         except ValueError as e:

@@ -17,6 +17,7 @@ from kv_transfer import make_backend
 from kv_transfer.base import TransferState, as_bytes
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.fake import FakeFabric
+from decode_worker.intake import IntakeRecord
 from kv_transfer.header import (
     ChecksumError,
     ExpectedTransfer,
@@ -26,7 +27,6 @@ from kv_transfer.header import (
     verify,
 )
 from kv_transfer.layer_parts import (
-    LayerArrivals,
     install_layer_part,
     pack_layer_part,
     tensor_memoryview,
@@ -138,15 +138,15 @@ def test_rejected_part_installs_nothing() -> None:
 
 
 def test_layer_arrivals() -> None:
-    arrivals = LayerArrivals(num_layers=2, num_tokens=72)
+    arrivals = IntakeRecord("rsv", "r", (1, 2, 3, 4, 5), ttl_s=5.0, expires_at=5.0, prompt_len=72, num_layers=2)
     for layer in (0, 1):
-        arrivals.add(layer, 0, 40)
-    assert not arrivals.complete and arrivals.missing_layers() == [0, 1]
-    arrivals.add(0, 40, 72)
-    arrivals.add(1, 50, 72)  # a gap: not counted
+        arrivals.add_part(layer, 0, 40)
+    assert not arrivals.kv_complete and arrivals.missing_layers() == [0, 1]
+    arrivals.add_part(0, 40, 72)
+    arrivals.add_part(1, 50, 72)  # a gap: not counted
     assert arrivals.missing_layers() == [1] and arrivals.out_of_order == 1
-    arrivals.add(1, 40, 72)
-    assert arrivals.complete
+    arrivals.add_part(1, 40, 72)
+    assert arrivals.kv_complete
 
 
 def test_config_validation() -> None:

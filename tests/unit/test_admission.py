@@ -24,6 +24,7 @@ def test_estimate_blocks_rounds_up() -> None:
     assert estimate_blocks(16, 0, 16) == 1
     assert estimate_blocks(16, 1, 16) == 2
     assert estimate_blocks(100, 28, 16) == 8
+    assert estimate_blocks(100, 28, 16, n=3) == 8 + 2 * (2 + 1)  # each other completion: its output + a CoW copy
     with pytest.raises(ValueError):
         estimate_blocks(-1, 1, 16)
 

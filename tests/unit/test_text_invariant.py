@@ -403,7 +403,7 @@ def test_first_token_that_stops_at_once(engines: Engines) -> None:
 
 def test_colocated_n_gt_1_into_reserved_blocks_samples_like_offline(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Real (unscripted) sampling: the colocated decode actor's ``add_request`` into a reservation sized like the
-    proxy's (``proxy/server.py`` ``_blocks_needed``) must give ``LLM.generate``'s n completions."""
+    proxy's (``proxy.admission.estimate_blocks`` with ``n``) must give ``LLM.generate``'s n completions."""
     folder = str(tiny_checkpoint("llama"))
     params = SamplingParams(n=3, seed=7, temperature=0.8, max_tokens=12, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9, 10, 11]
