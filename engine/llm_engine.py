@@ -137,10 +137,11 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         self.validate(ids, params)
         arrival = time.monotonic() if arrival is None else arrival
+        seed = self.effective_seed(params)  # one per request: its completions differ by their index in the key
         seqs = [
             Sequence(
                 seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
-                arrival=arrival, priority=priority, seed=self.effective_seed(params),
+                arrival=arrival, priority=priority, seed=seed,
             )
             for i in range(params.n)
         ]
