@@ -1,0 +1,165 @@
+"""``pdcluster bench``: flags, then for each sweep point run the load, print its numbers; JSON and plot at the end."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict
+import urllib.error
+import urllib.request
+from typing import Any
+
+from cluster.bench.arrivals import PROCESSES, arrival_offsets
+from cluster.bench.datasets import KINDS, DatasetSpec, make_dataset
+from cluster.bench.openai_stream import ENDPOINTS, base_url
+from cluster.bench.stats import Slo, summarize
+from cluster.bench.sweep import parse_list, plan_sweep, sweep_axis
+
+
+def _list_of(kind: type):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> tuple:
+        try:
+            return parse_list(text, kind)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = f"list of {kind.__name__}s"
+    return parse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="load-test any OpenAI-compatible server: TTFT/TPOT/ITL, throughput, goodput",
+                       description="Stream requests to an OpenAI-compatible server and measure it on this client's "
+                                   "clock (see docs/benchmarks.md).")
+    b.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (with or without /v1)")
+    b.add_argument("--endpoint", default="chat", choices=list(ENDPOINTS), help="chat completions or completions")
+    b.add_argument("--model", default=None, help="model name sent (default: the first of the server's /v1/models)")
+    b.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    d = b.add_argument_group("dataset")
+    d.add_argument("--dataset", default="random", choices=list(KINDS),
+                   help="random lengths | shared-prefix (prompts share --num-prefixes prefixes) | chat (multi-turn)")
+    d.add_argument("--num-requests", type=int, default=40, help="requests per sweep point")
+    d.add_argument("--input-len", type=int, default=256, help="prompt tokens (per turn; after the prefix)")
+    d.add_argument("--input-range", type=float, default=0.0, help="input lengths drawn from len * [1-r, 1+r]")
+    d.add_argument("--output-len", type=int, default=64, help="max_tokens sent (actual lengths are reported)")
+    d.add_argument("--output-range", type=float, default=0.0, help="max_tokens drawn from len * [1-r, 1+r]")
+    d.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: tokens of each shared prefix")
+    d.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: how many distinct prefixes")
+    d.add_argument("--turns", type=int, default=1, help="chat: user turns per conversation")
+    d.add_argument("--tokenizer", default="default",
+                   help="counts prompt tokens: 'default' (pdcluster's default model), a folder with "
+                        "tokenizer.json, or 'none' (one word = one token, approximate)")
+    d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
+    a = b.add_argument_group("load")
+    sweep = a.add_mutually_exclusive_group()
+    sweep.add_argument("--concurrency", type=_list_of(int), default=None, metavar="C[,C...]",
+                       help="closed loop: at most C requests in flight, one point per value (default: 1)")
+    sweep.add_argument("--rate", type=_list_of(float), default=None, metavar="R[,R...]",
+                       help="open loop: R conversations started per second (inf: all at once), one point per value")
+    a.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight in a --rate sweep")
+    a.add_argument("--arrival", default="poisson", choices=list(PROCESSES), help="--rate inter-arrival times")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
+    a.add_argument("--warmup", type=int, default=0, help="requests sent before each point, not measured")
+    a.add_argument("--temperature", type=float, default=0.0)
+    a.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, pdcluster): exact output lengths")
+    a.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    o = b.add_argument_group("results")
+    o.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT SLO, seconds")
+    o.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT SLO, seconds")
+    o.add_argument("--json", default=None, metavar="FILE", help="write the results (every request too) here")
+    o.add_argument("--plot", default=None, metavar="FILE.png", help="plot throughput and latencies (matplotlib)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    b.set_defaults(func=run, _parser=b)
+
+
+def _server_models(url: str, api_key: str | None) -> list[str]:
+    req = urllib.request.Request(f"{url}/v1/models",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return [m["id"] for m in json.loads(r.read()).get("data", [])]
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.bench.progress import ProgressBar
+    from cluster.bench.report import format_table, point_dict
+    from cluster.bench.runner import Target, run_point
+    from cluster.bench.sweep import SweepPoint
+    from cluster.bench.tokenizer import load_tokenizer
+
+    parser: argparse.ArgumentParser = args._parser
+    try:
+        url = base_url(args.url)
+        spec = DatasetSpec(kind=args.dataset, input_len=args.input_len, input_range=args.input_range,
+                           output_len=args.output_len, output_range=args.output_range, prefix_len=args.prefix_len,
+                           num_prefixes=args.num_prefixes, turns=args.turns)
+        points = plan_sweep(args.concurrency, args.rate, args.max_concurrency)
+        arrival_offsets(1, 1.0, args.arrival, args.burstiness)  # checks the arrival settings before any request
+        slo = Slo(args.slo_ttft, args.slo_tpot)
+        for name in ("num_requests", "timeout"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
+        if args.warmup < 0:
+            raise ValueError("--warmup: must be >= 0")
+        if args.temperature < 0:
+            raise ValueError("--temperature: must be >= 0")
+    except ValueError as e:
+        field, sep, rest = str(e).partition(":")  # name the flag, not the config field
+        parser.error(f"--{field.replace('_', '-')}{sep}{rest}" if field.isidentifier() else str(e))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib (pip install matplotlib)")
+    try:
+        models = _server_models(url, args.api_key)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot list models at {url}/v1/models: {e}", file=sys.stderr)
+        return 1
+    model = args.model or (models[0] if models else None)
+    if model is None:
+        print(f"error: {url}/v1/models lists no model; pass --model", file=sys.stderr)
+        return 1
+    try:
+        tok = load_tokenizer(args.tokenizer)
+    except ValueError as e:
+        parser.error(str(e))
+    convs = make_dataset(spec, args.num_requests, args.seed, tok)
+    target = Target(url, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos, args.timeout)
+    counted = [t.text_tokens for c in convs for t in c.turns]
+    print(f"[bench] {url} model {model!r}, {args.endpoint}; {args.dataset} dataset: {len(counted)} requests, "
+          f"user text {min(counted)}-{max(counted)} tokens ({args.tokenizer} tokenizer); {len(points)} point(s)",
+          file=sys.stderr, flush=True)
+    rows: list[tuple[SweepPoint, dict[str, Any]]] = []
+    results: list[dict[str, Any]] = []
+    for i, point in enumerate(points):
+        if args.warmup:
+            warm = tuple(type(c)(c.index, c.turns[:1]) for c in convs[: args.warmup])
+            asyncio.run(run_point(target, SweepPoint(float("inf"), point.max_concurrency), warm, (0.0,) * len(warm)))
+        offsets = arrival_offsets(len(convs), point.rate, args.arrival, args.burstiness, args.seed + i)
+        bar = ProgressBar(len(counted), f"[bench {i + 1}/{len(points)}] {point.label}", enabled=not args.no_progress)
+        done = asyncio.run(run_point(target, point, convs, offsets, bar))
+        summary = summarize(done.records, max(done.duration_s, 1e-9), slo)
+        rows.append((point, summary))
+        results.append(point_dict(point, summary, done.records))
+    print(format_table(rows), flush=True)
+    if args.json:
+        axis, xs = sweep_axis(points)
+        doc = {"url": url, "model": model, "endpoint": args.endpoint, "created": time.time(),
+               "dataset": asdict(spec) | {"num_requests": args.num_requests, "seed": args.seed,
+                                        "tokenizer": args.tokenizer},
+               "load": {"axis": axis, "arrival": args.arrival, "burstiness": args.burstiness,
+                        "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos},
+               "points": results}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"[bench] results -> {args.json}", file=sys.stderr)
+    if args.plot:
+        from cluster.bench.plot import plot_sweep
+
+        axis, xs = sweep_axis(points)
+        plot_sweep(results, axis, xs, args.plot, f"{model} at {url} ({args.endpoint}, {args.dataset})")
+        print(f"[bench] plot -> {args.plot}", file=sys.stderr)
+    return 0 if any(s["completed"] for _, s in rows) else 1
