@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import math
 import sys
 import time
-from dataclasses import asdict
-import urllib.error
 import urllib.request
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from cluster.bench.arrivals import PROCESSES, arrival_offsets
-from cluster.bench.datasets import KINDS, DatasetSpec, make_dataset
+from cluster.bench.datasets import KINDS, Conversation, DatasetSpec, make_dataset
 from cluster.bench.openai_stream import ENDPOINTS, base_url
 from cluster.bench.stats import Slo, summarize
-from cluster.bench.sweep import parse_list, plan_sweep, sweep_axis
+from cluster.bench.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
 
 
 def _list_of(kind: type):  # type: ignore[no-untyped-def]
@@ -82,84 +83,98 @@ def _server_models(url: str, api_key: str | None) -> list[str]:
         return [m["id"] for m in json.loads(r.read()).get("data", [])]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The checked flags: what to send and where."""
+
+    url: str
+    spec: DatasetSpec
+    points: tuple[SweepPoint, ...]
+    slo: Slo
+
+
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Plan:
+    """The flags checked and turned into values; a bad one exits through ``parser.error`` naming it."""
+    try:
+        for name in ("num_requests", "timeout"):
+            if not getattr(args, name) > 0:
+                raise ValueError(f"{name}: must be > 0")
+        if args.warmup < 0 or args.temperature < 0:
+            raise ValueError(f"{'warmup' if args.warmup < 0 else 'temperature'}: must be >= 0")
+        arrival_offsets(1, 1.0, args.arrival, args.burstiness)  # checks the arrival settings
+        return _Plan(base_url(args.url),
+                     DatasetSpec(kind=args.dataset, input_len=args.input_len, input_range=args.input_range,
+                                 output_len=args.output_len, output_range=args.output_range,
+                                 prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, turns=args.turns),
+                     plan_sweep(args.concurrency, args.rate, args.max_concurrency), Slo(args.slo_ttft, args.slo_tpot))
+    except ValueError as e:
+        field, sep, rest = str(e).partition(":")  # name the flag, not the config field
+        parser.error(f"--{field.replace('_', '-')}{sep}{rest}" if field.isidentifier() else str(e))
+
+
+def _document(args: argparse.Namespace, plan: _Plan, model: str, points: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON file's content: the settings, then each point's summary and requests."""
+    axis, _ = sweep_axis(plan.points)
+    return {"url": plan.url, "model": model, "endpoint": args.endpoint, "created": time.time(),
+            "dataset": asdict(plan.spec) | {"num_requests": args.num_requests, "seed": args.seed,
+                                            "tokenizer": args.tokenizer},
+            "load": {"axis": axis, "arrival": args.arrival, "burstiness": args.burstiness, "warmup": args.warmup,
+                     "temperature": args.temperature, "ignore_eos": args.ignore_eos},
+            "points": points}
+
+
 def run(args: argparse.Namespace) -> int:
     from cluster.bench.progress import ProgressBar
     from cluster.bench.report import format_table, point_dict
     from cluster.bench.runner import Target, run_point
-    from cluster.bench.sweep import SweepPoint
     from cluster.bench.tokenizer import load_tokenizer
 
     parser: argparse.ArgumentParser = args._parser
-    try:
-        url = base_url(args.url)
-        spec = DatasetSpec(kind=args.dataset, input_len=args.input_len, input_range=args.input_range,
-                           output_len=args.output_len, output_range=args.output_range, prefix_len=args.prefix_len,
-                           num_prefixes=args.num_prefixes, turns=args.turns)
-        points = plan_sweep(args.concurrency, args.rate, args.max_concurrency)
-        arrival_offsets(1, 1.0, args.arrival, args.burstiness)  # checks the arrival settings before any request
-        slo = Slo(args.slo_ttft, args.slo_tpot)
-        for name in ("num_requests", "timeout"):
-            if not getattr(args, name) > 0:
-                raise ValueError(f"--{name.replace('_', '-')}: must be > 0")
-        if args.warmup < 0:
-            raise ValueError("--warmup: must be >= 0")
-        if args.temperature < 0:
-            raise ValueError("--temperature: must be >= 0")
+    plan = _plan(args, parser)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib (pip install matplotlib)")
+    try:  # before the server: local mistakes first
+        tok = load_tokenizer(args.tokenizer)
     except ValueError as e:
-        field, sep, rest = str(e).partition(":")  # name the flag, not the config field
-        parser.error(f"--{field.replace('_', '-')}{sep}{rest}" if field.isidentifier() else str(e))
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error("--plot needs matplotlib (pip install matplotlib)")
+        parser.error(f"--{e}")
     try:
-        models = _server_models(url, args.api_key)
+        models = _server_models(plan.url, args.api_key)
     except (OSError, ValueError) as e:
-        print(f"error: cannot list models at {url}/v1/models: {e}", file=sys.stderr)
+        print(f"error: cannot list models at {plan.url}/v1/models: {e}", file=sys.stderr)
         return 1
     model = args.model or (models[0] if models else None)
     if model is None:
-        print(f"error: {url}/v1/models lists no model; pass --model", file=sys.stderr)
+        print(f"error: {plan.url}/v1/models lists no model; pass --model", file=sys.stderr)
         return 1
-    try:
-        tok = load_tokenizer(args.tokenizer)
-    except ValueError as e:
-        parser.error(str(e))
-    convs = make_dataset(spec, args.num_requests, args.seed, tok)
-    target = Target(url, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos, args.timeout)
+    convs = make_dataset(plan.spec, args.num_requests, args.seed, tok)
+    target = Target(plan.url, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos, args.timeout)
     counted = [t.text_tokens for c in convs for t in c.turns]
-    print(f"[bench] {url} model {model!r}, {args.endpoint}; {args.dataset} dataset: {len(counted)} requests, "
-          f"user text {min(counted)}-{max(counted)} tokens ({args.tokenizer} tokenizer); {len(points)} point(s)",
+    print(f"[bench] {plan.url} model {model!r}, {args.endpoint}; {args.dataset} dataset: {len(counted)} requests, "
+          f"user text {min(counted)}-{max(counted)} tokens ({args.tokenizer} tokenizer); {len(plan.points)} point(s)",
           file=sys.stderr, flush=True)
     rows: list[tuple[SweepPoint, dict[str, Any]]] = []
     results: list[dict[str, Any]] = []
-    for i, point in enumerate(points):
-        if args.warmup:
-            warm = tuple(type(c)(c.index, c.turns[:1]) for c in convs[: args.warmup])
-            asyncio.run(run_point(target, SweepPoint(float("inf"), point.max_concurrency), warm, (0.0,) * len(warm)))
+    for i, point in enumerate(plan.points):
+        if args.warmup:  # first turns only, not measured
+            warm = tuple(Conversation(c.index, c.turns[:1]) for c in convs[: args.warmup])
+            asyncio.run(run_point(target, SweepPoint(math.inf, point.max_concurrency), warm, (0.0,) * len(warm)))
         offsets = arrival_offsets(len(convs), point.rate, args.arrival, args.burstiness, args.seed + i)
-        bar = ProgressBar(len(counted), f"[bench {i + 1}/{len(points)}] {point.label}", enabled=not args.no_progress)
+        bar = ProgressBar(len(counted), f"[bench {i + 1}/{len(plan.points)}] {point.label}",
+                          enabled=not args.no_progress)
         done = asyncio.run(run_point(target, point, convs, offsets, bar))
-        summary = summarize(done.records, max(done.duration_s, 1e-9), slo)
+        summary = summarize(done.records, max(done.duration_s, 1e-9), plan.slo)
         rows.append((point, summary))
         results.append(point_dict(point, summary, done.records))
+        if args.json:  # after every point: a long sweep stopped half way keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(_document(args, plan, model, results), f, indent=1)
     print(format_table(rows), flush=True)
     if args.json:
-        axis, xs = sweep_axis(points)
-        doc = {"url": url, "model": model, "endpoint": args.endpoint, "created": time.time(),
-               "dataset": asdict(spec) | {"num_requests": args.num_requests, "seed": args.seed,
-                                        "tokenizer": args.tokenizer},
-               "load": {"axis": axis, "arrival": args.arrival, "burstiness": args.burstiness,
-                        "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos},
-               "points": results}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
         print(f"[bench] results -> {args.json}", file=sys.stderr)
     if args.plot:
         from cluster.bench.plot import plot_sweep
 
-        axis, xs = sweep_axis(points)
-        plot_sweep(results, axis, xs, args.plot, f"{model} at {url} ({args.endpoint}, {args.dataset})")
+        axis, xs = sweep_axis(plan.points)
+        plot_sweep(results, axis, xs, args.plot, f"{model} at {plan.url} ({args.endpoint}, {args.dataset})")
         print(f"[bench] plot -> {args.plot}", file=sys.stderr)
     return 0 if any(s["completed"] for _, s in rows) else 1
