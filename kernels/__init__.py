@@ -6,8 +6,8 @@ tensors when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter: how the tests che
 pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path. Callers never change.
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
-``[num_blocks, kv_heads]``. Writing into it (:func:`store_kv_quantized`) re-quantizes the touched blocks, so a block's
-scale always covers its largest value.
+``[num_blocks, kv_heads]``. A block's scale is fixed by the write that opens it (:func:`store_kv_quantized`) and never
+changes afterwards, so a token is rounded once, when written; later tokens beyond its headroom saturate.
 
 Checks that would read a device tensor's values (``seq_lens`` within the block table, ``cu_seqlens_q`` consistent)
 run on CPU tensors only: on a GPU they would cost a host sync per call and break CUDA-graph capture.
@@ -256,9 +256,11 @@ def store_kv_quantized(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
-    """:func:`store_kv` into an FP8 cache: re-quantizes each touched block with a fresh scale. Mutates caches and
-    scales. A block's slots past its last written token must hold zeros or stale values of that block (both fine).
-    The Triton path is bit-identical to the torch one."""
+    """:func:`store_kv` into an FP8 cache. Mutates caches and scales: a write that opens a block (writes its offset
+    0, or finds its scale still 0) fixes the block's scale per kv head from those tokens' largest value with
+    ``reference.FP8_HEADROOM``; every write quantizes its tokens with their block's scale, saturating at +-448, and
+    touches no other slot. See :func:`reference.store_kv_quantized`. The Triton path is bit-identical to the torch
+    one (a slot written twice in one call keeps one of its writers, and either may count toward the scale)."""
     _check(k_cache.dtype == reference.FP8_DTYPE, "k_cache", f"expected float8_e4m3fn, got {k_cache.dtype}")
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)

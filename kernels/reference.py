@@ -11,6 +11,10 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+# A block's scale is fixed by its first write, so it leaves room for later tokens up to 32x larger (a decode opens a
+# block with one token). e4m3 is a float: the headroom costs no precision down to 2**-6 of full scale, i.e. to
+# values 1/900 of the opening amax, and the tokens of the default model never came near the limit (docs/kernels.md).
+FP8_HEADROOM = 32.0
 
 
 def paged_decode_attention(
@@ -156,12 +160,13 @@ def store_kv_quantized(
     v_scales: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """:func:`store_kv` into an FP8 cache: dequantize each touched block, write the tokens, re-quantize the block with
-    a fresh scale per kv head. Mutates the caches and scales; slots of -1 are skipped.
+    """:func:`store_kv` into an FP8 cache. Mutates the caches and scales; slots of -1 are skipped.
 
-    Tokens are written in position order, so a block's slots after the last one written here hold nothing yet (or
-    a previous owner's values): they are zeroed, so that stale values never inflate a scale and two caches that
-    received the same tokens hold the same bytes."""
+    A block's scale (per kv head, for K and V apart) is fixed by the write that opens the block (one that writes its
+    offset 0, or any write while the scale is still 0): :func:`fresh_fp8_scale` of the largest value those tokens
+    put in it. Every later write into the block quantizes its tokens with that scale and saturates at +-448, so a
+    token is rounded once, when it is written, and never again: a block's bytes do not depend on how the tokens
+    after its first write were split into calls. Only the written slots change."""
     slots = slot_mapping.long()
     keep = slots >= 0
     slots, key, value = slots[keep], key[keep], value[keep]
@@ -169,15 +174,22 @@ def store_kv_quantized(
         return
     block_size = k_cache.shape[1]
     blocks, where = torch.unique(slots // block_size, return_inverse=True)
-    offsets = slots % block_size
-    last = torch.full((blocks.numel(),), -1, dtype=torch.long, device=slots.device)
-    last = last.scatter_reduce(0, where, offsets, "amax")
-    unwritten = torch.arange(block_size, device=slots.device)[None, :] > last[:, None]
+    first = torch.full((blocks.numel(),), block_size, dtype=torch.long, device=slots.device)
+    opens = (first.scatter_reduce(0, where, slots % block_size, "amin") == 0)[:, None]  # [blocks, 1]
     for cache, scales, new in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
-        work = dequantize_kv_fp8(cache[blocks], scales[blocks], torch.float32)
-        work[where, offsets] = new.float()
-        work[unwritten] = 0.0
-        cache[blocks], scales[blocks] = quantize_kv_fp8(work)
+        new = new.float()
+        amax = torch.zeros(blocks.numel(), new.shape[1], device=new.device)
+        amax = amax.scatter_reduce(0, where[:, None].expand(-1, new.shape[1]), new.abs().amax(dim=2), "amax")
+        old = scales[blocks]
+        scales[blocks] = torch.where(opens | (old == 0), fresh_fp8_scale(amax), old)
+        s = scales[blocks][where][:, :, None]
+        cache.view(-1, cache.shape[2], cache.shape[3])[slots] = (new / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def fresh_fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale a block opens with, from the largest magnitude of its first tokens (per kv head): ``amax / 448``
+    times :data:`FP8_HEADROOM`, at least 1e-12. Pure."""
+    return torch.clamp(amax / (FP8_MAX / FP8_HEADROOM), min=1e-12)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

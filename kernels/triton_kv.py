@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_HEADROOM = 32.0  # kernels.reference.FP8_HEADROOM: a block's opening scale is 32x its first tokens' amax / 448
+FP8_OPEN_DIVISOR = tl.constexpr(FP8_MAX / FP8_HEADROOM)  # opening scale = amax / this (14: exact, as in torch)
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
 NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a split that sees no key yields 0, never NaN
 # Decode: context tokens per online-softmax step (spanning blocks of any size). An FP8 tile holds half the bytes, so
@@ -368,32 +370,25 @@ def _claim_slots_kernel(slot_ptr, writer_ptr, num_tokens, TOKENS: tl.constexpr):
 
 
 @triton.jit
-def _requantize_rows(src_ptr, stride_st, stride_sh, cache_ptr, sc_ptr, cache_base, sc_off, writer, written, keep,
-                     tile_ok, h, j, d, stride_ct, HEAD_DIM: tl.constexpr):
-    """One (block, kv head) of an FP8 cache: the old values where ``keep``, the writers' new rows where
-    ``written``, zeros elsewhere; re-quantized with a fresh scale exactly as
-    :func:`kernels.reference.quantize_kv_fp8`. Returns the scale."""
-    dst = cache_ptr + cache_base + j[:, None] * stride_ct + h * HEAD_DIM + d[None, :]
-    old = tl.load(dst, mask=tile_ok & keep[:, None], other=0.0).to(tl.float32) * tl.load(sc_ptr + sc_off)
+def _fp8_open_scale(src_ptr, stride_st, stride_sh, sc_ptr, sc_off, writer, written, tile_ok, h, d, opens):
+    """One (block, kv head) scale of K or V: kept, or, when ``opens`` or still 0, fixed from the writers' new rows
+    exactly as :func:`kernels.reference.fresh_fp8_scale`."""
+    old = tl.load(sc_ptr + sc_off)
     new = tl.load(src_ptr + writer[:, None] * stride_st + h * stride_sh + d[None, :],
                   mask=tile_ok & written[:, None], other=0.0).to(tl.float32)
-    x = tl.where(written[:, None], new, tl.where(keep[:, None], old, 0.0))
-    s = tl.maximum(tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), 448.0), 1e-12)
-    y = _to_e4m3_grid(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
-    tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=tile_ok)
-    return s
+    fresh = tl.maximum(tl.div_rn(tl.max(tl.max(tl.abs(new), axis=1), axis=0), FP8_OPEN_DIVISOR), 1e-12)
+    tl.store(sc_ptr + sc_off, tl.where(opens | (old == 0.0), fresh, old))
 
 
 @triton.jit
-def _store_fp8_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr, writer_ptr, num_tokens,
-                      stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_vb, stride_ct,
-                      stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-                      BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      DIM_PAD: tl.constexpr):
-    """One program per (token, kv head). Of the tokens writing a block, only the one at its highest offset (its
-    leader) works: it rebuilds that block's head from the old values, the new rows of every token writing the block
-    (found through ``writer``, each entry verified against ``slot_mapping``, so the map needs no clearing) and zeros
-    after its own offset, and re-quantizes it. Every other program only reads the block's ``writer`` entries.
+def _fp8_scales_kernel(key_ptr, value_ptr, ks_ptr, vs_ptr, slot_ptr, writer_ptr, num_tokens,
+                       stride_kt, stride_kh, stride_vt, stride_vh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+                       BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       DIM_PAD: tl.constexpr):
+    """One program per (token, kv head). Of the tokens writing a block, only the one at its lowest offset (its
+    leader) works: when that offset is 0 (the write opens the block) or a scale is still 0, it fixes the block's
+    head's scales from the new rows of every token writing the block (found through ``writer``, each entry verified
+    against ``slot_mapping``, so the map needs no clearing). Every other program only reads ``writer`` entries.
     (A branch, not an early return: both compile on every Triton version we support.)"""
     tok = tl.program_id(0)
     h = tl.program_id(1)
@@ -409,25 +404,50 @@ def _store_fp8_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr
     w_ok = j_ok & (w >= 0) & (w < num_tokens)
     w = tl.where(w_ok, w, 0).to(tl.int64)
     written = w_ok & (tl.load(slot_ptr + w, mask=w_ok, other=-1).to(tl.int64) == blk * BLOCK_SIZE + j)
-    later = tl.sum((written & (j > off)).to(tl.int32), axis=0)
+    earlier = tl.sum((written & (j < off)).to(tl.int32), axis=0)
     mine = tl.sum((written & (j == off) & (w == tok)).to(tl.int32), axis=0)
-    if live & (later == 0) & (mine == 1):  # the leader
+    if live & (earlier == 0) & (mine == 1):  # the leader
         tile_ok = j_ok[:, None] & (d < HEAD_DIM)[None, :]
-        keep = j <= off
-        ks_off = blk * stride_ksb + h * stride_ksh
-        vs_off = blk * stride_vsb + h * stride_vsh
-        s_k = _requantize_rows(key_ptr, stride_kt, stride_kh, k_ptr, ks_ptr, blk * stride_kb, ks_off, w, written,
-                               keep, tile_ok, h, j, d, stride_ct, HEAD_DIM)
-        s_v = _requantize_rows(value_ptr, stride_vt, stride_vh, v_ptr, vs_ptr, blk * stride_vb, vs_off, w, written,
-                               keep, tile_ok, h, j, d, stride_ct, HEAD_DIM)
-        tl.store(ks_ptr + ks_off, s_k)
-        tl.store(vs_ptr + vs_off, s_v)
+        _fp8_open_scale(key_ptr, stride_kt, stride_kh, ks_ptr, blk * stride_ksb + h * stride_ksh, w, written,
+                        tile_ok, h, d, off == 0)
+        _fp8_open_scale(value_ptr, stride_vt, stride_vh, vs_ptr, blk * stride_vsb + h * stride_vsh, w, written,
+                        tile_ok, h, d, off == 0)
+
+
+@triton.jit
+def _quantize_rows(src_ptr, dst_ptr, sc_ptr, tok, blk, off, col, head, ok, stride_t, stride_b, stride_sb, stride_sh):
+    """A [tokens, cols] tile of new rows into an FP8 cache: divided by their (block, kv head) scale, saturated at
+    +-448 and rounded as torch rounds to float8_e4m3fn."""
+    x = tl.load(src_ptr + tok[:, None] * stride_t + col[None, :], mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sc_ptr + (blk * stride_sb)[:, None] + head[None, :] * stride_sh, mask=ok, other=1.0)
+    y = _to_e4m3_grid(tl.minimum(tl.maximum(tl.div_rn(x, s), -448.0), 448.0))
+    tl.store(dst_ptr + (blk * stride_b + off)[:, None] + col[None, :], y.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _store_fp8_rows_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_ptr, num_tokens,
+                           stride_kt, stride_vt, stride_kb, stride_vb, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
+                           TOKENS: tl.constexpr, COLS: tl.constexpr):
+    """:func:`_store_kv_kernel` into an FP8 cache whose scales are already fixed; slot -1 skips."""
+    tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
+    col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    ok = (slot >= 0)[:, None] & (col < ROW)[None, :]
+    slot = tl.maximum(slot, 0)
+    blk = slot // BLOCK_SIZE
+    off = (slot % BLOCK_SIZE) * ROW
+    head = col // HEAD_DIM
+    tok = tok.to(tl.int64)
+    _quantize_rows(key_ptr, k_ptr, ks_ptr, tok, blk, off, col, head, ok, stride_kt, stride_kb, stride_ksb, stride_ksh)
+    _quantize_rows(value_ptr, v_ptr, vs_ptr, tok, blk, off, col, head, ok, stride_vt, stride_vb, stride_vsb,
+                   stride_vsh)
 
 
 def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """See :func:`kernels.reference.store_kv_quantized`: bit-identical to it (a slot written twice in one call
-    keeps one of its writers, as there). Mutates the caches and scales; no host sync."""
+    """See :func:`kernels.reference.store_kv_quantized`: bit-identical to it. Three launches, no host sync: claim
+    slots, fix the scales of the blocks this call opens, write the rows. Mutates the caches and scales."""
     n = key.shape[0]
     if n == 0:
         return
@@ -435,11 +455,20 @@ def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         key = key.contiguous()
     if value.stride(2) != 1:
         value = value.contiguous()
-    nb, bs, _, hd = k_cache.shape
+    nb, bs, kvh, hd = k_cache.shape
     writer = torch.empty(nb * bs, dtype=torch.int32, device=key.device)  # garbage is fine: entries are verified
     _claim_slots_kernel[(triton.cdiv(n, 1024),)](slot_mapping, writer, n, TOKENS=1024)
-    _store_fp8_kernel[(n, k_cache.shape[2])](
-        key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, writer, n,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), k_cache.stride(0), v_cache.stride(0),
-        k_cache.stride(1), k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
-        BLOCK_SIZE=bs, BS_PAD=triton.next_power_of_2(bs), HEAD_DIM=hd, DIM_PAD=triton.next_power_of_2(hd), num_warps=4)
+    scale_strides = (k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1))
+    _fp8_scales_kernel[(n, kvh)](
+        key, value, k_scales, v_scales, slot_mapping, writer, n,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *scale_strides,
+        BLOCK_SIZE=bs, BS_PAD=triton.next_power_of_2(bs), HEAD_DIM=hd, DIM_PAD=triton.next_power_of_2(hd),
+        num_warps=4)
+    key, value = _token_rows(key), _token_rows(value)
+    row = kvh * hd
+    cols = min(triton.next_power_of_2(row), STORE_ELEMS)
+    tokens = max(1, STORE_ELEMS // cols)
+    _store_fp8_rows_kernel[(triton.cdiv(n, tokens), triton.cdiv(row, cols))](
+        key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, n, key.stride(0), value.stride(0),
+        k_cache.stride(0), v_cache.stride(0), *scale_strides,
+        BLOCK_SIZE=bs, HEAD_DIM=hd, ROW=row, TOKENS=tokens, COLS=cols, num_warps=STORE_WARPS)

@@ -95,11 +95,15 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
                                            COLS=1024), 4, 2)
     elif case == "store_fp8":
         _compile(kv._claim_slots_kernel, dict(slot_ptr="*i64", writer_ptr="*i32", num_tokens=I32, TOKENS=1024), 4, 2)
-        _compile(kv._store_fp8_kernel, dict(
+        scale_strides = dict(stride_ksb=I32, stride_ksh=I32, stride_vsb=I32, stride_vsh=I32)
+        _compile(kv._fp8_scales_kernel, dict(
+            key_ptr="*bf16", value_ptr="*bf16", ks_ptr="*fp32", vs_ptr="*fp32", slot_ptr="*i64", writer_ptr="*i32",
+            num_tokens=I32, stride_kt=I32_16, stride_kh=I32_16, stride_vt=I32_16, stride_vh=I32_16, **scale_strides,
+            BLOCK_SIZE=16, BS_PAD=16, HEAD_DIM=128, DIM_PAD=128), 4, 2)
+        _compile(kv._store_fp8_rows_kernel, dict(
             key_ptr="*bf16", value_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr="*fp32", vs_ptr="*fp32",
-            slot_ptr="*i64", writer_ptr="*i32", num_tokens=I32, stride_kt=I32_16, stride_kh=I32_16, stride_vt=I32_16,
-            stride_vh=I32_16, stride_kb=I32_16, stride_vb=I32_16, stride_ct=I32_16, stride_ksb=I32, stride_ksh=I32,
-            stride_vsb=I32, stride_vsh=I32, BLOCK_SIZE=16, BS_PAD=16, HEAD_DIM=128, DIM_PAD=128), 4, 2)
+            slot_ptr="*i64", num_tokens=I32, stride_kt=I32_16, stride_vt=I32_16, stride_kb=I32_16, stride_vb=I32_16,
+            **scale_strides, BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, TOKENS=4, COLS=1024), kv.STORE_WARPS, 2)
     elif case == "copy_blocks":
         _compile(kv._copy_blocks_kernel, dict(k_src="*bf16", v_src="*bf16", k_dst="*bf16", v_dst="*bf16",
                                               ids_ptr="*i64", stride_ks=I32_16, stride_vs=I32_16, stride_kd=I32_16,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import reference
 
 
 def naive_decode(q, kc, vc, tables, lens, scale, window=None):  # type: ignore[no-untyped-def]
@@ -103,25 +104,55 @@ def test_wrappers_name_the_bad_argument() -> None:
                                    torch.zeros(4, 3), torch.zeros(1, dtype=torch.long))
 
 
-def test_store_kv_quantized_refits_scales_and_zeroes_unwritten_slots() -> None:
+def _e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` [tokens, kv_heads, head_dim] rounded once onto the e4m3 grid of per-head ``scale``, saturating. Pure."""
+    return (x / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale[:, None]
+
+
+def test_store_kv_quantized_fixes_a_block_scale_at_its_first_write() -> None:
     torch.manual_seed(3)
     kq = torch.full((3, 4, 2, 8), 7.0).to(torch.float8_e4m3fn)  # stale values of a previous owner
     vq = kq.clone()
     ks, vs = torch.ones(3, 2), torch.ones(3, 2)
     first = torch.randn(2, 2, 8)
-    kernels.store_kv_quantized(first, -first, kq, vq, ks, vs, torch.tensor([4, 5]))  # block 1, slots 0-1
+    kernels.store_kv_quantized(first, -first, kq, vq, ks, vs, torch.tensor([4, 5]))  # opens block 1: slots 0-1
+    opened = first.abs().amax(dim=(0, 2)) * reference.FP8_HEADROOM / 448
+    assert torch.equal(ks[1], opened) and torch.equal(vs[1], opened) and torch.equal(ks[0], torch.ones(2))
     back = kernels.dequantize_kv_fp8(kq, ks, torch.float32)
-    torch.testing.assert_close(back[1, :2], first, rtol=1 / 16, atol=first.abs().max().item() * 2**-9)
-    assert not back[1, 2:].any()  # the stale 7s after the last written slot are gone
+    assert torch.equal(back[1, :2], _e4m3(first, opened))
+    assert torch.equal(kq[1, 2:].float(), torch.full((2, 2, 8), 7.0))  # only written slots change
     assert torch.equal(back[0], torch.full((4, 2, 8), 7.0))  # untouched blocks keep their bytes
-    big = torch.randn(1, 2, 8) * 100  # a larger value: the block's scale grows, earlier tokens survive it
-    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([6]))
+    before = kq[1, :2].clone()
+    big = first[:1] * 10  # larger than the opening tokens, within the headroom: the scale stays, nothing re-rounds
+    huge = first[1:] * 1000  # beyond it: saturates at +-448 x scale
+    kernels.store_kv_quantized(torch.cat((big, huge)), torch.cat((big, huge)), kq, vq, ks, vs, torch.tensor([6, 7]))
+    assert torch.equal(ks[1], opened) and torch.equal(kq[1, :2].view(torch.uint8), before.view(torch.uint8))
     back = kernels.dequantize_kv_fp8(kq, ks, torch.float32)
-    assert ks[1].min() > 100 / 448 * 0.5
-    torch.testing.assert_close(back[1, 2], big[0], rtol=1 / 16, atol=0.0)
-    torch.testing.assert_close(back[1, :2], first, rtol=1 / 8, atol=big.abs().max().item() * 2**-9)
+    assert torch.equal(back[1, 2:], _e4m3(torch.cat((big, huge)), opened))
+    assert torch.equal(back[1, 3].abs().amax(dim=1), opened * 448)
     kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([-1]))  # skipped: nothing changes
     assert torch.equal(kernels.dequantize_kv_fp8(kq, ks, torch.float32), back)
+    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([4]))  # offset 0 again: the block reopens
+    assert torch.equal(ks[1], big.abs().amax(dim=(0, 2)) * reference.FP8_HEADROOM / 448)
+    ks[2] = 0.0  # a K scale never opened, written mid-block, takes its scale from that write; V keeps its own
+    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([9]))
+    assert torch.equal(ks[2], big.abs().amax(dim=(0, 2)) * reference.FP8_HEADROOM / 448) and torch.equal(vs[2], torch.ones(2))
+
+
+def test_store_kv_quantized_bytes_do_not_depend_on_how_later_tokens_are_split() -> None:
+    """After the write that opens a block, its later tokens land on the same bytes in one call or several."""
+    torch.manual_seed(4)
+    key, value = torch.randn(12, 2, 8), torch.randn(12, 2, 8) * 3
+    one = [torch.zeros(3, 8, 2, 8, dtype=torch.float8_e4m3fn) for _ in range(2)] + [torch.zeros(3, 2) for _ in range(2)]
+    many = [t.clone() for t in one]
+    kernels.store_kv_quantized(key[:3], value[:3], *one, torch.arange(3))
+    kernels.store_kv_quantized(key[:3], value[:3], *many, torch.arange(3))
+    kernels.store_kv_quantized(key[3:], value[3:], *one, torch.arange(3, 12))
+    for a, b in ((3, 4), (4, 8), (8, 12)):
+        kernels.store_kv_quantized(key[a:b], value[a:b], *many, torch.arange(a, b))
+    assert torch.equal(one[0].view(torch.uint8), many[0].view(torch.uint8))
+    assert torch.equal(one[1].view(torch.uint8), many[1].view(torch.uint8))
+    assert torch.equal(one[2], many[2]) and torch.equal(one[3], many[3])
 
 
 def naive_prefill(q, k, v, start, scale, window=None):  # type: ignore[no-untyped-def]

@@ -248,17 +248,20 @@ def test_split_k_decode_fp8_cache(splits: int) -> None:
 @pytest.mark.parametrize("bs,dtype", [(8, torch.float32), (16, torch.float16)]
                          + ([(16, torch.bfloat16)] if CUDA else []), ids=str)
 def test_store_kv_quantized_is_bit_exact(bs: int, dtype: torch.dtype) -> None:
-    """A prefill chunk (several blocks, a partial last one, a skipped token), then decode tokens that grow a block's
-    scale and start a new block: bytes and scales equal the reference's after every call."""
+    """A prefill chunk (the end of an open block, blocks it opens, a partial last one, a skipped token), then decode
+    tokens that grow past a block's headroom (saturating), open blocks, write into a block whose K scale is still 0,
+    reopen block 0: bytes and scales equal the reference's after every call."""
     nb, kvh, hd = 6, 2, 64
     stale = torch.full((nb, bs, kvh, hd), 3.0, device=DEVICE).to(torch.float8_e4m3fn)  # a previous owner's values
     mine = [stale.clone(), stale.clone(), torch.ones(nb, kvh, device=DEVICE), torch.ones(nb, kvh, device=DEVICE)]
+    mine[2][3] = 0.0
     ref = [t.clone() for t in mine]
     g = torch.Generator().manual_seed(bs)
-    calls = [list(range(bs - 2, 2 * bs + 3)) + [-1], [2 * bs + 3, 4 * bs], [2 * bs + 4, -1, 0]]  # slots per call
+    calls = [list(range(bs - 2, 2 * bs + 3)) + [-1], [2 * bs + 3, 3 * bs + 1, 4 * bs],
+             [2 * bs + 4, -1, 0]]  # slots per call
     for i, slots in enumerate(calls):
         n = len(slots)
-        key = (torch.randn(n, kvh, hd, generator=g) * (1 + 20 * i)).to(dtype).to(DEVICE)
+        key = (torch.randn(n, kvh, hd, generator=g) * (1 + 40 * i)).to(dtype).to(DEVICE)
         value = torch.randn(n, kvh, hd, generator=g).to(dtype).to(DEVICE)
         slot_t = torch.tensor(slots, device=DEVICE)
         kernels.store_kv_quantized(key, value, mine[0], mine[1], mine[2], mine[3], slot_t)
@@ -266,6 +269,8 @@ def test_store_kv_quantized_is_bit_exact(bs: int, dtype: torch.dtype) -> None:
         for a, b in zip(mine, ref):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), f"call {i}"
+    assert mine[0].float().abs().max() == 448  # some key saturated: the test covers the clamp
+    assert kernels.triton_kv.FP8_HEADROOM == reference.FP8_HEADROOM
 
 
 def test_store_kv_many_tokens_odd_row() -> None:
