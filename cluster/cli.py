@@ -79,6 +79,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                     args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
             decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
+            kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
             kv_host=args.kv_host,
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
             on_transfer_failure=args.on_transfer_failure,
@@ -213,7 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--decode", type=int, default=1, help="decode actors")
     sv.add_argument("--prefill", type=int, default=1, help="prefill actors (disaggregated mode)")
     sv.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    sv.add_argument("--kv-backend", default="torch_dist", choices=["torch_dist", "ucx"])
+    sv.add_argument("--kv-backend", default="auto", choices=["auto", "torch_dist", "ucx", "shm", "cuda_ipc"],
+                    help="how K/V moves from prefill to decode actors: auto (per pair: written in place into the "
+                         "decode actor's cache on one node, shm on CPU / cuda_ipc on GPU; else --kv-fallback), or one "
+                         "backend for every pair")
+    sv.add_argument("--kv-fallback", default="torch_dist", choices=["torch_dist", "ucx"],
+                    help="auto: the socket backend between actors on different nodes (torch_dist: gloo / NCCL)")
+    sv.add_argument("--kv-inplace-checksum", action="store_true",
+                    help="in-place backends: checksum every written part (socket backends always do)")
     sv.add_argument("--on-transfer-failure", default="recompute", choices=["recompute", "fail"],
                     help="what a decode actor does when a request's KV does not arrive intact")
     sv.add_argument("--cpus-per-actor", type=float, default=1.0)

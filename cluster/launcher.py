@@ -17,11 +17,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
+
+
+KV_BACKENDS = ("auto", "torch_dist", "ucx", "shm", "cuda_ipc")
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,11 @@ class ServeConfig:
     decode: int = 1  # decode actors
     prefill: int = 1  # prefill actors (disaggregated mode only)
     mode: str = "disaggregated"  # or "colocated": decode actors prefill for themselves
-    kv_backend: str = "torch_dist"  # torch_dist (gloo on CPU, NCCL on GPU) or ucx
+    # how K/V moves: torch_dist (gloo on CPU, NCCL on GPU), ucx, shm / cuda_ipc (same node: the prefill actor writes
+    # straight into the decode actor's blocks), or auto (per pair: in place on one node, else kv_fallback)
+    kv_backend: str = "auto"
+    kv_fallback: str = "torch_dist"  # auto: the socket backend between actors on different nodes
+    kv_inplace_checksum: bool = False  # in-place backends: checksum every written part (socket ones always do)
     host: str = "127.0.0.1"  # where the proxies serve HTTP (0.0.0.0: every interface)
     # where every actor's KV endpoint binds and advertises. None: each actor's own node address (with an embedded
     # Ray: 127.0.0.1). One address for all actors fits only actors that all run on one machine.
@@ -63,8 +71,15 @@ class ServeConfig:
             raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {self.on_transfer_failure!r}")
         if self.cpus_per_actor < 0 or self.gpus_per_actor < 0:
             raise ValueError("cpus_per_actor/gpus_per_actor: must be >= 0")
-        if self.kv_backend not in ("torch_dist", "ucx"):
-            raise ValueError(f"kv_backend: 'torch_dist' or 'ucx', got {self.kv_backend!r}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ValueError(f"kv_backend: must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        if self.kv_fallback not in ("torch_dist", "ucx"):
+            raise ValueError(f"kv_fallback: 'torch_dist' or 'ucx', got {self.kv_fallback!r}")
+        if self.corrupt_kv_every and self.kv_backend in ("shm", "cuda_ipc", "auto") and not self.kv_inplace_checksum:
+            raise ValueError("corrupt_kv_every: an in-place KV backend detects a corrupted part only with "
+                             "kv_inplace_checksum on")
+        if self.kv_backend in ("shm", "auto") and not self.worker.shared_kv:  # CPU caches peers can map
+            object.__setattr__(self, "worker", dataclasses.replace(self.worker, shared_kv=True))
         if self.decode < 1:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if not self.queue_timeout_s > 0:
@@ -130,7 +145,8 @@ class Cluster:
         self._owns_ray = True
         disagg = cfg.mode == "disaggregated"
         local = None if cfg.ray_address else LOOPBACK  # None: each actor or proxy resolves its own node's address
-        kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.kv_host or local) if disagg else None
+        kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.kv_host or local, fallback_backend=cfg.kv_fallback,
+                              inplace_checksum=cfg.kv_inplace_checksum) if disagg else None
         roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
                         **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {})}
                  for role in ("prefill", "decode")}

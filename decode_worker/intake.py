@@ -11,6 +11,11 @@ States (a closed set; :data:`TRANSITIONS` is the whole table and :meth:`IntakeRe
 
 Blocks of a record in RESERVED, RECEIVING, COMPLETE or FAILED count as *reserved*; from RUNNING on they belong to the
 engine's sequences (*used*). DONE, ABORTED and EXPIRED are final: nothing may write the blocks any more.
+
+An in-place writer (a same-node prefill actor writing straight into the reserved blocks over ``shm`` / ``cuda_ipc``)
+*opens* the record before its first write and *ends* it after its last. While it is open the record neither joins
+the batch nor recomputes, and if it is released its blocks are quarantined, not freed, until the writer ends or is
+gone (``ReservationManager``): a late write can only land in blocks nobody else holds.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class IntakeRecord:
     out_of_order: int = 0  # parts that did not extend their layer's prefix (a gap or a repeat)
     result: Any = None  # the PrefillResult, once the prefill actor's first tokens are here
     failure: str | None = None  # why it FAILED / was ABORTED / EXPIRED
+    epoch: int = 0  # this reservation's epoch on its decode actor (increasing): every K/V part must carry it
+    writer: str | None = None  # the in-place writer that opened it (None: none, or parts come over a socket)
+    writer_open: bool = False  # that writer may still write into the blocks
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.num_layers < 1:
@@ -125,9 +133,11 @@ class IntakeRecord:
             self.advance(S.RECEIVING)
 
     def ready_to_join(self) -> bool:
-        """The K/V is in place and the first tokens are here: the loop may join it to the batch. Pure."""
-        return self.state is S.COMPLETE and self.result is not None
+        """The K/V is in place, the first tokens are here and no in-place writer is still open: the loop may join it
+        to the batch. Pure."""
+        return self.state is S.COMPLETE and self.result is not None and not self.writer_open
 
     def ready_to_recompute(self) -> bool:
-        """A part failed and the first tokens are here: the loop recomputes the prompt (or fails it). Pure."""
-        return self.state is S.FAILED and self.result is not None
+        """A part failed, the first tokens are here and no in-place writer is still open: the loop recomputes the
+        prompt (or fails it). Pure."""
+        return self.state is S.FAILED and self.result is not None and not self.writer_open

@@ -4,6 +4,11 @@ its reservation's :class:`~decode_worker.intake.IntakeRecord` and installs it in
 It holds no reservation state of its own: it looks the record up, checks it still takes parts, installs and records
 the part, all under the decode actor's intake lock. The loop thread takes the same lock before it releases, expires or
 commits a pending record, so a part can never land in blocks that were given to another request meanwhile.
+
+With an in-place backend (``shm``, ``cuda_ipc``, or ``auto`` for a same-node writer) the bytes are already in the
+blocks when a part is announced: it verifies the header (and the checksum over the blocks, when the writer sent one)
+and records the part. The writer's open / end / exit go to the reservation manager (epochs, quarantine), under the
+same lock.
 """
 
 from __future__ import annotations
@@ -14,10 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
+from decode_worker.reservations import ReservationManager
 from kv_transfer.base import dtype_name
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import ExpectedTransfer, KVTransferError
-from kv_transfer.layer_parts import install_layer_part
+from kv_transfer.header import ExpectedTransfer, KVTransferError, verify_checksum, verify_fields
+from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 
 log = logging.getLogger(__name__)
 
@@ -26,16 +32,19 @@ class KVReceiver:
     """Owns the backend endpoint and its thread."""
 
     def __init__(self, engine: Any, config: KVTransferConfig, lock: threading.Lock,
-                 lookup: Callable[[str], IntakeRecord | None], on_part: Callable[[IntakeRecord], None]) -> None:
-        """``lookup(reservation_id)`` finds a pending record; ``on_part(record)`` runs (under ``lock``) after each
-        installed part, e.g. to renew the lease."""
+                 reservations: ReservationManager, on_part: Callable[[IntakeRecord], None]) -> None:
+        """``reservations`` holds the pending records (looked up, opened and ended under ``lock``); ``on_part(record)``
+        runs (under ``lock``) after each installed part, e.g. to renew the lease."""
         from kv_transfer import make_backend
 
         self.engine = engine
         self._lock = lock
-        self._lookup = lookup
+        self._reservations = reservations
+        self._lookup = reservations.get
         self._on_part = on_part
         self.backend = make_backend(config)
+        self.backend.export_cache(*engine.kv_memory())
+        self.backend.set_writer_hooks(self._writer_open, self._writer_end, self._writer_gone)
         self.address = self.backend.listen()
         k = engine.kv_layer(0)[0]
         self._block_shape, self._dtype = tuple(k.shape[1:]), dtype_name(k.dtype)
@@ -70,13 +79,21 @@ class KVReceiver:
                             "unknown" if rec is None else rec.state.name)
                 return
             exp = ExpectedTransfer(rec.request_id, rec.reservation_id, rec.block_ids, self._block_shape, self._dtype,
-                                   rec.num_layers, self.engine.fingerprint)
+                                   rec.num_layers, self.engine.fingerprint, rec.epoch,
+                                   require_checksum=not handle.in_place)
             try:
                 if not 0 <= header.layer < rec.num_layers:
                     raise ValueError(f"layer {header.layer} outside [0, {rec.num_layers})")
                 layer = self.engine.kv_layer(header.layer)
-                install_layer_part(header, handle.raw, exp, layer[0], layer[1],
-                                   self.engine.kv_layer_scales(header.layer))
+                scales = self.engine.kv_layer_scales(header.layer)
+                if handle.in_place:
+                    if rec.writer is None or rec.writer != handle.peer:
+                        raise ValueError(f"in-place part from {handle.peer}, which did not open this reservation")
+                    verify_fields(header, exp)
+                    if header.checksum is not None:
+                        verify_checksum(header, blocks_checksum(layer[0], layer[1], header.block_ids, scales))
+                else:
+                    install_layer_part(header, handle.raw, exp, layer[0], layer[1], scales)
             except (KVTransferError, ValueError, IndexError) as e:
                 self.parts_rejected += 1
                 log.warning("KV part for %s rejected: %s", header.request_id, e)
@@ -86,6 +103,21 @@ class KVReceiver:
             self.parts_installed += 1
             self.bytes_received += handle.nbytes
             self._on_part(rec)
+
+    # -- in-place writers (channel threads) ---------------------------------------------------------------------
+    def _writer_open(self, writer: str, reservation_id: str, epoch: int) -> str | None:
+        with self._lock:
+            return self._reservations.open_writer(reservation_id, epoch, writer)
+
+    def _writer_end(self, writer: str, reservation_id: str) -> None:
+        with self._lock:
+            self._reservations.end_writer(reservation_id, writer)
+
+    def _writer_gone(self, writer: str) -> None:
+        with self._lock:
+            freed = self._reservations.writer_gone(writer)
+        if freed:
+            log.warning("in-place writer %s gone: %d quarantined blocks freed", writer, len(freed))
 
     def stats(self) -> dict[str, int]:
         return {"kv_parts_installed": self.parts_installed, "kv_parts_rejected": self.parts_rejected,

@@ -14,6 +14,12 @@ Accounting. Every block of the wrapped :class:`~engine.block_pool.BlockPool` is 
   still tells them apart.
 
 ``free + reserved + used == total`` always holds; :meth:`ReservationManager.check_integrity` checks it and more.
+
+Quarantine. A reservation released (aborted, expired) while an in-place writer still has it open keeps its blocks:
+they stay *reserved* (``counts()["quarantined"]`` says how many) until that writer ends the reservation
+(:meth:`ReservationManager.end_writer`) or is gone (:meth:`ReservationManager.writer_gone`), so a late in-place write
+never lands in blocks that were given to another request. Every reservation also gets an increasing ``epoch`` that
+the writer's parts must carry.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import math
 import uuid
 from typing import Any
 
-from decode_worker.intake import IntakeRecord, IntakeState
+from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from engine.block_pool import Block, BlockPool
 
 
@@ -42,6 +48,8 @@ class ReservationManager:
         self._expiry_heap: list[tuple[float, int, str]] = []  # (expires_at, tiebreak, id); stale entries skipped
         self._heap_seq = 0
         self._num_reserved = 0
+        self._epoch = 0  # the last epoch handed out
+        self._quarantine: dict[str, tuple[str, tuple[int, ...]]] = {}  # released rid -> (open writer, its blocks)
 
     # -- queries (pure) ---------------------------------------------------------------------------------------
     def get(self, reservation_id: str) -> IntakeRecord | None:
@@ -65,7 +73,13 @@ class ReservationManager:
         """``{"free", "reserved", "used", "total"}``; cached prefix blocks count as free (see module doc). Pure."""
         free = self.pool.num_available
         total = self.pool.num_blocks
-        return {"free": free, "reserved": self._num_reserved, "used": total - free - self._num_reserved, "total": total}
+        return {"free": free, "reserved": self._num_reserved, "used": total - free - self._num_reserved, "total": total,
+                "quarantined": sum(len(b) for _, b in self._quarantine.values())}
+
+    def held_blocks(self) -> list[int]:
+        """Every block this manager holds a reference to: pending reservations' and quarantined ones. Pure."""
+        return [b for r in self._by_id.values() for b in r.block_ids] + \
+            [b for _, blocks in self._quarantine.values() for b in blocks]
 
     # -- mutations --------------------------------------------------------------------------------------------
     def reserve(self, request_id: str, num_blocks: int, ttl_s: float, now: float, prompt_len: int = 1,
@@ -89,6 +103,7 @@ class ReservationManager:
         if num_blocks > self.pool.num_available:
             return None
         blocks = self.pool.allocate(num_blocks)  # evicts cached prefix blocks if it must; each gets ref_cnt 1
+        self._epoch += 1
         reservation = IntakeRecord(
             reservation_id=f"rsv-{uuid.uuid4().hex}",  # random, so a stale message never matches a later reservation
             request_id=request_id,
@@ -98,6 +113,7 @@ class ReservationManager:
             prompt_len=prompt_len,
             num_layers=num_layers,
             request=request,
+            epoch=self._epoch,
         )
         self._by_id[reservation.reservation_id] = reservation
         self._by_request[request_id] = reservation.reservation_id
@@ -144,9 +160,53 @@ class ReservationManager:
         """
         reservation = self._pop_pending(reservation_id, "release", remove=True)
         reservation.advance(state, why)
-        # reversed, like KVCacheManager.free, so the free list's LRU order mirrors the block table's
-        self.pool.free(self.pool.blocks[i] for i in reversed(reservation.block_ids))
+        if reservation.writer_open and reservation.writer is not None:  # a late in-place write may still come
+            self._quarantine[reservation_id] = (reservation.writer, reservation.block_ids)
+            self._num_reserved += reservation.num_blocks
+            return ()
+        self._free(reservation.block_ids)
         return reservation.block_ids
+
+    def open_writer(self, reservation_id: str, epoch: int, writer: str) -> str | None:
+        """Mutates: ``writer`` (an in-place writer's name) may write ``reservation_id``'s blocks from now on. Returns
+        None, or why not (the reservation is not pending or takes no more parts, the epoch is stale, another writer
+        has it), changing nothing."""
+        rec = self._by_id.get(reservation_id)
+        if rec is None:
+            return f"reservation {reservation_id} is not pending (released, expired or committed)"
+        if rec.epoch != epoch:
+            return f"epoch {epoch} is stale: the reservation's is {rec.epoch}"
+        if rec.state not in TAKES_PARTS:
+            return f"reservation {reservation_id} takes no more parts ({rec.state.name})"
+        if rec.writer is not None and rec.writer != writer:
+            return f"reservation {reservation_id} is already written by {rec.writer}"
+        rec.writer, rec.writer_open = writer, True
+        return None
+
+    def end_writer(self, reservation_id: str, writer: str) -> tuple[int, ...]:
+        """Mutates: ``writer`` will not write ``reservation_id``'s blocks any more. If the reservation was released
+        meanwhile its quarantined blocks are freed now (returned). Unknown pairs are ignored."""
+        held = self._quarantine.get(reservation_id)
+        if held is not None and held[0] == writer:
+            del self._quarantine[reservation_id]
+            self._num_reserved -= len(held[1])
+            self._free(held[1])
+            return held[1]
+        rec = self._by_id.get(reservation_id)
+        if rec is not None and rec.writer == writer:
+            rec.writer_open = False
+        return ()
+
+    def writer_gone(self, writer: str) -> tuple[int, ...]:
+        """Mutates: ``writer``'s process has exited (its channel closed): it will never write again. Frees every block
+        quarantined for it (returned) and closes its open pending reservations."""
+        freed: list[int] = []
+        for rid in [r for r, (w, _) in self._quarantine.items() if w == writer]:
+            freed.extend(self.end_writer(rid, writer))
+        for rec in self._by_id.values():
+            if rec.writer == writer:
+                rec.writer_open = False
+        return tuple(freed)
 
     def expire(self, now: float) -> list[IntakeRecord]:
         """Mutates: release every pending reservation with ``expires_at <= now`` (EXPIRED); returns their records,
@@ -164,6 +224,10 @@ class ReservationManager:
         return expired
 
     # -- internals --------------------------------------------------------------------------------------------
+    def _free(self, block_ids: tuple[int, ...]) -> None:
+        """Mutates: back to the free list, reversed like ``KVCacheManager.free`` so its LRU order mirrors the table."""
+        self.pool.free(self.pool.blocks[i] for i in reversed(block_ids))
+
     def _push_expiry(self, reservation: IntakeRecord) -> None:
         """Mutates the expiry heap (lazy deletion: old entries stay until popped)."""
         self._heap_seq += 1
@@ -195,10 +259,13 @@ class ReservationManager:
         if min(c.values()) < 0 or c["free"] + c["reserved"] + c["used"] != c["total"]:
             raise AssertionError(f"reservation accounting broken: {c}")
         seen: set[int] = set()
+        held = [(rid, r.block_ids) for rid, r in self._by_id.items()] + \
+            [(rid, blocks) for rid, (_, blocks) in self._quarantine.items()]
         for rid, r in self._by_id.items():
             if r.reservation_id != rid or self._by_request.get(r.request_id) != rid:
                 raise AssertionError(f"reservation indexes disagree about {rid}")
-            for bid in r.block_ids:
+        for rid, block_ids in held:
+            for bid in block_ids:
                 block: Block = self.pool.blocks[bid]
                 if bid in seen:
                     raise AssertionError(f"block {bid} is in two reservations")

@@ -64,8 +64,9 @@ class DecodeWorker(EngineLoop):
         if kv is not None:
             from decode_worker.kv_receiver import KVReceiver
 
-            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id), self._intake_lock,
-                                       self.reservations.get, self._part_arrived)
+            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id,
+                                                                        device=str(self.engine.device)),
+                                       self._intake_lock, self.reservations, self._part_arrived)
             self.kv_endpoint = self.receiver.address
         self._stats: WorkerStats
         self._publish_stats()
@@ -106,7 +107,7 @@ class DecodeWorker(EngineLoop):
         def check() -> dict[str, int]:
             with self._intake_lock:
                 self.reservations.check_integrity()
-                held = {b: 1 for r in self.reservations.pending() for b in r.block_ids}
+                held = {b: 1 for b in self.reservations.held_blocks()}
                 self.engine.scheduler.check_integrity(held)
                 return self.reservations.counts()
 
@@ -137,7 +138,7 @@ class DecodeWorker(EngineLoop):
             with self._intake_lock:
                 self._start(rec, None)
         return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
-                            ttl).to_dict()
+                            ttl, rec.epoch).to_dict()
 
     def _prefilled(self, result: PrefillResult) -> None:
         rec = self._records.get(result.request_id)

@@ -31,6 +31,9 @@ class EngineConfig:
     # actor holding a fractional GPU share passes its share here (e.g. two actors per GPU: 0.45 each). Ignored on CPU.
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    # CPU: the KV cache lives in an anonymous shared-memory file, so a KV writer on this node can map it and write
+    # blocks in place (the shm KV backend). CUDA memory is always shareable (CUDA IPC); ignored there.
+    shared_kv: bool = False
     max_num_seqs: int = 64  # most sequences in one step
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits prompts to fit)
     max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype, config.shared_kv)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
         self._ids = seq_id_counter()
@@ -215,6 +216,12 @@ class LLMEngine:
     def kv_layer(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` (a view: writes go through)."""
         return self.runner.kv_caches[layer]
+
+    def kv_memory(self) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """``(kv, scales, shared)``: the whole KV cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, an
+        FP8 cache's scales, and the :class:`engine.kv_memory.SharedKVMemory` holding them (``shared_kv`` on the CPU)
+        or None: what an in-place KV backend exports to same-node writers."""
+        return self.runner.kv, self.runner.kv_scales, self.runner.shared_kv
 
     def kv_layer_scales(self, layer: int) -> torch.Tensor | None:
         """Layer ``layer``'s FP8 scales ``[2, num_blocks, kv_heads]`` (a view), or None for an unquantized cache."""

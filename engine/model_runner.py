@@ -13,6 +13,7 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.kv_cache_manager import cdiv
+from engine.kv_memory import KVLayout, SharedKVMemory
 from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig
 from engine.philox import derive_seed
@@ -46,18 +47,27 @@ def to_device(values: Seq[int] | Seq[float] | torch.Tensor, dtype: torch.dtype, 
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, shared_kv: bool = False) -> None:
+        """``shared_kv`` (CPU): the KV cache lives in a shared-memory file same-node peers can map
+        (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        dtype = kv_dtype or model.dtype
+        self.shared_kv: SharedKVMemory | None = None
+        if shared_kv and self.device.type == "cpu":
+            self.shared_kv = SharedKVMemory(KVLayout(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                                                     cfg.head_dim, str(dtype).removeprefix("torch."), dtype == FP8))
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=kv_dtype or model.dtype, device=self.device)
+        self.kv = (self.shared_kv.kv if self.shared_kv is not None else
+                   torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                               dtype=dtype, device=self.device))
         self.kv_caches = list(self.kv.unbind(0))
         # an FP8 cache's scales: [layers, 2, num_blocks, kv_heads] float32 (zero for a never-written block)
         self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, device=self.device)
-                          if self.kv.dtype == FP8 else None)
+                          if self.kv.dtype == FP8 and self.shared_kv is None else
+                          self.shared_kv.scales if self.shared_kv is not None else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)
         self.sampler = Sampler()

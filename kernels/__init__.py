@@ -24,6 +24,7 @@ import torch
 from kernels import reference
 
 __all__ = [
+    "copy_blocks_between",
     "decode_num_splits",
     "dequantize_kv_fp8",
     "pack_blocks",
@@ -309,3 +310,26 @@ def dequantize_kv_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     if uses_triton(q):
         return _triton().dequantize_kv_fp8(q, scales, dtype)
     return reference.dequantize_kv_fp8(q, scales, dtype)
+
+
+def copy_blocks_between(k_src: torch.Tensor, v_src: torch.Tensor, src_ids: torch.Tensor, k_dst: torch.Tensor,
+                        v_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """Copy block ``src_ids[i]`` of one paged cache (K and V) into block ``dst_ids[i]`` of another with the same block
+    shape and dtype, e.g. a peer's cache mapped in place. Triton on CUDA (ids on the device); on the CPU one memcpy per
+    run of consecutive ids. Mutates the destination caches."""
+    _check_cache(k_src, v_src)
+    _check_cache(k_dst, v_dst)
+    _check(k_dst.shape[1:] == k_src.shape[1:] and k_dst.dtype == k_src.dtype, "k_dst",
+           f"blocks {tuple(k_dst.shape[1:])} {k_dst.dtype} differ from the source's {tuple(k_src.shape[1:])} "
+           f"{k_src.dtype}")
+    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
+        _check(ids.dim() == 1 and not ids.is_floating_point(), name, "must be a 1-D integer tensor")
+    _check(src_ids.shape == dst_ids.shape, "dst_ids", f"{dst_ids.shape[0]} ids for {src_ids.shape[0]} source blocks")
+    if uses_triton(k_dst):
+        from kernels import triton_copy
+
+        triton_copy.copy_blocks_between(k_src, v_src, src_ids, k_dst, v_dst, dst_ids)
+    else:
+        from kernels import copy_between
+
+        copy_between.copy_blocks_between(k_src, v_src, src_ids.tolist(), k_dst, v_dst, dst_ids.tolist())

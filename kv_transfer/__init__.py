@@ -2,7 +2,9 @@
 
 Modules: ``config`` (endpoint settings), ``header`` (wire header, ``verify``; torch-free), ``base`` (backend
 interface, transfer handles, receive buffers), ``layer_parts`` (pack / verify+install one layer's part, arrival
-tracking), and the backends ``torch_dist`` (gloo on CPU, NCCL on CUDA), ``ucx`` (ucxx) and ``fake`` (in-process).
+tracking), and the backends ``torch_dist`` (gloo on CPU, NCCL on CUDA), ``ucx`` (ucxx), ``inplace`` (``shm`` / ``cuda_ipc``:
+same-node writes straight into the peer's cache, over ``inplace_channel``), ``auto`` (per peer: in place when it can,
+else a socket backend) and ``fake`` (in-process).
 Backends are imported only when made, so importing this package does not import ucxx.
 """
 
@@ -52,6 +54,14 @@ def make_backend(config: KVTransferConfig, fabric: FakeFabric | None = None) -> 
         from kv_transfer.ucx import UCXBackend
 
         return UCXBackend(config)
+    if config.backend in ("shm", "cuda_ipc"):
+        from kv_transfer.inplace import InPlaceBackend
+
+        return InPlaceBackend(config)
+    if config.backend == "auto":
+        from kv_transfer.auto import AutoBackend
+
+        return AutoBackend(config)
     from kv_transfer.fake import FakeBackend, FakeFabric
 
     return FakeBackend(config, fabric if fabric is not None else FakeFabric())

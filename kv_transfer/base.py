@@ -43,6 +43,7 @@ class TransferHandle:
         self.raw: torch.Tensor | None = None  # recv: the payload bytes, a uint8 view into a receive buffer
         self.payload: torch.Tensor | None = None  # recv: ``raw`` viewed as header.dtype/shape when they fit its length
         self.buffer_index: int | None = None  # recv: which receive buffer holds it, for release
+        self.in_place = False  # recv: the payload was written straight into the receiver's blocks (shm, cuda_ipc)
         self.created_s = time.perf_counter()
         self.started_s: float | None = None
         self.finished_s: float | None = None
@@ -177,6 +178,12 @@ class RecvSide:
             handle.mark_done()
         self._finished.put(handle)
 
+    def finish_in_place(self, handle: TransferHandle) -> None:
+        """Mutates: a part written straight into the receiver's blocks was announced: DONE, no buffer, queued."""
+        handle.in_place = True
+        handle.mark_done()
+        self._finished.put(handle)
+
     def next(self, timeout_s: float) -> TransferHandle | None:
         """Mutates: pop the next finished incoming transfer, waiting up to ``timeout_s`` (0: don't wait)."""
         try:
@@ -242,6 +249,33 @@ class KVTransferBackend(ABC):
         if handle is not None and handle.state is TransferState.DONE:
             self.bytes_received += handle.nbytes
         return handle
+
+    # -- in-place writing (shm, cuda_ipc; see kv_transfer.inplace). Socket backends never write in place. --
+    def in_place(self, peer_address: str) -> bool:
+        """Whether parts to ``peer_address`` are written straight into its blocks (``write_part``, ``open``/``end``
+        around them) rather than sent (``send``). Mutates nothing but a cached probe of the peer. Pure here."""
+        return False
+
+    def export_cache(self, kv: torch.Tensor, scales: torch.Tensor | None, shared: object | None) -> None:
+        """Mutates: offer this process's KV cache (``[layers, 2, blocks, ...]``) to in-place writers; call before
+        ``listen``. A no-op for socket backends."""
+
+    def set_writer_hooks(self, on_open: object, on_end: object, on_gone: object) -> None:
+        """Mutates: how the receiving side answers in-place writers (see ``InPlaceBackend``). A no-op here."""
+
+    def open(self, peer_address: str, reservation_id: str, epoch: int) -> None:
+        """Mutates: before the first in-place write of a reservation, have the peer accept this writer for it
+        (``KVTransferError`` if it refuses). A no-op for socket backends."""
+
+    def end(self, peer_address: str, reservation_id: str) -> None:
+        """Mutates: after the last in-place write of a reservation (or instead of any). A no-op for socket backends."""
+
+    def write_part(self, peer_address: str, k_cache: torch.Tensor, v_cache: torch.Tensor, src_block_ids: list[int],
+                   dst_block_ids: list[int], scales: torch.Tensor | None, *, corrupt: bool = False,
+                   **header_fields: object) -> TransferHandle:
+        """Mutates the peer's cache: write one layer's blocks in place and announce the part. In-place backends
+        only."""
+        raise NotImplementedError(f"{type(self).__name__} does not write in place")
 
     def poll(self, handle: TransferHandle) -> TransferState:
         """The handle's current state. Pure."""

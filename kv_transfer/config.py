@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from cluster.wire.node import is_wildcard, node_ip
 
-BACKENDS = ("torch_dist", "ucx", "fake")
+BACKENDS = ("torch_dist", "ucx", "shm", "cuda_ipc", "auto", "fake")
+SOCKET_BACKENDS = ("torch_dist", "ucx")  # what "auto" falls back to for a peer on another node
 UCX_PROGRESS_MODES = ("thread", "polling", "blocking", "thread-polling")
 UCX_PAYLOAD_PATHS = ("worker_address", "listener")
 
@@ -17,7 +18,15 @@ UCX_PAYLOAD_PATHS = ("worker_address", "listener")
 class KVTransferConfig:
     """Where an endpoint listens and how it receives. Validated on construction (``ValueError`` names the field)."""
 
-    backend: str = "torch_dist"  # which transport: torch_dist (gloo on CPU, NCCL on CUDA), ucx, or fake (in-process)
+    # which transport: torch_dist (gloo on CPU, NCCL on CUDA), ucx, shm / cuda_ipc (same node: writes straight into
+    # the peer's KV cache, kv_transfer.inplace), auto (per peer: shm / cuda_ipc on the same node when the probe
+    # succeeds, else fallback_backend), or fake (in-process)
+    backend: str = "torch_dist"
+    fallback_backend: str = "torch_dist"  # auto: the socket backend for peers on other nodes
+    # in-place backends: checksum each written part (CRC-32 over the source blocks, again over the destination on
+    # receipt). Off by default: the bytes never leave this node's memory, and the two passes cost more than the copy
+    # (docs/benchmarks.md); socket backends always checksum.
+    inplace_checksum: bool = False
     name: str = "kv"  # this endpoint's name, told to peers on connect (logs, per-peer stats)
     # the address peers reach this endpoint at; also the interface gloo binds. None: this node's address
     # (cluster.wire.node.node_ip()), filled in by resolved() where the endpoint is made, i.e. inside each actor on
@@ -48,6 +57,8 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
+        if self.fallback_backend not in SOCKET_BACKENDS:
+            raise ValueError(f"fallback_backend: must be one of {SOCKET_BACKENDS}, got {self.fallback_backend!r}")
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"name: must be a non-empty string, got {self.name!r}")
         if self.host is not None and (not self.host or not isinstance(self.host, str) or is_wildcard(self.host)):

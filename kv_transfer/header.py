@@ -14,7 +14,8 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 2  # bump when the fields, the payload layout or the checksum algorithm change (2: FP8 scales)
+WIRE_VERSION = 3  # bump when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
+# 3: the reservation's epoch, and an optional checksum for parts written in place)
 SCALED_DTYPES = ("float8_e4m3fn",)  # payload dtypes followed by float32 scales, one per (K/V, block, kv head)
 
 # itemsize per dtype name (torch's name without "torch."); a dtype outside this table is refused
@@ -67,14 +68,15 @@ class KVTransferHeader:
     block_ids: tuple[int, ...]  # the receiver's physical block ids to install into, in payload order
     dtype: str  # payload element type, torch's name without "torch." (e.g. "bfloat16")
     shape: tuple[int, ...]  # payload shape: [2, len(block_ids), block_size, kv_heads, head_dim]
-    checksum: int  # payload_checksum(payload bytes)
+    checksum: int | None  # payload_checksum(payload bytes); None only for a part written in place unchecksummed
     model_fingerprint: str  # weights + tokenizer + dtype + KV layout; KV from another model is refused
+    epoch: int = 0  # the reservation's epoch on the decode actor (ReserveGrant.epoch): a stale writer never matches
 
     def __post_init__(self) -> None:
         for name in ("request_id", "reservation_id", "model_fingerprint", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
-        for name in ("layer", "token_start", "token_end"):
+        for name in ("layer", "token_start", "token_end", "epoch"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {getattr(self, name)!r}")
         if self.token_end <= self.token_start:
@@ -85,8 +87,8 @@ class KVTransferHeader:
                 raise ValueError(f"{name}: must be a non-empty tuple of ints >= 0, got {v!r}")
         if self.dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"dtype: must be one of {sorted(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
-        if not _is_int(self.checksum) or not 0 <= self.checksum < 2**32:
-            raise ValueError(f"checksum: must be an unsigned 32-bit int, got {self.checksum!r}")
+        if self.checksum is not None and (not _is_int(self.checksum) or not 0 <= self.checksum < 2**32):
+            raise ValueError(f"checksum: must be an unsigned 32-bit int or None, got {self.checksum!r}")
 
     @property
     def payload_nbytes(self) -> int:
@@ -144,6 +146,8 @@ class ExpectedTransfer:
     dtype: str  # the receiver's KV cache dtype name; payloads must match it exactly
     num_layers: int  # layers in the receiver's model: a header's layer must be below this
     model_fingerprint: str  # the receiver's model fingerprint
+    epoch: int = 0  # the reservation's epoch: a header with another one is from a stale writer
+    require_checksum: bool = True  # False only for parts written in place (their checksum is optional)
 
     def __post_init__(self) -> None:
         if not self.block_ids or len(set(self.block_ids)) != len(self.block_ids):
@@ -164,11 +168,9 @@ class ExpectedTransfer:
         return self.block_ids[token_start // self.block_size : -(-token_end // self.block_size)]
 
 
-def verify(header: KVTransferHeader, payload: bytes | bytearray | memoryview, expected: ExpectedTransfer) -> None:
-    """Raise a :class:`HeaderMismatchError` naming the first field that is not as ``expected``. Pure.
-
-    Cheap checks first; the checksum (a pass over the payload) last. Nothing may be installed unless this returns.
-    """
+def verify_fields(header: KVTransferHeader, expected: ExpectedTransfer) -> None:
+    """Raise a :class:`HeaderMismatchError` naming the first header field that is not as ``expected`` (everything
+    but the payload's length and checksum). Pure."""
     def need(field: str, ok: bool, want: Any, got: Any, detail: str = "") -> None:
         if not ok:
             raise HeaderMismatchError(field, want, got, detail)
@@ -177,6 +179,7 @@ def verify(header: KVTransferHeader, payload: bytes | bytearray | memoryview, ex
          expected.model_fingerprint, header.model_fingerprint)
     need("reservation_id", header.reservation_id == expected.reservation_id,
          expected.reservation_id, header.reservation_id)
+    need("epoch", header.epoch == expected.epoch, expected.epoch, header.epoch, "a stale writer")
     need("request_id", header.request_id == expected.request_id, expected.request_id, header.request_id)
     need("layer", header.layer < expected.num_layers, f"< {expected.num_layers}", header.layer)
     capacity = len(expected.block_ids) * expected.block_size
@@ -189,8 +192,25 @@ def verify(header: KVTransferHeader, payload: bytes | bytearray | memoryview, ex
     need("dtype", header.dtype == expected.dtype, expected.dtype, header.dtype)
     want_shape = (2, len(header.block_ids), *expected.block_shape)
     need("shape", header.shape == want_shape, want_shape, header.shape)
-    nbytes = memoryview(payload).nbytes
-    need("shape", nbytes == header.payload_nbytes, header.payload_nbytes, nbytes, "payload length in bytes")
-    got_sum = payload_checksum(payload)
-    if got_sum != header.checksum:
+    need("checksum", header.checksum is not None or not expected.require_checksum, "a checksum", None,
+         "this transport's parts must carry one")
+
+
+def verify_checksum(header: KVTransferHeader, got_sum: int) -> None:
+    """Raise :class:`ChecksumError` unless ``got_sum`` (computed over the bytes as received or as written in place)
+    equals the header's checksum; a header without one passes (``verify_fields`` decides if that is allowed). Pure."""
+    if header.checksum is not None and got_sum != header.checksum:
         raise ChecksumError("checksum", header.checksum, got_sum, "payload corrupted")
+
+
+def verify(header: KVTransferHeader, payload: bytes | bytearray | memoryview, expected: ExpectedTransfer) -> None:
+    """Raise a :class:`HeaderMismatchError` naming the first field that is not as ``expected``. Pure.
+
+    Cheap checks first; the checksum (a pass over the payload) last. Nothing may be installed unless this returns.
+    """
+    verify_fields(header, expected)
+    nbytes = memoryview(payload).nbytes
+    if nbytes != header.payload_nbytes:
+        raise HeaderMismatchError("shape", header.payload_nbytes, nbytes, "payload length in bytes")
+    if header.checksum is not None:
+        verify_checksum(header, payload_checksum(payload))

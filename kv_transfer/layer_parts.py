@@ -18,6 +18,7 @@ the blocks' scales after the blocks, half the bytes of bfloat16.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +49,7 @@ def pack_layer_part(
     reservation_id: str,
     model_fingerprint: str,
     scales: torch.Tensor | None = None,
+    epoch: int = 0,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
@@ -61,19 +63,47 @@ def pack_layer_part(
     payload = blocks
     if scales is not None:
         payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids].contiguous())))
-    header = KVTransferHeader(
+    header = part_header(k_cache, dst_block_ids, payload_checksum(tensor_memoryview(payload)), layer=layer,
+                         token_start=token_start, token_end=token_end, request_id=request_id,
+                         reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch)
+    return header, payload
+
+
+def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: int | None, *, layer: int,
+                token_start: int, token_end: int, request_id: str, reservation_id: str, model_fingerprint: str,
+                epoch: int = 0) -> KVTransferHeader:
+    """The header of one layer's part of ``dst_block_ids`` for a cache like ``k_cache``. Pure."""
+    return KVTransferHeader(
         request_id=request_id,
         reservation_id=reservation_id,
         layer=layer,
         token_start=token_start,
         token_end=token_end,
         block_ids=tuple(int(b) for b in dst_block_ids),
-        dtype=dtype_name(blocks.dtype),
-        shape=tuple(blocks.shape),
-        checksum=payload_checksum(tensor_memoryview(payload)),
+        dtype=dtype_name(k_cache.dtype),
+        shape=(2, len(dst_block_ids), *k_cache.shape[1:]),
+        checksum=checksum,
         model_fingerprint=model_fingerprint,
+        epoch=epoch,
     )
-    return header, payload
+
+
+def blocks_checksum(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+                    scales: torch.Tensor | None = None) -> int:
+    """The checksum the packed payload of these blocks would have (K blocks, then V blocks, then an FP8 cache's
+    scales), computed where they lie: one CRC pass per run of consecutive ids, no packing. Pure (host copies for
+    device tensors)."""
+    from kernels.copy_between import block_runs
+
+    runs = block_runs(block_ids, block_ids)
+    crc = 0
+    for cache in (k_cache, v_cache):
+        for start, _, n in runs:
+            crc = zlib.crc32(tensor_memoryview(cache[start:start + n]), crc)
+    if scales is not None:
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=scales.device)
+        crc = zlib.crc32(tensor_memoryview(scales[:, ids].contiguous()), crc)
+    return crc & 0xFFFFFFFF
 
 
 def install_layer_part(

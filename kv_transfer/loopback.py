@@ -27,7 +27,7 @@ from kv_transfer.base import (
 )
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader
-from kv_transfer.layer_parts import install_layer_part
+from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 
 
 @dataclass(frozen=True)
@@ -87,10 +87,21 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
     """Process entry point: listen, send the address, then serve commands until ``("close", None)``.
 
     Commands: ``("install", (expected_by_request, n))`` -> list of outcomes; ``("caches", None)`` -> the caches;
-    ``("drain", n)`` -> ``(messages, payload bytes)`` after receiving and releasing ``n`` transfers.
+    ``("drain", n)`` -> ``(messages, payload bytes)`` after receiving and releasing ``n`` transfers (a part written
+    in place with a checksum is verified over the blocks it landed in, as a decode actor does).
+
+    An in-place backend (``shm``, ``auto``) gets the caches in shared memory and accepts every writer.
     """
     backend = make_backend(config)
     caches = spec.make()
+    if config.backend in ("shm", "auto"):
+        from engine.kv_memory import KVLayout, SharedKVMemory
+
+        shared = SharedKVMemory(KVLayout(spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads,
+                                         spec.head_dim, spec.dtype))
+        caches = [(shared.kv[i, 0], shared.kv[i, 1]) for i in range(spec.num_layers)]
+        backend.export_cache(shared.kv, None, shared)
+        backend.set_writer_hooks(lambda w, r, e: None, lambda w, r: None, lambda w: None)
     conn.send(backend.listen())
     try:
         while True:
@@ -109,7 +120,11 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
                 nbytes = 0
                 for _ in range(arg):
                     handle = next_transfer(backend)
-                    nbytes += handle.nbytes if handle.state is TransferState.DONE else 0
+                    ok = handle.state is TransferState.DONE
+                    if ok and handle.in_place and handle.header is not None and handle.header.checksum is not None:
+                        k, v = caches[handle.header.layer]
+                        ok = blocks_checksum(k, v, handle.header.block_ids) == handle.header.checksum
+                    nbytes += handle.nbytes if ok else 0
                     backend.release(handle)
                 conn.send((arg, nbytes))
             elif cmd == "errors":
@@ -164,16 +179,29 @@ def bandwidth_payload(nbytes: int) -> tuple[KVTransferHeader, torch.Tensor]:
 
 
 def measure_bandwidth(sender: KVTransferBackend, peer: ReceiverProcess, nbytes: int, iters: int) -> float:
-    """GiB/s of ``iters`` back-to-back payloads, timed from the first send to the receiver's ack of the last."""
+    """GiB/s of ``iters`` back-to-back payloads, timed from the first send to the receiver's ack of the last. An
+    in-place sender writes a source cache's blocks straight into the peer's (``write_part``: no packing), as a
+    prefill actor does; the others send a packed part."""
     header, payload = bandwidth_payload(nbytes)
     sender.connect(peer.address)
+    if sender.in_place(peer.address):
+        src = payload[0].clone(), payload[1].clone()  # a source cache holding exactly the blocks
+        ids = list(range(payload.shape[1]))
+        fields = dict(layer=0, token_start=0, token_end=header.token_end, request_id="bench",
+                      reservation_id="bench", model_fingerprint="bench")
+
+        def one() -> TransferHandle:
+            return sender.write_part(peer.address, src[0], src[1], ids, ids, None, **fields)
+    else:
+        def one() -> TransferHandle:
+            return sender.send(peer.address, header, payload)
     peer.conn.send(("drain", 2))  # warm-up: connection, buffers, first-touch pages
     for _ in range(2):
-        sender.send(peer.address, header, payload)
+        one()
     peer.conn.recv()
     peer.conn.send(("drain", iters))
     t0 = time.perf_counter()
-    handles = [sender.send(peer.address, header, payload) for _ in range(iters)]
+    handles = [one() for _ in range(iters)]
     _, got = peer.conn.recv()
     elapsed = time.perf_counter() - t0
     if any(h.wait(30.0) is not TransferState.DONE for h in handles) or got != iters * payload.nbytes:
@@ -221,7 +249,9 @@ def checksum_speed(nbytes: int, fn: Any = zlib.crc32, iters: int = 10) -> float:
 
 # what the benchmark compares: ucx with payloads on a worker-address endpoint (the default), the same with the
 # "blocking" progress mode, and ucx with payloads on the listener's connection
-BENCH_BACKENDS: dict[str, dict[str, str]] = {
+BENCH_BACKENDS: dict[str, dict[str, Any]] = {
+    "shm": {"backend": "shm"},
+    "shm+checksum": {"backend": "shm", "inplace_checksum": True},
     "torch_dist": {"backend": "torch_dist"},
     "ucx": {"backend": "ucx"},
     "ucx-blocking": {"backend": "ucx", "ucx_progress_mode": "blocking"},
@@ -237,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", default=",".join(BENCH_BACKENDS))
     parser.add_argument("--ucx-progress-mode", default=None, help="override every ucx variant's progress mode")
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # like a worker actor (one thread each): on a busy host a 2-thread copy_ waits for both
     nbytes = args.mib << 20
     base = single_thread_memcpy_bandwidth(256 << 20)
     threaded = memcpy_bandwidth(256 << 20, iters=5)
@@ -251,8 +282,11 @@ def main(argv: list[str] | None = None) -> None:
         kind = dict(BENCH_BACKENDS[label])
         if args.ucx_progress_mode and kind["backend"] == "ucx":
             kind["ucx_progress_mode"] = args.ucx_progress_mode
+        blocks = bandwidth_payload(nbytes)[1].shape[1]
+        spec = CacheSpec(1, blocks, 16, 8, 128, "float16") if kind["backend"] == "shm" else CacheSpec(1, 1, 1, 1, 1,
+                                                                                                     "float16")
         peer = ReceiverProcess(KVTransferConfig(recv_buffer_bytes=nbytes + (1 << 20), num_recv_buffers=4, **kind),
-                               CacheSpec(1, 1, 1, 1, 1, "float16"))
+                               spec)
         sender = make_backend(KVTransferConfig(name="bench-sender", **kind))
         try:
             bw = measure_bandwidth(sender, peer, nbytes, args.iters)

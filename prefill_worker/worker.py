@@ -36,6 +36,7 @@ class _Job:
     output: Any = None  # the engine's RequestOutput once the prompt is computed and the first tokens sampled
     seed: int = 0
     bytes_sent: int = 0
+    in_place: bool = False  # K/V written straight into the decode actor's blocks (shm / cuda_ipc)
 
 
 class PrefillWorker(EngineLoop):
@@ -50,7 +51,7 @@ class PrefillWorker(EngineLoop):
 
         super().__init__(actor_id, engine if engine is not None else load_engine(config))
         self.config = config
-        self.backend = make_backend(dataclasses.replace(kv, name=actor_id))
+        self.backend = make_backend(dataclasses.replace(kv, name=actor_id, device=str(self.engine.device)))
         self._jobs: dict[str, _Job] = {}  # loop thread only
         self.corrupt_every = corrupt_every
         self.parts_sent = 0
@@ -76,6 +77,10 @@ class PrefillWorker(EngineLoop):
         msg = PrefillRequest.from_dict(message)
         req = msg.request
         job = _Job(req, msg.grant)
+        peer = msg.grant.kv_endpoint
+        job.in_place = self.backend.in_place(peer)
+        if job.in_place:  # the decode actor records this writer (and refuses a reservation already gone)
+            self.backend.open(peer, msg.grant.reservation_id, msg.grant.epoch)
 
         def add() -> None:  # also while draining: a proxy may have routed it here before it saw the drain
             params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1})
@@ -84,15 +89,32 @@ class PrefillWorker(EngineLoop):
             self.engine.add_request(req.request_id, list(req.prompt_token_ids), params)
             self._jobs[req.request_id] = job
 
-        self.call(add)
-        log.info("prefill %s (trace %s): %d prompt tokens -> %s", req.request_id, req.trace_id,
-                 len(req.prompt_token_ids), msg.grant.decode_actor_id)
-        if not job.done.wait(timeout_s):
-            self.abort(req.request_id)
-            raise TimeoutError(f"prefill of {req.request_id} took over {timeout_s}s")
-        if job.output is None:
-            raise RuntimeError(f"prefill of {req.request_id} was aborted")
-        return self._result(job).to_dict()
+        try:
+            self.call(add)
+            log.info("prefill %s (trace %s): %d prompt tokens -> %s%s", req.request_id, req.trace_id,
+                     len(req.prompt_token_ids), msg.grant.decode_actor_id, " (in place)" if job.in_place else "")
+            if not job.done.wait(timeout_s):
+                self.abort(req.request_id)
+                raise TimeoutError(f"prefill of {req.request_id} took over {timeout_s}s")
+            if job.output is None:
+                raise RuntimeError(f"prefill of {req.request_id} was aborted")
+            return self._result(job).to_dict()
+        finally:
+            if job.in_place:  # after the last write (or none): the decode actor may reuse the blocks
+                self._end_writes(job)
+
+    def _end_writes(self, job: _Job) -> None:
+        """Tell the decode actor this writer is done with the job's reservation, once no write of it can still come:
+        the loop has dropped the job (finished or aborted), so ``_ship`` will not write for it again."""
+        def gone() -> bool:
+            return job.request.request_id not in self._jobs or self._jobs[job.request.request_id] is not job
+
+        try:
+            done = self.call(gone)
+        except Exception:  # the loop stopped: nothing writes any more
+            done = True
+        if done:
+            self.backend.end(job.grant.kv_endpoint, job.grant.reservation_id)
 
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a prompt now (its waiting caller gets an error). Whether it was known."""
@@ -150,17 +172,22 @@ class PrefillWorker(EngineLoop):
             if job is None or s.seq.index != 0:
                 continue
             logical = s.export_range(bs)
-            header, payload = pack_layer_part(
-                kv[0], kv[1], [s.seq.block_table[j] for j in logical],
-                [job.grant.block_ids[j] for j in logical], layer=layer, token_start=logical.start * bs,
-                token_end=s.start + s.num_tokens, request_id=job.request.request_id,
-                reservation_id=job.grant.reservation_id, model_fingerprint=self.engine.fingerprint,
-                scales=scales)
+            src, dst = [s.seq.block_table[j] for j in logical], [job.grant.block_ids[j] for j in logical]
+            fields = dict(layer=layer, token_start=logical.start * bs, token_end=s.start + s.num_tokens,
+                          request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
+                          model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch)
             self.parts_sent += 1
-            if self.corrupt_every and self.parts_sent % self.corrupt_every == 0:
-                payload.view(-1).view(torch.uint8)[0] ^= 0xFF
-            job.handles.append(self.backend.send(job.grant.kv_endpoint, header, payload))
-            job.bytes_sent += payload.numel() * payload.element_size()
+            corrupt = bool(self.corrupt_every and self.parts_sent % self.corrupt_every == 0)
+            if job.in_place:  # straight into the decode actor's blocks: no packing, no socket for the bytes
+                handle = self.backend.write_part(job.grant.kv_endpoint, kv[0], kv[1], src, dst, scales,
+                                                 corrupt=corrupt, **fields)
+            else:
+                header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, **fields)
+                if corrupt:
+                    payload.view(-1).view(torch.uint8)[0] ^= 0xFF
+                handle = self.backend.send(job.grant.kv_endpoint, header, payload)
+            job.handles.append(handle)
+            job.bytes_sent += handle.nbytes
 
     def _result(self, job: _Job) -> PrefillResult:
         """Wait for the job's sends (caller's thread) and build its result. Counters are plain adds (GIL-atomic

@@ -22,7 +22,7 @@ T = TypeVar("T", bound="_Wire")
 
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
-WIRE_VERSION = 2  # bump on any change an older peer would misread
+WIRE_VERSION = 3  # bump on any change an older peer would misread (3: ReserveGrant.epoch)
 
 
 class WireVersionError(ValueError):
@@ -190,6 +190,7 @@ class ReserveGrant(_Wire):
     block_ids: tuple[int, ...]  # physical block ids on the decode actor, logical block i -> block_ids[i]
     kv_endpoint: str  # where a prefill actor sends this request's K/V (backend-specific address on D's node)
     ttl_s: float  # how long the decode actor waits for K/V (a duration: clocks are not compared across hosts)
+    epoch: int = 0  # the reservation's epoch on the decode actor, carried by every K/V part written for it
 
     def __post_init__(self) -> None:
         for name in ("reservation_id", "request_id", "decode_actor_id"):
@@ -205,6 +206,8 @@ class ReserveGrant(_Wire):
             raise ValueError(f"ReserveGrant.kv_endpoint: must be a string, got {self.kv_endpoint!r}")
         if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float)) or not 0 < self.ttl_s < math.inf:
             raise ValueError(f"ReserveGrant.ttl_s: must be a finite number > 0, got {self.ttl_s!r}")
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"ReserveGrant.epoch: must be an int >= 0, got {self.epoch!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -377,10 +380,13 @@ class KVCounts(_Wire):
     used: int = 0
     total: int = 0
     cached: int = 0
+    quarantined: int = 0  # of the reserved ones: released, but an in-place writer may still write them (decode)
 
     def __post_init__(self) -> None:
-        for name in ("free", "reserved", "used", "total", "cached"):
+        for name in ("free", "reserved", "used", "total", "cached", "quarantined"):
             _check_int("KVCounts", name, getattr(self, name))
+        if self.quarantined > self.reserved:
+            raise ValueError(f"KVCounts: quarantined {self.quarantined} > reserved {self.reserved}")
         if self.free + self.reserved + self.used != self.total or self.cached > self.free:
             raise ValueError(f"KVCounts: free {self.free} + reserved {self.reserved} + used {self.used} != total "
                              f"{self.total} (or cached {self.cached} > free)")
@@ -388,7 +394,7 @@ class KVCounts(_Wire):
     def gauges(self) -> dict[str, int]:
         """The counts by state, for metrics. Pure."""
         return {"free": self.free, "reserved": self.reserved, "used": self.used, "total": self.total,
-                "cached": self.cached}
+                "cached": self.cached, "quarantined": self.quarantined}
 
 
 @dataclass(frozen=True)

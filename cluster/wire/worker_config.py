@@ -24,6 +24,8 @@ class WorkerConfig:
     # sharing one GPU (a fractional --gpus-per-actor) get their share of it
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: decode steps without CUDA graphs
+    # CPU: the KV cache in shared memory same-node KV writers can map (set by serve for --kv-backend shm / auto)
+    shared_kv: bool = False
     # a reservation with no KV and no start by then is released (orphan cleanup); each KV part that arrives renews it.
     # Long enough to cover a busy prefill queue.
     reservation_ttl_s: float = 120.0

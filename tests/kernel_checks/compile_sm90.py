@@ -60,7 +60,7 @@ def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> 
 
 
 CASES = ["decode_bf16_split", "decode_fp8", "decode_reduce", "prefill_bf16_window", "prefill_fp8", "store_kv",
-         "store_fp8", "copy_blocks", "fp8_quantize"]
+         "store_fp8", "copy_blocks", "copy_between", "fp8_quantize"]
 
 
 def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
@@ -109,6 +109,11 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
                                               ids_ptr="*i64", stride_ks=I32_16, stride_vs=I32_16, stride_kd=I32_16,
                                               stride_vd=I32_16, numel=I32_16, PACK=True, CHUNK=kv.COPY_CHUNK),
                  kv.COPY_WARPS, 2)
+    elif case == "copy_between":
+        cp = _load("triton_copy")
+        _compile(cp._copy_between_kernel, dict(k_src="*bf16", v_src="*bf16", k_dst="*bf16", v_dst="*bf16",
+                                               src_ids="*i64", dst_ids="*i64", stride_ks=I32_16, stride_vs=I32_16,
+                                               stride_kd=I32_16, stride_vd=I32_16, numel=I32_16, CHUNK=cp.CHUNK), 4, 2)
     else:
         _compile(kv._fp8_kernel, dict(x_ptr="*bf16", y_ptr="*fp8e4nv", s_ptr="*fp32", stride_xb=I32_16,
                                       stride_xt=I32_16, stride_yb=I32_16, stride_yt=I32_16, num_heads=I32,

@@ -49,19 +49,19 @@ def test_reserve_commit_flow(make_manager, clock: FakeClock) -> None:
     r = m.reserve("req-a", 4, ttl_s=5.0, now=clock.now)
     assert isinstance(r, Reservation) and r.num_blocks == 4 and len(set(r.block_ids)) == 4
     assert r.request_id == "req-a" and r.expires_at == clock.now + 5.0
-    assert m.counts() == {"free": 6, "reserved": 4, "used": 0, "total": 10}
+    assert m.counts() == {"free": 6, "reserved": 4, "used": 0, "total": 10, "quarantined": 0}
     assert m.get(r.reservation_id) == r and m.find_by_request("req-a") == r
     m.check_integrity()
 
     assert m.commit(r.reservation_id) == r.block_ids
-    assert m.counts() == {"free": 6, "reserved": 0, "used": 4, "total": 10}
+    assert m.counts() == {"free": 6, "reserved": 0, "used": 4, "total": 10, "quarantined": 0}
     assert m.get(r.reservation_id) is None and m.find_by_request("req-a") is None
     # committed blocks belong to the sequence: expiry no longer touches them
     assert [x.reservation_id for x in m.expire(clock.advance(100.0))] == []
     assert m.counts()["used"] == 4
     # the sequence finishing frees them through the pool
     m.pool.free(m.pool.blocks[i] for i in r.block_ids)
-    assert m.counts() == {"free": 10, "reserved": 0, "used": 0, "total": 10}
+    assert m.counts() == {"free": 10, "reserved": 0, "used": 0, "total": 10, "quarantined": 0}
 
 
 def test_release_returns_blocks_at_once_and_double_release_raises(make_manager, clock: FakeClock) -> None:
@@ -70,7 +70,7 @@ def test_release_returns_blocks_at_once_and_double_release_raises(make_manager, 
     assert r is not None and m.counts()["free"] == 0
     assert m.reserve("req-b", 1, ttl_s=5.0, now=clock.now) is None
     assert sorted(m.release(r.reservation_id)) == sorted(r.block_ids)
-    assert m.counts() == {"free": 8, "reserved": 0, "used": 0, "total": 8}
+    assert m.counts() == {"free": 8, "reserved": 0, "used": 0, "total": 8, "quarantined": 0}
     with pytest.raises(KeyError, match="not pending"):
         m.release(r.reservation_id)
     with pytest.raises(KeyError):
@@ -130,12 +130,12 @@ def test_expire_releases_only_overdue_uncommitted(make_manager, clock: FakeClock
     m.release(released.reservation_id)
     assert [x.reservation_id for x in m.expire(t0 + 0.999)] == []
     assert [x.reservation_id for x in m.expire(t0 + 1.0)] == [short.reservation_id]  # due at exactly expires_at
-    assert m.counts() == {"free": 5, "reserved": 3, "used": 4, "total": 12}
+    assert m.counts() == {"free": 5, "reserved": 3, "used": 4, "total": 12, "quarantined": 0}
     assert [x.reservation_id for x in m.expire(t0 + 5.0)] == []
     with pytest.raises(KeyError):
         m.release(short.reservation_id)  # expired means gone
     assert [x.reservation_id for x in m.expire(t0 + 10.0)] == [long.reservation_id]
-    assert m.counts() == {"free": 8, "reserved": 0, "used": 4, "total": 12}
+    assert m.counts() == {"free": 8, "reserved": 0, "used": 4, "total": 12, "quarantined": 0}
 
 
 def test_expire_returns_oldest_first(make_manager, clock: FakeClock) -> None:
@@ -166,7 +166,7 @@ def test_cached_prefix_blocks_count_as_free_and_are_evicted_by_reservations(make
         pool.register(b, 1000 + i, [i])
     pool.free(blocks)
     assert pool.counts()["cached"] == 2
-    assert m.counts() == {"free": 4, "reserved": 0, "used": 0, "total": 4}
+    assert m.counts() == {"free": 4, "reserved": 0, "used": 0, "total": 4, "quarantined": 0}
     r = m.reserve("r", 4, 1.0, clock.now)
     assert r is not None and pool.counts()["cached"] == 0 and not pool.cached
     m.check_integrity()  # reserved blocks carry no stale prefix hash
@@ -249,3 +249,58 @@ def test_random_operations_keep_invariants(make_manager, clock: FakeClock, seed:
         assert c["used"] == sum(len(ids) for ids in running)
         assert c["free"] + c["reserved"] + c["used"] == c["total"]
         assert {rid: m.get(rid) for rid in pending} == pending
+
+
+# -- in-place writers: epochs and quarantine ---------------------------------------------------------------------------
+def test_epochs_increase_and_a_stale_or_foreign_writer_is_refused(make_manager, clock: FakeClock) -> None:
+    m = make_manager(16)
+    a = m.reserve("a", 2, 5.0, clock.now)
+    b = m.reserve("b", 2, 5.0, clock.now)
+    assert a is not None and b is not None and 0 < a.epoch < b.epoch
+    assert "stale" in (m.open_writer(a.reservation_id, b.epoch, "p0") or "")
+    assert m.open_writer(a.reservation_id, a.epoch, "p0") is None and a.writer_open
+    assert "already written by p0" in (m.open_writer(a.reservation_id, a.epoch, "p1") or "")
+    assert "not pending" in (m.open_writer("rsv-none", 1, "p0") or "")
+    m.release(b.reservation_id)
+    assert "not pending" in (m.open_writer(b.reservation_id, b.epoch, "p0") or "")
+
+
+def test_released_while_a_writer_is_open_quarantines_until_the_writer_ends(make_manager, clock: FakeClock) -> None:
+    m = make_manager(8)
+    r = m.reserve("a", 3, 5.0, clock.now)
+    assert r is not None and m.open_writer(r.reservation_id, r.epoch, "p0") is None
+    assert m.release(r.reservation_id) == ()  # nothing freed: the writer may still write
+    assert m.counts() == {"free": 5, "reserved": 3, "used": 0, "total": 8, "quarantined": 3}
+    assert m.reserve("b", 4, 5.0, clock.now) is not None
+    assert m.reserve("c", 2, 5.0, clock.now) is None  # the quarantined blocks are not handed out
+    m.check_integrity()
+    assert m.end_writer(r.reservation_id, "p1") == ()  # another writer's end frees nothing
+    assert sorted(m.end_writer(r.reservation_id, "p0")) == sorted(r.block_ids)
+    assert m.counts()["quarantined"] == 0 and m.counts()["free"] == 4
+    assert m.end_writer(r.reservation_id, "p0") == ()  # twice: ignored
+
+
+def test_expiry_with_a_dead_writer_frees_the_blocks(make_manager, clock: FakeClock) -> None:
+    m = make_manager(8)
+    r = m.reserve("a", 2, 5.0, clock.now)
+    s = m.reserve("b", 2, 5.0, clock.now)
+    assert r is not None and s is not None
+    assert m.open_writer(r.reservation_id, r.epoch, "p0") is None
+    assert m.open_writer(s.reservation_id, s.epoch, "p0") is None
+    m.release(s.reservation_id)  # quarantined for p0
+    assert m.counts()["quarantined"] == 2
+    assert sorted(m.writer_gone("p0")) == sorted(s.block_ids)  # p0's process exited
+    assert not r.writer_open  # the pending one no longer waits for p0
+    assert [x.request_id for x in m.expire(clock.advance(6.0))] == ["a"]
+    assert m.counts() == {"free": 8, "reserved": 0, "used": 0, "total": 8, "quarantined": 0}
+
+
+def test_an_ended_writer_lets_the_record_join(make_manager, clock: FakeClock) -> None:
+    m = make_manager(8)
+    r = m.reserve("a", 1, 5.0, clock.now, prompt_len=4, num_layers=1)
+    assert r is not None and m.open_writer(r.reservation_id, r.epoch, "p0") is None
+    r.add_part(0, 0, 4)
+    r.result = object()
+    assert not r.ready_to_join()  # complete, but the writer has not said it is done
+    m.end_writer(r.reservation_id, "p0")
+    assert r.ready_to_join() and m.release(r.reservation_id) == r.block_ids  # ended: freed at once

@@ -1,0 +1,400 @@
+"""In-place KV transfer on one node: a prefill actor writes each layer's blocks straight into the blocks a decode actor
+reserved, in the decode actor's own KV cache, mapped into the prefill process. ``shm`` on the CPU (the cache lives in
+a shared-memory file, :mod:`engine.kv_memory`), ``cuda_ipc`` on a GPU (the cache exported with CUDA IPC). No packing,
+no socket for the bytes, no receive buffer: one copy per layer and chunk (:func:`kernels.copy_blocks_between`).
+
+What still crosses a socket is small (:mod:`kv_transfer.inplace_channel`): the writer *opens* a reservation (the
+decode actor checks it is pending and its epoch current, and records the writer), announces each written part with a
+verified :class:`~kv_transfer.header.KVTransferHeader` (a payload checksum is optional here: ``inplace_checksum``), and
+*ends* the reservation after its last write. The decode actor's hooks decide; its reservation manager quarantines the
+blocks of a reservation released while its writer is open, until the writer ends it or its channel closes (the
+process is gone), so a late write never lands in blocks given to someone else.
+
+A writer that sees its peer's channel close stops writing to that mapping at once (checked before every write): a
+dead decode actor takes down nobody.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kernels
+from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
+from kv_transfer.config import KVTransferConfig
+from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeaderError
+from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, export_cuda, import_cuda, node_id, recv_message,
+                                         send_message)
+from kv_transfer.layer_parts import blocks_checksum, part_header
+
+log = logging.getLogger(__name__)
+
+OnOpen = Callable[[str, str, int], "str | None"]  # (writer, reservation id, epoch) -> None, or why refused
+OnEnd = Callable[[str, str], None]  # (writer, reservation id)
+OnGone = Callable[[str], None]  # (writer)
+
+
+@dataclass
+class _Peer:
+    """A writer's view of one decode actor: the channel and the decode actor's cache mapped here."""
+
+    address: str
+    sock: socket.socket
+    kv: torch.Tensor | None  # [layers, 2, blocks, block_size, kv_heads, head_dim], the peer's memory
+    scales: torch.Tensor | None
+    lock: threading.Lock = field(default_factory=threading.Lock)  # writes into the mapping, and ``broken``
+    send_lock: threading.Lock = field(default_factory=threading.Lock)  # whole frames on the socket
+    rpc_lock: threading.Lock = field(default_factory=threading.Lock)  # one open (request + reply) at a time
+    queue: queue.Queue[Any] = field(default_factory=queue.Queue)  # (handle | None, message, cuda event | None)
+    broken: str | None = None
+    thread: threading.Thread | None = None
+
+
+class InPlaceBackend(KVTransferBackend):
+    """Both roles: a decode actor ``export_cache`` + ``listen``; a prefill actor ``open`` / ``write_part`` / ``end``
+    (or ``send`` of a packed part, which is scattered into the mapping: the loopback benchmark and generic tests)."""
+
+    def __init__(self, config: KVTransferConfig) -> None:
+        super().__init__(config)
+        self.kind = config.backend if config.backend in ("shm", "cuda_ipc") else (
+            "cuda_ipc" if config.is_cuda else "shm")
+        self.node = node_id()
+        self.checksum = config.inplace_checksum
+        self._hello: dict[str, Any] | None = None
+        self._fds: list[int] = []
+        self._keep: list[torch.Tensor] = []  # exported tensors that must outlive the channel (the CUDA probe)
+        self._on_open: OnOpen = lambda w, r, e: "this endpoint takes no in-place writers"
+        self._on_end: OnEnd = lambda w, r: None
+        self._on_gone: OnGone = lambda w: None
+        self._server: socket.socket | None = None
+        self._address: str | None = None
+        self._conns: list[socket.socket] = []
+        self._serial = itertools.count(1)
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    # -- the decode actor's side ----------------------------------------------------------------------------------
+    def export_cache(self, kv: torch.Tensor, scales: torch.Tensor | None, shared: Any | None) -> None:
+        """Mutates: offer ``kv`` (and an FP8 cache's ``scales``) to writers. ``shm`` needs the cache in shared memory
+        (``shared``: its :class:`engine.kv_memory.SharedKVMemory`); ``cuda_ipc`` a CUDA cache."""
+        nonce = os.urandom(PROBE_BYTES)
+        if self.kind == "shm":
+            if shared is None:
+                raise ValueError("shm: the KV cache is not in shared memory (start the engine with shared_kv=True)")
+            shared.probe[:PROBE_BYTES].copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
+            self._hello = {"layout": shared.layout.to_dict(), "nbytes": shared.nbytes}
+            self._fds = [shared.fd]
+        else:
+            if not kv.is_cuda:
+                raise ValueError("cuda_ipc: the KV cache is not on a CUDA device")
+            probe = torch.frombuffer(bytearray(nonce), dtype=torch.uint8).to(kv.device)
+            self._keep = [probe]
+            self._hello = {"kv": export_cuda(kv.view(-1).view(torch.uint8)), "shape": list(kv.shape),
+                           "dtype": str(kv.dtype).removeprefix("torch."), "probe": export_cuda(probe),
+                           "scales": None if scales is None else export_cuda(scales.view(-1).view(torch.uint8))}
+        self._hello.update(t="hello", kind=self.kind, node=self.node, nonce=nonce)
+
+    def set_writer_hooks(self, on_open: OnOpen, on_end: OnEnd, on_gone: OnGone) -> None:  # type: ignore[override]
+        """Mutates: ``on_open(writer, reservation_id, epoch)`` returns None to accept or why it refuses;
+        ``on_end(writer, reservation_id)``; ``on_gone(writer)`` when a writer's channel closed. Called on channel
+        threads."""
+        self._on_open, self._on_end, self._on_gone = on_open, on_end, on_gone
+
+    def listen(self, recv_side: RecvSide | None = None) -> str:
+        """Mutates: open the channel (an abstract Unix socket) and start accepting writers; announced parts queue on
+        ``recv_side`` (shared with a socket backend under ``auto``) or a buffer-less one of its own."""
+        if self._address is None:
+            if self._hello is None:
+                raise RuntimeError("listen: export_cache first")
+            self.recv_side = recv_side or RecvSide(dataclasses.replace(self.config, num_recv_buffers=1,
+                                                                       recv_buffer_bytes=1))
+            name = f"pdkv-{uuid.uuid4().hex}"
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind("\0" + name)
+            srv.listen(64)
+            srv.settimeout(0.2)
+            self._server = srv
+            self._address = str(InPlaceAddress(self.kind, self.node, name))
+            threading.Thread(target=self._accept_loop, name="kv-inplace-accept", daemon=True).start()
+        return self._address
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kv-inplace-writer", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One writer's channel, until it closes: answer opens, queue announced parts, pass ends on."""
+        writer: str | None = None
+        side = self.recv_side
+        assert side is not None and self._hello is not None
+        try:
+            hi, _ = recv_message(conn)
+            if hi["t"] != "hi" or not isinstance(hi.get("writer"), str):
+                raise ValueError(f"expected a writer's hi, got {hi['t']!r}")
+            writer = f"{hi['writer']}#{next(self._serial)}"  # one name per channel: a reconnect is a new writer
+            send_message(conn, self._hello, self._fds)
+            while True:
+                msg, _ = recv_message(conn)
+                if msg["t"] == "part":
+                    try:
+                        header = KVTransferHeader.decode(msg["h"])
+                    except MalformedHeaderError as e:
+                        handle = side.new_handle(writer, None, 0)
+                        side.finish(handle, None, f"malformed in-place header: {e}")
+                        continue
+                    side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
+                elif msg["t"] == "open":
+                    why = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]))
+                    send_message(conn, {"t": "opened", "rid": msg["rid"], "error": why})
+                elif msg["t"] == "end":
+                    self._on_end(writer, str(msg["rid"]))
+                else:
+                    raise ValueError(f"unknown message {msg['t']!r}")
+        except EOFError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if not self._stop.is_set():
+                self.peer_errors[writer or "?"] = f"in-place channel ended: {e}"
+                log.warning("in-place writer %s: channel ended: %s", writer, e)
+        finally:
+            conn.close()
+            if writer is not None:
+                self._on_gone(writer)
+
+    # -- the writer's side ----------------------------------------------------------------------------------------
+    def connect(self, peer_address: str) -> None:
+        """Mutates: open the channel to a decode actor and map its cache, checking the probe. ``ConnectionError``
+        when it is not on this node, cannot be reached, or the mapped memory is not the peer's."""
+        self._peer(peer_address)
+
+    def in_place(self, peer_address: str) -> bool:
+        return True
+
+    def peer_broken(self, peer_address: str) -> bool:
+        """Whether the channel to ``peer_address`` was opened and has broken since (the peer is gone). Pure."""
+        with self._lock:
+            peer = self._peers.get(peer_address)
+        return peer is not None and peer.broken is not None
+
+    def _peer(self, address: str) -> _Peer:
+        with self._lock:
+            if self._stop.is_set():
+                raise ConnectionError("endpoint is closed")
+            peer = self._peers.get(address)
+            if peer is None or peer.broken is not None:
+                peer = self._dial(address)
+                self._peers[address] = peer
+            return peer
+
+    def _dial(self, address: str) -> _Peer:
+        addr = InPlaceAddress.parse(address)
+        if addr.kind != self.kind:
+            raise ConnectionError(f"peer writes {addr.kind}, this endpoint {self.kind}")
+        if addr.node != self.node:
+            raise ConnectionError(f"peer is on node {addr.node}, this process on {self.node}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.config.connect_timeout_s)
+        try:
+            sock.connect(addr.sockaddr)
+            send_message(sock, {"t": "hi", "writer": self.config.name})
+            hello, fds = recv_message(sock, want_fds=1 if self.kind == "shm" else 0)
+            kv, scales, probe = self._map(hello, fds)
+            if bytes(probe.cpu().numpy()) != hello["nonce"]:
+                raise ConnectionError("probe failed: the mapped memory is not the peer's")
+        except (OSError, EOFError, ValueError, KeyError, RuntimeError) as e:
+            sock.close()
+            raise ConnectionError(f"in-place channel to {address}: {e}") from e
+        sock.settimeout(None)
+        peer = _Peer(address, sock, kv, scales)
+        peer.thread = threading.Thread(target=self._notify_loop, args=(peer,), name="kv-inplace-notify", daemon=True)
+        peer.thread.start()
+        return peer
+
+    def _map(self, hello: dict[str, Any], fds: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The peer's cache (and scales, probe) mapped into this process. Pure apart from mapping memory."""
+        if self.kind == "shm":
+            from engine.kv_memory import KVLayout, map_fd
+
+            if len(fds) != 1:
+                raise ValueError("hello carried no shared-memory descriptor")
+            try:
+                flat = map_fd(fds[0], int(hello["nbytes"]))
+            finally:
+                os.close(fds[0])
+            layout = KVLayout(**hello["layout"])
+            kv, scales = layout.views(flat)
+            return kv, scales, flat[layout.nbytes:layout.nbytes + PROBE_BYTES]
+        flat = import_cuda(hello["kv"])
+        kv = flat.view(getattr(torch, hello["dtype"])).view(hello["shape"])
+        scales = None
+        if hello["scales"] is not None:
+            scales = import_cuda(hello["scales"]).view(torch.float32).view(kv.shape[0], 2, kv.shape[2], kv.shape[4])
+        return kv, scales, import_cuda(hello["probe"])
+
+    def open(self, peer_address: str, reservation_id: str, epoch: int) -> None:
+        peer = self._peer(peer_address)
+        with peer.rpc_lock:
+            try:
+                with peer.send_lock:
+                    send_message(peer.sock, {"t": "open", "rid": reservation_id, "epoch": epoch})
+                reply, _ = recv_message(peer.sock)
+            except (OSError, EOFError, ValueError) as e:
+                self._break(peer, f"channel closed: {e}")
+                raise ConnectionError(f"open {reservation_id} at {peer_address}: {e}") from e
+        if reply.get("error"):
+            raise KVTransferError(f"{peer_address} refused in-place writes for {reservation_id}: {reply['error']}")
+
+    def end(self, peer_address: str, reservation_id: str) -> None:
+        with self._lock:
+            peer = self._peers.get(peer_address)
+        if peer is not None and peer.broken is None:
+            peer.queue.put((None, {"t": "end", "rid": reservation_id}, None))
+
+    def write_part(self, peer_address: str, k_cache: torch.Tensor, v_cache: torch.Tensor, src_block_ids: list[int],
+                   dst_block_ids: list[int], scales: torch.Tensor | None, *, corrupt: bool = False,
+                   **header_fields: Any) -> TransferHandle:
+        """Mutates the peer's cache: copy layer ``header_fields["layer"]``'s blocks ``src_block_ids`` of this cache
+        into the peer's ``dst_block_ids`` (on a GPU: queued on the current stream), then announce the part. Returns
+        a handle that is DONE once announced. ``corrupt`` flips one written byte after the checksum (fault
+        injection: the peer must reject the part, which needs ``inplace_checksum``)."""
+        layer = int(header_fields["layer"])
+        csum = blocks_checksum(k_cache, v_cache, src_block_ids, scales) if self.checksum else None
+        header = part_header(k_cache, dst_block_ids, csum, **header_fields)  # type: ignore[arg-type]
+        handle = self._new_send_handle(peer_address, header, k_cache[:0])
+        handle.nbytes = header.payload_nbytes
+        peer = self._peer(peer_address)
+        with peer.lock:
+            if peer.broken is not None or not self._alive(peer):
+                handle.mark_failed(peer.broken or "peer gone")
+                return handle
+            assert peer.kv is not None
+            dst = peer.kv[layer]
+            device = dst.device
+            src_ids = torch.tensor(src_block_ids, dtype=torch.long).to(device, non_blocking=True)
+            dst_ids = torch.tensor(dst_block_ids, dtype=torch.long).to(device, non_blocking=True)
+            kernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
+            if scales is not None and peer.scales is not None:
+                peer.scales[layer][:, dst_ids] = scales[:, src_ids.to(scales.device)]
+            if corrupt:
+                dst[0, dst_block_ids[0]].view(-1).view(torch.uint8)[0] ^= 0xFF
+            event = None
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+        peer.queue.put((handle, {"t": "part", "h": header.encode()}, event))
+        return handle
+
+    def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates the peer's cache: scatter a packed part (``layer_parts.pack_layer_part``) into the blocks its
+        header names, then announce it."""
+        handle = self._new_send_handle(peer_address, header, payload)
+        peer = self._peer(peer_address)
+        with peer.lock:
+            if peer.broken is not None or not self._alive(peer):
+                handle.mark_failed(peer.broken or "peer gone")
+                return handle
+            assert peer.kv is not None
+            dst = peer.kv[header.layer]
+            n = header.payload_nbytes - header.scales_nbytes
+            blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
+            ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
+            kernels.unpack_blocks(blocks, dst[0], dst[1], ids)
+            event = None
+            if dst.is_cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dst.device))
+        peer.queue.put((handle, {"t": "part", "h": header.encode()}, event))
+        return handle
+
+    def _alive(self, peer: _Peer) -> bool:
+        """Whether the peer's channel is still open (a non-blocking peek; EOF: its process is gone). Caller holds
+        ``peer.lock``; a closed channel breaks the peer, so nothing writes to its mapping again."""
+        try:
+            if peer.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                self._break(peer, "peer's channel closed (its process is gone)")
+                return False
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            self._break(peer, f"channel error: {e}")
+            return False
+        return True
+
+    def _notify_loop(self, peer: _Peer) -> None:
+        """Announce written parts (and ends) in order, each once its copy has run."""
+        while True:
+            item = peer.queue.get()
+            if item is None:
+                return
+            handle, msg, event = item
+            if peer.broken is not None:
+                if handle is not None:
+                    handle.mark_failed(peer.broken)
+                continue
+            try:
+                if event is not None:
+                    event.synchronize()
+                with peer.send_lock:
+                    send_message(peer.sock, msg)
+            except OSError as e:
+                self._break(peer, f"channel closed: {e}")
+                if handle is not None:
+                    handle.mark_failed(peer.broken or str(e))
+                continue
+            if handle is not None:
+                self._send_done(handle)
+
+    def _break(self, peer: _Peer, why: str) -> None:
+        """Mutates: this peer is unusable from now on; its mapping is dropped (a broken peer is redialed on next
+        use, through a fresh ``hello``)."""
+        if peer.broken is None:
+            peer.broken = why
+            log.warning("in-place peer %s: %s", peer.address, why)
+        peer.kv = peer.scales = None
+
+    def close(self) -> None:
+        """Mutates: stop accepting, close every channel (ending this writer: the peers free its quarantined blocks),
+        drop the mappings. Idempotent."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            peers = list(self._peers.values())
+        for peer in peers:
+            peer.queue.put(None)
+            if peer.thread is not None:
+                peer.thread.join(5.0)
+            with peer.lock:
+                self._break(peer, "endpoint closed")
+            peer.sock.close()
+        if self._server is not None:
+            self._server.close()
+        for conn in self._conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self.recv_side is not None:
+            self.recv_side.closed.set()
+
