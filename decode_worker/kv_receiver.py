@@ -67,7 +67,7 @@ class KVReceiver:
 
     def _install(self, handle: Any) -> None:
         header = handle.header
-        if header is None or handle.raw is None:
+        if header is None or (handle.raw is None and not handle.in_place):
             self.parts_rejected += 1
             log.warning("KV part rejected: %s", handle.error)
             return
@@ -105,9 +105,11 @@ class KVReceiver:
             self._on_part(rec)
 
     # -- in-place writers (channel threads) ---------------------------------------------------------------------
-    def _writer_open(self, writer: str, reservation_id: str, epoch: int) -> str | None:
+    def _writer_open(self, writer: str, reservation_id: str, epoch: int) -> tuple[int, ...] | str:
         with self._lock:
-            return self._reservations.open_writer(reservation_id, epoch, writer)
+            why = self._reservations.open_writer(reservation_id, epoch, writer)
+            rec = self._reservations.get(reservation_id)
+            return why if why is not None or rec is None else rec.block_ids
 
     def _writer_end(self, writer: str, reservation_id: str) -> None:
         with self._lock:

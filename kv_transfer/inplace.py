@@ -40,7 +40,8 @@ from kv_transfer.layer_parts import blocks_checksum, part_header
 
 log = logging.getLogger(__name__)
 
-OnOpen = Callable[[str, str, int], "str | None"]  # (writer, reservation id, epoch) -> None, or why refused
+# (writer, reservation id, epoch) -> the reservation's block ids (the writer may write those only), or why refused
+OnOpen = Callable[[str, str, int], "tuple[int, ...] | str"]
 OnEnd = Callable[[str, str], None]  # (writer, reservation id)
 OnGone = Callable[[str], None]  # (writer)
 
@@ -57,6 +58,7 @@ class _Peer:
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # whole frames on the socket
     rpc_lock: threading.Lock = field(default_factory=threading.Lock)  # one open (request + reply) at a time
     queue: queue.Queue[Any] = field(default_factory=queue.Queue)  # (handle | None, message, cuda event | None)
+    grants: dict[str, frozenset[int]] = field(default_factory=dict)  # opened reservation -> its blocks
     broken: str | None = None
     thread: threading.Thread | None = None
 
@@ -107,7 +109,8 @@ class InPlaceBackend(KVTransferBackend):
         self._hello.update(t="hello", kind=self.kind, node=self.node, nonce=nonce)
 
     def set_writer_hooks(self, on_open: OnOpen, on_end: OnEnd, on_gone: OnGone) -> None:  # type: ignore[override]
-        """Mutates: ``on_open(writer, reservation_id, epoch)`` returns None to accept or why it refuses;
+        """Mutates: ``on_open(writer, reservation_id, epoch)`` returns the reservation's block ids to accept, or why
+        it refuses;
         ``on_end(writer, reservation_id)``; ``on_gone(writer)`` when a writer's channel closed. Called on channel
         threads."""
         self._on_open, self._on_end, self._on_gone = on_open, on_end, on_gone
@@ -165,8 +168,9 @@ class InPlaceBackend(KVTransferBackend):
                         continue
                     side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
                 elif msg["t"] == "open":
-                    why = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]))
-                    send_message(conn, {"t": "opened", "rid": msg["rid"], "error": why})
+                    got = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]))
+                    reply = {"error": got} if isinstance(got, str) else {"error": None, "blocks": list(got)}
+                    send_message(conn, {"t": "opened", "rid": msg["rid"], **reply})
                 elif msg["t"] == "end":
                     self._on_end(writer, str(msg["rid"]))
                 else:
@@ -264,11 +268,15 @@ class InPlaceBackend(KVTransferBackend):
                 raise ConnectionError(f"open {reservation_id} at {peer_address}: {e}") from e
         if reply.get("error"):
             raise KVTransferError(f"{peer_address} refused in-place writes for {reservation_id}: {reply['error']}")
+        with peer.lock:
+            peer.grants[reservation_id] = frozenset(int(b) for b in reply["blocks"])
 
     def end(self, peer_address: str, reservation_id: str) -> None:
         with self._lock:
             peer = self._peers.get(peer_address)
         if peer is not None and peer.broken is None:
+            with peer.lock:
+                peer.grants.pop(reservation_id, None)
             peer.queue.put((None, {"t": "end", "rid": reservation_id}, None))
 
     def write_part(self, peer_address: str, k_cache: torch.Tensor, v_cache: torch.Tensor, src_block_ids: list[int],
@@ -283,10 +291,11 @@ class InPlaceBackend(KVTransferBackend):
         header = part_header(k_cache, dst_block_ids, csum, **header_fields)  # type: ignore[arg-type]
         handle = self._new_send_handle(peer_address, header, k_cache[:0])
         handle.nbytes = header.payload_nbytes
-        peer = self._peer(peer_address)
+        peer = self._peer_or_fail(peer_address, handle)
+        if peer is None:
+            return handle
         with peer.lock:
-            if peer.broken is not None or not self._alive(peer):
-                handle.mark_failed(peer.broken or "peer gone")
+            if not self._may_write(peer, handle):
                 return handle
             assert peer.kv is not None
             dst = peer.kv[layer]
@@ -309,10 +318,11 @@ class InPlaceBackend(KVTransferBackend):
         """Mutates the peer's cache: scatter a packed part (``layer_parts.pack_layer_part``) into the blocks its
         header names, then announce it."""
         handle = self._new_send_handle(peer_address, header, payload)
-        peer = self._peer(peer_address)
+        peer = self._peer_or_fail(peer_address, handle)
+        if peer is None:
+            return handle
         with peer.lock:
-            if peer.broken is not None or not self._alive(peer):
-                handle.mark_failed(peer.broken or "peer gone")
+            if not self._may_write(peer, handle):
                 return handle
             assert peer.kv is not None
             dst = peer.kv[header.layer]
@@ -326,6 +336,32 @@ class InPlaceBackend(KVTransferBackend):
                 event.record(torch.cuda.current_stream(dst.device))
         peer.queue.put((handle, {"t": "part", "h": header.encode()}, event))
         return handle
+
+    def _peer_or_fail(self, address: str, handle: TransferHandle) -> _Peer | None:
+        """The live peer, or None with ``handle`` failed (sends never raise for an unreachable peer)."""
+        try:
+            return self._peer(address)
+        except ConnectionError as e:
+            handle.mark_failed(str(e))
+            return None
+
+    def _may_write(self, peer: _Peer, handle: TransferHandle) -> bool:
+        """Whether ``handle``'s part may be written now (caller holds ``peer.lock``): the peer is alive, the
+        reservation was opened and every block is one of its own. Otherwise fails the handle, writing nothing."""
+        header = handle.header
+        assert header is not None
+        allowed = peer.grants.get(header.reservation_id)
+        if peer.broken is not None or not self._alive(peer):
+            handle.mark_failed(peer.broken or "peer gone")
+        elif allowed is None:
+            handle.mark_failed(f"reservation {header.reservation_id} was not opened for in-place writes")
+        elif not allowed.issuperset(header.block_ids) or header.layer >= (peer.kv.shape[0] if peer.kv is not None
+                                                                           else 0):
+            handle.mark_failed(f"refused here: blocks {header.block_ids} / layer {header.layer} outside "
+                               f"reservation {header.reservation_id}")
+        else:
+            return True
+        return False
 
     def _alive(self, peer: _Peer) -> bool:
         """Whether the peer's channel is still open (a non-blocking peek; EOF: its process is gone). Caller holds

@@ -7,6 +7,7 @@ in-process copy and the checksum's speed, measured side by side in one run) both
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ctypes
 import multiprocessing as mp
 import statistics
@@ -26,7 +27,8 @@ from kv_transfer.base import (
     torch_dtype,
 )
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader
+from kv_transfer.header import (ExpectedTransfer, HeaderMismatchError, KVTransferHeader, verify_checksum,
+                               verify_fields)
 from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 
 
@@ -68,7 +70,8 @@ def next_transfer(backend: KVTransferBackend, timeout_s: float = 30.0) -> Transf
 
 def _install(handle: TransferHandle, expected: dict[str, ExpectedTransfer], caches: list) -> tuple[str, str]:
     """Verify and install one received part the way a decode actor does; ``("ok", ..)`` or ``(field, error)``."""
-    if handle.state is not TransferState.DONE or handle.header is None or handle.raw is None:
+    if handle.state is not TransferState.DONE or handle.header is None or (handle.raw is None
+                                                                            and not handle.in_place):
         return ("failed", handle.error or "no payload")
     want = expected.get(handle.header.request_id)
     if want is None:
@@ -77,7 +80,12 @@ def _install(handle: TransferHandle, expected: dict[str, ExpectedTransfer], cach
         return ("layer", f"layer {handle.header.layer} out of range")
     k, v = caches[handle.header.layer]
     try:
-        install_layer_part(handle.header, handle.raw, want, k, v)
+        if handle.in_place:  # the bytes are in the blocks already: verify, as a decode actor does
+            verify_fields(handle.header, dataclasses.replace(want, require_checksum=False))
+            if handle.header.checksum is not None:
+                verify_checksum(handle.header, blocks_checksum(k, v, handle.header.block_ids))
+        else:
+            install_layer_part(handle.header, handle.raw, want, k, v)
     except HeaderMismatchError as e:
         return (e.field, str(e))
     return ("ok", f"layer {handle.header.layer} tokens [{handle.header.token_start}, {handle.header.token_end})")
@@ -101,7 +109,8 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
                                          spec.head_dim, spec.dtype))
         caches = [(shared.kv[i, 0], shared.kv[i, 1]) for i in range(spec.num_layers)]
         backend.export_cache(shared.kv, None, shared)
-        backend.set_writer_hooks(lambda w, r, e: None, lambda w, r: None, lambda w: None)
+        every = tuple(range(spec.num_blocks))
+        backend.set_writer_hooks(lambda w, r, e: every, lambda w, r: None, lambda w: None)
     conn.send(backend.listen())
     try:
         while True:
@@ -114,8 +123,8 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
                     outcomes.append(_install(handle, expected, caches))
                     backend.release(handle)
                 conn.send(outcomes)
-            elif cmd == "caches":
-                conn.send(caches)
+            elif cmd == "caches":  # copies: a shared-memory cache would travel as a descriptor
+                conn.send([(k.clone(), v.clone()) for k, v in caches])
             elif cmd == "drain":
                 nbytes = 0
                 for _ in range(arg):
@@ -139,10 +148,12 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
 class ReceiverProcess:
     """Starts :func:`receiver_main` in a spawned process; ``call`` sends a command and returns the reply."""
 
+    target = staticmethod(receiver_main)
+
     def __init__(self, config: KVTransferConfig, spec: CacheSpec, start_timeout_s: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=receiver_main, args=(config, spec, child), daemon=True)
+        self.process = ctx.Process(target=self.target, args=(config, spec, child), daemon=True)
         self.process.start()
         if not self.conn.poll(start_timeout_s):
             self.process.kill()
@@ -169,6 +180,43 @@ class ReceiverProcess:
             self.process.join(5.0)
 
 
+def writer_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -> None:
+    """Process entry point of an in-place writer (a prefill actor's KV side, without the model): serves
+    ``("open", (address, reservation_id, epoch))`` -> None or the refusal; ``("write", (address, src_ids, dst_ids,
+    header_fields))`` -> the handle's state and error; ``("end", (address, reservation_id))``; ``("close", None)``."""
+    backend = make_backend(config)
+    caches = spec.make(seed=1)
+    conn.send("ready")
+    try:
+        while True:
+            cmd, arg = conn.recv()
+            if cmd == "open":
+                try:
+                    backend.open(*arg)
+                    conn.send(None)
+                except Exception as e:  # noqa: BLE001 -- the refusal is the reply
+                    conn.send(str(e))
+            elif cmd == "write":
+                address, src, dst, fields = arg
+                k, v = caches[fields["layer"]]
+                handle = backend.write_part(address, k, v, src, dst, None, **fields)
+                conn.send((handle.wait(10.0).value, handle.error))
+            elif cmd == "end":
+                backend.end(*arg)
+                conn.send(None)
+            elif cmd == "close":
+                break
+    finally:
+        backend.close()
+        conn.send("closed")
+
+
+class WriterProcess(ReceiverProcess):
+    """Starts :func:`writer_main` in a spawned process (tests: a writer that can be killed or stopped)."""
+
+    target = staticmethod(writer_main)
+
+
 def bandwidth_payload(nbytes: int) -> tuple[KVTransferHeader, torch.Tensor]:
     """A random fp16 payload of ``nbytes`` shaped like packed blocks, with a matching header. Pure."""
     blocks = max(1, nbytes // (2 * 16 * 8 * 128 * 2))
@@ -184,6 +232,7 @@ def measure_bandwidth(sender: KVTransferBackend, peer: ReceiverProcess, nbytes: 
     prefill actor does; the others send a packed part."""
     header, payload = bandwidth_payload(nbytes)
     sender.connect(peer.address)
+    sender.open(peer.address, "bench", 0)
     if sender.in_place(peer.address):
         src = payload[0].clone(), payload[1].clone()  # a source cache holding exactly the blocks
         ids = list(range(payload.shape[1]))

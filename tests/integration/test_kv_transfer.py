@@ -34,6 +34,7 @@ from kv_transfer.layer_parts import (
 from kv_transfer.loopback import (
     CacheSpec,
     ReceiverProcess,
+    bandwidth_payload,
     checksum_speed,
     measure_bandwidth,
     single_thread_memcpy_bandwidth,
@@ -194,8 +195,9 @@ def test_fake_backend_round_trip_and_back_pressure() -> None:
 
 # -- two OS processes -------------------------------------------------------------------------------------------
 # "ucx" sends payloads over a worker-address endpoint (shared memory here); "ucx-listener" over the listener's (TCP)
+# "shm": the sender writes straight into the receiver's cache (mapped shared memory), then announces the part
 TWO_PROCESS_BACKENDS = {"torch_dist": {"backend": "torch_dist"}, "ucx": {"backend": "ucx"},
-                        "ucx-listener": {"backend": "ucx", "ucx_payload_path": "listener"}}
+                        "ucx-listener": {"backend": "ucx", "ucx_payload_path": "listener"}, "shm": {"backend": "shm"}}
 
 
 @pytest.fixture(scope="module", params=list(TWO_PROCESS_BACKENDS))
@@ -221,6 +223,7 @@ def test_two_process_layer_parts_install_exactly(peer: tuple) -> None:
     expected = make_expected("req-exact", "rsv-exact", dst)
     sent = SPEC.make(seed=11)
     parts = [part(sent, src, expected, layer, s, e) for layer in range(SPEC.num_layers) for s, e in CHUNKS]
+    sender.open(receiver.address, expected.reservation_id, 0)  # in-place backends: the reservation's writer
     handles = [sender.send(receiver.address, h, p) for h, p in parts]
     outcomes = receiver.call("install", ({"req-exact": expected}, len(parts)))
     assert all(h.wait(30) is TransferState.DONE for h in handles), [h.error for h in handles]
@@ -229,7 +232,9 @@ def test_two_process_layer_parts_install_exactly(peer: tuple) -> None:
 
 
 def test_two_process_bad_parts_are_rejected_and_install_nothing(peer: tuple) -> None:
-    _, sender, receiver = peer
+    name, sender, receiver = peer
+    if name == "shm":
+        pytest.skip("in-place parts are in the blocks before they are verified (test_inplace_kv.py covers them)")
     blocks = [20, 21, 22, 23, 24]
     expected = make_expected("req-bad", "rsv-bad", blocks)
     sent = SPEC.make(seed=12)
@@ -251,7 +256,14 @@ def test_two_process_bad_parts_are_rejected_and_install_nothing(peer: tuple) -> 
 
 def test_two_process_bandwidth_16mib(peer: tuple, capsys: pytest.CaptureFixture) -> None:
     name, sender, receiver = peer
-    bw = measure_bandwidth(sender, receiver, MIB16 - (1 << 16), iters=10)
+    if name == "shm":  # written in place: the receiver's cache must have the payload's block shape
+        blocks = bandwidth_payload(MIB16 - (1 << 16))[1].shape[1]
+        receiver = ReceiverProcess(KVTransferConfig(backend="shm"), CacheSpec(1, blocks, 16, 8, 128, "float16"))
+    try:
+        bw = measure_bandwidth(sender, receiver, MIB16 - (1 << 16), iters=10)
+    finally:
+        if name == "shm":
+            receiver.close()
     copy = single_thread_memcpy_bandwidth(MIB16 * 8, iters=3)
     with capsys.disabled():
         print(f"\n[kv bandwidth] {name}: {bw:.2f} GiB/s for ~16 MiB payloads; memcpy {copy:.2f} GiB/s "
@@ -289,6 +301,7 @@ def test_dead_receiver_fails_sends_instead_of_hanging(kind: str) -> None:
     try:
         expected = make_expected("req-dead", "rsv-dead", [1, 2])
         header, payload = part(SPEC.make(seed=3), [0, 1], expected, 0, 0, 20)
+        sender.open(receiver.address, expected.reservation_id, 0)
         first = sender.send(receiver.address, header, payload)
         assert [o[0] for o in receiver.call("install", ({"req-dead": expected}, 1))] == ["ok"]
         assert first.wait(30) is TransferState.DONE
