@@ -28,7 +28,8 @@ def offline() -> LLM:
 
 def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
     c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
-                            port=0, kv_backend=backend, corrupt_kv_every=corrupt_every))
+                            port=0, kv_backend=backend, corrupt_kv_every=corrupt_every,
+                            kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0))
     c.start()
     return c
 
@@ -50,14 +51,15 @@ def expected(offline: LLM, prompts: list[str], max_tokens: int = 24) -> list[str
                                          SamplingParams(max_tokens=max_tokens))]
 
 
-BACKENDS = ["torch_dist"] + (["ucx"] if importlib.util.find_spec("ucxx") else [])
+# shm: written in place into the decode actor's cache (what the default, auto, picks on one node)
+BACKENDS = ["shm", "torch_dist"] + (["ucx"] if importlib.util.find_spec("ucxx") else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: LLM) -> None:
     cluster = run_cluster(backend)
     try:
-        prompts = PROMPTS * (4 if backend == "torch_dist" else 1)  # 16 concurrent requests on the default backend
+        prompts = PROMPTS * (4 if backend == "shm" else 1)  # 16 concurrent requests on the default path
         assert ask_all(cluster.urls[0], prompts) == expected(offline, prompts)
         stats = ray.get(cluster.decode_actors[0].stats.remote())
         pstats = ray.get(cluster.prefill_actors[0].stats.remote())
@@ -74,8 +76,9 @@ def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: L
         cluster.stop()
 
 
-def test_corrupted_kv_is_rejected_and_recomputed(offline: LLM) -> None:
-    cluster = run_cluster("torch_dist", corrupt_every=7)
+@pytest.mark.parametrize("backend", ["torch_dist", "shm"])  # shm: with --kv-inplace-checksum
+def test_corrupted_kv_is_rejected_and_recomputed(backend: str, offline: LLM) -> None:
+    cluster = run_cluster(backend, corrupt_every=7)
     try:
         assert ask_all(cluster.urls[0], PROMPTS) == expected(offline, PROMPTS)
         stats = ray.get(cluster.decode_actors[0].stats.remote())
