@@ -141,6 +141,14 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
             {{- toYaml $res | nindent 12 }}
           volumeMounts:
             {{- include "pdcluster.volumeMounts" $root | nindent 12 }}
+            - name: dshm
+              mountPath: /dev/shm
       volumes:
         {{- include "pdcluster.volumes" $root | nindent 8 }}
+        # memory-backed /dev/shm (the container default is 64 MiB): NCCL's shared-memory transport and torch's
+        # shared tensors. The shm KV backend's cache is an anonymous memfd, counted in the pod's memory, not here.
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $root.Values.kvTransfer.shmSize | default (printf "%dGi" (add1 (int (ceil (float64 ($root.Values.engine.kvCacheGib | default 1)))))) }}
 {{- end -}}
