@@ -122,8 +122,8 @@ def test_fp8_kv_parts_carry_scales_and_decode_equals_colocated_fp8(tiny_checkpoi
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     prefill = LLM(folder, num_kv_blocks=64, **common).engine
     decode = LLM(folder, num_kv_blocks=200, **common).engine
-    # one prompt at a time, so its prefill is chunked as on the prefill engine: a block's FP8 scale is re-fit on
-    # each write, so other chunk boundaries would round the same K/V differently
+    # one prompt at a time, so its prefill is chunked as on the prefill engine: a block's FP8 scale is fixed by the
+    # write that opens it, so other chunk boundaries could open blocks with other scales
     colocated = LLM(folder, **common)
     reference = [colocated.generate([p], params)[0] for p in prompts()[:4]]
     assert decode.kv_layer(0).dtype == torch.float8_e4m3fn and decode.kv_layer_scales(0) is not None
