@@ -102,13 +102,15 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
     """
     backend = make_backend(config)
     caches = spec.make()
-    if config.backend in ("shm", "auto"):
+    if config.backend in ("shm", "cuda_ipc", "auto"):
         from engine.kv_memory import KVLayout, SharedKVMemory
 
-        shared = SharedKVMemory(KVLayout(spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads,
-                                         spec.head_dim, spec.dtype))
-        caches = [(shared.kv[i, 0], shared.kv[i, 1]) for i in range(spec.num_layers)]
-        backend.export_cache(shared.kv, None, shared)
+        layout = KVLayout(spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.dtype)
+        shared = None if config.is_cuda else SharedKVMemory(layout)
+        kv = shared.kv if shared is not None else torch.zeros(layout.kv_shape, dtype=torch_dtype(spec.dtype),
+                                                              device=config.device)
+        caches = [(kv[i, 0], kv[i, 1]) for i in range(spec.num_layers)]
+        backend.export_cache(kv, None, shared)
         every = tuple(range(spec.num_blocks))
         backend.set_writer_hooks(lambda w, r, e: every, lambda w, r: None, lambda w: None)
     conn.send(backend.listen())
@@ -123,8 +125,8 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
                     outcomes.append(_install(handle, expected, caches))
                     backend.release(handle)
                 conn.send(outcomes)
-            elif cmd == "caches":  # copies: a shared-memory cache would travel as a descriptor
-                conn.send([(k.clone(), v.clone()) for k, v in caches])
+            elif cmd == "caches":  # host copies: a shared-memory cache would travel as a descriptor
+                conn.send([(k.cpu().clone(), v.cpu().clone()) for k, v in caches])
             elif cmd == "drain":
                 nbytes = 0
                 for _ in range(arg):
@@ -226,21 +228,26 @@ def bandwidth_payload(nbytes: int) -> tuple[KVTransferHeader, torch.Tensor]:
     return header, payload
 
 
-def measure_bandwidth(sender: KVTransferBackend, peer: ReceiverProcess, nbytes: int, iters: int) -> float:
+def measure_bandwidth(sender: KVTransferBackend, peer: ReceiverProcess, nbytes: int, iters: int,
+                      scatter: bool = False) -> float:
     """GiB/s of ``iters`` back-to-back payloads, timed from the first send to the receiver's ack of the last. An
     in-place sender writes a source cache's blocks straight into the peer's (``write_part``: no packing), as a
-    prefill actor does; the others send a packed part."""
+    prefill actor does, into the same block ids or (``scatter``) a random permutation of them; the others send a
+    packed part. Payloads live on the sender's device."""
     header, payload = bandwidth_payload(nbytes)
+    payload = payload.to(sender.config.device)
     sender.connect(peer.address)
     sender.open(peer.address, "bench", 0)
     if sender.in_place(peer.address):
         src = payload[0].clone(), payload[1].clone()  # a source cache holding exactly the blocks
         ids = list(range(payload.shape[1]))
+        dst = [int(i) for i in torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))] if scatter \
+            else ids
         fields = dict(layer=0, token_start=0, token_end=header.token_end, request_id="bench",
                       reservation_id="bench", model_fingerprint="bench")
 
         def one() -> TransferHandle:
-            return sender.write_part(peer.address, src[0], src[1], ids, ids, None, **fields)
+            return sender.write_part(peer.address, src[0], src[1], ids, dst, None, **fields)
     else:
         def one() -> TransferHandle:
             return sender.send(peer.address, header, payload)
@@ -300,46 +307,81 @@ def checksum_speed(nbytes: int, fn: Any = zlib.crc32, iters: int = 10) -> float:
 # "blocking" progress mode, and ucx with payloads on the listener's connection
 BENCH_BACKENDS: dict[str, dict[str, Any]] = {
     "shm": {"backend": "shm"},
+    "shm-scattered": {"backend": "shm", "scatter": True},
     "shm+checksum": {"backend": "shm", "inplace_checksum": True},
     "torch_dist": {"backend": "torch_dist"},
     "ucx": {"backend": "ucx"},
     "ucx-blocking": {"backend": "ucx", "ucx_progress_mode": "blocking"},
     "ucx-listener": {"backend": "ucx", "ucx_payload_path": "listener"},
 }
+# --device cuda: the in-place writes into another process's IPC-mapped cache (one launch per part), and NCCL
+GPU_BENCH_BACKENDS: dict[str, dict[str, Any]] = {
+    "cuda_ipc": {"backend": "cuda_ipc"},
+    "cuda_ipc-scattered": {"backend": "cuda_ipc", "scatter": True},
+    "cuda_ipc+checksum": {"backend": "cuda_ipc", "inplace_checksum": True},
+    "torch_dist": {"backend": "torch_dist"},
+}
+
+
+def device_copy_bandwidth(nbytes: int, device: str, iters: int = 20) -> float:
+    """GiB/s of ``Tensor.copy_`` of ``nbytes`` between two buffers on ``device`` (median of ``iters``, synced)."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize(device)
+
+    return _copy_speed(nbytes, iters, copy)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print bandwidth per backend next to memcpy and checksum speeds, measured in one run."""
+    """Print bandwidth per backend next to the copy bandwidth it competes with, measured in one run."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--mib", type=int, default=16, help="payload size in MiB")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--backends", default=",".join(BENCH_BACKENDS))
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: payloads and caches in device memory")
+    parser.add_argument("--backends", default=None, help="comma-separated; default: every one for the device")
     parser.add_argument("--ucx-progress-mode", default=None, help="override every ucx variant's progress mode")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # like a worker actor (one thread each): on a busy host a 2-thread copy_ waits for both
     nbytes = args.mib << 20
-    base = single_thread_memcpy_bandwidth(256 << 20)
-    threaded = memcpy_bandwidth(256 << 20, iters=5)
-    print(f"memcpy, one thread      {base:6.2f} GiB/s  (1.00x; 256 MiB, DRAM-bound: the baseline)")
-    print(f"torch copy_, {torch.get_num_threads()} threads  {threaded:6.2f} GiB/s  (256 MiB)")
-    print(f"torch copy_, {args.mib} MiB     {memcpy_bandwidth(nbytes):6.2f} GiB/s  (cache-resident)")
+    table = GPU_BENCH_BACKENDS if args.device.startswith("cuda") else BENCH_BACKENDS
+    if args.device.startswith("cuda"):
+        base = device_copy_bandwidth(256 << 20, args.device)
+        print(f"{torch.cuda.get_device_name(args.device)}: device copy_ {base:7.1f} GiB/s (1.00x; 256 MiB, the "
+              f"baseline); {args.mib} MiB {device_copy_bandwidth(nbytes, args.device):7.1f} GiB/s")
+        threaded = base
+    else:
+        base = single_thread_memcpy_bandwidth(256 << 20)
+        threaded = memcpy_bandwidth(256 << 20, iters=5)
+        print(f"memcpy, one thread      {base:6.2f} GiB/s  (1.00x; 256 MiB, DRAM-bound: the baseline)")
+        print(f"torch copy_, {torch.get_num_threads()} threads  {threaded:6.2f} GiB/s  (256 MiB)")
+        print(f"torch copy_, {args.mib} MiB     {memcpy_bandwidth(nbytes):6.2f} GiB/s  (cache-resident)")
     for name, fn in (("crc32", zlib.crc32), ("adler32", zlib.adler32)):
         print(f"zlib.{name:<17} {checksum_speed(nbytes, fn):6.2f} GiB/s")
-    for label in args.backends.split(","):
-        if label not in BENCH_BACKENDS:
-            parser.error(f"--backends: {label!r} is not one of {sorted(BENCH_BACKENDS)}")
-        kind = dict(BENCH_BACKENDS[label])
+    for label in (args.backends or ",".join(table)).split(","):
+        if label not in table:
+            parser.error(f"--backends: {label!r} is not one of {sorted(table)} (for --device {args.device})")
+        kind = dict(table[label])
+        scatter = bool(kind.pop("scatter", False))
         if args.ucx_progress_mode and kind["backend"] == "ucx":
             kind["ucx_progress_mode"] = args.ucx_progress_mode
+        if kind["backend"] == "torch_dist" and args.device.startswith("cuda") and torch.cuda.device_count() < 2:
+            print(f"{label:<23}    n/a       (NCCL refuses two ranks on one GPU: needs two)")
+            continue
         blocks = bandwidth_payload(nbytes)[1].shape[1]
-        spec = CacheSpec(1, blocks, 16, 8, 128, "float16") if kind["backend"] == "shm" else CacheSpec(1, 1, 1, 1, 1,
-                                                                                                     "float16")
-        peer = ReceiverProcess(KVTransferConfig(recv_buffer_bytes=nbytes + (1 << 20), num_recv_buffers=4, **kind),
-                               spec)
-        sender = make_backend(KVTransferConfig(name="bench-sender", **kind))
+        in_place = kind["backend"] in ("shm", "cuda_ipc")
+        spec = CacheSpec(1, blocks, 16, 8, 128, "float16") if in_place else CacheSpec(1, 1, 1, 1, 1, "float16")
+        cuda = args.device.startswith("cuda")
+        rank_device = "cuda:1" if kind["backend"] == "torch_dist" and cuda else args.device  # NCCL: one GPU a rank
+        peer = ReceiverProcess(KVTransferConfig(recv_buffer_bytes=nbytes + (1 << 20), num_recv_buffers=4,
+                                                device=rank_device, **kind), spec)
+        sender = make_backend(KVTransferConfig(name="bench-sender", device=args.device, **kind))
         try:
-            bw = measure_bandwidth(sender, peer, nbytes, args.iters)
-            print(f"{label:<23} {bw:6.2f} GiB/s  ({bw / base:.2f}x of memcpy, {bw / threaded:.2f}x of threaded copy_)")
+            bw = measure_bandwidth(sender, peer, nbytes, args.iters, scatter=scatter)
+            ref = "device copy" if args.device.startswith("cuda") else "memcpy"
+            print(f"{label:<23} {bw:6.2f} GiB/s  ({bw / base:.2f}x of {ref}, {bw / threaded:.2f}x of threaded copy_)")
         finally:
             sender.close()
             peer.close()
