@@ -1,6 +1,6 @@
 """Disaggregated vs colocated serving at low load, side by side in one run, on the default model.
 
-    python benchmarks/bench_cluster.py [--requests 8] [--prompt-tokens 400] [--max-tokens 32] [--backends torch_dist,ucx]
+    python benchmarks/bench_cluster.py [--requests 8] [--prompt-tokens 400] [--max-tokens 32] [--backends shm,torch_dist,ucx]
 
 For each configuration it starts a real local cluster (Ray actors, proxy process), sends requests one at a time
 over HTTP (streaming chat completions, greedy, ``ignore_eos``), and measures TTFT (request sent -> first content
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--backends", default="torch_dist,ucx")
+    ap.add_argument("--backends", default="shm,torch_dist,ucx")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     results = {("colocated", "-"): run("colocated", "torch_dist", args)}

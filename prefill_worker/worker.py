@@ -100,21 +100,11 @@ class PrefillWorker(EngineLoop):
                 raise RuntimeError(f"prefill of {req.request_id} was aborted")
             return self._result(job).to_dict()
         finally:
-            if job.in_place:  # after the last write (or none): the decode actor may reuse the blocks
-                self._end_writes(job)
-
-    def _end_writes(self, job: _Job) -> None:
-        """Tell the decode actor this writer is done with the job's reservation, once no write of it can still come:
-        the loop has dropped the job (finished or aborted), so ``_ship`` will not write for it again."""
-        def gone() -> bool:
-            return job.request.request_id not in self._jobs or self._jobs[job.request.request_id] is not job
-
-        try:
-            done = self.call(gone)
-        except Exception:  # the loop stopped: nothing writes any more
-            done = True
-        if done:
-            self.backend.end(job.grant.kv_endpoint, job.grant.reservation_id)
+            # after the last write (or none) the decode actor may reuse the blocks. No write of this job can come any
+            # more: the loop drops a job (finished: before ``done`` is set; aborted: inside ``abort``'s call) before
+            # we get here, ``_ship`` writes only for jobs it holds, and a stopped loop writes nothing
+            if job.in_place:
+                self.backend.end(job.grant.kv_endpoint, job.grant.reservation_id)
 
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a prompt now (its waiting caller gets an error). Whether it was known."""

@@ -1,0 +1,51 @@
+"""In-place KV addresses and the auto backend's advertised address (pure parsing), and the channel's framing over a
+real socket pair."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from kv_transfer.auto import split_address
+from kv_transfer.inplace_channel import InPlaceAddress, recv_message, send_message
+
+
+def test_in_place_address_round_trip_and_refusals() -> None:
+    a = InPlaceAddress("shm", "node-1", "pdkv-abc")
+    assert str(a) == "inplace+shm://node-1/pdkv-abc" and InPlaceAddress.parse(str(a)) == a
+    assert a.sockaddr == "\0pdkv-abc"
+    for bad in ("127.0.0.1:5000", "inplace+tcp://n/x", "inplace+shm://n/", "inplace+shm:///x"):
+        with pytest.raises(ValueError):
+            InPlaceAddress.parse(bad)
+
+
+def test_auto_address_splits_into_in_place_and_socket_parts() -> None:
+    assert split_address("auto|inplace+shm://n/x|127.0.0.1:4000") == ("inplace+shm://n/x", "127.0.0.1:4000")
+    assert split_address("auto||127.0.0.1:4000") == (None, "127.0.0.1:4000")  # a peer that cannot be mapped
+    assert split_address("127.0.0.1:4000") == (None, "127.0.0.1:4000")  # a peer not running auto
+    with pytest.raises(ValueError):
+        split_address("auto|inplace+shm://n/x")
+
+
+def test_channel_frames_carry_maps_and_descriptors() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX)
+    r, w = os.pipe()
+    try:
+        send_message(a, {"t": "hello", "blob": b"\x00\x01"}, [r])
+        body, fds = recv_message(b, want_fds=1)
+        assert body["t"] == "hello" and body["blob"] == b"\x00\x01" and len(fds) == 1
+        os.write(w, b"z")
+        assert os.read(fds[0], 1) == b"z"  # the same pipe, passed across
+        os.close(fds[0])
+        a.sendall(b"\x03\x00\x00\x00abc")  # a frame that is not a channel message
+        with pytest.raises(ValueError):
+            recv_message(b)
+        a.close()
+        with pytest.raises(EOFError):
+            recv_message(b)
+    finally:
+        for fd in (r, w):
+            os.close(fd)
+        b.close()
