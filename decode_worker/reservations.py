@@ -70,7 +70,8 @@ class ReservationManager:
         return sorted(self._by_id.values(), key=lambda r: r.expires_at)
 
     def counts(self) -> dict[str, int]:
-        """``{"free", "reserved", "used", "total"}``; cached prefix blocks count as free (see module doc). Pure."""
+        """``{"free", "reserved", "used", "total", "quarantined"}``; cached prefix blocks count as free, quarantined ones
+        as reserved (see module doc). Pure."""
         free = self.pool.num_available
         total = self.pool.num_blocks
         return {"free": free, "reserved": self._num_reserved, "used": total - free - self._num_reserved, "total": total,
@@ -153,9 +154,9 @@ class ReservationManager:
     def release(self, reservation_id: str, state: IntakeState = IntakeState.ABORTED, why: str | None = None
                 ) -> tuple[int, ...]:
         """Mutates: end a pending reservation in ``state`` (ABORTED or EXPIRED); its blocks go back to the free list
-        at once.
+        at once, or, while an in-place writer has it open, into quarantine until that writer ends it or is gone.
 
-        Returns the freed block ids. Raises ``KeyError`` if the reservation is not pending (already released,
+        Returns the freed block ids (none when quarantined). Raises ``KeyError`` if the reservation is not pending (already released,
         committed, expired or never made).
         """
         reservation = self._pop_pending(reservation_id, "release", remove=True)
