@@ -25,6 +25,7 @@ import pytest
 
 from cluster.launcher import free_port
 from cluster.wire.node import NODE_IP_ENV
+from kv_transfer.auto import split_address
 from own_processes import OwnProcesses, ray_start, start_ray_node
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,8 +91,11 @@ def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> Non
         for role, ip in NODES.items():
             a = actors[role]
             assert a.get("node_ip") == ip, f"{role} actor: node_ip {a.get('node_ip')!r}, runs on {ip}: {a}"
-        # the decode actor's KV endpoint is where the prefill actor sent to; a sending-only prefill advertises none
-        assert actors["decode"].get("kv_address", "").startswith(f"{NODES['decode']}:"), actors["decode"]
+        # the decode actor's KV endpoint is where the prefill actor sent to (auto: its socket part; the actors are on
+        # different Ray nodes, so the in-place part is not used); a sending-only prefill advertises none
+        inplace, sock = split_address(actors["decode"].get("kv_address", ""))
+        assert sock.startswith(f"{NODES['decode']}:") and inplace and inplace.startswith("inplace+shm://"), \
+            actors["decode"]
         assert actors["prefill"].get("kv_address", "") in ("", None) or \
             actors["prefill"]["kv_address"].startswith(f"{NODES['prefill']}:"), actors["prefill"]
 
