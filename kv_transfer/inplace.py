@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 import kernels
+from kernels import copy_between
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeaderError
@@ -300,10 +301,15 @@ class InPlaceBackend(KVTransferBackend):
             assert peer.kv is not None
             dst = peer.kv[layer]
             device = dst.device
-            src_ids = torch.tensor(src_block_ids, dtype=torch.long).to(device, non_blocking=True)
-            dst_ids = torch.tensor(dst_block_ids, dtype=torch.long).to(device, non_blocking=True)
-            kernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
+            if device.type == "cpu" and k_cache.device.type == "cpu":  # memmove runs; the layout was checked at hello
+                copy_between.copy_blocks_between(k_cache, v_cache, src_block_ids, dst[0], dst[1], dst_block_ids)
+            else:
+                src_ids = torch.tensor(src_block_ids, dtype=torch.long).to(device, non_blocking=True)
+                dst_ids = torch.tensor(dst_block_ids, dtype=torch.long).to(device, non_blocking=True)
+                kernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
             if scales is not None and peer.scales is not None:
+                src_ids, dst_ids = (torch.tensor(i, dtype=torch.long, device=device) for i in (src_block_ids,
+                                                                                                dst_block_ids))
                 peer.scales[layer][:, dst_ids] = scales[:, src_ids.to(scales.device)]
             if corrupt:
                 dst[0, dst_block_ids[0]].view(-1).view(torch.uint8)[0] ^= 0xFF

@@ -79,7 +79,7 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: i
         layer=layer,
         token_start=token_start,
         token_end=token_end,
-        block_ids=tuple(int(b) for b in dst_block_ids),
+        block_ids=tuple(map(int, dst_block_ids)),
         dtype=dtype_name(k_cache.dtype),
         shape=(2, len(dst_block_ids), *k_cache.shape[1:]),
         checksum=checksum,
