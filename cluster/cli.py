@@ -164,11 +164,20 @@ def _ask(url: str, model: str, question: str) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
+    import os
+    import urllib.error
     import urllib.request
 
+    key = args.api_key or os.environ.get("PDCLUSTER_API_KEY")
+    req = urllib.request.Request(f"{args.url.rstrip('/')}/status",
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(f"{args.url.rstrip('/')}/status", timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10) as r:
             st = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        why = "the proxy needs its API key: --api-key or PDCLUSTER_API_KEY" if e.code == 401 else str(e)
+        print(f"error: {args.url}/status: {why}", file=sys.stderr)
+        return 1
     except OSError as e:
         print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
@@ -254,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=_cmd_serve)
     st = sub.add_parser("status", help="print the pools: each actor's health, KV blocks and token counters")
     st.add_argument("--url", default="http://127.0.0.1:8000", help="a proxy's base URL")
+    st.add_argument("--api-key", default=None, help="the proxies' API key, if they have one (default: "
+                                                   "$PDCLUSTER_API_KEY)")
     st.set_defaults(func=_cmd_status)
     from cluster.profiler import add_parser as add_profile
     from cluster.cli_scale import add_parsers as add_scale

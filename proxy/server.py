@@ -71,7 +71,7 @@ def _plain_stats(stats: WorkerStats) -> dict[str, Any]:
 @dataclass(frozen=True)
 class ProxyConfig:
     model_name: str = "default"
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <api_key>" (401 otherwise)
+    api_key: str | None = None  # when set, /v1/* and /status need "Authorization: Bearer <api_key>" (401 otherwise)
     max_body_bytes: int = 4 * 1024 * 1024
     queue_timeout_s: float = 10.0  # how long a request may wait (FIFO) for KV blocks before a 429
     max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
@@ -114,9 +114,10 @@ class Proxy:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """With an API key configured, the OpenAI routes need it as a Bearer token; probes and metrics do not."""
+        """With an API key configured, the OpenAI routes and ``/status`` (it names every actor's node and KV address)
+        need it as a Bearer token; probes (``/health``, ``/ready``) and ``/metrics`` do not."""
         key = self.cfg.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and (request.path.startswith("/v1/") or request.path == "/status"):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 err = unauthorized()

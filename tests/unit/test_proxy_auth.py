@@ -30,13 +30,15 @@ def call(proxy: Proxy, path: str, headers: dict[str, str] | None = None) -> web.
     return asyncio.run(proxy._auth(req, _ok))  # type: ignore[return-value]
 
 
-def test_api_key_is_required_on_the_openai_routes_only() -> None:
+def test_api_key_is_required_on_the_openai_routes_and_status_only() -> None:
     proxy = make_proxy("s3cret")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-        r = call(proxy, "/v1/chat/completions", headers)
-        assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
-        assert json.loads(r.body)["error"]["code"] == "invalid_api_key"
+    for path in ("/v1/chat/completions", "/status"):  # /status names every actor's node and KV address
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = call(proxy, path, headers)
+            assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+            assert json.loads(r.body)["error"]["code"] == "invalid_api_key"
     assert call(proxy, "/v1/models", {"Authorization": "Bearer s3cret"}).status == 200
+    assert call(proxy, "/status", {"Authorization": "Bearer s3cret"}).status == 200
     for probe in ("/health", "/ready", "/metrics"):  # load balancers and Prometheus need no key
         assert call(proxy, probe).status == 200
 
