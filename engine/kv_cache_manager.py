@@ -122,6 +122,20 @@ class KVCacheManager:
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = num_computed_tokens
 
+    def adopt_with_prefix(self, seq: Sequence, block_ids: list[int]) -> int:
+        """Mutates: like :meth:`adopt` with nothing computed yet, but the longest cached prefix of ``seq``'s prompt is
+        taken from the prefix cache: those cached blocks replace the first reserved ones (which go back to the free
+        list), so a request started on reserved blocks (colocated, or a recompute) still hits the cache. Returns the
+        cached tokens."""
+        hits = self.get_computed_blocks(seq)[: len(block_ids)]
+        self.adopt(seq, block_ids, 0)
+        if hits:
+            self.pool.touch(hits)
+            self.pool.free(self.pool.blocks[b] for b in reversed(block_ids[: len(hits)]))
+            seq.block_table[: len(hits)] = [b.block_id for b in hits]
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        return len(hits) * self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest."""
         self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))

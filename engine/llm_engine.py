@@ -127,7 +127,8 @@ class LLMEngine:
         """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid.
 
         ``block_ids``: blocks already allocated for this request in this engine's pool (a committed reservation);
-        the request computes its prompt into them and takes them over (it then gets no prefix-cache hits). With
+        the request takes them over and computes its prompt into them, except for the longest cached prefix, whose
+        cached blocks replace the first reserved ones (those go back to the pool). With
         ``n > 1`` the children fork from these blocks and allocate their own as they grow.
         ``output_prefix``: tokens already generated elsewhere (a prefill actor's first token whose KV never
         arrived): they count as output, are recomputed with the prompt, and generation continues after them;
@@ -210,7 +211,10 @@ class LLMEngine:
         shared block past the prompt would be written by every completion; the rest go back to the pool."""
         n = parent.params.n
         keep = len(block_ids) if n == 1 else cdiv(len(parent.prompt_token_ids), self.config.block_size)
-        self.kv.adopt(parent, block_ids[:keep], num_computed_tokens)
+        if num_computed_tokens:  # K/V received for the whole prompt
+            self.kv.adopt(parent, block_ids[:keep], num_computed_tokens)
+        else:  # computed here (colocated, recompute): a cached prefix still counts
+            self.kv.adopt_with_prefix(parent, block_ids[:keep])
         self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))
 
     def kv_layer(self, layer: int) -> torch.Tensor:

@@ -112,6 +112,29 @@ def test_recompute_after_lost_kv_continues_after_the_first_token(tiny_checkpoint
     eng.check_integrity()
 
 
+def test_a_request_started_on_reserved_blocks_hits_the_prefix_cache(tiny_checkpoint) -> None:
+    """Colocated requests (and recomputes) start on blocks reserved for them: a cached prefix still counts, its cached
+    blocks replace the first reserved ones, and the text is the same as without the cache."""
+    folder = str(tiny_checkpoint("llama"))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    shared = list(range(5, 45))  # 40 tokens: 5 full blocks of 8
+    first, second = shared + [60, 61], shared + [70, 71, 72]
+    want = LLM(folder, block_size=8, enable_prefix_caching=False).generate([first, second], params)
+    eng = LLM(folder, block_size=8, num_kv_blocks=40).engine
+    outs = {}
+    for rid, p in (("a", first), ("b", second)):
+        blocks = [b.block_id for b in eng.kv.pool.allocate(cdiv(len(p) + 6, 8))]
+        eng.add_request(rid, p, params, block_ids=blocks)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[rid] = o
+        eng.check_integrity()
+    assert outs["a"].num_cached_tokens == 0 and outs["b"].num_cached_tokens == 40
+    assert [outs[r].token_ids for r in "ab"] == [w.token_ids for w in want]
+    assert eng.kv.pool.num_available == 40  # the replaced reserved blocks went back too
+
+
 def test_fp8_kv_parts_carry_scales_and_decode_equals_colocated_fp8(tiny_checkpoint) -> None:
     """An FP8 cache ships half the bytes of bfloat16 (blocks + scales) and decodes exactly like one FP8 engine."""
     from kv_transfer.header import ExpectedTransfer
