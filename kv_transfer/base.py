@@ -9,6 +9,7 @@ reservation, unpacks the payload into its cache (see :mod:`kv_transfer.layer_par
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import queue
@@ -110,6 +111,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     if name not in DTYPE_ITEMSIZE:
         raise ValueError(f"dtype: unsupported {dtype}")
     return name
+
+
+def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object | None = None) -> bytes:
+    """The header's wire bytes, with the payload's checksum filled in when the sender left it out (``checksum`` None):
+    socket backends call this on their I/O thread, so the CRC pass (and, for a device payload, its host copy) is off
+    the compute thread. ``ready``: a CUDA event the payload's producer recorded; waited for first. Pure apart from
+    that wait."""
+    if header.checksum is None:
+        from kv_transfer.header import payload_checksum
+        from kv_transfer.layer_parts import tensor_memoryview
+
+        if ready is not None:
+            ready.synchronize()  # type: ignore[attr-defined]
+        header = dataclasses.replace(header, checksum=payload_checksum(tensor_memoryview(payload)))
+    return header.encode()
 
 
 def as_bytes(payload: torch.Tensor) -> torch.Tensor:
@@ -230,7 +246,8 @@ class KVTransferBackend(ABC):
     def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
         """Mutates: queue ``payload`` (contiguous, on ``config.device``) with ``header`` to ``peer_address``.
 
-        Non-blocking: returns a handle at once. The payload must stay unmodified until the handle finishes.
+        Non-blocking: returns a handle at once. The payload must stay unmodified until the handle finishes. A header
+        without a checksum gets the payload's, computed on the backend's I/O thread (``sealed_header``).
         Messages to one peer arrive in the order they were sent.
         """
 

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes
+from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
 
@@ -76,7 +76,8 @@ class FakeBackend(KVTransferBackend):
             handle.mark_failed(f"no fake endpoint listens at {peer_address!r}")
             return handle
         self._connected.add(peer_address)
-        error = peer.deliver(self.config.name, header, as_bytes(payload))
+        error = peer.deliver(self.config.name, KVTransferHeader.decode(sealed_header(header, payload)),
+                             as_bytes(payload))
         if error is None:
             self._send_done(handle)
         else:

@@ -50,11 +50,13 @@ def pack_layer_part(
     model_fingerprint: str,
     scales: torch.Tensor | None = None,
     epoch: int = 0,
+    checksum: bool = True,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
-    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum;
-    for an FP8 cache (``scales`` given) the payload is flat bytes: the blocks, then their scales ``[2, n, kv_heads]``.
+    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum
+    (``checksum=False``: left for the backend's I/O thread to compute, off the caller's thread); for an FP8 cache
+    (``scales`` given) the payload is flat bytes: the blocks, then their scales ``[2, n, kv_heads]``.
     """
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
@@ -63,7 +65,8 @@ def pack_layer_part(
     payload = blocks
     if scales is not None:
         payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids].contiguous())))
-    header = part_header(k_cache, dst_block_ids, payload_checksum(tensor_memoryview(payload)), layer=layer,
+    crc = payload_checksum(tensor_memoryview(payload)) if checksum else None
+    header = part_header(k_cache, dst_block_ids, crc, layer=layer,
                          token_start=token_start, token_end=token_end, request_id=request_id,
                          reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch)
     return header, payload

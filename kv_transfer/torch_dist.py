@@ -114,7 +114,7 @@ class TorchDistBackend(KVTransferBackend):
         if payload.is_cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(payload.device))
-        self._pair(peer_address).queue.put((handle, header.encode(), payload, event))
+        self._pair(peer_address).queue.put((handle, header, payload, event))
         return handle
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kv_transfer.base import RecvSide, TransferHandle, as_bytes
+from kv_transfer.base import RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
 
@@ -38,7 +38,7 @@ _ENVELOPE = 512
 _LENGTHS = struct.Struct("<qq")
 _INLINE = _ENVELOPE - _LENGTHS.size
 
-SendItem = tuple[TransferHandle, bytes, torch.Tensor, Any]  # handle, header bytes, payload, CUDA event or None
+SendItem = tuple[TransferHandle, KVTransferHeader, torch.Tensor, Any]  # handle, header, payload, CUDA event or None
 
 
 def _envelope(header: bytes, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -107,8 +107,10 @@ class SendPair:
             except Exception as e:
                 self._fail(handle, e)
 
-    def _post(self, header: bytes, payload: torch.Tensor, event: Any, nbytes: int) -> list[Any]:
-        """Start one message's sends; returns [works..., tensors to keep alive until they finish]."""
+    def _post(self, head: KVTransferHeader, payload: torch.Tensor, event: Any, nbytes: int) -> list[Any]:
+        """Start one message's sends (checksumming the payload first if its header has none); returns [works...,
+        tensors to keep alive until they finish]."""
+        header = sealed_header(head, payload, event)
         _, ctrl, data = self._groups
         env, rest = _envelope(header, nbytes)
         works = [ctrl.send([env], RECEIVER, TAG)]

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes
+from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
 
@@ -238,14 +238,15 @@ class UCXBackend(KVTransferBackend):
         if payload.is_cuda:  # UCX reads device memory outside any stream: wait for the producer, off this thread
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(payload.device))
-        asyncio.run_coroutine_threadsafe(self._send(peer_address, handle, header.encode(), payload, ready), self._loop)
+        asyncio.run_coroutine_threadsafe(self._send(peer_address, handle, header, payload, ready), self._loop)
         return handle
 
-    async def _send(self, peer: str, handle: TransferHandle, header_bytes: bytes, payload: torch.Tensor,
+    async def _send(self, peer: str, handle: TransferHandle, header: KVTransferHeader, payload: torch.Tensor,
                     ready: Any) -> None:
         async with self._lock(peer):  # held only while posting, so messages are posted in order
             while ready is not None and not ready.query():
                 await asyncio.sleep(0.0001)
+            header_bytes = sealed_header(header, payload)  # a missing checksum is computed here, off the caller
             try:
                 ep = await self._endpoint(peer)
             except Exception as e:

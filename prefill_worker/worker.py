@@ -172,7 +172,8 @@ class PrefillWorker(EngineLoop):
                 handle = self.backend.write_part(job.grant.kv_endpoint, kv[0], kv[1], src, dst, scales,
                                                  corrupt=corrupt, **fields)
             else:
-                header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, **fields)
+                # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it first)
+                header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, checksum=corrupt, **fields)
                 if corrupt:
                     payload.view(-1).view(torch.uint8)[0] ^= 0xFF
                 handle = self.backend.send(job.grant.kv_endpoint, header, payload)
