@@ -10,6 +10,7 @@ how proxies and the manager sort them into pools.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from typing import Any
@@ -71,7 +72,8 @@ class FlexWorker:
 
     # -- both roles ----------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip}
+        """Static facts of the role (block size, fingerprint, KV address...), its node and its process id."""
+        return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid()}
 
     def stats(self) -> dict[str, Any]:
         """A :class:`~cluster.wire.messages.WorkerStats` (wire form): what proxies and the pool manager read."""

@@ -152,3 +152,58 @@ def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() 
         assert tokens[0] > 1000 and tokens[1] > 0  # the long prompt on one actor, the shared prefix on the other
     finally:
         c.stop()
+
+
+def test_a_killed_decode_actor_leaves_the_in_place_writer_serving(offline: LLM) -> None:
+    """1 prefill + 2 decode actors on one node, K/V written in place (shm): the process of one decode actor is killed
+    while streams run on both; afterwards the prefill actor still serves every new request through the other decode
+    actor, with text equal to the offline engine's, and the survivor's blocks all come back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=2, prefill=1,
+                            port=0, kv_backend="shm"))
+    c.start()
+    try:
+        client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
+        ended: list[str] = []
+
+        def long_stream(i: int) -> None:
+            try:
+                for _ in client.chat.completions.create(
+                        model="default", messages=[{"role": "user", "content": f"Count to {100 + i}."}],
+                        max_tokens=150, temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    pass
+                ended.append("done")
+            except openai.APIError as e:
+                ended.append(f"error: {e}")
+
+        streams = [threading.Thread(target=long_stream, args=(i,)) for i in range(4)]
+        for t in streams:
+            t.start()
+        time.sleep(2.0)
+        victim = c.decode_actors[0]
+        os.kill(ray.get(victim.info.remote())["pid"], signal.SIGKILL)  # kill -9 of the decode actor's process
+        for t in streams:
+            t.join(120)
+        assert len(ended) == 4 and any("died" in e for e in ended), ended  # its streams end, reported (not hung)
+        deadline = time.monotonic() + 60  # the proxies notice the dead actor within a refresh
+        prompts = PROMPTS
+        while True:
+            try:
+                got = ask_all(c.urls[0], prompts)
+                break
+            except openai.APIError:
+                assert time.monotonic() < deadline, "the prefill actor stopped serving after a decode actor died"
+                time.sleep(1.0)
+        assert got == expected(offline, prompts)
+        survivor = c.decode_actors[1]
+        time.sleep(0.5)
+        counts = ray.get(survivor.check_integrity.remote())
+        assert counts["reserved"] == 0 and counts["used"] == 0 and counts["quarantined"] == 0, counts
+        assert ray.get(c.prefill_actors[0].stats.remote())["prompt_tokens"] > 0
+    finally:
+        c.decode_actors = c.decode_actors[1:]  # the killed one is gone already
+        c.stop()
