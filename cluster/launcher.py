@@ -78,6 +78,13 @@ class ServeConfig:
         if self.corrupt_kv_every and self.kv_backend in ("shm", "cuda_ipc", "auto") and not self.kv_inplace_checksum:
             raise ValueError("corrupt_kv_every: an in-place KV backend detects a corrupted part only with "
                              "kv_inplace_checksum on")
+        cuda = self.worker.device.startswith("cuda")
+        if cuda and self.gpus_per_actor <= 0:
+            raise ValueError("gpus_per_actor: --device cuda needs GPUs from Ray for each actor: set --gpus-per-actor "
+                             "(1: one actor per GPU; 0.5: two actors share one)")
+        if (self.kv_backend == "cuda_ipc" and self.worker.device == "cpu") or (self.kv_backend == "shm" and cuda):
+            raise ValueError(f"kv_backend: {self.kv_backend} does not fit --device {self.worker.device} (shm moves a "
+                             f"CPU cache, cuda_ipc a GPU one; auto picks for the device)")
         if self.kv_backend in ("shm", "auto") and not self.worker.shared_kv:  # CPU caches peers can map
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, shared_kv=True))
         if self.decode < 1:

@@ -6,6 +6,7 @@ import pytest
 
 from cluster.launcher import ServeConfig
 from cluster.wire.node import NODE_IP_ENV, advertised, is_wildcard, node_ip
+from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
 
 
@@ -45,3 +46,20 @@ def test_kv_host_must_be_dialable(bad: str) -> None:
         KVTransferConfig(host=bad)
     with pytest.raises(ValueError, match="kv_host"):
         ServeConfig(kv_host=bad)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"worker": WorkerConfig(device="cuda")}, "gpus_per_actor"),  # a GPU engine in an actor Ray gave no GPU
+    ({"worker": WorkerConfig(device="cpu"), "kv_backend": "cuda_ipc"}, "kv_backend"),
+    ({"worker": WorkerConfig(device="cuda"), "gpus_per_actor": 0.5, "kv_backend": "shm"}, "kv_backend"),
+    ({"corrupt_kv_every": 3, "kv_backend": "shm"}, "corrupt_kv_every"),  # undetectable without the checksum
+])
+def test_serve_config_refuses_devices_and_backends_that_do_not_fit(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServeConfig(**kwargs)
+
+
+def test_serve_config_auto_puts_cpu_caches_in_shared_memory() -> None:
+    assert ServeConfig().kv_backend == "auto" and ServeConfig().worker.shared_kv
+    assert not ServeConfig(kv_backend="torch_dist").worker.shared_kv
+    assert ServeConfig(worker=WorkerConfig(device="cuda"), gpus_per_actor=0.5).kv_backend == "auto"
