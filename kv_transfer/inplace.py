@@ -148,8 +148,14 @@ class InPlaceBackend(KVTransferBackend):
             threading.Thread(target=self._serve, args=(conn,), name="kv-inplace-writer", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        """One writer's channel, until it closes: answer opens, queue announced parts, pass ends on."""
+        """One writer's channel, until it closes: answer opens, queue announced parts, pass ends on.
+
+        Only the writer closing its end (EOF, or a reset: its process exited) makes it *gone*, which frees its
+        quarantined blocks. A message that makes no sense is rejected and the channel kept; a stream that cannot be
+        read on (a bad frame) is closed without declaring the writer gone: it may still be writing, so its
+        quarantined blocks stay held (logged) rather than risk a late write into reused blocks."""
         writer: str | None = None
+        gone = False
         side = self.recv_side
         assert side is not None and self._hello is not None
         try:
@@ -159,33 +165,46 @@ class InPlaceBackend(KVTransferBackend):
             writer = f"{hi['writer']}#{next(self._serial)}"  # one name per channel: a reconnect is a new writer
             send_message(conn, self._hello, self._fds)
             while True:
-                msg, _ = recv_message(conn)
-                if msg["t"] == "part":
-                    try:
-                        header = KVTransferHeader.decode(msg["h"])
-                    except MalformedHeaderError as e:
-                        handle = side.new_handle(writer, None, 0)
-                        side.finish(handle, None, f"malformed in-place header: {e}")
-                        continue
-                    side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
-                elif msg["t"] == "open":
-                    got = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]))
-                    reply = {"error": got} if isinstance(got, str) else {"error": None, "blocks": list(got)}
-                    send_message(conn, {"t": "opened", "rid": msg["rid"], **reply})
-                elif msg["t"] == "end":
-                    self._on_end(writer, str(msg["rid"]))
-                else:
-                    raise ValueError(f"unknown message {msg['t']!r}")
-        except EOFError:
-            pass
+                try:
+                    msg, _ = recv_message(conn)
+                except (EOFError, ConnectionError):
+                    gone = True
+                    return
+                try:
+                    self._handle(conn, side, writer, msg)
+                except ConnectionError:  # the reply found the writer's end closed: it exited
+                    gone = True
+                    return
+                except (ValueError, KeyError, TypeError) as e:
+                    self.peer_errors[writer] = f"bad message: {e}"
+                    log.warning("in-place writer %s: message rejected: %s", writer, e)
         except (OSError, ValueError, KeyError, TypeError) as e:
             if not self._stop.is_set():
                 self.peer_errors[writer or "?"] = f"in-place channel ended: {e}"
-                log.warning("in-place writer %s: channel ended: %s", writer, e)
+                log.warning("in-place writer %s: channel closed: %s%s", writer, e,
+                            "; its quarantined blocks stay held until this actor restarts" if writer else "")
         finally:
             conn.close()
-            if writer is not None:
+            if writer is not None and gone:
                 self._on_gone(writer)
+
+    def _handle(self, conn: socket.socket, side: RecvSide, writer: str, msg: dict[str, Any]) -> None:
+        """One message of a writer's channel (its thread)."""
+        if msg["t"] == "part":
+            try:
+                header = KVTransferHeader.decode(msg["h"])
+            except MalformedHeaderError as e:
+                side.finish(side.new_handle(writer, None, 0), None, f"malformed in-place header: {e}")
+                return
+            side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
+        elif msg["t"] == "open":
+            got = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]))
+            reply = {"error": got} if isinstance(got, str) else {"error": None, "blocks": list(got)}
+            send_message(conn, {"t": "opened", "rid": msg["rid"], **reply})
+        elif msg["t"] == "end":
+            self._on_end(writer, str(msg["rid"]))
+        else:
+            raise ValueError(f"unknown message {msg['t']!r}")
 
     # -- the writer's side ----------------------------------------------------------------------------------------
     def connect(self, peer_address: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -49,3 +50,37 @@ def test_channel_frames_carry_maps_and_descriptors() -> None:
         for fd in (r, w):
             os.close(fd)
         b.close()
+
+
+def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_gone() -> None:
+    from engine.kv_memory import KVLayout, SharedKVMemory
+    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.inplace import InPlaceBackend
+
+    mem = SharedKVMemory(KVLayout(1, 4, 2, 1, 4, "float32"))
+    decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
+    events: list[tuple] = []
+    decode.export_cache(mem.kv, None, mem)
+    decode.set_writer_hooks(lambda w, r, e: (0, 1), lambda w, r: events.append(("end", r)),
+                            lambda w: events.append(("gone", w)))
+    address = InPlaceAddress.parse(decode.listen())
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(address.sockaddr)
+        send_message(sock, {"t": "hi", "writer": "w"})
+        hello, fds = recv_message(sock, want_fds=1)
+        os.close(fds[0])
+        assert hello["kind"] == "shm" and len(hello["nonce"]) == 16
+        send_message(sock, {"t": "bogus"})  # rejected, the channel stays
+        send_message(sock, {"t": "open", "rid": "r", "epoch": 1})
+        reply, _ = recv_message(sock)
+        assert reply == {"t": "opened", "rid": "r", "error": None, "blocks": [0, 1], "v": 1}
+        assert events == [] and "bad message" in decode.peer_errors["w#1"]
+    finally:
+        sock.close()
+    deadline = time.monotonic() + 5
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == [("gone", "w#1")]
+    decode.close()
+    mem.close()
