@@ -53,6 +53,7 @@ from proxy.openai_responses import (
     usage_chunk_body,
 )
 from proxy.jobs import Job
+from proxy.openapi import openapi_spec
 from proxy.pools import ActorRef, Pools
 from proxy.router import Router, RouterConfig
 from proxy.tokenization import PromptTokenizer
@@ -103,7 +104,7 @@ class Proxy:
         app = web.Application(client_max_size=self.cfg.max_body_bytes * 2, middlewares=[self._auth])
         app.add_routes([
             web.get("/health", self.health), web.get("/ready", self.ready), web.get("/metrics", self.metrics_page),
-            web.get("/v1/models", self.models), web.get("/status", self.status),
+            web.get("/v1/models", self.models), web.get("/status", self.status), web.get("/openapi.json", self.openapi),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat),
         ])
@@ -162,6 +163,10 @@ class Proxy:
         ok = n > 0 and (p > 0 or not self.disaggregated) and not self.shutting_down
         body = {"ready": ok, "decode_actors": n, "prefill_actors": p, "shutting_down": self.shutting_down}
         return web.json_response(body, status=200 if ok else 503)
+
+    async def openapi(self, _: web.Request) -> web.Response:
+        """The OpenAPI description of these routes (``proxy.openapi``), open like the probes."""
+        return web.json_response(openapi_spec(self.proto))
 
     async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

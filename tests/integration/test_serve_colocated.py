@@ -124,3 +124,49 @@ def test_client_disconnect_frees_blocks(cluster) -> None:  # type: ignore[no-unt
         time.sleep(0.1)
     assert counts["used"] == 0 and counts["reserved"] == 0, counts
 
+
+
+def test_openapi_document_and_a_fuzz_of_the_real_server(cluster) -> None:  # type: ignore[no-untyped-def]
+    """``/openapi.json`` is served; bodies drawn around it (tests/unit/test_openapi.py's strategy, output capped at
+    two tokens) never get a 5xx, every error is an OpenAI-style body, and serving goes on."""
+    import urllib.error
+    import urllib.request
+
+    from hypothesis import HealthCheck, given, settings
+    from openapi_bodies import bodies
+
+    url = cluster.urls[0]
+    with urllib.request.urlopen(f"{url}/openapi.json", timeout=30) as r:
+        spec = json.loads(r.read())
+    assert spec["openapi"] == "3.1.0" and "/v1/chat/completions" in spec["paths"]
+    seen: dict[int, int] = {}
+
+    def post(path: str, body: dict) -> None:
+        if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+            body["max_tokens"] = min(body["max_tokens"], 2)
+        else:
+            body.setdefault("max_tokens", 2)
+        body.pop("max_completion_tokens", None)
+        req = urllib.request.Request(f"{url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        seen[status] = seen.get(status, 0) + 1
+        assert status < 500, (body, status, raw[:300])
+        if status >= 400:
+            err = json.loads(raw)["error"]
+            assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str), raw
+
+    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
+        @settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow])
+        @given(body=bodies(chat))
+        def one(body: dict) -> None:
+            post(path, body)
+
+        one()
+    assert seen.get(200, 0) > 3 and sum(n for s, n in seen.items() if s >= 400) > 10, seen
+    code, ok = post_chat(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode())
+    assert code == 200 and ok["choices"][0]["message"]["content"]
