@@ -6,6 +6,7 @@ the sender closed and its threads gone.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,13 +24,22 @@ def delta(rid: str, step: int, text: str = "", finish: str | None = None) -> Tok
     return TokenDelta(request_id=rid, index=0, token_ids=(step,), text=text or f"<{step}>", finish_reason=finish)
 
 
-def free_address() -> str:
-    """A loopback address nobody listens on (bound once to find a free port, then released)."""
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.PULL)
-    port = s.bind_to_random_port("tcp://127.0.0.1")
-    s.close(0)
-    return f"tcp://127.0.0.1:{port}"
+@pytest.fixture
+def dead_address() -> Iterator[Callable[[], str]]:
+    """``dead_address()``: a loopback address where a TCP socket listens but never speaks ZMTP (a proxy that is gone or
+    hung: nothing sent there is ever taken). The port stays held for the test, so no other process can take it."""
+    held: list[socket.socket] = []
+
+    def make() -> str:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        held.append(s)
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    yield make
+    for s in held:
+        s.close()
 
 
 class Proxy:
@@ -154,9 +164,10 @@ def test_config_is_validated(kwargs: dict[str, float]) -> None:
         TokenSenderConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_send_takes_token_deltas_only(make_sender: Callable[..., TokenSender]) -> None:
+def test_send_takes_token_deltas_only(make_sender: Callable[..., TokenSender],
+                                       dead_address: Callable[[], str]) -> None:
     with pytest.raises(TypeError):
-        make_sender().send(free_address(), [GOOD])  # type: ignore[list-item]
+        make_sender().send(dead_address(), [GOOD])  # type: ignore[list-item]
 
 
 # -- delivery --------------------------------------------------------------------------------------------------------
@@ -190,8 +201,9 @@ def test_close_delivers_what_is_queued_then_is_prompt(make_sender: Callable[...,
 
 
 # -- stalls ----------------------------------------------------------------------------------------------------------
-def test_a_dead_proxy_stalls_while_a_live_one_keeps_its_pace(make_sender: Callable[..., TokenSender]) -> None:
-    live, dead = Proxy(), free_address()
+def test_a_dead_proxy_stalls_while_a_live_one_keeps_its_pace(make_sender: Callable[..., TokenSender],
+                                                              dead_address: Callable[[], str]) -> None:
+    live, dead = Proxy(), dead_address()
     stalls = Stalls()
     sender = make_sender(stalls, stall_timeout_s=0.5, queue_batches=10_000)
     worst = [0.0]
@@ -235,10 +247,11 @@ def test_a_proxy_that_stops_reading_stalls(make_sender: Callable[..., TokenSende
     stuck.close()
 
 
-def test_a_full_queue_stalls_at_once(make_sender: Callable[..., TokenSender]) -> None:
+def test_a_full_queue_stalls_at_once(make_sender: Callable[..., TokenSender],
+                                     dead_address: Callable[[], str]) -> None:
     stalls = Stalls()
     sender = make_sender(stalls, stall_timeout_s=30.0, queue_batches=4)
-    dead = free_address()
+    dead = dead_address()
     for step in range(6):  # 1 in flight (blocked), 4 queued, the 6th finds the queue full
         sender.send(dead, [delta("d", step)])
         time.sleep(0.01)
@@ -250,9 +263,13 @@ def test_a_stalled_address_is_dropped_during_its_cooldown_then_retried(
         make_sender: Callable[..., TokenSender]) -> None:
     stalls = Stalls()
     sender = make_sender(stalls, stall_timeout_s=0.2, cooldown_s=0.5)
-    address = free_address()
+    hung = socket.socket()  # a proxy that hangs (listens, never answers), held until it comes back
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    address = f"tcp://127.0.0.1:{hung.getsockname()[1]}"
     sender.send(address, [delta("a", 0)])
     assert stalls.event.wait(2.0)
+    hung.close()
     proxy = Proxy(address=address)  # the proxy comes back on the same address
     sender.send(address, [delta("a", 1)])  # still cooling down: dropped
     assert sender.is_stalled(address)
@@ -264,11 +281,12 @@ def test_a_stalled_address_is_dropped_during_its_cooldown_then_retried(
     proxy.close()
 
 
-def test_close_is_prompt_while_a_send_is_blocked(make_sender: Callable[..., TokenSender]) -> None:
+def test_close_is_prompt_while_a_send_is_blocked(make_sender: Callable[..., TokenSender],
+                                                  dead_address: Callable[[], str]) -> None:
     stalls = Stalls()
     sender = make_sender(stalls, stall_timeout_s=30.0)
     for step in range(10):
-        sender.send(free_address(), [delta("d", step)])  # ten dead proxies, each thread blocked in a send
+        sender.send(dead_address(), [delta("d", step)])  # ten dead proxies, each thread blocked in a send
     time.sleep(0.05)
     t = time.monotonic()
     sender.close(timeout_s=0.2)
