@@ -320,7 +320,13 @@ class InPlaceBackend(KVTransferBackend):
             assert peer.kv is not None
             dst = peer.kv[layer]
             device = dst.device
-            if device.type == "cpu" and k_cache.device.type == "cpu":  # memmove runs; the layout was checked at hello
+            if (k_cache.shape[1:] != dst.shape[2:] or k_cache.dtype != dst.dtype or v_cache.shape != k_cache.shape
+                    or not src_block_ids or min(src_block_ids) < 0 or max(src_block_ids) >= k_cache.shape[0]
+                    or len(src_block_ids) != len(dst_block_ids)):  # the memmoves below trust these
+                handle.mark_failed(f"refused here: source blocks {tuple(k_cache.shape[1:])} {k_cache.dtype} (ids "
+                                   f"{src_block_ids[:4]}...) do not fit the peer's {tuple(dst.shape[2:])} {dst.dtype}")
+                return handle
+            if device.type == "cpu" and k_cache.device.type == "cpu":  # memmove runs of whole blocks
                 copy_between.copy_blocks_between(k_cache, v_cache, src_block_ids, dst[0], dst[1], dst_block_ids)
             else:
                 src_ids = torch.tensor(src_block_ids, dtype=torch.long).to(device, non_blocking=True)
@@ -352,9 +358,16 @@ class InPlaceBackend(KVTransferBackend):
             assert peer.kv is not None
             dst = peer.kv[header.layer]
             n = header.payload_nbytes - header.scales_nbytes
-            blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
-            ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
-            kernels.unpack_blocks(blocks, dst[0], dst[1], ids)
+            try:
+                if payload.numel() * payload.element_size() != header.payload_nbytes:
+                    raise ValueError(f"payload of {payload.numel() * payload.element_size()} bytes, header says "
+                                     f"{header.payload_nbytes}")
+                blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
+                ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
+                kernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
+            except (ValueError, RuntimeError) as e:
+                handle.mark_failed(f"refused here: {e}")
+                return handle
             event = None
             if dst.is_cuda:
                 event = torch.cuda.Event()

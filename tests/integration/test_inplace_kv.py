@@ -191,3 +191,24 @@ def test_a_decode_peer_killed_mid_transfer_leaves_the_writer_serving() -> None:
         writer.close()
         for p in peers:
             p.close()
+
+
+def test_a_part_that_does_not_fit_the_peers_blocks_is_refused_before_writing() -> None:
+    from kv_transfer import make_backend
+
+    spec = CacheSpec(1, 6, 4, 2, 8, "float32")
+    peer = ReceiverProcess(SHM, spec)
+    writer = make_backend(KVTransferConfig(backend="shm", name="w"))
+    fields = dict(layer=0, token_start=0, token_end=8, request_id="r", reservation_id="r", model_fingerprint="m")
+    try:
+        writer.open(peer.address, "r", 0)
+        k, v = CacheSpec(1, 6, 8, 2, 8, "float32").make(seed=1)[0]  # blocks twice as long as the peer's
+        wrong = writer.write_part(peer.address, k, v, [0, 1], [2, 3], None, **fields)
+        assert wrong.wait(10).value == "failed" and "do not fit" in wrong.error
+        k, v = spec.make(seed=1)[0]
+        beyond = writer.write_part(peer.address, k, v, [0, 99], [2, 3], None, **fields)  # no source block 99
+        assert beyond.wait(10).value == "failed"
+        assert not any(c.any() for c in peer.call("caches")[0])  # nothing was written
+    finally:
+        writer.close()
+        peer.close()
