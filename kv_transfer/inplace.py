@@ -306,57 +306,40 @@ class InPlaceBackend(KVTransferBackend):
         into the peer's ``dst_block_ids`` (on a GPU: queued on the current stream), then announce the part. Returns
         a handle that is DONE once announced. ``corrupt`` flips one written byte after the checksum (fault
         injection: the peer must reject the part, which needs ``inplace_checksum``)."""
-        layer = int(header_fields["layer"])
         csum = blocks_checksum(k_cache, v_cache, src_block_ids, scales) if self.checksum else None
         header = part_header(k_cache, dst_block_ids, csum, **header_fields)  # type: ignore[arg-type]
         handle = self._new_send_handle(peer_address, header, k_cache[:0])
         handle.nbytes = header.payload_nbytes
-        peer = self._peer_or_fail(peer_address, handle)
-        if peer is None:
-            return handle
-        with peer.lock:
-            if not self._may_write(peer, handle):
-                return handle
-            assert peer.kv is not None
-            dst = peer.kv[layer]
-            device = dst.device
+
+        def copy(dst: torch.Tensor, dst_scales: torch.Tensor | None) -> str | None:
             if (k_cache.shape[1:] != dst.shape[2:] or k_cache.dtype != dst.dtype or v_cache.shape != k_cache.shape
                     or not src_block_ids or min(src_block_ids) < 0 or max(src_block_ids) >= k_cache.shape[0]
                     or len(src_block_ids) != len(dst_block_ids)):  # the memmoves below trust these
-                handle.mark_failed(f"refused here: source blocks {tuple(k_cache.shape[1:])} {k_cache.dtype} (ids "
-                                   f"{src_block_ids[:4]}...) do not fit the peer's {tuple(dst.shape[2:])} {dst.dtype}")
-                return handle
+                return (f"source blocks {tuple(k_cache.shape[1:])} {k_cache.dtype} (ids {src_block_ids[:4]}...) do "
+                        f"not fit the peer's {tuple(dst.shape[2:])} {dst.dtype}")
+            device = dst.device
             if device.type == "cpu" and k_cache.device.type == "cpu":  # memmove runs of whole blocks
                 copy_between.copy_blocks_between(k_cache, v_cache, src_block_ids, dst[0], dst[1], dst_block_ids)
             else:
                 src_ids = torch.tensor(src_block_ids, dtype=torch.long).to(device, non_blocking=True)
                 dst_ids = torch.tensor(dst_block_ids, dtype=torch.long).to(device, non_blocking=True)
                 kernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
-            if scales is not None and peer.scales is not None:
+            if scales is not None and dst_scales is not None:
                 src_ids, dst_ids = (torch.tensor(i, dtype=torch.long, device=device) for i in (src_block_ids,
                                                                                                 dst_block_ids))
-                peer.scales[layer][:, dst_ids] = scales[:, src_ids.to(scales.device)]
+                dst_scales[:, dst_ids] = scales[:, src_ids.to(scales.device)]
             if corrupt:
                 dst[0, dst_block_ids[0]].view(-1).view(torch.uint8)[0] ^= 0xFF
-            event = None
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-        peer.queue.put((handle, {"t": "part", "h": header.encode()}, event))
-        return handle
+            return None
+
+        return self._write(peer_address, handle, copy)
 
     def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
         """Mutates the peer's cache: scatter a packed part (``layer_parts.pack_layer_part``) into the blocks its
         header names, then announce it."""
         handle = self._new_send_handle(peer_address, header, payload)
-        peer = self._peer_or_fail(peer_address, handle)
-        if peer is None:
-            return handle
-        with peer.lock:
-            if not self._may_write(peer, handle):
-                return handle
-            assert peer.kv is not None
-            dst = peer.kv[header.layer]
+
+        def copy(dst: torch.Tensor, dst_scales: torch.Tensor | None) -> str | None:
             n = header.payload_nbytes - header.scales_nbytes
             try:
                 if payload.numel() * payload.element_size() != header.payload_nbytes:
@@ -366,13 +349,35 @@ class InPlaceBackend(KVTransferBackend):
                 ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
                 kernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
             except (ValueError, RuntimeError) as e:
-                handle.mark_failed(f"refused here: {e}")
+                return str(e)
+            return None
+
+        return self._write(peer_address, handle, copy)
+
+    def _write(self, peer_address: str, handle: TransferHandle,
+               copy: Callable[[torch.Tensor, torch.Tensor | None], str | None]) -> TransferHandle:
+        """The one write path: under the peer's lock, if it may be written (alive, the reservation opened, the
+        blocks its own), ``copy(layer's [2, blocks, ...] cache, its scales or None)`` writes (None, or why it
+        refused, writing nothing); then the part is announced once the copy has run (a CUDA event orders it)."""
+        peer = self._peer_or_fail(peer_address, handle)
+        if peer is None:
+            return handle
+        assert handle.header is not None
+        layer = handle.header.layer
+        with peer.lock:
+            if not self._may_write(peer, handle):
+                return handle
+            assert peer.kv is not None
+            dst = peer.kv[layer]
+            why = copy(dst, None if peer.scales is None else peer.scales[layer])
+            if why is not None:
+                handle.mark_failed(f"refused here: {why}")
                 return handle
             event = None
             if dst.is_cuda:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(dst.device))
-        peer.queue.put((handle, {"t": "part", "h": header.encode()}, event))
+        peer.queue.put((handle, {"t": "part", "h": handle.header.encode()}, event))
         return handle
 
     def _peer_or_fail(self, address: str, handle: TransferHandle) -> _Peer | None:
