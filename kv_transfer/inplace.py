@@ -348,6 +348,9 @@ class InPlaceBackend(KVTransferBackend):
                 blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
                 ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
                 kernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
+                if header.scales_nbytes and dst_scales is not None:  # an FP8 part: its scales follow the blocks
+                    raw = payload.reshape(-1).view(torch.uint8)[n:]
+                    dst_scales[:, ids] = raw.view(torch.float32).view(2, len(header.block_ids), -1).to(dst.device)
             except (ValueError, RuntimeError) as e:
                 return str(e)
             return None

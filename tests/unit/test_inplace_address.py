@@ -84,3 +84,33 @@ def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_
     assert events == [("gone", "w#1")]
     decode.close()
     mem.close()
+
+
+def test_a_packed_fp8_part_sent_in_place_lands_with_its_scales() -> None:
+    import torch
+
+    from engine.kv_memory import KVLayout, SharedKVMemory
+    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.inplace import InPlaceBackend
+    from kv_transfer.layer_parts import pack_layer_part
+
+    mem = SharedKVMemory(KVLayout(1, 6, 4, 2, 8, "float8_e4m3fn", scaled=True))
+    decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
+    decode.export_cache(mem.kv, mem.scales, mem)
+    decode.set_writer_hooks(lambda w, r, e: tuple(range(6)), lambda w, r: None, lambda w: None)
+    address = decode.listen()
+    writer = InPlaceBackend(KVTransferConfig(backend="shm", name="w"))
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(6, 4, 2, 8, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+    scales = torch.rand(2, 6, 2, generator=g) + 0.5
+    try:
+        header, payload = pack_layer_part(k, v, [0, 1], [3, 4], layer=0, token_start=0, token_end=8,
+                                          request_id="r", reservation_id="r", model_fingerprint="m", scales=scales)
+        writer.open(address, "r", 0)
+        assert writer.send(address, header, payload).wait(10).value == "done"
+        assert torch.equal(mem.kv[0, 0, [3, 4]].view(torch.uint8), k[[0, 1]].view(torch.uint8))
+        assert torch.equal(mem.scales[0][:, [3, 4]], scales[:, [0, 1]])
+    finally:
+        writer.close()
+        decode.close()
+        mem.close()
