@@ -326,9 +326,7 @@ def copy_blocks_between(k_src: torch.Tensor, v_src: torch.Tensor, src_ids: torch
         _check(ids.dim() == 1 and not ids.is_floating_point(), name, "must be a 1-D integer tensor")
     _check(src_ids.shape == dst_ids.shape, "dst_ids", f"{dst_ids.shape[0]} ids for {src_ids.shape[0]} source blocks")
     if uses_triton(k_dst):
-        from kernels import triton_copy
-
-        triton_copy.copy_blocks_between(k_src, v_src, src_ids, k_dst, v_dst, dst_ids)
+        _triton().copy_blocks_between(k_src, v_src, src_ids, k_dst, v_dst, dst_ids)
     else:
         from kernels import copy_between
 

@@ -240,10 +240,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 @triton.jit
-def _copy_blocks_kernel(k_src, v_src, k_dst, v_dst, ids_ptr, stride_ks, stride_vs, stride_kd, stride_vd, numel,
-                        PACK: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per (block, chunk, K or V): copy CHUNK elements of a block between the cache and the packed
-    buffer; K and V in one launch."""
+def _copy_blocks_kernel(k_src, v_src, k_dst, v_dst, src_ids, dst_ids, stride_ks, stride_vs, stride_kd, stride_vd,
+                        numel, SRC_IDS: tl.constexpr, DST_IDS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per (block pair, chunk, K or V): copy CHUNK elements of one block; K and V in one launch. A side
+    without ids (SRC_IDS / DST_IDS false) is a packed buffer indexed by the pair: pack reads ids, unpack writes them,
+    a copy between two caches (a peer's, mapped in place) has ids on both sides."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     is_v = tl.program_id(2) == 1
@@ -254,21 +255,28 @@ def _copy_blocks_kernel(k_src, v_src, k_dst, v_dst, ids_ptr, stride_ks, stride_v
         dst = v_dst
     stride_src = tl.where(is_v, stride_vs, stride_ks).to(tl.int64)
     stride_dst = tl.where(is_v, stride_vd, stride_kd).to(tl.int64)
-    blk = tl.load(ids_ptr + b).to(tl.int64)
+    s = b.to(tl.int64)
+    d = b.to(tl.int64)
+    if SRC_IDS:
+        s = tl.load(src_ids + b).to(tl.int64)
+    if DST_IDS:
+        d = tl.load(dst_ids + b).to(tl.int64)
     i = c * CHUNK + tl.arange(0, CHUNK)
     ok = i < numel
-    if PACK:
-        x = tl.load(src + blk * stride_src + i, mask=ok)
-        tl.store(dst + b.to(tl.int64) * stride_dst + i, x.to(dst.dtype.element_ty), mask=ok)
-    else:
-        x = tl.load(src + b.to(tl.int64) * stride_src + i, mask=ok)
-        tl.store(dst + blk * stride_dst + i, x.to(dst.dtype.element_ty), mask=ok)
+    x = tl.load(src + s * stride_src + i, mask=ok)
+    tl.store(dst + d * stride_dst + i, x.to(dst.dtype.element_ty), mask=ok)
 
 
-def _copy_launch(block_ids: torch.Tensor, numel: int, *args: object, pack: bool) -> None:
+def _copy_launch(src_ids: torch.Tensor | None, dst_ids: torch.Tensor | None, numel: int, *args: object) -> None:
+    """Launch :func:`_copy_blocks_kernel` for ``args`` = the four caches/buffers and their four block strides."""
+    ids = src_ids if src_ids is not None else dst_ids
+    assert ids is not None
     chunk = min(COPY_CHUNK, triton.next_power_of_2(numel))
-    grid = (block_ids.shape[0], triton.cdiv(numel, chunk), 2)
-    _copy_blocks_kernel[grid](*args, numel, PACK=pack, CHUNK=chunk, num_warps=COPY_WARPS)
+    grid = (ids.shape[0], triton.cdiv(numel, chunk), 2)
+    caches, strides = args[:4], args[4:]
+    _copy_blocks_kernel[grid](*caches, ids if src_ids is None else src_ids, ids if dst_ids is None else dst_ids,
+                              *strides, numel, SRC_IDS=src_ids is not None, DST_IDS=dst_ids is not None,
+                              CHUNK=chunk, num_warps=COPY_WARPS)
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -277,8 +285,8 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.T
     buf = torch.empty((2, n, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
     if n:
         numel = k_cache[0].numel()
-        _copy_launch(block_ids, numel, k_cache, v_cache, buf[0], buf[1], block_ids, k_cache.stride(0),
-                     v_cache.stride(0), numel, numel, pack=True)
+        _copy_launch(block_ids, None, numel, k_cache, v_cache, buf[0], buf[1], k_cache.stride(0), v_cache.stride(0),
+                     numel, numel)
     return buf
 
 
@@ -288,8 +296,16 @@ def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if n:
         buf = buf.contiguous()
         numel = k_cache[0].numel()
-        _copy_launch(block_ids, numel, buf[0], buf[1], k_cache, v_cache, block_ids, numel, numel, k_cache.stride(0),
-                     v_cache.stride(0), pack=False)
+        _copy_launch(None, block_ids, numel, buf[0], buf[1], k_cache, v_cache, numel, numel, k_cache.stride(0),
+                     v_cache.stride(0))
+
+
+def copy_blocks_between(k_src: torch.Tensor, v_src: torch.Tensor, src_ids: torch.Tensor, k_dst: torch.Tensor,
+                        v_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    """See :func:`kernels.copy_blocks_between`. Mutates the destination caches."""
+    if src_ids.shape[0]:
+        _copy_launch(src_ids, dst_ids, k_src[0].numel(), k_src, v_src, k_dst, v_dst, k_src.stride(0),
+                     v_src.stride(0), k_dst.stride(0), v_dst.stride(0))
 
 
 @triton.jit

@@ -104,16 +104,11 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
             key_ptr="*bf16", value_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr="*fp32", vs_ptr="*fp32",
             slot_ptr="*i64", num_tokens=I32, stride_kt=I32_16, stride_vt=I32_16, stride_kb=I32_16, stride_vb=I32_16,
             **scale_strides, BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, TOKENS=4, COLS=1024), kv.STORE_WARPS, 2)
-    elif case == "copy_blocks":
+    elif case in ("copy_blocks", "copy_between"):  # pack (ids on the source side) / between two caches
         _compile(kv._copy_blocks_kernel, dict(k_src="*bf16", v_src="*bf16", k_dst="*bf16", v_dst="*bf16",
-                                              ids_ptr="*i64", stride_ks=I32_16, stride_vs=I32_16, stride_kd=I32_16,
-                                              stride_vd=I32_16, numel=I32_16, PACK=True, CHUNK=kv.COPY_CHUNK),
-                 kv.COPY_WARPS, 2)
-    elif case == "copy_between":
-        cp = _load("triton_copy")
-        _compile(cp._copy_between_kernel, dict(k_src="*bf16", v_src="*bf16", k_dst="*bf16", v_dst="*bf16",
-                                               src_ids="*i64", dst_ids="*i64", stride_ks=I32_16, stride_vs=I32_16,
-                                               stride_kd=I32_16, stride_vd=I32_16, numel=I32_16, CHUNK=cp.CHUNK), 4, 2)
+                                              src_ids="*i64", dst_ids="*i64", stride_ks=I32_16, stride_vs=I32_16,
+                                              stride_kd=I32_16, stride_vd=I32_16, numel=I32_16, SRC_IDS=True,
+                                              DST_IDS=case == "copy_between", CHUNK=kv.COPY_CHUNK), kv.COPY_WARPS, 2)
     else:
         _compile(kv._fp8_kernel, dict(x_ptr="*bf16", y_ptr="*fp8e4nv", s_ptr="*fp32", stride_xb=I32_16,
                                       stride_xt=I32_16, stride_yb=I32_16, stride_yt=I32_16, num_heads=I32,
