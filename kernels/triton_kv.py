@@ -197,18 +197,25 @@ def paged_decode_attention(
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, k_ptr, v_ptr, slot_ptr, num_tokens, stride_kt, stride_vt, stride_kb,
-                     stride_vb, BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, TOKENS: tl.constexpr,
-                     COLS: tl.constexpr):
-    """One program per (TOKENS tokens, COLS-element chunk of their [kv_heads * head_dim] rows): a 2-D tile written
-    into the tokens' slots with contiguous vector stores; slot -1 skips."""
+def _slot_tile(slot_ptr, num_tokens, BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, TOKENS: tl.constexpr,
+               COLS: tl.constexpr):
+    """This program's (TOKENS tokens x COLS columns) tile of a store: token ids, columns, the mask (slot -1 skips),
+    and each token's block and offset of its row inside the block."""
     tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     col = tl.program_id(1) * COLS + tl.arange(0, COLS)
     slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
     ok = (slot >= 0)[:, None] & (col < ROW)[None, :]
     slot = tl.maximum(slot, 0)
-    blk = slot // BLOCK_SIZE
-    off = (slot % BLOCK_SIZE) * ROW
+    return tok, col, ok, slot // BLOCK_SIZE, (slot % BLOCK_SIZE) * ROW
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, k_ptr, v_ptr, slot_ptr, num_tokens, stride_kt, stride_vt, stride_kb,
+                     stride_vb, BLOCK_SIZE: tl.constexpr, ROW: tl.constexpr, TOKENS: tl.constexpr,
+                     COLS: tl.constexpr):
+    """One program per (TOKENS tokens, COLS-element chunk of their [kv_heads * head_dim] rows): a 2-D tile written
+    into the tokens' slots with contiguous vector stores; slot -1 skips."""
+    tok, col, ok, blk, off = _slot_tile(slot_ptr, num_tokens, BLOCK_SIZE, ROW, TOKENS, COLS)
     tok = tok.to(tl.int64)
     k = tl.load(key_ptr + tok[:, None] * stride_kt + col[None, :], mask=ok)
     v = tl.load(value_ptr + tok[:, None] * stride_vt + col[None, :], mask=ok)
@@ -446,13 +453,7 @@ def _store_fp8_rows_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slo
                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROW: tl.constexpr,
                            TOKENS: tl.constexpr, COLS: tl.constexpr):
     """:func:`_store_kv_kernel` into an FP8 cache whose scales are already fixed; slot -1 skips."""
-    tok = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
-    col = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
-    ok = (slot >= 0)[:, None] & (col < ROW)[None, :]
-    slot = tl.maximum(slot, 0)
-    blk = slot // BLOCK_SIZE
-    off = (slot % BLOCK_SIZE) * ROW
+    tok, col, ok, blk, off = _slot_tile(slot_ptr, num_tokens, BLOCK_SIZE, ROW, TOKENS, COLS)
     head = col // HEAD_DIM
     tok = tok.to(tl.int64)
     _quantize_rows(key_ptr, k_ptr, ks_ptr, tok, blk, off, col, head, ok, stride_kt, stride_kb, stride_ksb, stride_ksh)
