@@ -18,10 +18,11 @@ import pytest
 import zmq
 
 from cluster.flex_worker import FlexWorker
-from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
+from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, texts, token_ids
+from tests.worker_pair import eventually, run_request
 
 PROMPT = tuple(range(40, 110))
 KV = KVTransferConfig(backend="torch_dist", connect_timeout_s=20, io_timeout_s=20)
@@ -47,19 +48,11 @@ def inbox() -> Iterator[TokenInbox]:
 
 
 def _run(prefill: FlexWorker, decode: FlexWorker, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
-    req = GenerateRequest(rid, PROMPT, reply_to=inbox.address, **{"max_tokens": 12, "ignore_eos": True, **sampling})
-    grant = decode.reserve(ReserveRequest(req, 6).to_dict())
-    assert grant is not None
-    result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))
-    decode.prefilled(result.to_dict())
-    return inbox.collect(rid), result
+    return run_request(prefill, decode, inbox, rid, PROMPT, 12, **sampling)
 
 
 def _eventually(cond: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+    eventually(cond, timeout_s)
 
 
 def _leak_free(decode: FlexWorker) -> None:

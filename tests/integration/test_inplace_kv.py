@@ -20,11 +20,12 @@ from typing import Any
 import pytest
 
 from cluster.flex_worker import FlexWorker
-from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
+from cluster.wire.messages import GenerateRequest, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.loopback import CacheSpec, ReceiverProcess, WriterProcess
 from tests.token_inbox import TokenInbox, texts, token_ids
+from tests.worker_pair import eventually, run_request
 
 PROMPT = tuple(range(40, 110))
 SHM = KVTransferConfig(backend="shm", connect_timeout_s=20, io_timeout_s=20)
@@ -49,19 +50,11 @@ def _pair(model: str, kv: KVTransferConfig, corrupt_every: int = 0, **cfg: Any) 
 
 
 def _run(prefill: FlexWorker, decode: FlexWorker, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
-    req = GenerateRequest(rid, PROMPT, reply_to=inbox.address, **{"max_tokens": 10, "ignore_eos": True, **sampling})
-    grant = decode.reserve(ReserveRequest(req, 6).to_dict())
-    assert grant is not None
-    result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))
-    decode.prefilled(result.to_dict())
-    return inbox.collect(rid), result
+    return run_request(prefill, decode, inbox, rid, PROMPT, 10, **sampling)
 
 
 def _eventually(cond: Any, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
+    eventually(cond, timeout_s)
 
 
 def _counts(decode: FlexWorker) -> dict[str, int]:
