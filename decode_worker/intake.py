@@ -76,6 +76,7 @@ class IntakeRecord:
     result: Any = None  # the PrefillResult, once the prefill actor's first tokens are here
     failure: str | None = None  # why it FAILED / was ABORTED / EXPIRED
     epoch: int = 0  # this reservation's epoch on its decode actor (increasing): every K/V part must carry it
+    nonce: str = ""  # random, issued at reserve: authenticated K/V parts bind it, so none is replayed elsewhere
     writer: str | None = None  # the in-place writer that opened it (None: none, or parts come over a socket)
     writer_open: bool = False  # that writer may still write into the blocks
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import secrets
 import uuid
 from typing import Any
 
@@ -115,6 +116,7 @@ class ReservationManager:
             num_layers=num_layers,
             request=request,
             epoch=self._epoch,
+            nonce=secrets.token_hex(16),
         )
         self._by_id[reservation.reservation_id] = reservation
         self._by_request[request_id] = reservation.reservation_id

@@ -138,7 +138,7 @@ class DecodeWorker(EngineLoop):
             with self._intake_lock:
                 self._start(rec, None)
         return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
-                            ttl, rec.epoch).to_dict()
+                            ttl, rec.epoch, rec.nonce).to_dict()
 
     def _prefilled(self, result: PrefillResult) -> None:
         rec = self._records.get(result.request_id)

@@ -22,7 +22,7 @@ T = TypeVar("T", bound="_Wire")
 
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
-WIRE_VERSION = 3  # bump on any change an older peer would misread (3: ReserveGrant.epoch)
+WIRE_VERSION = 4  # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce)
 
 
 class WireVersionError(ValueError):
@@ -103,6 +103,10 @@ class Usage(_Wire):
         return self.prompt_tokens + self.completion_tokens
 
 
+_NOT_SAMPLING = ("request_id", "prompt_token_ids", "reply_to", "trace_id", "resume_token_ids", "resume_chars",
+                 "choice_index")
+
+
 @dataclass(frozen=True)
 class GenerateRequest(_Wire):
     """One tokenized request as the proxy hands it to a prefill or decode actor.
@@ -130,6 +134,12 @@ class GenerateRequest(_Wire):
     skip_special_tokens: bool = True
     reply_to: str = ""  # the owning proxy's token-stream address: where TokenDeltas go (several proxies may serve)
     trace_id: str = ""  # the client's X-Request-Id (or one the proxy made): every hop logs it
+    # A resumed completion (migrated off a dead decode actor, or retried): the tokens of it the client already has.
+    # They count as output (so ``max_tokens`` still bounds the whole completion and the remaining budget is
+    # ``max_tokens - len(resume_token_ids)``), are recomputed with the prompt, and generation continues after them.
+    resume_token_ids: tuple[int, ...] = ()
+    resume_chars: int = 0  # characters of this completion's text the client already has (the deltas start after)
+    choice_index: int = 0  # which completion of the client's request this is (a resumed one has n == 1)
 
     def __post_init__(self) -> None:
         for name in ("reply_to", "trace_id"):
@@ -137,7 +147,7 @@ class GenerateRequest(_Wire):
                 raise ValueError(f"GenerateRequest.{name}: must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"GenerateRequest.request_id: must be a non-empty string, got {self.request_id!r}")
-        for name in ("prompt_token_ids", "stop", "stop_token_ids"):
+        for name in ("prompt_token_ids", "stop", "stop_token_ids", "resume_token_ids"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
                 raise ValueError(f"GenerateRequest.{name}: must be a list, got {type(value).__name__}")
@@ -145,15 +155,28 @@ class GenerateRequest(_Wire):
         if not self.prompt_token_ids:
             raise ValueError("GenerateRequest.prompt_token_ids: must not be empty")
         _check_ids("GenerateRequest", "prompt_token_ids", self.prompt_token_ids)
+        _check_ids("GenerateRequest", "resume_token_ids", self.resume_token_ids)
+        for name in ("resume_chars", "choice_index"):
+            _check_int("GenerateRequest", name, getattr(self, name))
         try:
             SamplingParams(**self.sampling_kwargs())
         except ValueError as e:
             raise ValueError(f"GenerateRequest.{e}") from None
+        if (self.resume_token_ids or self.choice_index) and self.n != 1:
+            raise ValueError(f"GenerateRequest.n: a resumed completion has n == 1, got {self.n}")
+        if len(self.resume_token_ids) >= self.max_tokens:
+            raise ValueError(f"GenerateRequest.resume_token_ids: {len(self.resume_token_ids)} tokens leave nothing of "
+                             f"max_tokens {self.max_tokens} to generate")
+
+    @property
+    def resumed(self) -> bool:
+        """Whether this continues a completion the client already has tokens of. Pure."""
+        return bool(self.resume_token_ids)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``engine.SamplingParams``. Pure."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("request_id", "prompt_token_ids", "reply_to", "trace_id")}
+                if f.name not in _NOT_SAMPLING}
 
 
 @dataclass(frozen=True)
@@ -191,6 +214,7 @@ class ReserveGrant(_Wire):
     kv_endpoint: str  # where a prefill actor sends this request's K/V (backend-specific address on D's node)
     ttl_s: float  # how long the decode actor waits for K/V (a duration: clocks are not compared across hosts)
     epoch: int = 0  # the reservation's epoch on the decode actor, carried by every K/V part written for it
+    nonce: str = ""  # random per reservation, issued at reserve: bound into every authenticated K/V part (no replay)
 
     def __post_init__(self) -> None:
         for name in ("reservation_id", "request_id", "decode_actor_id"):
@@ -202,6 +226,8 @@ class ReserveGrant(_Wire):
         _check_ids("ReserveGrant", "block_ids", self.block_ids)
         if len(set(self.block_ids)) != len(self.block_ids):
             raise ValueError("ReserveGrant.block_ids: must be distinct")
+        if not isinstance(self.nonce, str):
+            raise ValueError(f"ReserveGrant.nonce: must be a string, got {self.nonce!r}")
         if not isinstance(self.kv_endpoint, str):
             raise ValueError(f"ReserveGrant.kv_endpoint: must be a string, got {self.kv_endpoint!r}")
         if isinstance(self.ttl_s, bool) or not isinstance(self.ttl_s, (int, float)) or not 0 < self.ttl_s < math.inf:
