@@ -24,6 +24,17 @@ class DeltaTracker:
     sent_chars: dict[int, int] = field(default_factory=dict)  # completion index -> characters already sent
     finished: set[int] = field(default_factory=set)  # completions whose finish has been sent
     done: bool = False  # the request's last delta (with usage) has been built
+    first_index: int = 0  # the client's index of this request's first completion (a resumed one keeps its own)
+
+    @classmethod
+    def for_request(cls, req: Any) -> DeltaTracker:
+        """A tracker for a :class:`~cluster.wire.messages.GenerateRequest`; for a resumed completion it starts where
+        the client is: its tokens and characters count as sent, so deltas continue right after them. Pure."""
+        j = req.choice_index
+        tracker = cls(req.request_id, len(req.prompt_token_ids), first_index=j)
+        if req.resumed:
+            tracker.sent_tokens[j], tracker.sent_chars[j] = len(req.resume_token_ids), req.resume_chars
+        return tracker
 
     def deltas(self, out: Any) -> list[TokenDelta]:
         """Mutates: the deltas that bring the receiver from what was sent to ``out``. The last delta of a finished
@@ -63,7 +74,7 @@ class DeltaTracker:
         if self.done:
             return []
         self.done = True
-        ends = [i for i in range(n) if i not in self.finished]
+        ends = [i for i in range(self.first_index, self.first_index + n) if i not in self.finished]
         return [TokenDelta(self.request_id, i, (), "", None, "abort",
                            Usage(self.prompt_tokens, sum(self.sent_tokens.values()), self.cached_tokens)
                            if i == ends[-1] else None, error) for i in ends]

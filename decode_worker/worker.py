@@ -131,7 +131,7 @@ class DecodeWorker(EngineLoop):
             return None
         self.reservations_made += 1
         self._records[req.request_id] = rec
-        self._trackers[req.request_id] = DeltaTracker(req.request_id, len(req.prompt_token_ids))
+        self._trackers[req.request_id] = DeltaTracker.for_request(req)
         log.info("reserve %s (trace %s): %d blocks, %s", req.request_id, req.trace_id, rec.num_blocks,
                  "colocated" if msg.colocated else "awaiting KV")
         if msg.colocated:
@@ -193,8 +193,9 @@ class DecodeWorker(EngineLoop):
         params = SamplingParams(**kwargs)
         blocks = list(self.reservations.commit(rec.reservation_id))
         try:
-            if result is None or recompute:
-                self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks)
+            if result is None or recompute:  # computed here; a resumed completion continues after its tokens
+                self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
+                                        output_prefix=list(req.resume_token_ids), choice_index=req.choice_index)
             else:
                 lps = None if result.first_logprobs is None else [dict(p) for p in result.first_logprobs]
                 out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,

@@ -122,7 +122,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0,
         arrival: float | None = None, block_ids: list[int] | None = None, output_prefix: list[int] | None = None,
-        prefix_logprobs: list[dict[int, float]] | None = None,
+        prefix_logprobs: list[dict[int, float]] | None = None, choice_index: int = 0,
     ) -> list[int]:
         """Queue a request; returns its prompt token ids. Raises ``ValueError`` (changing nothing) if it is invalid.
 
@@ -130,9 +130,11 @@ class LLMEngine:
         the request takes them over and computes its prompt into them, except for the longest cached prefix, whose
         cached blocks replace the first reserved ones (those go back to the pool). With
         ``n > 1`` the children fork from these blocks and allocate their own as they grow.
-        ``output_prefix``: tokens already generated elsewhere (a prefill actor's first token whose KV never
-        arrived): they count as output, are recomputed with the prompt, and generation continues after them;
-        ``prefix_logprobs`` are their logprobs, kept so the logprobs stay aligned with the tokens.
+        ``output_prefix``: tokens already generated elsewhere (a completion resumed off a dead decode actor): they
+        count as output, are recomputed with the prompt, and generation continues after them; ``prefix_logprobs``
+        are their logprobs, kept so the logprobs stay aligned with the tokens. ``choice_index``: which completion of
+        the client's request this one is (``n == 1``): its outputs carry that index and its draws are keyed by it,
+        so a resumed seeded completion draws exactly what it would have drawn where it started.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -140,17 +142,22 @@ class LLMEngine:
         self.validate(ids, params)
         arrival = time.monotonic() if arrival is None else arrival
         seed = self.effective_seed(params)  # one per request: its completions differ by their index in the key
+        if (output_prefix or choice_index) and params.n != 1:
+            raise ValueError(f"n: a resumed completion (output_prefix, choice_index) has n == 1, got {params.n}")
+        if output_prefix and len(output_prefix) >= params.max_tokens:
+            raise ValueError(f"output_prefix: {len(output_prefix)} tokens leave nothing of max_tokens "
+                             f"{params.max_tokens}")
+        if not isinstance(choice_index, int) or choice_index < 0:
+            raise ValueError(f"choice_index: must be an int >= 0, got {choice_index!r}")
         seqs = [
             Sequence(
-                seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
-                arrival=arrival, priority=priority, seed=seed,
+                seq_id=next(self._ids), request_id=request_id, index=choice_index + i, prompt_token_ids=ids,
+                params=params, arrival=arrival, priority=priority, seed=seed,
             )
             for i in range(params.n)
         ]
         seqs[0].pending_children = seqs[1:]
         if output_prefix:
-            if params.n != 1 or len(output_prefix) >= params.max_tokens:
-                raise ValueError("output_prefix: needs n == 1 and fewer tokens than max_tokens")
             seqs[0].output_token_ids = list(output_prefix)
             if params.logprobs is not None:
                 seqs[0].output_logprobs = list(prefix_logprobs or [{} for _ in output_prefix])
@@ -269,7 +276,7 @@ class LLMEngine:
         return results
 
     def _detokenize(self, req: _Request, seq: Sequence) -> None:
-        i = seq.index
+        i = seq.index - req.seqs[0].index  # position in the request (a resumed completion keeps its client index)
         detok = req.detoks[i]
         tok, p = seq.output_token_ids[-1], seq.params
         stopped_by_token = seq.finish_reason == "stop" and (
@@ -297,10 +304,10 @@ class LLMEngine:
     def _output(self, req: _Request) -> RequestOutput:
         outs = [
             CompletionOutput(
-                index=s.index, text=self._visible_text(s, req.texts[s.index]), token_ids=list(s.output_token_ids),
+                index=s.index, text=self._visible_text(s, req.texts[k]), token_ids=list(s.output_token_ids),
                 finish_reason=s.finish_reason, logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
             )
-            for s in req.seqs
+            for k, s in enumerate(req.seqs)
         ]
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens)
 

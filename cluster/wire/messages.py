@@ -200,6 +200,9 @@ class ReserveRequest(_Wire):
             raise ValueError(f"ReserveRequest.ttl_s: must be a finite number >= 0, got {self.ttl_s!r}")
         if not isinstance(self.colocated, bool):
             raise ValueError(f"ReserveRequest.colocated: must be a bool, got {self.colocated!r}")
+        if (self.request.resumed or self.request.choice_index) and not self.colocated:
+            raise ValueError("ReserveRequest.colocated: a resumed completion is computed on its decode actor "
+                             "(colocated), never by a prefill actor")
 
 
 @dataclass(frozen=True)
