@@ -1,14 +1,19 @@
-"""What the proxy keeps of one prompt of a client request while a decode actor serves it (torch-free).
+"""What the proxy keeps of one prompt of a client request while decode actors serve it (torch-free, pure).
 
-A :class:`Job` is one :class:`~cluster.wire.messages.GenerateRequest` (one prompt, ``n`` completions) on one decode
-actor. The proxy decides nothing about it: the decode actor owns the text, stops, finish and usage, and the job only
-collects what its :class:`~cluster.wire.messages.TokenDelta` values say, for a non-streamed body and for the
-controller's latency samples.
+A :class:`Job` is one prompt of a client request with its ``n`` completions, as the client has received them. It is
+served by one or more :class:`Leg` values: a leg is one :class:`~cluster.wire.messages.GenerateRequest` on one decode
+actor, which owns that request's text, stops, finish and usage. The first leg serves every completion. When a leg's
+decode actor dies, :meth:`Job.resume_requests` says what continues its unfinished completions elsewhere: each with the
+tokens and characters the client already has (``resume_token_ids``, ``resume_chars``) and its own ``choice_index``,
+so the new owner's deltas continue exactly where the client is (or, when nothing was delivered yet, the leg's
+request again under a new id). The proxy decides no text: it only collects what the deltas say.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +32,33 @@ class ChoiceState:
     first_at: float | None = None  # monotonic time of its first delta with text or tokens (TTFT)
 
 
-@dataclass
-class Job:
+@dataclass(eq=False)
+class Leg:
+    """One request on one decode actor, serving some of a job's completions (all of them, or one resumed)."""
+
     req: GenerateRequest
-    prompt_index: int  # which prompt of the client request; choice j of it is response choice prompt_index * n + j
-    queue: asyncio.Queue[TokenDelta]  # subscribed before the reserve: a colocated start streams at once
+    queue: asyncio.Queue[TokenDelta]  # its deltas; subscribed before the reserve (a colocated start streams at once)
     actor: Any = None  # the decode actor (an ActorRef) once reserved
     prefill: Any = None  # the prefill actor while it prefills
     grant: ReserveGrant | None = None
     blocks: int = 0  # blocks the admission gate counts for it on ``actor`` until it ends
+    ended: bool = False  # finished, or given up (its actor died and it was resumed elsewhere)
+
+    @property
+    def indices(self) -> range:
+        """The job's completions this leg serves. Pure."""
+        return range(self.req.choice_index, self.req.choice_index + self.req.n)
+
+
+@dataclass
+class Job:
+    req: GenerateRequest  # the client's prompt with all its n completions
+    prompt_index: int  # which prompt of the client request; choice j of it is response choice prompt_index * n + j
+    legs: list[Leg] = field(default_factory=list)  # every leg started, in order; the live ones are not ``ended``
     choices: list[ChoiceState] = field(default_factory=list)
-    usage: Usage | None = None  # from the request's last delta
-    error: str | None = None  # the decode actor ended it with an error
+    usage: Usage | None = None  # from the last delta carrying usage
+    error: str | None = None  # a decode actor ended it with an error
+    resumes: int = 0  # legs started after the first one (migrations, retries)
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -47,6 +67,28 @@ class Job:
     @property
     def finished(self) -> bool:
         return all(c.finish is not None for c in self.choices)
+
+    @property
+    def live_legs(self) -> list[Leg]:
+        return [leg for leg in self.legs if not leg.ended]
+
+    def leg_finished(self, leg: Leg) -> bool:
+        """Every completion ``leg`` serves has its finish. Pure."""
+        return all(self.choices[i].finish is not None for i in leg.indices)
+
+    def resume_requests(self, leg: Leg, new_id: Callable[[], str]) -> list[GenerateRequest]:
+        """What continues ``leg``'s unfinished completions on another decode actor (``leg`` is gone). Pure.
+
+        Nothing delivered yet of any of them: ``leg``'s own request again under a new id (it may be prefilled
+        anywhere). Otherwise one request per unfinished completion, ``n == 1``, with the client's tokens and
+        characters of it: its new owner computes prompt + tokens and continues after them (greedy and seeded output
+        as if undisturbed: draws are keyed by seed, completion index and position)."""
+        open_ = [i for i in leg.indices if self.choices[i].finish is None]
+        if not any(self.choices[i].token_ids for i in open_) and len(open_) == leg.req.n:
+            return [dataclasses.replace(leg.req, request_id=new_id())]
+        return [dataclasses.replace(self.req, request_id=new_id(), n=1, choice_index=i,
+                                    resume_token_ids=tuple(self.choices[i].token_ids),
+                                    resume_chars=len(self.choices[i].text)) for i in open_]
 
     def choice_index(self, index: int) -> int:
         """The response's choice index of this job's completion ``index``. Pure."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -29,6 +31,22 @@ class Histogram:
         return out
 
 
+@dataclass(frozen=True)
+class UnauthenticatedCounts:
+    """Messages dropped for a wrong or missing MAC (``cluster.wire.auth``), as last seen."""
+
+    token_frames: int  # token-stream messages this proxy dropped
+    kv_parts: dict[str, int]  # decode actor -> K/V parts, in-place opens and handshakes it dropped (its last stats)
+
+
+def unauthenticated_counts(stream: Any, pools: Any) -> UnauthenticatedCounts:
+    """Read ``stream.messages_unauthenticated`` (a ``TokenStreamServer``) and each known decode actor's last reported
+    ``kv_parts_unauthenticated`` (``pools.decode``: name -> ``ActorRef``). Pure."""
+    return UnauthenticatedCounts(stream.messages_unauthenticated,
+                                 {a.name: a.stats.kv_parts_unauthenticated for a in pools.decode.values()
+                                  if a.stats is not None})
+
+
 @dataclass
 class Metrics:
     requests: dict[int, int] = field(default_factory=dict)  # HTTP status -> count
@@ -37,11 +55,19 @@ class Metrics:
     e2e: Histogram = field(default_factory=Histogram)
     kv_transfer_bytes: dict[str, int] = field(default_factory=dict)  # backend -> bytes
     kv_transfer_seconds: dict[str, float] = field(default_factory=dict)  # backend -> summed wire time of parts
+    unauthenticated: Callable[[], UnauthenticatedCounts] | None = None  # read at each render; None: not shown
+    resumes: int = 0  # completions resumed on another actor (a decode actor died, a prefill actor died)
+    resume_pause: Histogram = field(default_factory=Histogram)  # seconds to restart a dead leg's completions
 
     def transfer(self, backend: str, nbytes: int, seconds: float) -> None:
         """Mutates: count one request's KV transfer."""
         self.kv_transfer_bytes[backend] = self.kv_transfer_bytes.get(backend, 0) + nbytes
         self.kv_transfer_seconds[backend] = self.kv_transfer_seconds.get(backend, 0.0) + seconds
+
+    def resumed(self, legs: int, seconds: float) -> None:
+        """Mutates: ``legs`` new legs continued a dead one's completions; starting them took ``seconds``."""
+        self.resumes += legs
+        self.resume_pause.observe(seconds)
 
     def request_done(self, status: int) -> None:
         self.requests[status] = self.requests.get(status, 0) + 1
@@ -58,6 +84,8 @@ class Metrics:
         lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
         lines += self.e2e.render("pdcluster_e2e_seconds")
+        lines += ["# TYPE pdcluster_resumed_total counter", f"pdcluster_resumed_total {self.resumes}"]
+        lines += self.resume_pause.render("pdcluster_resume_seconds")
         lines += ["# TYPE pdcluster_kv_transfer_bytes_total counter"]
         lines += [f'pdcluster_kv_transfer_bytes_total{{backend="{b}"}} {n}' for b, n in self.kv_transfer_bytes.items()]
         lines += ["# TYPE pdcluster_kv_transfer_seconds_total counter"]
@@ -70,6 +98,13 @@ class Metrics:
         if pools is not None:
             lines += ["# TYPE pdcluster_pool_actors gauge"]
             lines += [f'pdcluster_pool_actors{{role="{r}"}} {n}' for r, n in sorted(pools.items())]
+        if self.unauthenticated is not None:
+            u = self.unauthenticated()
+            lines += ["# TYPE pdcluster_token_frames_unauthenticated_total counter",
+                      f"pdcluster_token_frames_unauthenticated_total {u.token_frames}",
+                      "# TYPE pdcluster_kv_parts_unauthenticated_total counter"]
+            lines += [f'pdcluster_kv_parts_unauthenticated_total{{actor="{a}"}} {n}'
+                      for a, n in sorted(u.kv_parts.items())]
         if decisions is not None:
             lines += ["# TYPE pdcluster_controller_decisions gauge", f"pdcluster_controller_decisions {decisions}"]
         return "\n".join(lines) + "\n"

@@ -19,6 +19,10 @@ from cluster.wire.names import MANAGER_NAME, NAMESPACE, worker_names
 log = logging.getLogger(__name__)
 
 
+class ActorGone(RuntimeError):
+    """An actor died (or stopped answering) while serving a call; ``str()`` is its name. It is marked not alive."""
+
+
 @dataclass
 class ActorRef:
     name: str
@@ -31,10 +35,13 @@ class ActorRef:
 class Pools:
     """Decode (and later prefill) actors by name. ``refresh`` mutates membership; calls are async Ray calls."""
 
-    def __init__(self, call_timeout_s: float = 30.0) -> None:
+    def __init__(self, call_timeout_s: float = 30.0, stats_timeout_s: float = 5.0) -> None:
         self.decode: dict[str, ActorRef] = {}
         self.prefill: dict[str, ActorRef] = {}
         self.call_timeout_s = call_timeout_s
+        # an actor whose stats (a published snapshot: no engine work) take longer is hung (SIGSTOP, a wedged node):
+        # not alive until it answers again, so its requests are resumed elsewhere
+        self.stats_timeout_s = stats_timeout_s
         self.prefill_timeout_s = 300.0
 
     async def refresh(self) -> None:
@@ -49,27 +56,36 @@ class Pools:
                 pools[info["role"]][name] = ActorRef(name, handle, info)
             except Exception:  # not ready yet: next refresh
                 log.info("actor %s not ready", name)
+        refs: list[tuple[str, dict[str, ActorRef], ActorRef]] = []
         for role, pool in list(pools.items()):
             for name in list(pool):
                 if name not in names:  # gone from Ray's registry: dead (requests still holding the ref see it)
                     pool.pop(name).alive = False
-                    continue
-                ref = pool[name]
-                try:
-                    raw = await asyncio.wait_for(ref.handle.stats.remote(), self.call_timeout_s)
-                    ref.stats = WorkerStats.from_dict(raw)
-                    ref.alive = True
-                except WireVersionError as e:  # a rolling upgrade mixing versions: never route to it
-                    log.error("actor %s: %s", name, e)
-                    ref.alive = False
-                    continue
-                except Exception:
-                    ref.alive = False
-                    continue
-                new_role = ref.stats.role
-                if new_role != role and new_role in pools and name in pool:
-                    pools[new_role][name] = pool.pop(name)
-                    ref.info = {**ref.info, "role": new_role}
+                else:
+                    refs.append((role, pool, pool[name]))
+        answers = await asyncio.gather(*(asyncio.wait_for(ref.handle.stats.remote(), self.stats_timeout_s)
+                                         for _, _, ref in refs), return_exceptions=True)
+        for (role, pool, ref), raw in zip(refs, answers):
+            name = ref.name
+            try:
+                if isinstance(raw, BaseException):
+                    raise raw
+                ref.stats = WorkerStats.from_dict(raw)
+                ref.alive = True
+            except WireVersionError as e:  # a rolling upgrade mixing versions: never route to it
+                log.error("actor %s: %s", name, e)
+                ref.alive = False
+                continue
+            except Exception as e:
+                if ref.alive:
+                    log.warning("actor %s stopped answering (%s): treated as dead until it does", name,
+                                type(e).__name__)
+                ref.alive = False
+                continue
+            new_role = ref.stats.role
+            if new_role != role and new_role in pools and name in pool:
+                pools[new_role][name] = pool.pop(name)
+                ref.info = {**ref.info, "role": new_role}
 
     async def report_latencies(self, samples: list[tuple[float, float]]) -> None:
         """Hand finished requests' (TTFT, TPOT) to the pool manager, if this cluster has one (best effort)."""
@@ -123,12 +139,23 @@ class Pools:
             return None
 
     async def prefill_call(self, actor: ActorRef, message: dict[str, Any]) -> dict[str, Any]:
-        """A ``PrefillRequest`` (wire form) on a prefill actor -> its ``PrefillResult``."""
-        return await asyncio.wait_for(actor.handle.prefill.remote(message), self.prefill_timeout_s)
+        """A ``PrefillRequest`` (wire form) on a prefill actor -> its ``PrefillResult``. Raises :class:`ActorGone`
+        (and marks the actor not alive) if it dies or does not answer within ``prefill_timeout_s``."""
+        try:
+            return await asyncio.wait_for(actor.handle.prefill.remote(message), self.prefill_timeout_s)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
+            actor.alive = False
+            log.warning("prefill actor %s is gone: %s", actor.name, type(e).__name__)
+            raise ActorGone(actor.name) from None
 
     async def prefilled(self, actor: ActorRef, message: dict[str, Any]) -> None:
-        """Hand a ``PrefillResult`` (wire form) to the decode actor that owns the request (it returns at once)."""
-        await asyncio.wait_for(actor.handle.prefilled.remote(message), self.call_timeout_s)
+        """Hand a ``PrefillResult`` (wire form) to the decode actor that owns the request (it returns at once). A
+        dead owner is marked not alive: whoever relays its request resumes it elsewhere."""
+        try:
+            await asyncio.wait_for(actor.handle.prefilled.remote(message), self.call_timeout_s)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
+            actor.alive = False
+            log.warning("decode actor %s is gone: %s", actor.name, type(e).__name__)
 
     async def abort(self, actor: ActorRef, request_id: str) -> None:
         """Stop a request on ``actor`` (best effort: a dead actor holds nothing any more)."""

@@ -16,20 +16,19 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from cluster.wire.messages import (PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest,
-                                   TokenDelta, Usage, WorkerStats)
+from cluster.wire.messages import Usage, WorkerStats
+from cluster.wire.auth import ClusterSecret
 from cluster.wire.token_stream import TokenStreamServer
-from engine.block_hash import hash_full_blocks
-from proxy.admission import AdmissionConfig, estimate_blocks
-from proxy.errors import APIError, internal_error, service_unavailable, unauthorized
+from proxy.admission import AdmissionConfig
+from proxy.dispatch import DispatchConfig, Dispatcher
+from proxy.errors import APIError, internal_error, unauthorized
 from proxy.gate import AdmissionGate
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, unauthenticated_counts
 from proxy.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,18 +42,16 @@ from proxy.openai_responses import (
     SSE_DONE,
     ChoiceOutput,
     ChoiceStream,
-    TokenLogprob,
     chat_chunk_body,
     chat_completion_body,
     completion_body,
     sse_event,
-    token_logprob,
     total_usage,
     usage_chunk_body,
 )
 from proxy.jobs import Job
 from proxy.openapi import openapi_spec
-from proxy.pools import ActorRef, Pools
+from proxy.pools import Pools
 from proxy.router import Router, RouterConfig
 from proxy.tokenization import PromptTokenizer
 
@@ -77,25 +74,30 @@ class ProxyConfig:
     queue_timeout_s: float = 10.0  # how long a request may wait (FIFO) for KV blocks before a 429
     max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
     refresh_interval_s: float = 1.0
+    max_resumes: int = 3  # legs a prompt may start after its first (migrations off dead actors, prefill retries)
+    reserve_headroom_tokens: int = 256  # output tokens reserved up front per completion; decode grows past them
 
 
 class Proxy:
     def __init__(self, pools: Pools, tokenizer: PromptTokenizer, proto: ProtocolConfig, block_size: int,
                  cfg: ProxyConfig, stream_host: str = "127.0.0.1",
-                 disaggregated: bool = False, stream_advertise_host: str | None = None) -> None:
+                 disaggregated: bool = False, stream_advertise_host: str | None = None,
+                 stream_secret: ClusterSecret | None = None) -> None:
         self.disaggregated = disaggregated
         self.pools = pools
         self.tok = tokenizer
         self.proto = proto
         self.block_size = block_size
         self.cfg = cfg
-        self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host)
-        self.metrics = Metrics()
+        self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host, secret=stream_secret)
+        self.metrics = Metrics(unauthenticated=lambda: unauthenticated_counts(self.stream, self.pools))
         self.gate = AdmissionGate(pools, AdmissionConfig(block_size, cfg.max_waiting, cfg.queue_timeout_s))
         self.shutting_down = False
         self._slo_samples: list[tuple[float, float]] = []  # (TTFT, TPOT) of finished requests, not yet reported
-        self._inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
         self.router = Router(RouterConfig(block_size=block_size))
+        self.dispatch = Dispatcher(pools, self.gate, self.router, self.stream, self.metrics,
+                                   DispatchConfig(block_size, disaggregated, cfg.max_resumes,
+                                                  cfg.reserve_headroom_tokens), lambda t: self.tok.decode_token(t))
         self._ids = itertools.count()
         self._refresher: asyncio.Task[None] | None = None
 
@@ -205,30 +207,28 @@ class Proxy:
         try:
             parsed, jobs = self._parse(await request.read(), chat, trace)
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
-            await asyncio.gather(*(self._admit(j) for j in jobs))
+            await asyncio.gather(*(self.dispatch.start(j, j.legs[0]) for j in jobs))
             if parsed.stream:
                 return await self._stream(request, parsed, jobs, chat, start, trace)  # counts its own status
             resp = await self._collect(parsed, jobs, chat, start, trace)
             self.metrics.request_done(200)
             return resp
         except APIError as e:
-            await self._abort(jobs)
+            await self.dispatch.abort(jobs)
             self.metrics.request_done(e.status)
             return web.json_response(e.body(), status=e.status, headers={**e.headers(), "X-Request-Id": trace})
         except (asyncio.CancelledError, ConnectionResetError):
-            await asyncio.shield(self._abort(jobs))  # the client went away: free its blocks at once
+            await asyncio.shield(self.dispatch.abort(jobs))  # the client went away: free its blocks at once
             self.metrics.request_done(499)
             raise
         except Exception:
             log.exception("request %s failed", trace)
-            await self._abort(jobs)
+            await self.dispatch.abort(jobs)
             err = internal_error()
             self.metrics.request_done(500)
             return web.json_response(err.body(), status=500, headers={"X-Request-Id": trace})
         finally:
-            for j in jobs:
-                self.stream.unsubscribe(j.req.request_id)
-                self._release(j)
+            self.dispatch.close(jobs)
 
     def _parse(self, raw: bytes, chat: bool, trace: str) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
@@ -250,99 +250,10 @@ class Proxy:
             gen = to_generate_request(f"{base}-{next(self._ids)}", ids, parsed.sampling, self.proto.max_model_len,
                                       param, self.stream.address)
             gen = dataclasses.replace(gen, trace_id=trace)
-            jobs.append(Job(gen, i, self.stream.subscribe(gen.request_id)))
+            job = Job(gen, i)
+            self.dispatch.new_leg(job, gen)
+            jobs.append(job)
         return parsed, jobs
-
-    async def _admit(self, job: Job) -> None:
-        """Reserve blocks on some decode actor, which owns the request from then on (waiting in the admission queue
-        if none has room, 429 when that wait runs out); in disaggregated mode a prefill actor then computes the prompt
-        into those blocks and its first tokens go to the owner."""
-        prefill = self._pick_prefill(job.req.prompt_token_ids)
-        need = estimate_blocks(len(job.req.prompt_token_ids), job.req.max_tokens, self.block_size, job.req.n)
-        try:
-            actor, grant = await self.gate.reserve(ReserveRequest(job.req, need, colocated=prefill is None))
-        except ValueError as e:
-            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
-        job.actor, job.grant, job.blocks = actor, grant, need
-        if prefill is not None:
-            await self._prefill(job, prefill, grant)
-
-    def _release(self, job: Job) -> None:
-        """Count ``job``'s blocks as free again on its decode actor (it finished or was aborted). Idempotent."""
-        if job.actor is not None and job.blocks:
-            self.gate.released(job.actor.name, job.blocks)
-            job.blocks = 0
-
-    def _pick_prefill(self, prompt: tuple[int, ...]) -> ActorRef | None:
-        """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
-        :mod:`proxy.router`); None in colocated mode. Records the prompt's blocks as that actor's."""
-        if not self.disaggregated:
-            return None
-        live = {a.name: a for a in self.pools.live_prefill()}
-        if not live:
-            raise service_unavailable("No prefill actor is available.", 1)
-        hashes = hash_full_blocks(prompt, self.block_size)
-        choice = self.router.pick_prefill([Pools.actor_stats(a, "prefill") for a in live.values()], hashes,
-                                          self._inflight)
-        if choice is None:
-            raise service_unavailable("No prefill actor is available.", 1)
-        self.router.record_prefill(choice.actor_id, hashes)
-        return live[choice.actor_id]
-
-    async def _prefill(self, job: Job, prefill: ActorRef, grant: ReserveGrant) -> None:
-        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and hand its typed result to the
-        decode actor that owns the request. The proxy reads nothing in it but the transfer metrics."""
-        n = len(job.req.prompt_token_ids)
-        self._inflight[prefill.name] = self._inflight.get(prefill.name, 0) + n
-        job.prefill = prefill
-        try:
-            raw = await self.pools.prefill_call(prefill, PrefillRequest(job.req, grant).to_dict())
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            log.warning("prefill of %s (trace %s) on %s failed: %s", job.req.request_id, job.req.trace_id,
-                        prefill.name, e)
-            raise service_unavailable(f"Prefill actor {prefill.name} failed: {type(e).__name__}", 1) from None
-        finally:
-            self._inflight[prefill.name] -= n
-            job.prefill = None
-        result = PrefillResult.from_dict(raw)
-        self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
-        await self.pools.prefilled(job.actor, raw)
-
-    async def _abort(self, jobs: list[Job]) -> None:
-        """Abort every unfinished job on its decode actor and, if it is still prefilling, its prefill actor."""
-        live = [j for j in jobs if not j.finished]
-        await asyncio.gather(*(self.pools.abort(a, j.req.request_id) for j in live
-                               for a in (j.actor, j.prefill) if a is not None))
-
-    async def _deltas(self, jobs: list[Job]) -> AsyncIterator[tuple[Job, TokenDelta, list[TokenLogprob]]]:
-        """Every delta of every job until all have finished, in arrival order, with its tokens' logprob entries.
-        Raises ``APIError`` when an owner reports an error or dies."""
-        pending = {asyncio.ensure_future(j.queue.get()): j for j in jobs}
-        try:
-            while pending:
-                done, _ = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-                dead = [j.actor.name for j in pending.values() if j.actor is not None and not j.actor.alive]
-                if not done and dead:  # reported by the pool refresh: do not hang on an actor that is gone
-                    raise service_unavailable(f"Decode actor {dead[0]} died while serving this request.", 1)
-                for fut in done:
-                    j = pending.pop(fut)
-                    d: TokenDelta = fut.result()
-                    k = j.req.logprobs
-                    lps = [] if d.logprobs is None or k is None else [
-                        token_logprob(t, pairs, k, self.tok.decode_token) for t, pairs in zip(d.token_ids, d.logprobs)]
-                    j.apply(d, lps, time.monotonic())
-                    if j.error is not None:
-                        raise service_unavailable(f"Decode actor {j.actor.name}: {j.error}", 1)
-                    if j.finished:
-                        self._release(j)
-                    else:
-                        pending[asyncio.ensure_future(j.queue.get())] = j
-                    yield j, d, lps
-        finally:
-            for fut in pending:
-                fut.cancel()
 
     def _usage(self, jobs: list[Job]) -> Usage:
         """Every prompt counted (duplicates too), every completion's tokens, the owners' cached-token counts."""
@@ -351,7 +262,7 @@ class Proxy:
                            sum(j.usage.cached_tokens for j in jobs if j.usage is not None))
 
     async def _collect(self, parsed: Any, jobs: list[Job], chat: bool, start: float, trace: str) -> web.Response:
-        async for _ in self._deltas(jobs):
+        async for _ in self.dispatch.deltas(jobs):
             pass
         self._observe(jobs, start)
         rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
@@ -381,7 +292,7 @@ class Proxy:
                                                            [ChoiceOutput(j.choice_index(i), "")], None, include,
                                                            first=True)))
         try:
-            async for j, d, lps in self._deltas(jobs):
+            async for j, d, lps in self.dispatch.deltas(jobs):
                 choice = streams[(id(j), d.index)].chunk(d.text, lps, d.finish_reason)
                 if choice is None:
                     continue
@@ -389,7 +300,7 @@ class Proxy:
                         else completion_body(rid, parsed.model, created, [choice], None, include))
                 await resp.write(sse_event(body))
         except APIError as e:  # headers are out: report in the stream, as OpenAI does, and end it
-            await self._abort(jobs)
+            await self.dispatch.abort(jobs)
             await resp.write(sse_event(e.body()))
             await resp.write(SSE_DONE)
             await resp.write_eof()

@@ -1,0 +1,255 @@
+"""Serving one client request's jobs on the pools: reserve, prefill, relay deltas, and resume what a dead actor held.
+
+The proxy's HTTP shell (:mod:`proxy.server`) parses a request into :class:`~proxy.jobs.Job` values and hands them
+here. Per job, a decode actor reserves blocks and owns the request from then on (waiting in the admission queue when
+none has room); in disaggregated mode a prefill actor computes the prompt into those blocks and its typed first
+tokens go to the owner. :meth:`Dispatcher.deltas` relays the owners' token deltas, and when an owner dies (or hangs:
+the pool refresh stops hearing from it) it resumes each of its unfinished completions on another decode actor from
+what the client already has (:meth:`~proxy.jobs.Job.resume_requests`), into the same response: the client sees a
+pause, never a repeated or dropped token. A prefill actor that dies mid-prefill has its request retried on another.
+A job fails, with the cause, after ``max_resumes`` resumed legs or when no actor of a role is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest, TokenDelta
+from cluster.wire.token_stream import TokenStreamServer
+from engine.block_hash import hash_full_blocks
+from proxy.admission import estimate_blocks
+from proxy.errors import APIError, service_unavailable
+from proxy.gate import AdmissionGate
+from proxy.jobs import Job, Leg
+from proxy.metrics import Metrics
+from proxy.openai_responses import TokenLogprob, token_logprob
+from proxy.pools import ActorGone, ActorRef, Pools
+from proxy.router import Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    block_size: int
+    disaggregated: bool = False
+    max_resumes: int = 3  # legs a job may start after its first (migrations off dead actors, prefill retries)
+    # a reservation holds the prompt's blocks plus this many tokens of output; decode grows past it on demand (and
+    # preempts by recompute when its cache runs out): a request without max_tokens no longer reserves the context
+    reserve_headroom_tokens: int = 256
+    watch_interval_s: float = 0.25  # how often a waiting relay checks its owners are still alive
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size: must be an integer >= 1, got {self.block_size!r}")
+        if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
+            raise ValueError(f"max_resumes: must be an integer >= 0, got {self.max_resumes!r}")
+        if not isinstance(self.reserve_headroom_tokens, int) or self.reserve_headroom_tokens < 1:
+            raise ValueError(f"reserve_headroom_tokens: must be an integer >= 1, got {self.reserve_headroom_tokens!r}")
+        if not self.watch_interval_s > 0:
+            raise ValueError(f"watch_interval_s: must be > 0, got {self.watch_interval_s!r}")
+
+    def reserve_blocks(self, prompt_tokens: int, max_tokens: int, n: int) -> int:
+        """Blocks to reserve: the prompt's plus a bounded output headroom (for each of the n completions). Pure."""
+        return estimate_blocks(prompt_tokens, min(max_tokens, self.reserve_headroom_tokens), self.block_size, n)
+
+
+class Dispatcher:
+    def __init__(self, pools: Pools, gate: AdmissionGate, router: Router, stream: TokenStreamServer,
+                 metrics: Metrics, config: DispatchConfig,
+                 render_logprob: Callable[[int], str]) -> None:
+        self.pools = pools
+        self.gate = gate
+        self.router = router
+        self.stream = stream
+        self.metrics = metrics
+        self.config = config
+        self.render_logprob = render_logprob  # token id -> its text, for logprob entries
+        self.inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- starting ---------------------------------------------------------------------------------------------------
+    def new_leg(self, job: Job, req: Any) -> Leg:
+        """Mutates ``job``: a leg for ``req``, subscribed to its deltas before anything can send them."""
+        leg = Leg(req, self.stream.subscribe(req.request_id))
+        job.legs.append(leg)
+        return leg
+
+    async def start(self, job: Job, leg: Leg) -> None:
+        """Reserve blocks for ``leg`` on some decode actor, which owns its request from then on (waiting in the
+        admission queue if none has room, 429 when that wait runs out); in disaggregated mode a prefill actor then
+        computes the prompt into those blocks (retried on another prefill actor if it dies). A resumed completion
+        is computed by its decode actor itself."""
+        req = leg.req
+        resumed = req.resumed or req.choice_index > 0
+        prefill = None if resumed else self._pick_prefill(req.prompt_token_ids)
+        context = len(req.prompt_token_ids) + len(req.resume_token_ids)
+        need = self.config.reserve_blocks(context, req.max_tokens - len(req.resume_token_ids), req.n)
+        try:
+            actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None))
+        except ValueError as e:
+            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
+        leg.actor, leg.grant, leg.blocks = actor, grant, need
+        if prefill is None:
+            return
+        try:
+            await self._prefill(leg, prefill)
+        except ActorGone as gone:  # the prefill actor died mid-prefill: the same prompt on another one
+            self._give_up(leg, f"prefill actor {gone} is gone")
+            await self._resume(job, leg, f"prefill actor {gone} died")
+
+    def _pick_prefill(self, prompt: tuple[int, ...]) -> ActorRef | None:
+        """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
+        :mod:`proxy.router`); None in colocated mode. Records the prompt's blocks as that actor's."""
+        if not self.config.disaggregated:
+            return None
+        live = {a.name: a for a in self.pools.live_prefill()}
+        if not live:
+            raise service_unavailable("No prefill actor is available.", 1)
+        hashes = hash_full_blocks(prompt, self.config.block_size)
+        choice = self.router.pick_prefill([Pools.actor_stats(a, "prefill") for a in live.values()], hashes,
+                                          self.inflight)
+        if choice is None:
+            raise service_unavailable("No prefill actor is available.", 1)
+        self.router.record_prefill(choice.actor_id, hashes)
+        return live[choice.actor_id]
+
+    async def _prefill(self, leg: Leg, prefill: ActorRef) -> None:
+        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and hand its typed result to the
+        decode actor that owns the request. Raises :class:`ActorGone` if the prefill actor died or hung."""
+        assert leg.grant is not None
+        n = len(leg.req.prompt_token_ids)
+        self.inflight[prefill.name] = self.inflight.get(prefill.name, 0) + n
+        leg.prefill = prefill
+        try:
+            raw = await self.pools.prefill_call(prefill, PrefillRequest(leg.req, leg.grant).to_dict())
+        except (asyncio.CancelledError, ActorGone):
+            raise
+        except Exception as e:
+            log.warning("prefill of %s (trace %s) on %s failed: %s", leg.req.request_id, leg.req.trace_id,
+                        prefill.name, e)
+            raise service_unavailable(f"Prefill actor {prefill.name} failed: {type(e).__name__}", 1) from None
+        finally:
+            self.inflight[prefill.name] -= n
+            leg.prefill = None
+        result = PrefillResult.from_dict(raw)
+        self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
+        await self.pools.prefilled(leg.actor, raw)
+
+    # -- resuming -----------------------------------------------------------------------------------------------------
+    async def _resume(self, job: Job, leg: Leg, why: str) -> list[Leg]:
+        """Continue ``leg``'s unfinished completions on other actors (``leg`` has been given up). Returns the new
+        legs. Raises ``APIError`` (503, with ``why``) when the job has used its resumes or no actor is left."""
+        started = time.monotonic()
+        reqs = job.resume_requests(leg, lambda: f"{job.req.request_id}.{job.resumes + 1}")
+        if job.resumes + len(reqs) > self.config.max_resumes:
+            raise service_unavailable(f"The request was interrupted ({why}) and has been resumed {job.resumes} "
+                                      f"times already; giving up.", 1)
+        legs = []
+        for req in reqs:
+            job.resumes += 1
+            log.warning("%s (trace %s): %s; resuming %s after %d tokens as %s", job.req.request_id, job.req.trace_id,
+                        why, f"completion {req.choice_index}" if req.resumed else "it", len(req.resume_token_ids),
+                        req.request_id)
+            new = self.new_leg(job, req)
+            legs.append(new)
+            if not self.pools.live_decode():
+                raise service_unavailable(f"The request was interrupted ({why}) and no decode actor is left.", 1)
+            await self.start(job, new)
+        self.metrics.resumed(len(reqs), time.monotonic() - started)
+        return legs
+
+    def _give_up(self, leg: Leg, why: str) -> None:
+        """Mutates: ``leg`` ends here; its deltas are no longer read and its owner (if it still lives, e.g. a hung
+        one that wakes up) is told to drop it, in the background."""
+        leg.ended = True
+        self.stream.unsubscribe(leg.req.request_id)
+        self.release(leg)
+        for actor in (leg.actor, leg.prefill):
+            if actor is not None:
+                self._background(self.pools.abort(actor, leg.req.request_id))
+        log.info("%s given up: %s", leg.req.request_id, why)
+
+    # -- relaying ---------------------------------------------------------------------------------------------------
+    async def deltas(self, jobs: list[Job]) -> AsyncIterator[tuple[Job, TokenDelta, list[TokenLogprob]]]:
+        """Every delta of every job until all have finished, in arrival order, with its tokens' logprob entries; legs
+        whose decode actor died are resumed elsewhere on the way. Raises ``APIError`` when an owner reports an error
+        or a job cannot be resumed."""
+        pending: dict[asyncio.Future[TokenDelta], tuple[Job, Leg]] = {}
+
+        def watch(job: Job, leg: Leg) -> None:
+            pending[asyncio.ensure_future(leg.queue.get())] = (job, leg)
+
+        for j in jobs:
+            for leg in j.live_legs:
+                watch(j, leg)
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, timeout=self.config.watch_interval_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    j, leg = pending.pop(fut)
+                    yield self._take(j, leg, fut.result())
+                    if leg.ended:
+                        continue
+                    if j.leg_finished(leg):
+                        leg.ended = True
+                        self.release(leg)
+                    else:
+                        watch(j, leg)
+                for fut, (j, leg) in list(pending.items()):
+                    if leg.actor is None or leg.actor.alive:
+                        continue
+                    del pending[fut]
+                    fut.cancel()
+                    while not leg.queue.empty():  # what it sent before it died is the client's
+                        yield self._take(j, leg, leg.queue.get_nowait())
+                    if j.leg_finished(leg):
+                        leg.ended = True
+                        self.release(leg)
+                        continue
+                    self._give_up(leg, f"decode actor {leg.actor.name} is gone")
+                    for new in await self._resume(j, leg, f"decode actor {leg.actor.name} died"):
+                        watch(j, new)
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def _take(self, job: Job, leg: Leg, d: TokenDelta) -> tuple[Job, TokenDelta, list[TokenLogprob]]:
+        k = job.req.logprobs
+        lps = [] if d.logprobs is None or k is None else [
+            token_logprob(t, pairs, k, self.render_logprob) for t, pairs in zip(d.token_ids, d.logprobs)]
+        job.apply(d, lps, time.monotonic())
+        if job.error is not None:
+            name = leg.actor.name if leg.actor is not None else "?"
+            raise service_unavailable(f"Decode actor {name}: {job.error}", 1)
+        return job, d, lps
+
+    # -- ending -----------------------------------------------------------------------------------------------------
+    def release(self, leg: Leg) -> None:
+        """Count ``leg``'s blocks as free again on its decode actor (it finished or was aborted). Idempotent."""
+        if leg.actor is not None and leg.blocks:
+            self.gate.released(leg.actor.name, leg.blocks)
+            leg.blocks = 0
+
+    async def abort(self, jobs: list[Job]) -> None:
+        """Abort every live leg of every unfinished job on its decode actor and, while it prefills, its prefill actor."""
+        await asyncio.gather(*(self.pools.abort(a, leg.req.request_id) for j in jobs if not j.finished
+                               for leg in j.live_legs for a in (leg.actor, leg.prefill) if a is not None))
+
+    def close(self, jobs: list[Job]) -> None:
+        """The client request is over: stop listening for its deltas and count every leg's blocks as free."""
+        for j in jobs:
+            for leg in j.legs:
+                self.stream.unsubscribe(leg.req.request_id)
+                self.release(leg)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
