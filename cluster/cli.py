@@ -69,9 +69,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     from cluster.launcher import Cluster, ServeConfig
+    from cluster.wire.auth import ENV_VAR, ClusterSecret
     from cluster.wire.worker_config import WorkerConfig
 
     try:
+        # the cluster secret: PDCLUSTER_CLUSTER_SECRET when set, else serve makes one for itself and its own proxies
+        secret = None if args.no_cluster_auth else ClusterSecret.from_env()
+        if secret is None and not args.no_cluster_auth and args.proxies == 0:
+            raise ValueError(f"--proxies 0: the proxies started elsewhere need this cluster's secret; set {ENV_VAR} "
+                             f"(the same in every proxy) or pass --no-cluster-auth")
         cfg = ServeConfig(
             worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                 num_threads=args.threads or 1, device=args.device, enforce_eager=args.enforce_eager,
@@ -86,7 +92,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
             budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, queue_timeout_s=args.queue_timeout,
-            max_waiting=args.max_waiting)
+            max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
+            max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -231,6 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: the socket backend between actors on different nodes (torch_dist: gloo / NCCL)")
     sv.add_argument("--kv-inplace-checksum", action="store_true",
                     help="in-place backends: checksum every written part (socket backends always do)")
+    sv.add_argument("--no-cluster-auth", action="store_true",
+                    help="do not MAC K/V transfers and token streams (default: every part, in-place handshake and "
+                         "token frame carries an HMAC under the cluster secret, PDCLUSTER_CLUSTER_SECRET or one made "
+                         "at start; unauthenticated messages are dropped and counted in /metrics)")
     sv.add_argument("--on-transfer-failure", default="recompute", choices=["recompute", "fail"],
                     help="what a decode actor does when a request's KV does not arrive intact")
     sv.add_argument("--cpus-per-actor", type=float, default=1.0)
@@ -250,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a request may wait (FIFO) for KV blocks before a 429")
     sv.add_argument("--max-waiting", type=int, default=256,
                     help="requests each proxy lets wait for KV blocks at once; more get a 429 at once")
+    sv.add_argument("--reserve-headroom", type=int, default=256,
+                    help="output tokens a request reserves up front per completion, beside its prompt's; decode "
+                         "grows past them on demand and preempts by recompute when its cache runs out")
+    sv.add_argument("--max-resumes", type=int, default=3,
+                    help="times a prompt's completions may be resumed on another actor (a decode actor died or hung, "
+                         "a prefill actor died) before the request fails")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
     sv.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO (seconds) autoscale aims for")

@@ -6,6 +6,11 @@ Addresses. Every actor's KV endpoint binds and advertises its own node's address
 resolved inside the actor) unless ``kv_host`` names one for all; each proxy's token stream binds and advertises its
 own node's address. An embedded Ray is one node, this machine, so there both stay on ``127.0.0.1`` (nothing listens on
 the network for a laptop run). ``host`` is only where the proxies serve HTTP.
+
+Authentication. Every worker actor and proxy of one cluster holds its secret (``cluster.wire.auth``): ``cluster_secret``
+when given (the CLI reads ``PDCLUSTER_CLUSTER_SECRET``), else a fresh one made at start. Actors get it in their
+``WorkerConfig`` (through Ray, whose token auth guards that channel), the proxies this launcher starts in their
+environment. ``cluster_auth=False`` runs without any (only when asked for).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
 
@@ -51,6 +57,10 @@ class ServeConfig:
     on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
     queue_timeout_s: float = 10.0  # how long the proxy lets a request wait (FIFO) for KV blocks before a 429
+    # output tokens a request reserves up front per completion (plus its prompt's); decode grows past them on demand
+    # and preempts by recompute when its cache runs out
+    reserve_headroom_tokens: int = 256
+    max_resumes: int = 3  # times a prompt's completions may be resumed elsewhere (dead actors) before it fails
     max_waiting: int = 256  # requests each proxy lets wait for KV blocks at once; more get a 429 at once
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
@@ -61,6 +71,10 @@ class ServeConfig:
     # place prefill actors only on Ray nodes that offer the custom resource "pdcluster_prefill", decode actors on
     # "pdcluster_decode" (Kubernetes: each worker group's pods advertise their role)
     role_resources: bool = False
+    # MAC every K/V part, in-place handshake and token-stream frame with a per-cluster secret (cluster.wire.auth); off
+    # only when asked for (--no-cluster-auth)
+    cluster_auth: bool = True
+    cluster_secret: ClusterSecret | None = None  # None (with cluster_auth): a fresh one, made at start
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
@@ -91,6 +105,10 @@ class ServeConfig:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s: must be > 0, got {self.queue_timeout_s!r}")
+        if not isinstance(self.reserve_headroom_tokens, int) or self.reserve_headroom_tokens < 1:
+            raise ValueError(f"reserve_headroom_tokens: must be an int >= 1, got {self.reserve_headroom_tokens!r}")
+        if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
+            raise ValueError(f"max_resumes: must be an int >= 0, got {self.max_resumes!r}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
         if self.proxies < 0:
@@ -99,6 +117,13 @@ class ServeConfig:
             raise ValueError(f"budget: must be 0 or >= prefill + decode ({self.prefill + self.decode}), got {self.budget}")
         if self.kv_host is not None and (not self.kv_host or is_wildcard(self.kv_host)):
             raise ValueError(f"kv_host: an address peers can dial (not a wildcard), or unset, got {self.kv_host!r}")
+        if self.cluster_secret is not None and not self.cluster_auth:
+            raise ValueError("cluster_secret: given, but cluster_auth is off")
+        if self.cluster_secret is not None and not isinstance(self.cluster_secret, ClusterSecret):
+            raise ValueError(f"cluster_secret: must be a ClusterSecret, got {type(self.cluster_secret).__name__}")
+        if self.worker.cluster_secret is not None:
+            raise ValueError("worker.cluster_secret: set ServeConfig.cluster_secret instead (serve hands it to every "
+                             "worker)")
         if not 0 <= self.port <= 65536 - self.proxies:
             raise ValueError(f"port: must be 0 (free ports) or leave room for {self.proxies} proxies, got {self.port}")
 
@@ -120,6 +145,7 @@ class Cluster:
         self.manager: Any = None  # the PoolManager actor (disaggregated mode): scale / autoscale
         self.proxy_procs: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
+        self.secret: ClusterSecret | None = None  # the cluster's secret once started (None: authentication off)
         self._port_dir: str | None = None
         self._owns_ray = False  # stop() shuts Ray down only if this cluster started or joined it
 
@@ -150,6 +176,9 @@ class Cluster:
             ray.init(namespace=NAMESPACE, num_cpus=max(2, int(n_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
         self._owns_ray = True
+        if cfg.cluster_auth:
+            self.secret = cfg.cluster_secret or ClusterSecret.generate()
+        worker = dataclasses.replace(cfg.worker, cluster_secret=self.secret)
         disagg = cfg.mode == "disaggregated"
         local = None if cfg.ray_address else LOOPBACK  # None: each actor or proxy resolves its own node's address
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.kv_host or local, fallback_backend=cfg.kv_fallback,
@@ -162,7 +191,7 @@ class Cluster:
         def start(role: str) -> Any:
             name = next(names)
             cls = ray.remote(**roles[role])(FlexWorker)
-            return cls.options(name=name).remote(name, role, cfg.worker, kv, cfg.on_transfer_failure,
+            return cls.options(name=name).remote(name, role, worker, kv, cfg.on_transfer_failure,
                                                  cfg.corrupt_kv_every)
 
         self.decode_actors = [start("decode") for _ in range(cfg.decode)]
@@ -179,10 +208,13 @@ class Cluster:
                                     cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
                                     slo_tpot_s=cfg.slo_tpot_s)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8)(PoolManager).options(name=MANAGER_NAME).remote(
-                cfg.worker, kv, roles, cfg.on_transfer_failure, ctrl)
+                worker, kv, roles, cfg.on_transfer_failure, ctrl)
             ray.get(self.manager.counts.remote(), timeout=60)
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(ENV_VAR, None)
+        if self.secret is not None:  # the environment, not the command line: ps shows arguments to every user
+            env[ENV_VAR] = self.secret.reveal()
         self._port_dir = tempfile.mkdtemp(prefix="pdcluster-ports-")
         port_files = []
         for i in range(cfg.proxies):
@@ -191,9 +223,11 @@ class Cluster:
             self.proxy_procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
                  "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name,
-                 "--queue-timeout", str(cfg.queue_timeout_s), "--max-waiting", str(cfg.max_waiting)]
+                 "--queue-timeout", str(cfg.queue_timeout_s), "--max-waiting", str(cfg.max_waiting),
+                 "--reserve-headroom", str(cfg.reserve_headroom_tokens), "--max-resumes", str(cfg.max_resumes)]
                 + (["--stream-host", local] if local else [])
-                + (["--disaggregated"] if cfg.mode == "disaggregated" else []), env=env))
+                + (["--disaggregated"] if cfg.mode == "disaggregated" else [])
+                + ([] if self.secret is not None else ["--no-cluster-auth"]), env=env))
         deadline = time.monotonic() + timeout_s
         for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound
             while not os.path.exists(path):

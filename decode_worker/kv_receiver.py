@@ -9,6 +9,11 @@ With an in-place backend (``shm``, ``cuda_ipc``, or ``auto`` for a same-node wri
 blocks when a part is announced: it verifies the header (and the checksum over the blocks, when the writer sent one)
 and records the part. The writer's open / end / exit go to the reservation manager (epochs, quarantine), under the
 same lock.
+
+With a cluster secret (``config.secret``) a part counts only if its header carries the MAC of its fields and the
+nonce of the reservation it names (``cluster.wire.auth``); anything else is dropped and counted
+(``kv_parts_unauthenticated``) before any block, record or queue is touched: a forged part neither writes nor fails
+the request it names. The in-place channel's handshake and opens are checked the same way (the backend counts those).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from decode_worker.reservations import ReservationManager
 from kv_transfer.base import dtype_name
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import ExpectedTransfer, KVTransferError, verify_checksum, verify_fields
+from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHeader, header_authentic,
+                                verify_checksum, verify_fields)
 from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,7 @@ class KVReceiver:
         from kv_transfer import make_backend
 
         self.engine = engine
+        self._secret = config.secret
         self._lock = lock
         self._reservations = reservations
         self._lookup = reservations.get
@@ -50,6 +57,7 @@ class KVReceiver:
         self._block_shape, self._dtype = tuple(k.shape[1:]), dtype_name(k.dtype)
         self.parts_installed = 0
         self.parts_rejected = 0
+        self.parts_unauthenticated = 0  # dropped before anything was touched: no MAC, a wrong one, or another nonce
         self.bytes_received = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
@@ -71,8 +79,14 @@ class KVReceiver:
             self.parts_rejected += 1
             log.warning("KV part rejected: %s", handle.error)
             return
+        if self._secret is not None and not header_authentic(header, self._secret):
+            self._unauthenticated(header, "wrong or missing MAC")
+            return
         with self._lock:
             rec = self._lookup(header.reservation_id)
+            if self._secret is not None and rec is not None and header.nonce != rec.nonce:
+                self._unauthenticated(header, "authenticated for another reservation (nonce)")
+                return
             if rec is None or rec.state not in TAKES_PARTS:
                 self.parts_rejected += 1
                 log.warning("KV part for %s rejected: reservation %s is %s", header.request_id, header.reservation_id,
@@ -104,9 +118,22 @@ class KVReceiver:
             self.bytes_received += handle.nbytes
             self._on_part(rec)
 
+    def _unauthenticated(self, header: KVTransferHeader, why: str) -> None:
+        """Mutates the counter only: drop a part that is not the cluster's (logged 1, 2, 4, 8, ... times)."""
+        self.parts_unauthenticated += 1
+        n = self.parts_unauthenticated
+        if n & (n - 1) == 0:
+            log.warning("KV part for reservation %s dropped, unauthenticated (%d so far): %s", header.reservation_id,
+                        n, why)
+
     # -- in-place writers (channel threads) ---------------------------------------------------------------------
-    def _writer_open(self, writer: str, reservation_id: str, epoch: int) -> tuple[int, ...] | str:
+    def _writer_open(self, writer: str, reservation_id: str, epoch: int, nonce: str) -> tuple[int, ...] | str:
+        """The open's MAC is already checked (by the backend); its nonce must be the reservation's."""
         with self._lock:
+            rec = self._reservations.get(reservation_id)
+            if self._secret is not None and rec is not None and nonce != rec.nonce:
+                self.parts_unauthenticated += 1
+                return "unauthenticated: the nonce is not this reservation's"
             why = self._reservations.open_writer(reservation_id, epoch, writer)
             rec = self._reservations.get(reservation_id)
             return why if why is not None or rec is None else rec.block_ids
@@ -123,7 +150,8 @@ class KVReceiver:
 
     def stats(self) -> dict[str, int]:
         return {"kv_parts_installed": self.parts_installed, "kv_parts_rejected": self.parts_rejected,
-                "kv_bytes_received": self.bytes_received}
+                "kv_bytes_received": self.bytes_received,
+                "kv_parts_unauthenticated": self.parts_unauthenticated + self.backend.unauthenticated}
 
     def close(self) -> None:
         self._stop.set()

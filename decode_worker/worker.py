@@ -53,7 +53,7 @@ class DecodeWorker(EngineLoop):
         self._records: dict[str, IntakeRecord] = {}  # request id -> its one record, reserve to end (loop thread)
         self._trackers: dict[str, DeltaTracker] = {}
         self._outbox: dict[str, list[TokenDelta]] = {}  # proxy address -> this step's deltas
-        self._sender = TokenSender(on_stalled=self._proxy_stalled)
+        self._sender = TokenSender(on_stalled=self._proxy_stalled, secret=config.cluster_secret)
         self.tokens_generated = 0
         self.proxy_stalls = 0
         self.reservations_made = 0
@@ -65,7 +65,8 @@ class DecodeWorker(EngineLoop):
             from decode_worker.kv_receiver import KVReceiver
 
             self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id,
-                                                                        device=str(self.engine.device)),
+                                                                        device=str(self.engine.device),
+                                                                        secret=config.cluster_secret),
                                        self._intake_lock, self.reservations, self._part_arrived)
             self.kv_endpoint = self.receiver.address
         self._stats: WorkerStats

@@ -96,9 +96,9 @@ class AutoBackend(KVTransferBackend):
         backend, address = self.route(peer_address)
         return backend.send(address, header, payload)
 
-    def open(self, peer_address: str, reservation_id: str, epoch: int) -> None:
+    def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
         backend, address = self.route(peer_address)
-        backend.open(address, reservation_id, epoch)
+        backend.open(address, reservation_id, epoch, nonce)
 
     def end(self, peer_address: str, reservation_id: str) -> None:
         backend, address = self.route(peer_address)
@@ -110,6 +110,14 @@ class AutoBackend(KVTransferBackend):
         backend, address = self.route(peer_address)
         return backend.write_part(address, k_cache, v_cache, src_block_ids, dst_block_ids, scales, corrupt=corrupt,
                                   **header_fields)
+
+    @property
+    def unauthenticated(self) -> int:  # type: ignore[override]
+        return self.inplace.unauthenticated + self.socket.unauthenticated
+
+    @unauthenticated.setter
+    def unauthenticated(self, value: int) -> None:
+        pass  # the parts' counters are the truth
 
     @property
     def bytes_sent(self) -> int:  # type: ignore[override]

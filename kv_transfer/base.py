@@ -21,7 +21,8 @@ from types import TracebackType
 import torch
 
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import DTYPE_ITEMSIZE, KVTransferHeader
+from cluster.wire.auth import ClusterSecret
+from kv_transfer.header import DTYPE_ITEMSIZE, KVTransferHeader, sign_header
 
 
 class TransferState(str, enum.Enum):
@@ -113,11 +114,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object | None = None) -> bytes:
-    """The header's wire bytes, with the payload's checksum filled in when the sender left it out (``checksum`` None):
-    socket backends call this on their I/O thread, so the CRC pass (and, for a device payload, its host copy) is off
-    the compute thread. ``ready``: a CUDA event the payload's producer recorded; waited for first. Pure apart from
-    that wait."""
+def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object | None = None, *,
+                  secret: ClusterSecret | None) -> bytes:
+    """The header's wire bytes, with the payload's checksum filled in when the sender left it out (``checksum`` None)
+    and then its MAC under ``secret`` (None: authentication off): socket backends call this on their I/O thread, so
+    the CRC pass (and, for a device payload, its host copy) is off the compute thread. ``ready``: a CUDA event the
+    payload's producer recorded; waited for first. Pure apart from that wait."""
     if header.checksum is None:
         from kv_transfer.header import payload_checksum
         from kv_transfer.layer_parts import tensor_memoryview
@@ -125,7 +127,7 @@ def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object
         if ready is not None:
             ready.synchronize()  # type: ignore[attr-defined]
         header = dataclasses.replace(header, checksum=payload_checksum(tensor_memoryview(payload)))
-    return header.encode()
+    return sign_header(header, secret).encode()
 
 
 def as_bytes(payload: torch.Tensor) -> torch.Tensor:
@@ -229,6 +231,9 @@ class KVTransferBackend(ABC):
         self.bytes_received = 0  # payload bytes of DONE receives
         self._stats_lock = threading.Lock()  # I/O threads of several peers count sends concurrently
         self.peer_errors: dict[str, str] = {}  # receiving side: peer name -> why its channel ended abnormally
+        # receiving side: handshakes and in-place opens dropped for a wrong or missing MAC (parts are checked, and
+        # counted, by their consumer: decode_worker.kv_receiver)
+        self.unauthenticated = 0
 
     @abstractmethod
     def listen(self) -> str:
@@ -280,9 +285,10 @@ class KVTransferBackend(ABC):
     def set_writer_hooks(self, on_open: object, on_end: object, on_gone: object) -> None:
         """Mutates: how the receiving side answers in-place writers (see ``InPlaceBackend``). A no-op here."""
 
-    def open(self, peer_address: str, reservation_id: str, epoch: int) -> None:
-        """Mutates: before the first in-place write of a reservation, have the peer accept this writer for it
-        (``KVTransferError`` if it refuses). A no-op for socket backends."""
+    def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
+        """Mutates: before the first in-place write of a reservation (``nonce``: its grant's, bound into the open's
+        MAC), have the peer accept this writer for it (``KVTransferError`` if it refuses). A no-op for socket
+        backends."""
 
     def end(self, peer_address: str, reservation_id: str) -> None:
         """Mutates: after the last in-place write of a reservation (or instead of any). A no-op for socket backends."""

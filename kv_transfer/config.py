@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from cluster.wire.auth import ClusterSecret
 from cluster.wire.node import is_wildcard, node_ip
 
 BACKENDS = ("torch_dist", "ucx", "shm", "cuda_ipc", "auto", "fake")
@@ -53,6 +54,10 @@ class KVTransferConfig:
     # UCX settings (names without the UCX_ prefix; UCX_* environment variables win). 1 MiB TCP segments instead of
     # the default 8 KiB doubled loopback bandwidth here; they cost that much buffer per connection.
     ucx_options: tuple[tuple[str, str], ...] = (("TCP_TX_SEG_SIZE", "1M"), ("TCP_RX_SEG_SIZE", "1M"))
+    # the cluster secret (cluster.wire.auth): senders MAC every part's header and in-place handshake with it, the
+    # receiver drops what does not verify. None: authentication off. Filled in by the worker from
+    # WorkerConfig.cluster_secret; its repr never shows it.
+    secret: ClusterSecret | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -85,6 +90,8 @@ class KVTransferConfig:
             raise ValueError(f"ucx_options: must be (name, value) string pairs, got {self.ucx_options!r}")
         if self.ucx_payload_path not in UCX_PAYLOAD_PATHS:
             raise ValueError(f"ucx_payload_path: must be one of {UCX_PAYLOAD_PATHS}, got {self.ucx_payload_path!r}")
+        if self.secret is not None and not isinstance(self.secret, ClusterSecret):
+            raise ValueError(f"secret: must be a ClusterSecret or None, got {type(self.secret).__name__}")
         if self.ucx_progress_mode not in UCX_PROGRESS_MODES:
             raise ValueError(f"ucx_progress_mode: must be one of {UCX_PROGRESS_MODES}, got {self.ucx_progress_mode!r}")
 

@@ -76,8 +76,8 @@ class FakeBackend(KVTransferBackend):
             handle.mark_failed(f"no fake endpoint listens at {peer_address!r}")
             return handle
         self._connected.add(peer_address)
-        error = peer.deliver(self.config.name, KVTransferHeader.decode(sealed_header(header, payload)),
-                             as_bytes(payload))
+        sealed = sealed_header(header, payload, secret=self.config.secret)
+        error = peer.deliver(self.config.name, KVTransferHeader.decode(sealed), as_bytes(payload))
         if error is None:
             self._send_done(handle)
         else:

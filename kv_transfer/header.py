@@ -7,6 +7,7 @@ One message = this header + one contiguous payload: one layer's K and V for a ru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass, fields
@@ -14,8 +15,12 @@ from typing import Any
 
 import msgpack
 
-WIRE_VERSION = 3  # bump when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
-# 3: the reservation's epoch, and an optional checksum for parts written in place)
+from cluster.wire import auth
+from cluster.wire.auth import ClusterSecret
+
+WIRE_VERSION = 4  # bump when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
+# 3: the reservation's epoch, and an optional checksum for parts written in place; 4: the reservation's nonce and
+# the header's MAC)
 SCALED_DTYPES = ("float8_e4m3fn",)  # payload dtypes followed by float32 scales, one per (K/V, block, kv head)
 
 # itemsize per dtype name (torch's name without "torch."); a dtype outside this table is refused
@@ -71,8 +76,15 @@ class KVTransferHeader:
     checksum: int | None  # payload_checksum(payload bytes); None only for a part written in place unchecksummed
     model_fingerprint: str  # weights + tokenizer + dtype + KV layout; KV from another model is refused
     epoch: int = 0  # the reservation's epoch on the decode actor (ReserveGrant.epoch): a stale writer never matches
+    nonce: str = ""  # the reservation's nonce (ReserveGrant.nonce): a part authenticated for one reservation fits no
+    # other
+    mac: bytes = b""  # HMAC-SHA256 of every other field under the cluster secret (sign_header); empty: unauthenticated
 
     def __post_init__(self) -> None:
+        if not isinstance(self.nonce, str):
+            raise ValueError(f"nonce: must be a string, got {self.nonce!r}")
+        if not isinstance(self.mac, bytes) or len(self.mac) not in (0, auth.MAC_BYTES):
+            raise ValueError(f"mac: must be empty or {auth.MAC_BYTES} bytes, got {self.mac!r}")
         for name in ("request_id", "reservation_id", "model_fingerprint", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
@@ -102,6 +114,10 @@ class KVTransferHeader:
         if self.dtype not in SCALED_DTYPES or len(self.shape) != 5:
             return 0
         return self.shape[0] * self.shape[1] * self.shape[3] * 4
+
+    def signed_values(self) -> tuple[auth.Value, ...]:
+        """What the MAC covers: every field but ``mac``, in declaration order. Pure."""
+        return tuple(getattr(self, f.name) for f in fields(self) if f.name != "mac")
 
     def encode(self) -> bytes:
         """msgpack bytes of this header. Pure."""
@@ -134,6 +150,19 @@ class KVTransferHeader:
             return cls(**kwargs)
         except ValueError as e:
             raise MalformedHeaderError(f"invalid header: {e}") from e
+
+
+def sign_header(header: KVTransferHeader, secret: ClusterSecret | None) -> KVTransferHeader:
+    """``header`` with its MAC under ``secret`` (call it once the checksum is final); unchanged when ``secret`` is
+    None (authentication off). Pure."""
+    if secret is None:
+        return header
+    return dataclasses.replace(header, mac=auth.sign(secret, "kv-part", *header.signed_values()))
+
+
+def header_authentic(header: KVTransferHeader, secret: ClusterSecret) -> bool:
+    """Whether ``header`` carries the MAC of its fields under ``secret`` (constant-time). Pure."""
+    return auth.verify(secret, header.mac, "kv-part", *header.signed_values())
 
 
 @dataclass(frozen=True)

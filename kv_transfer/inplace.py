@@ -31,18 +31,20 @@ from typing import Any
 import torch
 
 import kernels
+from cluster.wire import auth
 from kernels import copy_between
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeaderError
+from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeaderError, sign_header
 from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, export_cuda, import_cuda, node_id, recv_message,
                                          send_message)
 from kv_transfer.layer_parts import blocks_checksum, part_header
 
 log = logging.getLogger(__name__)
 
-# (writer, reservation id, epoch) -> the reservation's block ids (the writer may write those only), or why refused
-OnOpen = Callable[[str, str, int], "tuple[int, ...] | str"]
+# (writer, reservation id, epoch, nonce) -> the reservation's block ids (the writer may write those only), or why
+# refused
+OnOpen = Callable[[str, str, int, str], "tuple[int, ...] | str"]
 OnEnd = Callable[[str, str], None]  # (writer, reservation id)
 OnGone = Callable[[str], None]  # (writer)
 
@@ -77,7 +79,7 @@ class InPlaceBackend(KVTransferBackend):
         self._hello: dict[str, Any] | None = None
         self._fds: list[int] = []
         self._keep: list[torch.Tensor] = []  # exported tensors that must outlive the channel (the CUDA probe)
-        self._on_open: OnOpen = lambda w, r, e: "this endpoint takes no in-place writers"
+        self._on_open: OnOpen = lambda w, r, e, n: "this endpoint takes no in-place writers"
         self._on_end: OnEnd = lambda w, r: None
         self._on_gone: OnGone = lambda w: None
         self._server: socket.socket | None = None
@@ -110,8 +112,8 @@ class InPlaceBackend(KVTransferBackend):
         self._hello.update(t="hello", kind=self.kind, node=self.node, nonce=nonce)
 
     def set_writer_hooks(self, on_open: OnOpen, on_end: OnEnd, on_gone: OnGone) -> None:  # type: ignore[override]
-        """Mutates: ``on_open(writer, reservation_id, epoch)`` returns the reservation's block ids to accept, or why
-        it refuses;
+        """Mutates: ``on_open(writer, reservation_id, epoch, nonce)`` returns the reservation's block ids to accept, or
+        why it refuses (the open's MAC is checked before it is called);
         ``on_end(writer, reservation_id)``; ``on_gone(writer)`` when a writer's channel closed. Called on channel
         threads."""
         self._on_open, self._on_end, self._on_gone = on_open, on_end, on_gone
@@ -159,9 +161,16 @@ class InPlaceBackend(KVTransferBackend):
         side = self.recv_side
         assert side is not None and self._hello is not None
         try:
+            challenge = auth.challenge()  # the writer MACs it: a recorded hi cannot be replayed for the cache's memory
+            send_message(conn, {"t": "challenge", "c": challenge})
             hi, _ = recv_message(conn)
             if hi["t"] != "hi" or not isinstance(hi.get("writer"), str):
                 raise ValueError(f"expected a writer's hi, got {hi['t']!r}")
+            secret = self.config.secret
+            if secret is not None and not auth.verify(secret, hi.get("mac"), "kv-hi", hi["writer"], challenge):
+                self.unauthenticated += 1
+                send_message(conn, {"t": "refused", "error": "unauthenticated"})
+                raise ValueError(f"writer {hi['writer']!r} did not authenticate (wrong or missing MAC)")
             writer = f"{hi['writer']}#{next(self._serial)}"  # one name per channel: a reconnect is a new writer
             send_message(conn, self._hello, self._fds)
             while True:
@@ -178,6 +187,8 @@ class InPlaceBackend(KVTransferBackend):
                 except (ValueError, KeyError, TypeError) as e:
                     self.peer_errors[writer] = f"bad message: {e}"
                     log.warning("in-place writer %s: message rejected: %s", writer, e)
+                    if msg.get("t") == "open":  # its writer waits for the answer
+                        send_message(conn, {"t": "opened", "rid": msg.get("rid"), "error": f"bad open: {e}"})
         except (OSError, ValueError, KeyError, TypeError) as e:
             if not self._stop.is_set():
                 self.peer_errors[writer or "?"] = f"in-place channel ended: {e}"
@@ -197,14 +208,24 @@ class InPlaceBackend(KVTransferBackend):
                 side.finish(side.new_handle(writer, None, 0), None, f"malformed in-place header: {e}")
                 return
             side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
+        elif msg["t"] == "open" and not self._open_authentic(msg):
+            self.unauthenticated += 1
+            log.warning("in-place writer %s: open of %s dropped: wrong or missing MAC", writer, msg.get("rid"))
+            send_message(conn, {"t": "opened", "rid": msg["rid"], "error": "unauthenticated"})
         elif msg["t"] == "open":
-            got = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]))
+            got = self._on_open(writer, str(msg["rid"]), int(msg["epoch"]), str(msg.get("nonce", "")))
             reply = {"error": got} if isinstance(got, str) else {"error": None, "blocks": list(got)}
             send_message(conn, {"t": "opened", "rid": msg["rid"], **reply})
         elif msg["t"] == "end":
             self._on_end(writer, str(msg["rid"]))
         else:
             raise ValueError(f"unknown message {msg['t']!r}")
+
+    def _open_authentic(self, msg: dict[str, Any]) -> bool:
+        """Whether an ``open`` carries the MAC of its reservation id, nonce and epoch (always, with auth off). Pure."""
+        secret = self.config.secret
+        return secret is None or auth.verify(secret, msg.get("mac"), "kv-open", msg.get("rid"), msg.get("nonce"),
+                                             msg.get("epoch"))
 
     # -- the writer's side ----------------------------------------------------------------------------------------
     def connect(self, peer_address: str) -> None:
@@ -241,8 +262,16 @@ class InPlaceBackend(KVTransferBackend):
         sock.settimeout(self.config.connect_timeout_s)
         try:
             sock.connect(addr.sockaddr)
-            send_message(sock, {"t": "hi", "writer": self.config.name})
+            ch, _ = recv_message(sock)
+            if ch["t"] != "challenge" or not isinstance(ch.get("c"), bytes):
+                raise ValueError(f"expected a challenge, got {ch['t']!r}")
+            hi: dict[str, Any] = {"t": "hi", "writer": self.config.name}
+            if self.config.secret is not None:
+                hi["mac"] = auth.sign(self.config.secret, "kv-hi", self.config.name, ch["c"])
+            send_message(sock, hi)
             hello, fds = recv_message(sock, want_fds=1 if self.kind == "shm" else 0)
+            if hello["t"] != "hello":
+                raise ValueError(f"refused: {hello.get('error')}")
             kv, scales, probe = self._map(hello, fds)
             if bytes(probe.cpu().numpy()) != hello["nonce"]:
                 raise ConnectionError("probe failed: the mapped memory is not the peer's")
@@ -276,12 +305,15 @@ class InPlaceBackend(KVTransferBackend):
             scales = import_cuda(hello["scales"]).view(torch.float32).view(kv.shape[0], 2, kv.shape[2], kv.shape[4])
         return kv, scales, import_cuda(hello["probe"])
 
-    def open(self, peer_address: str, reservation_id: str, epoch: int) -> None:
+    def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
         peer = self._peer(peer_address)
+        msg: dict[str, Any] = {"t": "open", "rid": reservation_id, "epoch": epoch, "nonce": nonce}
+        if self.config.secret is not None:
+            msg["mac"] = auth.sign(self.config.secret, "kv-open", reservation_id, nonce, epoch)
         with peer.rpc_lock:
             try:
                 with peer.send_lock:
-                    send_message(peer.sock, {"t": "open", "rid": reservation_id, "epoch": epoch})
+                    send_message(peer.sock, msg)
                 reply, _ = recv_message(peer.sock)
             except (OSError, EOFError, ValueError) as e:
                 self._break(peer, f"channel closed: {e}")
@@ -380,7 +412,8 @@ class InPlaceBackend(KVTransferBackend):
             if dst.is_cuda:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(dst.device))
-        peer.queue.put((handle, {"t": "part", "h": handle.header.encode()}, event))
+        signed = sign_header(handle.header, self.config.secret)
+        peer.queue.put((handle, {"t": "part", "h": signed.encode()}, event))
         return handle
 
     def _peer_or_fail(self, address: str, handle: TransferHandle) -> _Peer | None:

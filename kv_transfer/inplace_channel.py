@@ -8,10 +8,13 @@ by a 4-byte little-endian length; the decode actor's ``hello`` carries the share
 for ``shm`` or the CUDA IPC handle for ``cuda_ipc``. A writer that cannot connect, or whose probe of the mapped
 memory fails, is not on the decode actor's node: ``auto`` then uses a socket backend.
 
-Messages (``t``): writer -> decode ``hi`` (its name), ``open`` (reservation id, epoch; answered by ``opened`` with an
-error or None), ``part`` (one KVTransferHeader: a layer's blocks for a token range are written), ``end`` (the writer
-will not write this reservation again). Decode -> writer: ``hello`` (kind, node, layout, probe nonce, IPC handle),
-``opened``. EOF means the writer's process is gone (the kernel closes its sockets when it exits, kill -9 included).
+Messages (``t``): decode -> writer ``challenge`` (random bytes, on accept); writer -> decode ``hi`` (its name and,
+with a cluster secret, the MAC of name and challenge: ``cluster.wire.auth``), answered by ``hello`` (kind, node,
+layout, probe nonce, IPC handle) or ``refused`` (no memory is handed to a writer that does not authenticate);
+``open`` (reservation id, epoch, the reservation's nonce and their MAC; answered by ``opened`` with an error or None),
+``part`` (one MACed KVTransferHeader: a layer's blocks for a token range are written), ``end`` (the writer will not
+write this reservation again; the channel is already authenticated). EOF means the writer's process is gone (the
+kernel closes its sockets when it exits, kill -9 included).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import msgpack
 
 KINDS = ("shm", "cuda_ipc")
-CHANNEL_VERSION = 1
+CHANNEL_VERSION = 2  # 2: the challenge, MACs on hi and open
 PROBE_BYTES = 16
 _LEN = struct.Struct("<I")
 MAX_MESSAGE = 1 << 20

@@ -50,6 +50,7 @@ def pack_layer_part(
     model_fingerprint: str,
     scales: torch.Tensor | None = None,
     epoch: int = 0,
+    nonce: str = "",
     checksum: bool = True,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
@@ -68,14 +69,16 @@ def pack_layer_part(
     crc = payload_checksum(tensor_memoryview(payload)) if checksum else None
     header = part_header(k_cache, dst_block_ids, crc, layer=layer,
                          token_start=token_start, token_end=token_end, request_id=request_id,
-                         reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch)
+                         reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch,
+                         nonce=nonce)
     return header, payload
 
 
 def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: int | None, *, layer: int,
                 token_start: int, token_end: int, request_id: str, reservation_id: str, model_fingerprint: str,
-                epoch: int = 0) -> KVTransferHeader:
-    """The header of one layer's part of ``dst_block_ids`` for a cache like ``k_cache``. Pure."""
+                epoch: int = 0, nonce: str = "") -> KVTransferHeader:
+    """The header of one layer's part of ``dst_block_ids`` for a cache like ``k_cache`` (no MAC yet: the backend
+    signs it once its checksum is final). Pure."""
     return KVTransferHeader(
         request_id=request_id,
         reservation_id=reservation_id,
@@ -88,6 +91,7 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: i
         checksum=checksum,
         model_fingerprint=model_fingerprint,
         epoch=epoch,
+        nonce=nonce,
     )
 
 

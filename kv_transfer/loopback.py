@@ -112,7 +112,7 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
         caches = [(kv[i, 0], kv[i, 1]) for i in range(spec.num_layers)]
         backend.export_cache(kv, None, shared)
         every = tuple(range(spec.num_blocks))
-        backend.set_writer_hooks(lambda w, r, e: every, lambda w, r: None, lambda w: None)
+        backend.set_writer_hooks(lambda w, r, e, n: every, lambda w, r: None, lambda w: None)
     conn.send(backend.listen())
     try:
         while True:

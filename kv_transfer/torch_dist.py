@@ -15,8 +15,11 @@ from __future__ import annotations
 import datetime
 import threading
 
+import msgpack
 import torch
 import torch.distributed as dist
+
+from cluster.wire import auth
 
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
 from kv_transfer.config import KVTransferConfig
@@ -68,7 +71,10 @@ class TorchDistBackend(KVTransferBackend):
             if not store.check([key]):  # polled: a timed-out store.wait logs a C++ warning each time
                 self._stop.wait(0.01)
                 continue
-            peer = store.get(key).decode()
+            peer = self._joiner(store.get(key), ticket)
+            if peer is None:  # not a cluster member: no pair group for it (its rendezvous times out on its side)
+                ticket += 1
+                continue
             try:
                 groups = pair_groups(store, f"pair{ticket}", RECEIVER, self.config)
             except Exception as e:
@@ -77,6 +83,24 @@ class TorchDistBackend(KVTransferBackend):
                 self._receivers.append(RecvPair(self.config, peer, groups, side, self.peer_errors))
             ticket += 1
 
+    def _joiner(self, value: bytes, ticket: int) -> str | None:
+        """The joining sender's name, or None (counted) when its join is not authentic. Pure but for the counter."""
+        try:
+            join = msgpack.unpackb(value, raw=False)
+            name = join["name"]
+            if not isinstance(name, str):
+                raise TypeError(f"name {name!r}")
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            self.unauthenticated += 1
+            self.peer_errors[f"ticket{ticket}"] = f"malformed join: {e}"
+            return None
+        secret = self.config.secret
+        if secret is not None and not auth.verify(secret, join.get("mac"), "kv-join", self._address, ticket, name):
+            self.unauthenticated += 1
+            self.peer_errors[name] = "join refused: wrong or missing MAC"
+            return None
+        return name
+
     # -- sending --------------------------------------------------------------------------------------------
     def _connect_pair(self, peer_address: str) -> tuple:
         """Sender side of the rendezvous (runs on the pair's thread): take a ticket, build the groups."""
@@ -84,7 +108,10 @@ class TorchDistBackend(KVTransferBackend):
         store = dist.TCPStore(host, port, is_master=False,
                               timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
         ticket = store.add(_JOIN_COUNTER, 1)
-        store.set(f"pdkv/join/{ticket}", self.config.name)
+        join: dict[str, object] = {"name": self.config.name}
+        if self.config.secret is not None:  # the receiver builds no pair group for a sender that is not a member
+            join["mac"] = auth.sign(self.config.secret, "kv-join", peer_address, ticket, self.config.name)
+        store.set(f"pdkv/join/{ticket}", msgpack.packb(join, use_bin_type=True))
         return pair_groups(store, f"pair{ticket}", SENDER, self.config)
 
     def _pair(self, peer_address: str) -> SendPair:

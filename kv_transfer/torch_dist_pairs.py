@@ -110,7 +110,7 @@ class SendPair:
     def _post(self, head: KVTransferHeader, payload: torch.Tensor, event: Any, nbytes: int) -> list[Any]:
         """Start one message's sends (checksumming the payload first if its header has none); returns [works...,
         tensors to keep alive until they finish]."""
-        header = sealed_header(head, payload, event)
+        header = sealed_header(head, payload, event, secret=self.config.secret)
         _, ctrl, data = self._groups
         env, rest = _envelope(header, nbytes)
         works = [ctrl.send([env], RECEIVER, TAG)]

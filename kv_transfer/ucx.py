@@ -246,7 +246,8 @@ class UCXBackend(KVTransferBackend):
         async with self._lock(peer):  # held only while posting, so messages are posted in order
             while ready is not None and not ready.query():
                 await asyncio.sleep(0.0001)
-            header_bytes = sealed_header(header, payload)  # a missing checksum is computed here, off the caller
+            # a missing checksum (and the MAC over it) is computed here, off the caller
+            header_bytes = sealed_header(header, payload, secret=self.config.secret)
             try:
                 ep = await self._endpoint(peer)
             except Exception as e:

@@ -51,7 +51,9 @@ class PrefillWorker(EngineLoop):
 
         super().__init__(actor_id, engine if engine is not None else load_engine(config))
         self.config = config
-        self.backend = make_backend(dataclasses.replace(kv, name=actor_id, device=str(self.engine.device)))
+        # every part's header (and in-place handshake) is MACed with the cluster secret, which binds the grant's nonce
+        self.backend = make_backend(dataclasses.replace(kv, name=actor_id, device=str(self.engine.device),
+                                                        secret=config.cluster_secret))
         self._jobs: dict[str, _Job] = {}  # loop thread only
         self.corrupt_every = corrupt_every
         self.parts_sent = 0
@@ -80,7 +82,7 @@ class PrefillWorker(EngineLoop):
         peer = msg.grant.kv_endpoint
         job.in_place = self.backend.in_place(peer)
         if job.in_place:  # the decode actor records this writer (and refuses a reservation already gone)
-            self.backend.open(peer, msg.grant.reservation_id, msg.grant.epoch)
+            self.backend.open(peer, msg.grant.reservation_id, msg.grant.epoch, msg.grant.nonce)
 
         def add() -> None:  # also while draining: a proxy may have routed it here before it saw the drain
             params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1})
@@ -165,7 +167,7 @@ class PrefillWorker(EngineLoop):
             src, dst = [s.seq.block_table[j] for j in logical], [job.grant.block_ids[j] for j in logical]
             fields = dict(layer=layer, token_start=logical.start * bs, token_end=s.start + s.num_tokens,
                           request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
-                          model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch)
+                          model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch, nonce=job.grant.nonce)
             self.parts_sent += 1
             corrupt = bool(self.corrupt_every and self.parts_sent % self.corrupt_every == 0)
             if job.in_place:  # straight into the decode actor's blocks: no packing, no socket for the bytes

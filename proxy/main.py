@@ -12,6 +12,7 @@ import sys
 import ray
 from aiohttp import web
 
+from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.node import advertised, is_wildcard, node_ip
 from cluster.wire.ray_address import wait_reachable
 from proxy.openai_protocol import ProtocolConfig
@@ -57,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--advertise-host", default=None,
                     help="the address decode actors reach the token stream at (default: --stream-host, or this "
                          "node's address when that is a wildcard)")
+    ap.add_argument("--no-cluster-auth", action="store_true",
+                    help="accept token-stream messages without a MAC (only for a cluster served with "
+                         "--no-cluster-auth); otherwise the secret comes from PDCLUSTER_CLUSTER_SECRET")
     args = ap.parse_args(argv)
+    secret = None if args.no_cluster_auth else ClusterSecret.from_env()
+    if secret is None and not args.no_cluster_auth:
+        raise SystemExit(f"{ENV_VAR} is not set: give this proxy its cluster's secret, or pass --no-cluster-auth")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s proxy %(levelname)s %(message)s")
     wait_reachable(args.ray_address, timeout_s=300.0, progress=log.info)  # a pod's Ray head may still be starting
     ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
@@ -73,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_waiting=args.max_waiting,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
                   stream_host=stream_host, stream_advertise_host=stream_advertise,
-                  disaggregated=args.disaggregated)
+                  disaggregated=args.disaggregated, stream_secret=secret)
     # bind here, so that port 0 gets a port no other process can take between choosing and binding it
     sock = socket.create_server((args.host, args.port), reuse_port=False)
     port = sock.getsockname()[1]

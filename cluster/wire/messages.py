@@ -436,6 +436,8 @@ class WorkerStats(_Wire):
     role: str  # "prefill" | "decode"
     alive: bool = True
     draining: bool = False  # finishing its work before removal or a flip; gets no new requests
+    # told to stop (SIGTERM): its requests are resumed elsewhere by the proxies, then it exits
+    evacuating: bool = False
     idle: bool = True  # holds no request in any state
     flips: int = 0  # role changes in place so far
     node_ip: str = ""  # the node Ray placed it on
@@ -458,6 +460,8 @@ class WorkerStats(_Wire):
     recomputes: int = 0  # requests whose K/V failed to arrive and whose prompt was computed on the decode actor
     proxy_stalls: int = 0  # proxies that stopped reading tokens (their requests were aborted)
     requests: dict[str, int] = dataclasses.field(default_factory=dict)  # requests held, by intake state (decode)
+    # K/V parts, in-place opens and transfer handshakes dropped for a wrong or missing MAC (decode; cluster.wire.auth)
+    kv_parts_unauthenticated: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.actor_id, str) or not self.actor_id:

@@ -8,6 +8,10 @@ version). The server decodes a whole message before delivering any of it: a mess
 delta that ``TokenDelta.from_dict`` refuses (another wire version included), is counted, logged and dropped whole,
 and the receive loop goes on.
 
+With a cluster secret (``cluster.wire.auth``) each message is the 32-byte MAC of (the proxy's address, the body)
+followed by the body; the server drops and counts (``messages_unauthenticated``) a message whose MAC is wrong or
+missing before decoding anything of it, so only cluster members can put tokens into a client's stream.
+
 The decode actor's end is :class:`TokenSender`. ``send`` only appends to a bounded per-proxy queue; one thread per
 proxy address drains it (coalescing what piled up into one message), so a slow proxy delays nobody else's tokens.
 A proxy is declared *stalled* when its queue is full or one message cannot be handed to zmq within
@@ -35,6 +39,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
+from cluster.wire import auth
+from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import TokenDelta, WireVersionError
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,20 @@ class MalformedTokenMessage(ValueError):
 def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:
     """One wire message for ``deltas``. Pure."""
     return msgpack.packb([d.to_dict() for d in deltas], use_bin_type=True)
+
+
+def seal(secret: ClusterSecret | None, address: str, body: bytes) -> bytes:
+    """The wire message for ``body`` (from :func:`encode_deltas`) bound for the proxy at ``address``: its MAC, then the
+    body; the body as is when ``secret`` is None. Pure."""
+    return body if secret is None else auth.sign(secret, "token-frame", address, body) + body
+
+
+def unseal(secret: ClusterSecret | None, address: str, raw: bytes) -> bytes | None:
+    """The body of a message :func:`seal` made for ``address``, or None when its MAC is wrong or missing. Pure."""
+    if secret is None:
+        return raw
+    mac, body = raw[:auth.MAC_BYTES], raw[auth.MAC_BYTES:]
+    return body if auth.verify(secret, mac, "token-frame", address, body) else None
 
 
 def decode_deltas(raw: bytes) -> list[TokenDelta]:
@@ -88,10 +108,13 @@ class TokenStreamServer:
     Counters (read them, never write): ``messages_received`` (every message, good or not), ``messages_malformed``
     (dropped whole: undecodable, or a delta ``TokenDelta`` refuses), ``messages_wrong_version`` (dropped whole: from a
     peer of another wire version, a rolling upgrade; these are not in ``messages_malformed``), ``deltas_dropped``
-    (well-formed deltas of requests nobody waits for any more: aborted, disconnected, unknown).
+    (well-formed deltas of requests nobody waits for any more: aborted, disconnected, unknown),
+    ``messages_unauthenticated`` (dropped whole, undecoded: a wrong or missing MAC under ``secret``; None: no check).
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 secret: ClusterSecret | None = None) -> None:
+        self._secret = secret
         self._host = host
         self._port = port
         self._advertise = advertise_host or host
@@ -104,6 +127,7 @@ class TokenStreamServer:
         self.messages_malformed = 0
         self.messages_wrong_version = 0
         self.deltas_dropped = 0
+        self.messages_unauthenticated = 0
 
     async def start(self) -> str:
         """Mutates: bind (a free port when ``port`` is 0) and start receiving. Returns the address actors push to."""
@@ -135,8 +159,15 @@ class TokenStreamServer:
         while True:
             raw = await self._sock.recv()
             self.messages_received += 1
+            body = unseal(self._secret, self.address, raw)
+            if body is None:
+                self.messages_unauthenticated += 1
+                if _worth_logging(self.messages_unauthenticated):
+                    log.warning("token stream %s: dropped an unauthenticated message (%d so far)", self.address,
+                                self.messages_unauthenticated)
+                continue
             try:
-                deltas = decode_deltas(raw)
+                deltas = decode_deltas(body)
             except MalformedTokenMessage as e:
                 if e.wrong_version:
                     self.messages_wrong_version += 1
@@ -222,8 +253,10 @@ class TokenSender:
     """
 
     def __init__(self, config: TokenSenderConfig | None = None,
-                 on_stalled: Callable[[str], None] | None = None) -> None:
+                 on_stalled: Callable[[str], None] | None = None, secret: ClusterSecret | None = None) -> None:
+        """``secret``: the cluster secret every message is MACed with (None: unauthenticated)."""
         self.config = config or TokenSenderConfig()
+        self._secret = secret
         self._on_stalled = on_stalled
         self._ctx = zmq.Context()
         self._lock = threading.Lock()
@@ -350,7 +383,7 @@ class TokenSender:
                     batches = list(link.pending)
                     link.pending.clear()
                 deltas = [d for b in batches for d in b]
-                if self._push(sock, link, encode_deltas(deltas)):
+                if self._push(sock, link, seal(self._secret, link.address, encode_deltas(deltas))):
                     with self._lock:
                         self._messages_sent += 1
                         self._deltas_sent += len(deltas)

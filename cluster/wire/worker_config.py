@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cluster.wire.auth import ClusterSecret
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -33,6 +35,9 @@ class WorkerConfig:
     # before it treats the transfer as failed (recompute or fail, by policy)
     kv_wait_s: float = 30.0
     cache_dir: str | None = None
+    # the per-cluster MAC key (cluster.wire.auth) this worker signs and checks K/V parts, in-place handshakes and
+    # token-stream frames with; serve sets it. None: authentication off. Never shown by repr.
+    cluster_secret: ClusterSecret | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "fp8"):
@@ -44,9 +49,13 @@ class WorkerConfig:
         for name in ("reservation_ttl_s", "kv_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.cluster_secret is not None and not isinstance(self.cluster_secret, ClusterSecret):
+            raise ValueError(f"cluster_secret: must be a ClusterSecret or None, got "
+                             f"{type(self.cluster_secret).__name__}")
 
     def engine_kwargs(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("reservation_ttl_s")
         d.pop("kv_wait_s")
+        d.pop("cluster_secret")
         return d

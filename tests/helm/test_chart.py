@@ -7,8 +7,10 @@ a reviewed template change with ``PDCLUSTER_UPDATE_GOLDEN=1 python -m pytest tes
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = {"default": None, "cpu": CHART / "examples" / "values-cpu.yaml", "gpu": CHART / "examples" / "values-gpu.yaml"}
 CRDS = ROOT.parent / "shared" / "k8s" / "crds"
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
+RANDOM_SECRET = re.compile(r"^(  cluster-secret: )\S+$", re.M)
 
 
 def values(name: str) -> dict[str, Any] | None:
@@ -51,6 +54,7 @@ def test_lint_strict(example: str) -> None:
 def test_render_matches_golden(example: str) -> None:
     rendered = render(values(example))
     text = "".join(f"# Source: {path}\n{body.strip()}\n---\n" for path, body in sorted(rendered.items()))
+    text = RANDOM_SECRET.sub(r"\1<random>", text)  # the cluster secret the chart makes is random on each render
     golden = GOLDEN / f"{example}.yaml"
     if os.environ.get("PDCLUSTER_UPDATE_GOLDEN"):
         golden.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +122,7 @@ def test_bad_values_fail_naming_the_key(bad: dict[str, Any], key: str) -> None:
 def test_api_key_secret_and_proxy_probes() -> None:
     objs = objects(render({"apiKey": {"enabled": True, "value": "s3cret"}, "proxy": {"service": {"type": "LoadBalancer",
                            "annotations": {"example.com/lb": "x"}}}}))
-    (secret,) = [o for o in objs if o["kind"] == "Secret"]
+    (secret,) = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-api-key")]
     assert secret["stringData"]["api-key"] == "s3cret"
     (deploy,) = [o for o in objs if o["kind"] == "Deployment"]
     proxy = next(c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "proxy")
@@ -132,3 +136,39 @@ def test_api_key_secret_and_proxy_probes() -> None:
         if spec:
             assert spec["securityContext"]["runAsNonRoot"] is True
             assert all(c["securityContext"]["readOnlyRootFilesystem"] for c in spec["containers"])
+
+
+def _cluster_auth(vals: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The cluster-secret Secrets a render creates, and the serve and proxy containers."""
+    objs = objects(render(vals))
+    secrets = [o for o in objs if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-cluster-secret")]
+    (rc,) = [o for o in objs if o["kind"] == "RayCluster"]
+    (deploy,) = [o for o in objs if o["kind"] == "Deployment"]
+    head = {c["name"]: c for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]}
+    proxy = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+    return secrets, {"serve": head["controller"], "proxy": proxy["proxy"]}
+
+
+def test_cluster_secret_is_made_random_and_injected_into_serve_and_the_proxies() -> None:
+    secrets, containers = _cluster_auth(None)
+    (secret,) = secrets
+    text = base64.b64decode(secret["data"]["cluster-secret"]).decode()
+    assert len(text) == 64 and text.isalnum()
+    assert base64.b64decode(_cluster_auth(None)[0][0]["data"]["cluster-secret"]).decode() != text  # random
+    for name, c in containers.items():
+        (env,) = [e for e in c["env"] if e["name"] == "PDCLUSTER_CLUSTER_SECRET"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "cluster-secret"}, name
+        assert "--no-cluster-auth" not in c["command"], name
+
+
+def test_cluster_secret_from_an_existing_secret_or_off() -> None:
+    secrets, containers = _cluster_auth({"clusterAuth": {"existingSecret": "mine", "secretKey": "k"}})
+    assert secrets == []
+    for c in containers.values():
+        (env,) = [e for e in c["env"] if e["name"] == "PDCLUSTER_CLUSTER_SECRET"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "k"}
+    secrets, containers = _cluster_auth({"clusterAuth": {"enabled": False}})
+    assert secrets == []
+    for c in containers.values():
+        assert "--no-cluster-auth" in c["command"]
+        assert not [e for e in c["env"] if e["name"] == "PDCLUSTER_CLUSTER_SECRET"]

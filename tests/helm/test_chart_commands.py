@@ -4,6 +4,7 @@ chat completion goes through the proxy and is checked, then everything stops. No
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -74,6 +75,12 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
     if not env["PDCLUSTER_CACHE_DIR"]:
         env.pop("PDCLUSTER_CACHE_DIR")  # the image bakes the model under /opt/pdcluster; here, the user's cache
     assert env["RAY_AUTH_MODE"] == "disabled"
+    # the cluster secret as Kubernetes would inject it (from the chart's Secret) into serve and the proxy
+    (cluster_secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-cluster-secret")]
+    refs = [next(e for e in c["env"] if e["name"] == "PDCLUSTER_CLUSTER_SECRET")["valueFrom"]["secretKeyRef"]
+            for c in (containers["controller"], pod["proxy"])]
+    assert all(r == {"name": cluster_secret["metadata"]["name"], "key": "cluster-secret"} for r in refs)
+    env["PDCLUSTER_CLUSTER_SECRET"] = base64.b64decode(cluster_secret["data"]["cluster-secret"]).decode()
     # every process in its own session, stopped by what was started here: never `ray stop`, which stops any Ray
     own = OwnProcesses(env, tmp)
 

@@ -133,3 +133,39 @@ def test_a_gone_proxy_is_reported_and_never_delays_another() -> None:
         await live.close()
 
     asyncio.run(main())
+
+
+def test_with_a_cluster_secret_only_macd_messages_are_delivered() -> None:
+    from cluster.wire import auth
+    from cluster.wire.auth import ClusterSecret
+    from cluster.wire.token_stream import encode_deltas
+
+    secret = ClusterSecret.generate()
+
+    async def main() -> None:
+        server = TokenStreamServer(secret=secret)
+        address = await server.start()
+        q = server.subscribe("r")
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(address)
+        forged = encode_deltas([TokenDelta("r", 0, (666,), "forged", finish_reason="stop")])
+        for raw in (forged,  # no MAC
+                    auth.sign(ClusterSecret.generate(), "token-frame", address, forged) + forged,  # another key
+                    auth.sign(secret, "token-frame", "tcp://elsewhere:1", forged) + forged):  # for another proxy
+            push.send(raw)
+        sender = TokenSender(secret=secret)
+        sender.send(address, [TokenDelta("r", 0, (1,), "a", finish_reason="stop")])
+        got = await _collect(q)
+        assert [d.text for d in got] == ["a"]  # only the member's delta
+        for _ in range(500):  # two connections: the forged messages may be read after the good one
+            if server.messages_unauthenticated == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert server.messages_unauthenticated == 3 and server.messages_malformed == 0 and q.empty()
+        await asyncio.get_running_loop().run_in_executor(None, sender.close, 5.0)
+        push.close(0)
+        ctx.term()
+        await server.close()
+
+    asyncio.run(main())

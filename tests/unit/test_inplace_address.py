@@ -61,12 +61,14 @@ def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_
     decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
     events: list[tuple] = []
     decode.export_cache(mem.kv, None, mem)
-    decode.set_writer_hooks(lambda w, r, e: (0, 1), lambda w, r: events.append(("end", r)),
+    decode.set_writer_hooks(lambda w, r, e, n: (0, 1), lambda w, r: events.append(("end", r)),
                             lambda w: events.append(("gone", w)))
     address = InPlaceAddress.parse(decode.listen())
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address.sockaddr)
+        challenge, _ = recv_message(sock)  # the decode side speaks first (no secret here: the hi needs no MAC)
+        assert challenge["t"] == "challenge" and len(challenge["c"]) == 16
         send_message(sock, {"t": "hi", "writer": "w"})
         hello, fds = recv_message(sock, want_fds=1)
         os.close(fds[0])
@@ -74,7 +76,7 @@ def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_
         send_message(sock, {"t": "bogus"})  # rejected, the channel stays
         send_message(sock, {"t": "open", "rid": "r", "epoch": 1})
         reply, _ = recv_message(sock)
-        assert reply == {"t": "opened", "rid": "r", "error": None, "blocks": [0, 1], "v": 1}
+        assert reply == {"t": "opened", "rid": "r", "error": None, "blocks": [0, 1], "v": 2}
         assert events == [] and "bad message" in decode.peer_errors["w#1"]
     finally:
         sock.close()
@@ -97,7 +99,7 @@ def test_a_packed_fp8_part_sent_in_place_lands_with_its_scales() -> None:
     mem = SharedKVMemory(KVLayout(1, 6, 4, 2, 8, "float8_e4m3fn", scaled=True))
     decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
     decode.export_cache(mem.kv, mem.scales, mem)
-    decode.set_writer_hooks(lambda w, r, e: tuple(range(6)), lambda w, r: None, lambda w: None)
+    decode.set_writer_hooks(lambda w, r, e, n: tuple(range(6)), lambda w, r: None, lambda w: None)
     address = decode.listen()
     writer = InPlaceBackend(KVTransferConfig(backend="shm", name="w"))
     g = torch.Generator().manual_seed(0)

@@ -152,3 +152,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
             medium: Memory
             sizeLimit: {{ $root.Values.kvTransfer.shmSize | default (printf "%dGi" (add1 (int (ceil (float64 ($root.Values.engine.kvCacheGib | default 1)))))) }}
 {{- end -}}
+
+{{- /* the cluster secret (cluster/wire/auth.py) for the containers that hold it: serve (it hands it to the actors
+through Ray) and the proxies */}}
+{{- define "pdcluster.clusterAuthEnv" -}}
+{{- if .Values.clusterAuth.enabled }}
+- name: PDCLUSTER_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdcluster.clusterSecretName" . }}
+      key: {{ .Values.clusterAuth.secretKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "pdcluster.clusterSecretName" -}}
+{{- .Values.clusterAuth.existingSecret | default (printf "%s-cluster-secret" (include "pdcluster.fullname" .)) -}}
+{{- end -}}
