@@ -103,3 +103,18 @@ def test_token_frames_are_bound_to_their_body_and_proxy() -> None:
     assert unseal(SECRET, there, raw[:-1] + b"\x81") is None  # tampered body
     assert unseal(SECRET, there, body) is None and unseal(SECRET, there, b"") is None  # unsealed, empty
     assert seal(None, there, body) == body and unseal(None, there, body) == body  # authentication off
+
+
+def test_metrics_show_both_unauthenticated_counts() -> None:
+    from types import SimpleNamespace
+
+    from proxy.metrics import Metrics, unauthenticated_counts
+
+    stream = SimpleNamespace(messages_unauthenticated=3)  # what the proxy's TokenStreamServer counts
+    reported = SimpleNamespace(kv_parts_unauthenticated=5)  # a decode actor's last WorkerStats
+    pools = SimpleNamespace(decode={"dc-0": SimpleNamespace(name="dc-0", stats=reported),
+                                    "dc-1": SimpleNamespace(name="dc-1", stats=None)})
+    text = Metrics(unauthenticated=lambda: unauthenticated_counts(stream, pools)).render(0, {})
+    assert "pdcluster_token_frames_unauthenticated_total 3" in text.splitlines()
+    assert 'pdcluster_kv_parts_unauthenticated_total{actor="dc-0"} 5' in text.splitlines()
+    assert "dc-1" not in text and "unauthenticated" not in Metrics().render(0, {})
