@@ -118,3 +118,19 @@ def test_metrics_show_both_unauthenticated_counts() -> None:
     assert "pdcluster_token_frames_unauthenticated_total 3" in text.splitlines()
     assert 'pdcluster_kv_parts_unauthenticated_total{actor="dc-0"} 5' in text.splitlines()
     assert "dc-1" not in text and "unauthenticated" not in Metrics().render(0, {})
+
+
+def test_serve_refuses_proxies_elsewhere_without_a_shared_secret(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli import main
+    from cluster.launcher import ServeConfig
+
+    monkeypatch.delenv(auth.ENV_VAR, raising=False)
+    assert main(["serve", "--proxies", "0"]) == 2
+    assert auth.ENV_VAR in capsys.readouterr().err
+    monkeypatch.setenv(auth.ENV_VAR, "short")
+    assert main(["serve"]) == 2 and "cluster secret" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="cluster_auth"):
+        ServeConfig(cluster_auth=False, cluster_secret=SECRET)
+    with pytest.raises(ValueError, match="ServeConfig.cluster_secret"):
+        ServeConfig(worker=WorkerConfig(cluster_secret=SECRET))
