@@ -10,7 +10,9 @@ how proxies and the manager sort them into pools.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -19,6 +21,8 @@ from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
 
 ROLES = ("prefill", "decode")
+EVACUATE_GRACE_S = 30.0  # how long a SIGTERM'd worker waits for its requests to be resumed elsewhere before it exits
+log = logging.getLogger(__name__)
 
 
 class FlexWorker:
@@ -36,6 +40,36 @@ class FlexWorker:
         self.flips = 0
         self.role = role
         self.impl: Any = self._make(role, None)
+        self.evacuating = False
+        try:  # Kubernetes stops a pod with SIGTERM: hand the requests over instead of losing them
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the process's main thread (hosted in a test): no handler
+            pass
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.evacuating:
+            self.evacuating = True
+            threading.Thread(target=self.evacuate, name=f"evacuate-{self.actor_id}", daemon=True).start()
+
+    def evacuate(self, grace_s: float = EVACUATE_GRACE_S, exit_process: bool = True) -> bool:
+        """Mutates: stop taking work and report ``evacuating`` (the proxies resume this actor's requests elsewhere
+        and abort them here), wait until it holds none (at most ``grace_s``), then stop the role and, with
+        ``exit_process``, the process. Returns whether it emptied in time. What SIGTERM runs."""
+        self.evacuating = True
+        log.warning("%s: SIGTERM: draining; proxies resume its requests elsewhere", self.actor_id)
+        deadline = time.monotonic() + grace_s
+        emptied = False
+        try:
+            self.impl.drain()
+            while time.monotonic() < deadline and not (emptied := self.impl.is_idle()):
+                time.sleep(0.1)
+        except Exception:  # the role's loop is gone already: nothing left to hand over
+            log.exception("%s: evacuation", self.actor_id)
+        log.warning("%s: %s; exiting", self.actor_id, "empty" if emptied else f"still busy after {grace_s:.0f}s")
+        self.impl.shutdown()
+        if exit_process:
+            os._exit(0)
+        return emptied
 
     def _make(self, role: str, engine: Any) -> Any:
         if role == "decode":
@@ -77,7 +111,8 @@ class FlexWorker:
 
     def stats(self) -> dict[str, Any]:
         """A :class:`~cluster.wire.messages.WorkerStats` (wire form): what proxies and the pool manager read."""
-        return dataclasses.replace(self.impl.stats(), flips=self.flips, node_ip=self.node_ip).to_dict()
+        return dataclasses.replace(self.impl.stats(), flips=self.flips, node_ip=self.node_ip,
+                                   evacuating=self.evacuating).to_dict()
 
     def drain(self) -> None:
         self.impl.drain()

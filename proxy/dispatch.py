@@ -59,6 +59,11 @@ class DispatchConfig:
         return estimate_blocks(prompt_tokens, min(max_tokens, self.reserve_headroom_tokens), self.block_size, n)
 
 
+def _gone(actor: ActorRef | None) -> bool:
+    """Whether ``actor``'s requests must move: it died, hangs, or was told to stop (SIGTERM). Pure."""
+    return actor is not None and (not actor.alive or (actor.stats is not None and actor.stats.evacuating))
+
+
 class Dispatcher:
     def __init__(self, pools: Pools, gate: AdmissionGate, router: Router, stream: TokenStreamServer,
                  metrics: Metrics, config: DispatchConfig,
@@ -203,7 +208,7 @@ class Dispatcher:
                     else:
                         watch(j, leg)
                 for fut, (j, leg) in list(pending.items()):
-                    if leg.actor is None or leg.actor.alive:
+                    if not _gone(leg.actor):
                         continue
                     del pending[fut]
                     fut.cancel()
@@ -213,8 +218,9 @@ class Dispatcher:
                         leg.ended = True
                         self.release(leg)
                         continue
-                    self._give_up(leg, f"decode actor {leg.actor.name} is gone")
-                    for new in await self._resume(j, leg, f"decode actor {leg.actor.name} died"):
+                    why = f"decode actor {leg.actor.name} " + ("died" if not leg.actor.alive else "is shutting down")
+                    self._give_up(leg, why)
+                    for new in await self._resume(j, leg, why):
                         watch(j, new)
         finally:
             for fut in pending:

@@ -1,0 +1,153 @@
+"""A decode actor that hangs (SIGSTOP) or is told to stop (SIGTERM) loses no stream: the proxy resumes each of its
+completions on the other decode actor from what the client already has, into the same response, and the text equals
+the offline engine's (greedy and seeded). The stopped actor, woken, frees every block; the SIGTERM'd one exits.
+
+(kill -9 of a decode actor under in-place K/V is in test_serve_disaggregated.py.) Its own module: one Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+import ray  # noqa: E402
+
+from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.worker_config import WorkerConfig  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+
+# Seeded draws are keyed by (seed, completion, position), so a resumed completion draws what it would have; its logits
+# come from another forward shape and differ in the last bits, which can move a draw that lands in the long tail of
+# the full vocabulary (a token of p ~ 1e-7), so the seeded streams sample with top-p / top-k as most clients do.
+SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11), dict(temperature=0.0),
+            dict(temperature=1.0, seed=3, extra_top_k=40)]
+MAX_TOKENS = 64
+
+
+def streams(url: str, questions: list[str]) -> tuple[list[threading.Thread], dict[int, str], list[str], list[int]]:
+    """Start one streaming chat per question; returns (threads, texts by index, errors, chunks seen so far)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+    got: dict[int, str] = {}
+    errors: list[str] = []
+    seen = [0] * len(questions)
+
+    def run(i: int) -> None:
+        try:
+            parts = []
+            for ch in client.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": questions[i]}], max_tokens=MAX_TOKENS,
+                    stream=True, extra_body=extra_body(SAMPLING[i % 4]), **openai_kwargs(SAMPLING[i % 4])):
+                if ch.choices:
+                    parts.append(ch.choices[0].delta.content or "")
+                    seen[i] += 1
+            got[i] = "".join(parts)
+        except openai.APIError as e:
+            errors.append(f"{i}: {e}")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    return threads, got, errors, seen
+
+
+def openai_kwargs(s: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in s.items() if not k.startswith("extra_")}
+
+
+def extra_body(s: dict[str, Any]) -> dict[str, Any]:
+    return {"ignore_eos": True, **{k[len("extra_"):]: v for k, v in s.items() if k.startswith("extra_")}}
+
+
+def engine_kwargs(s: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("extra_"): v for k, v in s.items()}
+
+
+def busy_actor(actors: list[Any]) -> tuple[Any, int]:
+    """A decode actor that is running requests now, and its process id."""
+    for _ in range(200):
+        for a in actors:
+            if ray.get(a.stats.remote())["running"] > 0:
+                return a, ray.get(a.info.remote())["pid"]
+        time.sleep(0.05)
+    raise AssertionError("no decode actor is running anything")
+
+
+def offline_texts(questions: list[str]) -> list[str]:
+    llm = LLM("default", kv_cache_gib=0.25)
+    return [llm.chat([[{"role": "user", "content": q}]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                                        **engine_kwargs(SAMPLING[i % 4])))[0].text
+            for i, q in enumerate(questions)]
+
+
+def resumed(url: str) -> int:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return int(next(line for line in text.splitlines() if line.startswith("pdcluster_resumed_total")).split()[1])
+
+
+def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=2, port=0, mode="colocated"))
+    c.start()
+    url = c.urls[0]
+    stopped_pid = None
+    try:
+        # phase 1: SIGSTOP one actor mid-stream; the proxy stops hearing from it (5 s) and resumes its streams
+        questions = [f"Count slowly to {40 + i}." for i in range(4)]
+        threads, got, errors, seen = streams(url, questions)
+        while sum(seen) < 8:
+            time.sleep(0.05)
+        victim, stopped_pid = busy_actor(c.decode_actors)
+        survivor = next(a for a in c.decode_actors if a is not victim)
+        os.kill(stopped_pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(180)
+        assert not errors and len(got) == 4, errors
+        assert time.monotonic() - t0 < 120
+        assert resumed(url) >= 1
+        os.kill(stopped_pid, signal.SIGCONT)  # it wakes up: the proxy's aborts free what it held
+        stopped_pid = None
+        want = offline_texts(questions)
+        assert [got[i] for i in range(4)] == want
+        deadline = time.monotonic() + 30
+        while (counts := ray.get(victim.check_integrity.remote()))["used"] or counts["reserved"]:
+            assert time.monotonic() < deadline, counts
+            time.sleep(0.2)
+
+        # phase 2: SIGTERM the actor now running streams: it drains, they resume on the other, it exits
+        before = resumed(url)
+        questions = [f"List {5 + i} animals, one per line." for i in range(4)]
+        threads, got, errors, seen = streams(url, questions)
+        while sum(seen) < 8:
+            time.sleep(0.05)
+        victim, pid = busy_actor(c.decode_actors)
+        survivor = next(a for a in c.decode_actors if a is not victim)
+        os.kill(pid, signal.SIGTERM)
+        for t in threads:
+            t.join(180)
+        assert not errors and len(got) == 4, errors
+        assert resumed(url) > before
+        assert [got[i] for i in range(4)] == offline_texts(questions)
+        deadline = time.monotonic() + 40
+        while True:  # the evacuated process exits once its requests are gone
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, "the SIGTERM'd actor did not exit"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        counts = ray.get(survivor.check_integrity.remote())
+        assert counts["used"] == 0 and counts["reserved"] == 0, counts
+        c.decode_actors = [survivor]
+    finally:
+        if stopped_pid is not None:
+            os.kill(stopped_pid, signal.SIGCONT)
+        c.stop()
