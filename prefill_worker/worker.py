@@ -170,15 +170,21 @@ class PrefillWorker(EngineLoop):
                           model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch, nonce=job.grant.nonce)
             self.parts_sent += 1
             corrupt = bool(self.corrupt_every and self.parts_sent % self.corrupt_every == 0)
-            if job.in_place:  # straight into the decode actor's blocks: no packing, no socket for the bytes
-                handle = self.backend.write_part(job.grant.kv_endpoint, kv[0], kv[1], src, dst, scales,
-                                                 corrupt=corrupt, **fields)
-            else:
-                # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it first)
-                header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, checksum=corrupt, **fields)
-                if corrupt:
-                    payload.view(-1).view(torch.uint8)[0] ^= 0xFF
-                handle = self.backend.send(job.grant.kv_endpoint, header, payload)
+            try:
+                if job.in_place:  # straight into the decode actor's blocks: no packing, no socket for the bytes
+                    handle = self.backend.write_part(job.grant.kv_endpoint, kv[0], kv[1], src, dst, scales,
+                                                     corrupt=corrupt, **fields)
+                else:
+                    # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it)
+                    header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, checksum=corrupt,
+                                                      **fields)
+                    if corrupt:
+                        payload.view(-1).view(torch.uint8)[0] ^= 0xFF
+                    handle = self.backend.send(job.grant.kv_endpoint, header, payload)
+            except Exception as e:  # e.g. the decode peer died and its route changed: this part fails, the step
+                # (and every other job in it) goes on; the job's result reports the failed part
+                handle = TransferHandle(-1, "send", job.grant.kv_endpoint, None, 0)
+                handle.mark_failed(f"{type(e).__name__}: {e}")
             job.handles.append(handle)
             job.bytes_sent += handle.nbytes
 

@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a request may wait (FIFO) for KV blocks before a 429")
     ap.add_argument("--max-waiting", type=int, default=256,
                     help="requests that may wait for KV blocks at once; more get a 429 at once")
+    ap.add_argument("--reserve-headroom", type=int, default=256,
+                    help="output tokens a request reserves up front per completion, beside its prompt's (decode "
+                         "grows past them on demand and preempts by recompute when its cache runs out)")
+    ap.add_argument("--max-resumes", type=int, default=3,
+                    help="times a prompt's completions may be resumed on another actor (a decode actor died or "
+                         "hung, a prefill actor died) before the request fails")
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     ap.add_argument("--keepalive-timeout", type=float, default=75.0,
@@ -77,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                            vocab_size=int(info["vocab_size"]))
     proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]),
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
-                              max_waiting=args.max_waiting,
+                              max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
+                              max_resumes=args.max_resumes,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
                   stream_host=stream_host, stream_advertise_host=stream_advertise,
                   disaggregated=args.disaggregated, stream_secret=secret)

@@ -8,7 +8,7 @@ non-200 answer, or a stream that ended without ``[DONE]``).
 
 Each round starts a fresh local cluster the way ``pdcluster serve`` does (embedded Ray, the default model, the
 launcher's settings, proxy on a free port), sends ``--streams`` streaming chat requests over HTTP, one every
-``--stagger`` seconds (even ones greedy, odd ones sampled at temperature 0.8 with a seed, so each has exactly one
+``--stagger`` seconds (even ones greedy, odd ones sampled at temperature 0.8, top-p 0.95 with a seed, so each has exactly one
 correct text; every fourth one carries a long prompt, so prefill takes a while), and once the streams have received
 about ``--kill-after-tokens`` tokens in all, sends SIGKILL to the process of the busiest actor of the ``--kill`` role
 (the actor's own pid, from ``FlexWorker.info()``). The reference texts come from the offline engine (``engine.LLM``)
@@ -92,13 +92,16 @@ class Probe:
     content: str
     temperature: float
     seed: int | None
+    # seeded probes sample with top-p: a resumed completion's logits differ from the undisturbed run's in the last
+    # bits (another forward shape), which can move a draw landing in the full vocabulary's long tail (p ~ 1e-7)
+    top_p: float = 1.0
 
     def messages(self) -> list[dict[str, str]]:
         return [{"role": "user", "content": self.content}]
 
     def body(self, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {"model": "default", "messages": self.messages(), "max_tokens": max_tokens,
-                                "temperature": self.temperature, "stream": True}
+                                "temperature": self.temperature, "top_p": self.top_p, "stream": True}
         if self.seed is not None:
             body["seed"] = self.seed
         return body
@@ -113,7 +116,8 @@ def make_probes(n: int) -> list[Probe]:
             numbers = " ".join(str((i * 7919 + 13 * k) % 1000) for k in range(160))
             content = f"Here are some numbers: {numbers}.\n{content}"
         greedy = i % 2 == 0
-        probes.append(Probe(i, content, 0.0 if greedy else 0.8, None if greedy else 1000 + i))
+        probes.append(Probe(i, content, 0.0 if greedy else 0.8, None if greedy else 1000 + i,
+                            1.0 if greedy else 0.95))
     return probes
 
 
@@ -122,7 +126,8 @@ def reference(probes: list[Probe], max_tokens: int) -> list[tuple[str, int]]:
     from engine import LLM, SamplingParams
 
     llm = LLM("default", kv_cache_gib=0.25)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=p.temperature, seed=p.seed) for p in probes]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=p.temperature, seed=p.seed, top_p=p.top_p)
+              for p in probes]
     outs = llm.chat([p.messages() for p in probes], params)
     return [(o.text, len(o.token_ids)) for o in outs]
 

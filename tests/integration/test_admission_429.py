@@ -38,7 +38,7 @@ def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
 
 def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
-                            queue_timeout_s=2.0))
+                            queue_timeout_s=2.0, reserve_headroom_tokens=512))  # reserve every request's max_tokens
     try:
         c.start()
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0)
@@ -81,7 +81,7 @@ def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
 def test_waiting_requests_are_admitted_in_arrival_order() -> None:
     """A small request that would fit does not overtake a big one waiting ahead of it (no starvation)."""
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
-                            queue_timeout_s=60.0))
+                            queue_timeout_s=60.0, reserve_headroom_tokens=512))  # reserve every request's max_tokens
     try:
         c.start()
         url = c.urls[0]
@@ -112,5 +112,43 @@ def test_waiting_requests_are_admitted_in_arrival_order() -> None:
         assert codes == {"big": 200, "small": 200}
         assert done["small"] > released and done["big"] > released
         assert _waiting(url) == 0
+    finally:
+        c.stop()
+
+
+def test_chats_without_max_tokens_all_run_on_growing_reservations() -> None:
+    """Six concurrent chats without max_tokens on one decode actor with 120 blocks (1,920 tokens): each may run to
+    the 8k context, which reserved whole would never fit (a 400). Each reserves its prompt plus the default 256-token
+    headroom and grows as it decodes: all six answer (no 429, no 400) with the offline engine's text, and every block
+    comes back."""
+    import concurrent.futures as cf
+
+    import ray
+
+    from engine import LLM, SamplingParams
+
+    prompts = [f"{q} Answer in one sentence." for q in ("What is the capital of France?", "Name a primary color.",
+                                                        "What is 2 + 2?", "Say hello in Spanish.",
+                                                        "What color is the sky?", "Name a fruit.")]
+    c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=120), decode=1, port=0, mode="colocated",
+                            queue_timeout_s=2.0))
+    try:
+        c.start()
+        client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(p: str) -> str:
+            r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": p}],
+                                               temperature=0)
+            assert r.choices[0].finish_reason == "stop"
+            return r.choices[0].message.content or ""
+
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(ask, prompts))
+        offline = LLM("default", num_kv_blocks=400)
+        want = [o.text for o in offline.chat([[{"role": "user", "content": p}] for p in prompts],
+                                             SamplingParams(max_tokens=1000))]
+        assert got == want
+        counts = ray.get(c.decode_actors[0].check_integrity.remote())
+        assert counts["used"] == 0 and counts["reserved"] == 0, counts
     finally:
         c.stop()
