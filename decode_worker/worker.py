@@ -26,6 +26,7 @@ from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker
 from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
+from decode_worker.projection import OutputLengths, projected_growth
 from decode_worker.reservations import ReservationManager
 from kv_transfer.config import KVTransferConfig
 
@@ -59,6 +60,7 @@ class DecodeWorker(EngineLoop):
         self.reservations_made = 0
         self.recomputes = 0  # requests whose K/V failed to arrive and whose prompt was computed here instead
         self._started = time.monotonic()
+        self._lengths = OutputLengths(initial=128.0)  # finished completions' output lengths: the growth projection
         self.kv_endpoint = ""
         self.receiver = None
         if kv is not None:
@@ -267,6 +269,8 @@ class DecodeWorker(EngineLoop):
         self.tokens_generated += sum(len(d.token_ids) for d in deltas)
         self._queue(rec.request.reply_to, deltas)
         if out.finished:
+            for c in out.outputs:
+                self._lengths.observe(len(c.token_ids))
             rec.advance(S.DONE)
             del self._records[out.request_id], self._trackers[out.request_id]
 
@@ -287,6 +291,8 @@ class DecodeWorker(EngineLoop):
         self._stats = WorkerStats(
             actor_id=self.actor_id, role="decode", draining=self.draining, idle=self._idle(),
             kv=KVCounts(**self.reservations.counts(), cached=self.engine.kv.pool.counts()["cached"]),
+            kv_growth=projected_growth(sched.running, self.engine.config.block_size, self._lengths.expected,
+                                       self.engine.max_model_len),
             running=len(sched.running), waiting=len(sched.waiting), requests=states,
             reservations=self.reservations_made,
             tokens_generated=self.tokens_generated,

@@ -105,13 +105,16 @@ class Pools:
 
     @staticmethod
     def actor_stats(ref: ActorRef, role: str) -> ActorStats:
-        """The router's view of one actor, from its last reported stats (cached prefix blocks count as free). Pure."""
+        """The router's view of one actor, from its last reported stats (cached prefix blocks count as free; the
+        blocks its running sequences are expected to grow into count as reserved). Pure."""
         st = ref.stats
         if st is None:  # not heard from yet: nothing free, nothing queued
             return ActorStats(actor_id=ref.name, role=role, alive=ref.alive)
         kv = st.kv
-        return ActorStats(actor_id=ref.name, role=role, alive=ref.alive, draining=st.draining, kv_blocks_free=kv.free,
-                          kv_blocks_reserved=kv.reserved, kv_blocks_used=kv.used, kv_blocks_total=kv.total,
+        growth = min(st.kv_growth, kv.free)
+        return ActorStats(actor_id=ref.name, role=role, alive=ref.alive, draining=st.draining or st.evacuating,
+                          kv_blocks_free=kv.free - growth,
+                          kv_blocks_reserved=kv.reserved + growth, kv_blocks_used=kv.used, kv_blocks_total=kv.total,
                           num_running=st.running, num_waiting=st.waiting,
                           queued_prefill_tokens=st.queued_prefill_tokens)
 

@@ -444,6 +444,9 @@ class WorkerStats(_Wire):
     kv_address: str = ""  # its KV endpoint (decode): where prefill actors send
     backend: str = ""  # its KV transfer backend (prefill)
     kv: KVCounts = KVCounts()
+    # blocks the running sequences are expected to take beyond those they hold, from the output lengths seen (decode;
+    # admission counts them as taken: decode_worker/projection.py)
+    kv_growth: int = 0
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed (the router's load signal)
