@@ -164,5 +164,7 @@ class Pools:
         """Stop a request on ``actor`` (best effort: a dead actor holds nothing any more)."""
         try:
             await asyncio.wait_for(actor.handle.abort.remote(request_id), self.call_timeout_s)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:  # dead or hung: nothing to do here
+            log.info("abort of %s on %s: the actor is gone (%s)", request_id, actor.name, type(e).__name__)
         except Exception:
             log.exception("abort of %s on %s failed", request_id, actor.name)
