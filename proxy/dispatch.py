@@ -7,7 +7,7 @@ tokens go to the owner. :meth:`Dispatcher.deltas` relays the owners' token delta
 the pool refresh stops hearing from it) it resumes each of its unfinished completions on another decode actor from
 what the client already has (:meth:`~proxy.jobs.Job.resume_requests`), into the same response: the client sees a
 pause, never a repeated or dropped token. A prefill actor that dies mid-prefill has its request retried on another.
-A job fails, with the cause, after ``max_resumes`` resumed legs or when no actor of a role is left.
+A job fails, with the cause, once it has been resumed ``max_resumes`` times or when no actor of a role is left.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class DispatchConfig:
     block_size: int
     disaggregated: bool = False
-    max_resumes: int = 3  # legs a job may start after its first (migrations off dead actors, prefill retries)
+    max_resumes: int = 3  # times a job's legs may be resumed elsewhere (a dead owner, a dead prefill actor)
     # a reservation holds the prompt's blocks plus this many tokens of output; decode grows past it on demand (and
     # preempts by recompute when its cache runs out): a request without max_tokens no longer reserves the context
     reserve_headroom_tokens: int = 256
@@ -151,13 +151,14 @@ class Dispatcher:
         """Continue ``leg``'s unfinished completions on other actors (``leg`` has been given up). Returns the new
         legs. Raises ``APIError`` (503, with ``why``) when the job has used its resumes or no actor is left."""
         started = time.monotonic()
-        reqs = job.resume_requests(leg, lambda: f"{job.req.request_id}.{job.resumes + 1}")
-        if job.resumes + len(reqs) > self.config.max_resumes:
+        if job.resumes >= self.config.max_resumes:
             raise service_unavailable(f"The request was interrupted ({why}) and has been resumed {job.resumes} "
                                       f"times already; giving up.", 1)
+        job.resumes += 1
+        ids = iter(range(len(job.legs), len(job.legs) + job.req.n + 1))  # legs only grow: ids stay unique
+        reqs = job.resume_requests(leg, lambda: f"{job.req.request_id}.{next(ids)}")
         legs = []
         for req in reqs:
-            job.resumes += 1
             log.warning("%s (trace %s): %s; resuming %s after %d tokens as %s", job.req.request_id, job.req.trace_id,
                         why, f"completion {req.choice_index}" if req.resumed else "it", len(req.resume_token_ids),
                         req.request_id)

@@ -58,7 +58,7 @@ class Job:
     choices: list[ChoiceState] = field(default_factory=list)
     usage: Usage | None = None  # from the last delta carrying usage
     error: str | None = None  # a decode actor ended it with an error
-    resumes: int = 0  # legs started after the first one (migrations, retries)
+    resumes: int = 0  # times one of its legs was given up and resumed elsewhere (dead owners, dead prefill actors)
 
     def __post_init__(self) -> None:
         if not self.choices:

@@ -74,7 +74,7 @@ class ProxyConfig:
     queue_timeout_s: float = 10.0  # how long a request may wait (FIFO) for KV blocks before a 429
     max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
     refresh_interval_s: float = 1.0
-    max_resumes: int = 3  # legs a prompt may start after its first (migrations off dead actors, prefill retries)
+    max_resumes: int = 3  # times a prompt's legs may be resumed elsewhere (dead owners, dead prefill actors)
     reserve_headroom_tokens: int = 256  # output tokens reserved up front per completion; decode grows past them
 
 

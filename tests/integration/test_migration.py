@@ -29,7 +29,7 @@ from engine import LLM, SamplingParams  # noqa: E402
 # the full vocabulary (a token of p ~ 1e-7), so the seeded streams sample with top-p / top-k as most clients do.
 SAMPLING = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.95, seed=11), dict(temperature=0.0),
             dict(temperature=1.0, seed=3, extra_top_k=40)]
-MAX_TOKENS = 64
+MAX_TOKENS = 40
 
 
 def streams(url: str, questions: list[str]) -> tuple[list[threading.Thread], dict[int, str], list[str], list[int]]:
@@ -80,11 +80,29 @@ def busy_actor(actors: list[Any]) -> tuple[Any, int]:
     raise AssertionError("no decode actor is running anything")
 
 
-def offline_texts(questions: list[str]) -> list[str]:
-    llm = LLM("default", kv_cache_gib=0.25)
+def offline_texts(llm: LLM, questions: list[str]) -> list[str]:
     return [llm.chat([[{"role": "user", "content": q}]], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True,
                                                                         **engine_kwargs(SAMPLING[i % 4])))[0].text
             for i, q in enumerate(questions)]
+
+
+def signal_mid_stream(actors: list[Any], url: str, questions: list[str], sig: int) -> tuple[Any, int, list[str]]:
+    """Stream one chat per question, send ``sig`` to a decode actor running some of them once chunks flow, and wait
+    for every stream: (the actor, its pid, the texts, all of which must have completed)."""
+    threads, got, errors, seen = streams(url, questions)
+    while sum(seen) < 6:
+        time.sleep(0.05)
+    victim, pid = busy_actor(actors)
+    os.kill(pid, sig)
+    try:
+        for t in threads:
+            t.join(180)
+        assert not errors and len(got) == len(questions), errors  # nothing lost
+    except BaseException:
+        if sig == signal.SIGSTOP:
+            os.kill(pid, signal.SIGCONT)
+        raise
+    return victim, pid, [got[i] for i in range(len(questions))]
 
 
 def resumed(url: str) -> int:
@@ -100,22 +118,12 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
     try:
         # phase 1: SIGSTOP one actor mid-stream; the proxy stops hearing from it (5 s) and resumes its streams
         questions = [f"Count slowly to {40 + i}." for i in range(4)]
-        threads, got, errors, seen = streams(url, questions)
-        while sum(seen) < 8:
-            time.sleep(0.05)
-        victim, stopped_pid = busy_actor(c.decode_actors)
-        survivor = next(a for a in c.decode_actors if a is not victim)
-        os.kill(stopped_pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        for t in threads:
-            t.join(180)
-        assert not errors and len(got) == 4, errors
-        assert time.monotonic() - t0 < 120
+        llm = LLM("default", kv_cache_gib=0.25)
+        victim, stopped_pid, got = signal_mid_stream(c.decode_actors, url, questions, signal.SIGSTOP)
         assert resumed(url) >= 1
         os.kill(stopped_pid, signal.SIGCONT)  # it wakes up: the proxy's aborts free what it held
         stopped_pid = None
-        want = offline_texts(questions)
-        assert [got[i] for i in range(4)] == want
+        assert got == offline_texts(llm, questions)
         deadline = time.monotonic() + 30
         while (counts := ray.get(victim.check_integrity.remote()))["used"] or counts["reserved"]:
             assert time.monotonic() < deadline, counts
@@ -124,17 +132,10 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
         # phase 2: SIGTERM the actor now running streams: it drains, they resume on the other, it exits
         before = resumed(url)
         questions = [f"List {5 + i} animals, one per line." for i in range(4)]
-        threads, got, errors, seen = streams(url, questions)
-        while sum(seen) < 8:
-            time.sleep(0.05)
-        victim, pid = busy_actor(c.decode_actors)
+        victim, pid, got = signal_mid_stream(c.decode_actors, url, questions, signal.SIGTERM)
         survivor = next(a for a in c.decode_actors if a is not victim)
-        os.kill(pid, signal.SIGTERM)
-        for t in threads:
-            t.join(180)
-        assert not errors and len(got) == 4, errors
         assert resumed(url) > before
-        assert [got[i] for i in range(4)] == offline_texts(questions)
+        assert got == offline_texts(llm, questions)
         deadline = time.monotonic() + 40
         while True:  # the evacuated process exits once its requests are gone
             try:
