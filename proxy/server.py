@@ -149,6 +149,8 @@ class Proxy:
             try:
                 await self.pools.refresh()
                 self.gate.refreshed()
+                # the router forgets what it thought a gone (dead, removed, flipped) prefill actor cached
+                self.router.sync([Pools.actor_stats(a, "prefill") for a in self.pools.prefill.values()])
             except Exception:
                 log.exception("pool refresh failed")
             if self._slo_samples:  # the controller judges SLO attainment from what clients saw
