@@ -106,8 +106,18 @@ class FlexWorker:
 
     # -- both roles ----------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        """Static facts of the role (block size, fingerprint, KV address...), its node and its process id."""
-        return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid()}
+        """Static facts of the role (block size, fingerprint, KV address...), its node, its process id and what its
+        prefix-cache block hashes bind besides tokens (hex; a router hashes prompts with it)."""
+        return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid(),
+                "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
+
+    def prefix_events(self, cursor: int) -> dict[str, Any]:
+        """A :class:`~cluster.wire.messages.PrefixEvents` (wire form): what this actor's prefix cache gained and lost
+        after event ``cursor`` (0: everything it caches now). Never waits for the engine loop."""
+        from cluster.wire.messages import PrefixEvents
+
+        b = self.impl.engine.prefix_events.since(cursor)
+        return PrefixEvents(b.next, b.reset, b.added, b.evicted).to_dict()
 
     def stats(self) -> dict[str, Any]:
         """A :class:`~cluster.wire.messages.WorkerStats` (wire form): what proxies and the pool manager read."""

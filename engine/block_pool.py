@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from engine.prefix_events import PrefixEventLog
+
 
 class Block:
     """One physical KV block. Links are owned by :class:`FreeBlockQueue`."""
@@ -81,6 +83,7 @@ class BlockPool:
         self.cached: dict[int, Block] = {}  # block hash -> block holding it (used or cached)
         self.num_hits = 0
         self.num_queries = 0
+        self.events: PrefixEventLog | None = None  # told of every hash registered and evicted (for routers)
 
     # -- counts -----------------------------------------------------------------------------------------------
     @property
@@ -104,6 +107,8 @@ class BlockPool:
             if b.block_hash is not None:
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.events is not None:
+                        self.events.evicted(b.block_hash)
                 b.block_hash = None
                 b.token_ids = None
             b.ref_cnt = 1
@@ -145,6 +150,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        if self.events is not None:
+            self.events.added(block_hash)
 
     # -- invariants ---------------------------------------------------------------------------------------------
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

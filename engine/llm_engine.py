@@ -21,6 +21,7 @@ from engine.model_loader import load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, FP8, ModelRunner, kv_block_bytes
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.philox import derive_seed
+from engine.prefix_events import PrefixEventLog
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
@@ -63,6 +64,10 @@ class LLMEngine:
             kv_block_bytes(mc, config.block_size, kv_dtype))
         extra = f"{self.fingerprint}:{config.block_size}".encode()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
+        self.prefix_hash_extra = extra  # what block hashes bind besides tokens: a router hashes prompts with it
+        # what the prefix cache gains and loses, for routers in other processes
+        self.prefix_events = PrefixEventLog()
+        self.kv.pool.events = self.prefix_events
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

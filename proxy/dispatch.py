@@ -116,9 +116,11 @@ class Dispatcher:
         live = {a.name: a for a in self.pools.live_prefill()}
         if not live:
             raise service_unavailable("No prefill actor is available.", 1)
-        hashes = hash_full_blocks(prompt, self.config.block_size)
+        # hashed as the actors hash their prefix caches (bound to the model), so their reported caches compare
+        extra = bytes.fromhex(next(iter(live.values())).info.get("prefix_hash_extra", ""))
+        hashes = hash_full_blocks(prompt, self.config.block_size, extra)
         choice = self.router.pick_prefill([Pools.actor_stats(a, "prefill") for a in live.values()], hashes,
-                                          self.inflight)
+                                          self.inflight, {a.name: a.cached_hashes for a in live.values()})
         if choice is None:
             raise service_unavailable("No prefill actor is available.", 1)
         self.router.record_prefill(choice.actor_id, hashes)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from cluster.wire.messages import ActorStats, WireVersionError, WorkerStats
+from cluster.wire.messages import ActorStats, PrefixEvents, WireVersionError, WorkerStats
 from cluster.wire.names import MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,17 @@ class ActorRef:
     info: dict[str, Any]
     stats: WorkerStats | None = None  # the last stats it reported
     alive: bool = True
+    cached_hashes: set[int] = field(default_factory=set)  # block hashes its prefix cache holds, from its events
+    prefix_cursor: int = 0  # the last of its prefix events applied to ``cached_hashes``
+
+    def apply_prefix_events(self, ev: PrefixEvents) -> None:
+        """Mutates ``cached_hashes`` and the cursor by one batch of the actor's prefix events."""
+        if ev.reset:
+            self.cached_hashes = set(ev.added)
+        else:
+            self.cached_hashes.update(ev.added)
+            self.cached_hashes.difference_update(ev.evicted)
+        self.prefix_cursor = ev.next
 
 
 class Pools:
@@ -86,6 +97,22 @@ class Pools:
             if new_role != role and new_role in pools and name in pool:
                 pools[new_role][name] = pool.pop(name)
                 ref.info = {**ref.info, "role": new_role}
+        await self._refresh_prefix_caches()
+
+    async def _refresh_prefix_caches(self) -> None:
+        """Mutates: bring each live prefill actor's known cached block hashes up to date from its prefix events (the
+        router scores prefix hits against them). A failed call leaves them as they were until the next refresh."""
+        live = [a for a in self.prefill.values() if a.alive]
+        answers = await asyncio.gather(*(asyncio.wait_for(a.handle.prefix_events.remote(a.prefix_cursor),
+                                                          self.stats_timeout_s) for a in live),
+                                       return_exceptions=True)
+        for ref, raw in zip(live, answers):
+            if isinstance(raw, BaseException):
+                continue
+            try:
+                ref.apply_prefix_events(PrefixEvents.from_dict(raw))
+            except ValueError as e:  # WireVersionError included: never guess
+                log.warning("prefix events of %s: %s", ref.name, e)
 
     async def report_latencies(self, samples: list[tuple[float, float]]) -> None:
         """Hand finished requests' (TTFT, TPOT) to the pool manager, if this cluster has one (best effort)."""

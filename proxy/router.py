@@ -7,9 +7,11 @@ Prefill: each prefill actor P gets
 
     score(P) = block_size * cached_blocks(P) - queue_penalty * (queued_prefill_tokens(P) + pending_tokens(P))
 
-where ``cached_blocks(P)`` is how many of the request's *leading* block hashes P has recently prefilled (the hashes
-are chained, so only a leading run can hit P's prefix cache) and the queued/pending tokens are the prompt tokens P
-must get through before ours. With ``queue_penalty = 1`` the score is minus P's estimated work before our first
+where ``cached_blocks(P)`` is how many of the request's *leading* block hashes P holds (the hashes are chained, so
+only a leading run can hit P's prefix cache): P's real prefix cache as its add/evict events last reported it
+(``engine.prefix_events``, applied by the proxy's pool refresh), or, for prompts routed to P since (not yet in its
+events), what this router recorded sending there; and the queued/pending tokens are the prompt tokens P must get
+through before ours. With ``queue_penalty = 1`` the score is minus P's estimated work before our first
 token, up to a constant: ``queued + (prompt - cached)``, i.e. the time-to-first-token estimate at equal prefill
 speed. Raising ``queue_penalty`` trades cache hits for load balance. Actors above ``max_queued_prefill_tokens`` are
 skipped while any actor is below it. Highest score wins; ties go to less queued work, fewer requests, then the id.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from cluster.wire.messages import ActorStats
@@ -120,15 +123,27 @@ class Router:
         """``pick_decode_actor``. Pure."""
         return pick_decode_actor(actors, n_blocks, pending_blocks)
 
-    def cached_blocks(self, actor_id: str, block_hashes: Sequence[int]) -> int:
-        """Leading blocks of a request that ``actor_id`` has recently seen. Pure."""
+    def cached_blocks(self, actor_id: str, block_hashes: Sequence[int],
+                      cached: Mapping[str, AbstractSet[int]] | None = None) -> int:
+        """Leading blocks of a request that ``actor_id`` holds: in its reported prefix cache (``cached``: actor ->
+        hashes) or among those recently routed to it, whichever run is longer. Pure."""
         seen = self._seen.get(actor_id)
-        return 0 if seen is None else seen.leading_overlap(block_hashes)
+        recent = 0 if seen is None else seen.leading_overlap(block_hashes)
+        held = (cached or {}).get(actor_id)
+        real = 0
+        if held:
+            for h in block_hashes:
+                if h not in held:
+                    break
+                real += 1
+        return max(recent, real)
 
     def pick_prefill(self, actors: Iterable[ActorStats], block_hashes: Sequence[int],
-                     pending_tokens: Mapping[str, int] | None = None) -> PrefillChoice | None:
+                     pending_tokens: Mapping[str, int] | None = None,
+                     cached: Mapping[str, AbstractSet[int]] | None = None) -> PrefillChoice | None:
         """The best schedulable prefill actor for a request whose full blocks hash to ``block_hashes``; None if no
-        actor is schedulable. ``pending_tokens``: prompt tokens this proxy sent each actor since its stats. Pure."""
+        actor is schedulable. ``pending_tokens``: prompt tokens this proxy sent each actor since its stats;
+        ``cached``: each actor's reported prefix-cache hashes. Pure."""
         cfg, pending = self.config, pending_tokens or {}
         live = [a for a in actors if a.schedulable]
         loads = {a.actor_id: a.queued_prefill_tokens + pending.get(a.actor_id, 0) for a in live}
@@ -137,11 +152,11 @@ class Router:
             live = under or live
         best: tuple[tuple[float, int, int, str], PrefillChoice] | None = None
         for a in live:
-            cached = self.cached_blocks(a.actor_id, block_hashes)
-            score = prefill_score(cached, loads[a.actor_id], cfg.block_size, cfg.queue_penalty)
+            hit = self.cached_blocks(a.actor_id, block_hashes, cached)
+            score = prefill_score(hit, loads[a.actor_id], cfg.block_size, cfg.queue_penalty)
             key = (-score, loads[a.actor_id], a.num_running + a.num_waiting, a.actor_id)
             if best is None or key < best[0]:
-                best = (key, PrefillChoice(a.actor_id, cached, score))
+                best = (key, PrefillChoice(a.actor_id, hit, score))
         return None if best is None else best[1]
 
     def record_prefill(self, actor_id: str, block_hashes: Sequence[int]) -> None:

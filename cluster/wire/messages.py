@@ -400,6 +400,27 @@ class ActorStats(_Wire):
 
 
 @dataclass(frozen=True)
+class PrefixEvents(_Wire):
+    """Actor -> proxy: what its prefix cache gained and lost since the proxy's cursor (``engine.prefix_events``). With
+    ``reset``, ``added`` is the whole cached set: the reader forgets everything else it thought the actor cached."""
+
+    next: int  # the cursor to ask with next time
+    reset: bool = False
+    added: tuple[int, ...] = ()  # block hashes (engine.block_hash, bound to the model by the actor's hash extra)
+    evicted: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_int("PrefixEvents", "next", self.next)
+        if not isinstance(self.reset, bool):
+            raise ValueError(f"PrefixEvents.reset: must be a bool, got {self.reset!r}")
+        for name in ("added", "evicted"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"PrefixEvents.{name}: must be a list")
+            _set(self, name, tuple(getattr(self, name)))
+            _check_ids("PrefixEvents", name, getattr(self, name))
+
+
+@dataclass(frozen=True)
 class KVCounts(_Wire):
     """A worker's KV blocks: ``free + reserved + used == total``. ``free`` includes evictable prefix-cache blocks
     (a reservation may take them); ``cached`` says how many of the free ones hold a cached prefix."""
