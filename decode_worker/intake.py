@@ -79,16 +79,33 @@ class IntakeRecord:
     nonce: str = ""  # random, issued at reserve: authenticated K/V parts bind it, so none is replayed elsewhere
     writer: str | None = None  # the in-place writer that opened it (None: none, or parts come over a socket)
     writer_open: bool = False  # that writer may still write into the blocks
+    # leading blocks of ``block_ids`` that are this actor's own prefix-cache blocks holding the prompt's first
+    # ``cached * block_size`` tokens: pinned (one reference each) at reserve, never written, not sent by the prefill
+    cached: int = 0
+    cached_tokens: int = 0  # = cached * block_size: every layer starts covered up to here
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.num_layers < 1:
             raise ValueError(f"prompt_len/num_layers: must be >= 1, got {self.prompt_len}/{self.num_layers}")
+        if not 0 <= self.cached < len(self.block_ids) or not 0 <= self.cached_tokens < self.prompt_len:
+            raise ValueError(f"cached: {self.cached} blocks / {self.cached_tokens} tokens must leave a block and a "
+                             f"token of the prompt ({self.prompt_len}) to send")
         if not self.covered:
-            self.covered = [0] * self.num_layers
+            self.covered = [self.cached_tokens] * self.num_layers
 
     @property
     def num_blocks(self) -> int:
-        return len(self.block_ids)
+        """Blocks reserved for the K/V to come (the pinned prefix-cache blocks are not among them)."""
+        return len(self.block_ids) - self.cached
+
+    @property
+    def writable_ids(self) -> tuple[int, ...]:
+        """The blocks a writer may write: ``block_ids`` past the pinned prefix-cache blocks. Pure."""
+        return self.block_ids[self.cached:]
+
+    @property
+    def pinned_ids(self) -> tuple[int, ...]:
+        return self.block_ids[: self.cached]
 
     @property
     def pending(self) -> bool:

@@ -98,6 +98,9 @@ class KVReceiver:
             try:
                 if not 0 <= header.layer < rec.num_layers:
                     raise ValueError(f"layer {header.layer} outside [0, {rec.num_layers})")
+                if header.token_start < rec.cached_tokens or not set(header.block_ids).isdisjoint(rec.pinned_ids):
+                    raise ValueError(f"tokens [{header.token_start}, ...) reach the {rec.cached} prefix blocks held "
+                                     "here, which are never written")
                 layer = self.engine.kv_layer(header.layer)
                 scales = self.engine.kv_layer_scales(header.layer)
                 if handle.in_place:
@@ -136,7 +139,7 @@ class KVReceiver:
                 return "unauthenticated: the nonce is not this reservation's"
             why = self._reservations.open_writer(reservation_id, epoch, writer)
             rec = self._reservations.get(reservation_id)
-            return why if why is not None or rec is None else rec.block_ids
+            return why if why is not None or rec is None else rec.writable_ids
 
     def _writer_end(self, writer: str, reservation_id: str) -> None:
         with self._lock:

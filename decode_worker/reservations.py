@@ -6,7 +6,9 @@ pending ones and keeps the block accounting.
 
 Accounting. Every block of the wrapped :class:`~engine.block_pool.BlockPool` is in exactly one bucket:
 
-- ``reserved``: held by a pending reservation (allocated from the pool with ``ref_cnt == 1`` and no prefix hash);
+- ``reserved``: held by a pending reservation for K/V to come (allocated from the pool with ``ref_cnt == 1`` and no
+  prefix hash). A reservation may also pin prefix-cache blocks already holding its prompt's head (a reference each,
+  never written): those count as ``used``;
 - ``used``: held by running sequences (everything else the pool counts as used, including blocks of committed
   reservations, which from :meth:`ReservationManager.commit` on belong to the sequence that the caller builds);
 - ``free``: ``ref_cnt == 0``. This *includes* evictable prefix-cache blocks: they sit in the pool's free list and a
@@ -28,6 +30,7 @@ import heapq
 import math
 import secrets
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
@@ -79,17 +82,23 @@ class ReservationManager:
                 "quarantined": sum(len(b) for _, b in self._quarantine.values())}
 
     def held_blocks(self) -> list[int]:
-        """Every block this manager holds a reference to: pending reservations' and quarantined ones. Pure."""
+        """Every block this manager holds a reference to, once per reference: pending reservations' (their pinned
+        prefix-cache blocks included) and quarantined ones. Pure."""
         return [b for r in self._by_id.values() for b in r.block_ids] + \
             [b for _, blocks in self._quarantine.values() for b in blocks]
 
     # -- mutations --------------------------------------------------------------------------------------------
     def reserve(self, request_id: str, num_blocks: int, ttl_s: float, now: float, prompt_len: int = 1,
-                num_layers: int = 1, request: Any = None) -> IntakeRecord | None:
+                num_layers: int = 1, request: Any = None, prefix: Sequence[Block] = (),
+                block_size: int = 1) -> IntakeRecord | None:
         """Mutates: take ``num_blocks`` blocks for ``request_id`` until ``now + ttl_s``; the record expects K/V for
         ``prompt_len`` tokens in each of ``num_layers`` layers and serves ``request``.
 
-        Returns None, changing nothing, when fewer than ``num_blocks`` blocks are available. Raises ``ValueError`` on
+        ``prefix``: this pool's prefix-cache blocks already holding the prompt's first ``len(prefix)`` blocks (of
+        ``block_size`` tokens): they are pinned (one reference each) as the reservation's first blocks, count as used
+        (not reserved), are never written and need no K/V; the rest come fresh from the pool.
+
+        Returns None, changing nothing, when fewer than the fresh blocks are available. Raises ``ValueError`` on
         bad arguments or when ``request_id`` already has a pending reservation.
         """
         if not isinstance(request_id, str) or not request_id:
@@ -102,14 +111,22 @@ class ReservationManager:
         _check_time("now", now)
         if request_id in self._by_request:
             raise ValueError(f"request_id: {request_id!r} already holds reservation {self._by_request[request_id]}")
-        if num_blocks > self.pool.num_available:
+        prefix = list(prefix)[: max(0, min(num_blocks - 1, (prompt_len - 1) // max(1, block_size)))]
+        if any(b.block_hash is None for b in prefix):
+            raise ValueError("prefix: only prefix-cache blocks (with a hash) can be pinned")
+        self.pool.touch(prefix)  # pinned first, so the allocation below cannot evict them
+        fresh = num_blocks - len(prefix)
+        if fresh > self.pool.num_available:
+            self.pool.free(reversed(prefix))
             return None
-        blocks = self.pool.allocate(num_blocks)  # evicts cached prefix blocks if it must; each gets ref_cnt 1
+        blocks = self.pool.allocate(fresh)  # evicts cached prefix blocks if it must; each gets ref_cnt 1
         self._epoch += 1
         reservation = IntakeRecord(
             reservation_id=f"rsv-{uuid.uuid4().hex}",  # random, so a stale message never matches a later reservation
             request_id=request_id,
-            block_ids=tuple(b.block_id for b in blocks),
+            block_ids=tuple(b.block_id for b in prefix + blocks),
+            cached=len(prefix),
+            cached_tokens=len(prefix) * block_size,
             expires_at=float(now) + float(ttl_s),
             ttl_s=float(ttl_s),
             prompt_len=prompt_len,
@@ -120,7 +137,7 @@ class ReservationManager:
         )
         self._by_id[reservation.reservation_id] = reservation
         self._by_request[request_id] = reservation.reservation_id
-        self._num_reserved += num_blocks
+        self._num_reserved += fresh
         self._push_expiry(reservation)
         return reservation
 
@@ -158,16 +175,17 @@ class ReservationManager:
         """Mutates: end a pending reservation in ``state`` (ABORTED or EXPIRED); its blocks go back to the free list
         at once, or, while an in-place writer has it open, into quarantine until that writer ends it or is gone.
 
-        Returns the freed block ids (none when quarantined). Raises ``KeyError`` if the reservation is not pending (already released,
+        Returns the freed block ids (only the unpinned prefix-cache ones when quarantined). Raises ``KeyError`` if the reservation is not pending (already released,
         committed, expired or never made).
         """
         reservation = self._pop_pending(reservation_id, "release", remove=True)
         reservation.advance(state, why)
+        self._free(reservation.pinned_ids)  # never written: unpinned at once, whatever a writer does
         if reservation.writer_open and reservation.writer is not None:  # a late in-place write may still come
-            self._quarantine[reservation_id] = (reservation.writer, reservation.block_ids)
+            self._quarantine[reservation_id] = (reservation.writer, reservation.writable_ids)
             self._num_reserved += reservation.num_blocks
-            return ()
-        self._free(reservation.block_ids)
+            return reservation.pinned_ids
+        self._free(reservation.writable_ids)
         return reservation.block_ids
 
     def open_writer(self, reservation_id: str, epoch: int, writer: str) -> str | None:
@@ -262,8 +280,13 @@ class ReservationManager:
         if min(c.values()) < 0 or c["free"] + c["reserved"] + c["used"] != c["total"]:
             raise AssertionError(f"reservation accounting broken: {c}")
         seen: set[int] = set()
-        held = [(rid, r.block_ids) for rid, r in self._by_id.items()] + \
+        held = [(rid, r.writable_ids) for rid, r in self._by_id.items()] + \
             [(rid, blocks) for rid, (_, blocks) in self._quarantine.items()]
+        for rid, r in self._by_id.items():
+            for bid in r.pinned_ids:
+                if self.pool.blocks[bid].ref_cnt < 1 or self.pool.blocks[bid].block_hash is None:
+                    raise AssertionError(f"pinned prefix block {bid} of {rid}: ref_cnt "
+                                         f"{self.pool.blocks[bid].ref_cnt}, hash {self.pool.blocks[bid].block_hash}")
         for rid, r in self._by_id.items():
             if r.reservation_id != rid or self._by_request.get(r.request_id) != rid:
                 raise AssertionError(f"reservation indexes disagree about {rid}")

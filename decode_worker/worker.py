@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from cluster.engine_loop import EngineLoop, LoopStopped, load_engine
@@ -110,7 +111,7 @@ class DecodeWorker(EngineLoop):
         def check() -> dict[str, int]:
             with self._intake_lock:
                 self.reservations.check_integrity()
-                held = {b: 1 for b in self.reservations.held_blocks()}
+                held = dict(Counter(self.reservations.held_blocks()))  # a prefix block pinned twice: 2
                 self.engine.scheduler.check_integrity(held)
                 return self.reservations.counts()
 
@@ -127,21 +128,24 @@ class DecodeWorker(EngineLoop):
             raise ValueError(f"request_id: {req.request_id!r} is already reserved here")
         self.engine.validate(list(req.prompt_token_ids), SamplingParams(**req.sampling_kwargs()))
         ttl = msg.ttl_s or self.config.reservation_ttl_s
+        # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
+        prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(list(req.prompt_token_ids))
         with self._intake_lock:
             rec = self.reservations.reserve(req.request_id, msg.num_blocks, ttl, time.monotonic(),
-                                            len(req.prompt_token_ids), self.engine.model_config.num_layers, req)
+                                            len(req.prompt_token_ids), self.engine.model_config.num_layers, req,
+                                            prefix, self.engine.config.block_size)
         if rec is None:
             return None
         self.reservations_made += 1
         self._records[req.request_id] = rec
         self._trackers[req.request_id] = DeltaTracker.for_request(req)
         log.info("reserve %s (trace %s): %d blocks, %s", req.request_id, req.trace_id, rec.num_blocks,
-                 "colocated" if msg.colocated else "awaiting KV")
+                 "colocated" if msg.colocated else f"awaiting KV ({rec.cached} prefix blocks held here)")
         if msg.colocated:
             with self._intake_lock:
                 self._start(rec, None)
         return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
-                            ttl, rec.epoch, rec.nonce).to_dict()
+                            ttl, rec.epoch, rec.nonce, rec.cached).to_dict()
 
     def _prefilled(self, result: PrefillResult) -> None:
         rec = self._records.get(result.request_id)
@@ -195,17 +199,21 @@ class DecodeWorker(EngineLoop):
             kwargs["seed"] = result.seed  # keep drawing from the stream the prefill actor started
         params = SamplingParams(**kwargs)
         blocks = list(self.reservations.commit(rec.reservation_id))
+        pinned = rec.cached
+        pool = self.engine.kv.pool
         try:
             if result is None or recompute:  # computed here; a resumed completion continues after its tokens
+                pool.free(pool.blocks[b] for b in reversed(blocks[:pinned]))  # the engine finds the cache itself
+                blocks, pinned = blocks[pinned:], 0
                 self.engine.add_request(req.request_id, list(req.prompt_token_ids), params, block_ids=blocks,
                                         output_prefix=list(req.resume_token_ids), choice_index=req.choice_index)
             else:
                 lps = None if result.first_logprobs is None else [dict(p) for p in result.first_logprobs]
                 out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
-                                                        list(result.first_token_ids), blocks, lps)
+                                                        list(result.first_token_ids), blocks, lps, pinned=pinned)
                 self._emit(out)
         except ValueError as e:
-            self.engine.kv.pool.free(self.engine.kv.pool.blocks[b] for b in blocks)
+            pool.free(pool.blocks[b] for b in blocks)
             rec.advance(S.ABORTED, str(e))
             self._fail(rec, f"the decode actor refused the request: {e}")
 

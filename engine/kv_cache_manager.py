@@ -48,6 +48,23 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def lookup_prefix(self, token_ids: list[int]) -> list[Block]:
+        """The prefix-cache blocks holding the longest run of ``token_ids``' leading full blocks, leaving at least the
+        last token out (its K/V comes with its logits). Pure (apart from hit statistics)."""
+        if not self.enable_caching:
+            return []
+        bs = self.block_size
+        hits: list[Block] = []
+        parent = NONE_HASH
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = token_ids[i * bs : (i + 1) * bs]
+            parent = hash_block(parent, chunk, self.hash_extra)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block]) -> bool:
         """Whether :meth:`allocate_slots` would succeed. Pure."""
         return self._blocks_needed(seq, num_new_tokens, computed) <= self.pool.num_available - sum(
@@ -109,14 +126,18 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
 
-    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
+    def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int, pinned: int = 0) -> None:
         """Mutates: ``seq`` takes over blocks already allocated for it (ref 1, e.g. a committed reservation) whose
-        first ``num_computed_tokens`` slots hold valid K/V (e.g. received from a prefill actor)."""
+        first ``num_computed_tokens`` slots hold valid K/V (e.g. received from a prefill actor). The first ``pinned``
+        may be shared prefix-cache blocks instead: the caller's reference on each passes to ``seq``."""
         if seq.block_table:
             raise ValueError(f"block_ids: sequence {seq.seq_id} already holds blocks")
         if cdiv(num_computed_tokens, self.block_size) > len(block_ids):
             raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold {num_computed_tokens} tokens")
-        for b in block_ids:
+        for b in block_ids[:pinned]:
+            if self.pool.blocks[b].ref_cnt < 1 or self.pool.blocks[b].block_hash is None:
+                raise ValueError(f"block_ids: block {b} is not a pinned prefix-cache block")
+        for b in block_ids[pinned:]:
             if self.pool.blocks[b].ref_cnt != 1:
                 raise ValueError(f"block_ids: block {b} is not a freshly allocated block (ref_cnt {self.pool.blocks[b].ref_cnt})")
         seq.block_table = list(block_ids)

@@ -177,6 +177,7 @@ class LLMEngine:
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_tokens: list[int],
         block_ids: list[int], first_logprobs: list[dict[int, float]] | None = None, arrival: float | None = None,
+        pinned: int = 0,
     ) -> RequestOutput:
         """Decode side of disaggregation: join a request whose prompt K/V already sits in ``block_ids`` (allocated
         in this engine's pool, e.g. a committed reservation) and whose first tokens were sampled by a prefill actor:
@@ -185,7 +186,8 @@ class LLMEngine:
         Takes ownership of the blocks; with ``n > 1`` the completions share the prompt's blocks copy-on-write and the
         blocks past the prompt go back to the pool (each completion allocates its own as it grows). Returns the
         output after the first tokens (finished if they already stop). Raises ``ValueError`` (changing nothing) if
-        the request is invalid.
+        the request is invalid. ``pinned``: the first blocks are this engine's prefix-cache blocks (held with one
+        reference each, which passes to the request), the rest fresh.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -199,7 +201,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
                          arrival=arrival, seed=seed) for i in range(params.n)]
-        self._adopt_reserved(seqs[0], block_ids, len(ids))
+        self._adopt_reserved(seqs[0], block_ids, len(ids), pinned)
         req = _Request(request_id, ids, seqs,
                        [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs],
                        [""] * len(seqs))
@@ -217,14 +219,15 @@ class LLMEngine:
             del self._requests[request_id]
         return out
 
-    def _adopt_reserved(self, parent: Sequence, block_ids: list[int], num_computed_tokens: int) -> None:
+    def _adopt_reserved(self, parent: Sequence, block_ids: list[int], num_computed_tokens: int,
+                        pinned: int = 0) -> None:
         """Mutates: ``parent`` takes over blocks reserved for its request. With ``n > 1`` it keeps only the prompt's:
         its children will share every block it holds, and copy-on-write copies only a table's last block, so a
         shared block past the prompt would be written by every completion; the rest go back to the pool."""
         n = parent.params.n
         keep = len(block_ids) if n == 1 else cdiv(len(parent.prompt_token_ids), self.config.block_size)
-        if num_computed_tokens:  # K/V received for the whole prompt
-            self.kv.adopt(parent, block_ids[:keep], num_computed_tokens)
+        if num_computed_tokens:  # K/V received for the whole prompt (its head maybe from this prefix cache)
+            self.kv.adopt(parent, block_ids[:keep], num_computed_tokens, pinned)
         else:  # computed here (colocated, recompute): a cached prefix still counts
             self.kv.adopt_with_prefix(parent, block_ids[:keep])
         self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))

@@ -164,6 +164,9 @@ class PrefillWorker(EngineLoop):
             if job is None or s.seq.index != 0:
                 continue
             logical = s.export_range(bs)
+            if logical.stop <= job.grant.cached_blocks:  # the decode actor holds these blocks already
+                continue
+            logical = range(max(logical.start, job.grant.cached_blocks), logical.stop)
             src, dst = [s.seq.block_table[j] for j in logical], [job.grant.block_ids[j] for j in logical]
             fields = dict(layer=layer, token_start=logical.start * bs, token_end=s.start + s.num_tokens,
                           request_id=job.request.request_id, reservation_id=job.grant.reservation_id,

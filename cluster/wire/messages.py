@@ -218,6 +218,9 @@ class ReserveGrant(_Wire):
     ttl_s: float  # how long the decode actor waits for K/V (a duration: clocks are not compared across hosts)
     epoch: int = 0  # the reservation's epoch on the decode actor, carried by every K/V part written for it
     nonce: str = ""  # random per reservation, issued at reserve: bound into every authenticated K/V part (no replay)
+    # the first ``cached_blocks`` of ``block_ids`` already hold the prompt's head (the decode actor's own prefix
+    # cache, pinned at reserve): a prefill actor sends the K/V of the blocks after them only
+    cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("reservation_id", "request_id", "decode_actor_id"):
@@ -237,6 +240,10 @@ class ReserveGrant(_Wire):
             raise ValueError(f"ReserveGrant.ttl_s: must be a finite number > 0, got {self.ttl_s!r}")
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise ValueError(f"ReserveGrant.epoch: must be an int >= 0, got {self.epoch!r}")
+        _check_int("ReserveGrant", "cached_blocks", self.cached_blocks)
+        if self.cached_blocks >= len(self.block_ids):
+            raise ValueError(f"ReserveGrant.cached_blocks: {self.cached_blocks} of {len(self.block_ids)} blocks "
+                             "leaves nothing to send")
 
     @property
     def num_blocks(self) -> int:

@@ -59,6 +59,15 @@ BACKENDS = ["shm", "torch_dist"] + (["ucx"] if importlib.util.find_spec("ucxx") 
 def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: LLM) -> None:
     cluster = run_cluster(backend)
     try:
+        # the same prompt twice: the second time the decode actor holds its head in its prefix cache (pinned at
+        # reserve), so the prefill actor sends only the blocks after it, and the text is the same
+        once = ["Name three rivers in Europe, one per line, then stop."]
+        sent = []
+        for _ in range(2):
+            before = ray.get(cluster.prefill_actors[0].stats.remote())["kv_bytes_sent"]
+            assert ask_all(cluster.urls[0], once) == expected(offline, once)
+            sent.append(ray.get(cluster.prefill_actors[0].stats.remote())["kv_bytes_sent"] - before)
+        assert 0 < sent[1] < 0.75 * sent[0], sent
         prompts = PROMPTS * (4 if backend == "shm" else 1)  # 16 concurrent requests on the default path
         assert ask_all(cluster.urls[0], prompts) == expected(offline, prompts)
         stats = ray.get(cluster.decode_actors[0].stats.remote())

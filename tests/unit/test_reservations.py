@@ -304,3 +304,59 @@ def test_an_ended_writer_lets_the_record_join(make_manager, clock: FakeClock) ->
     assert not r.ready_to_join()  # complete, but the writer has not said it is done
     m.end_writer(r.reservation_id, "p0")
     assert r.ready_to_join() and m.release(r.reservation_id) == r.block_ids  # ended: freed at once
+
+
+def _cache(pool: BlockPool, n: int) -> list:
+    """``n`` prefix-cache blocks (hashed, free again): what a finished request leaves behind."""
+    blocks = pool.allocate(n)
+    for i, b in enumerate(blocks):
+        pool.register(b, 1000 + i, [i])
+    pool.free(reversed(blocks))
+    return blocks
+
+
+def test_a_pinned_prefix_is_used_not_reserved_and_unpinned_at_release(make_manager, clock: FakeClock) -> None:
+    m = make_manager(16)
+    prefix = _cache(m.pool, 3)
+    r = m.reserve("a", 6, 30.0, clock.now, prompt_len=40, num_layers=2, prefix=prefix, block_size=8)
+    assert r is not None and r.cached == 3 and r.cached_tokens == 24 and r.covered == [24, 24]
+    assert r.pinned_ids == tuple(b.block_id for b in prefix) and len(r.writable_ids) == 3 == r.num_blocks
+    assert m.counts()["reserved"] == 3 and m.counts()["used"] == 3 and m.counts()["free"] == 10
+    assert all(b.ref_cnt == 1 and b.block_hash is not None for b in prefix)
+    # a second reservation pins the same blocks again: two references, both counted by held_blocks
+    r2 = m.reserve("b", 4, 30.0, clock.now, prompt_len=40, num_layers=2, prefix=prefix, block_size=8)
+    assert r2 is not None and all(b.ref_cnt == 2 for b in prefix)
+    assert sorted(m.held_blocks()).count(prefix[0].block_id) == 2
+    m.check_integrity()
+    m.release(r.reservation_id)
+    m.release(r2.reservation_id)
+    assert all(b.ref_cnt == 0 and b.block_hash is not None for b in prefix)  # cached again, not lost
+    assert m.counts() == {"free": 16, "reserved": 0, "used": 0, "total": 16, "quarantined": 0}
+
+
+def test_a_pinned_prefix_leaves_the_last_prompt_block_to_send_and_survives_allocation(make_manager,
+                                                                                     clock: FakeClock) -> None:
+    m = make_manager(8)
+    prefix = _cache(m.pool, 4)  # the free list's head: an allocation would evict them first
+    r = m.reserve("a", 8, 30.0, clock.now, prompt_len=32, num_layers=1, prefix=prefix, block_size=8)
+    assert r is not None and r.cached == 3  # 32 tokens = 4 blocks: the last one's K/V still comes
+    assert all(m.pool.blocks[b].block_hash is not None for b in r.pinned_ids)  # not evicted by its own allocation
+    assert m.reserve("b", 2, 30.0, clock.now, prompt_len=8, num_layers=1) is None  # nothing left: changes nothing
+    m.check_integrity()
+    blocks = m.commit(r.reservation_id)
+    assert blocks == r.block_ids
+    m.pool.free(m.pool.blocks[b] for b in reversed(blocks))  # what the sequence does when it ends
+    m.check_integrity()
+    assert m.counts()["used"] == 0
+
+
+def test_a_quarantined_reservation_unpins_its_prefix_at_once(make_manager, clock: FakeClock) -> None:
+    m = make_manager(8)
+    prefix = _cache(m.pool, 2)
+    r = m.reserve("a", 4, 30.0, clock.now, prompt_len=30, num_layers=1, prefix=prefix, block_size=8)
+    assert m.open_writer(r.reservation_id, r.epoch, "w") is None
+    m.release(r.reservation_id)  # the writer may still write its blocks: those stay; the prefix never is written
+    assert all(b.ref_cnt == 0 for b in prefix) and m.counts()["quarantined"] == 2
+    m.check_integrity()
+    assert m.end_writer(r.reservation_id, "w") == r.writable_ids
+    assert m.counts()["reserved"] == 0
