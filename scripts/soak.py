@@ -19,8 +19,8 @@ Verdict: each process's private RSS (VmRSS less its shared-memory pages: the KV 
 whose pages count into RSS as they are first written) at the end against its first sample after ``--warmup`` seconds
 (the allocators' pools fill first): flat within ``--rss-tolerance`` (10%)? VmRSS and shmem are reported alongside.
 Blocks: none leaked once idle. Errors: any request that did not complete, other than a deliberate disconnect. Prints a
-table; ``--json FILE`` writes every sample. Exit status 1 when a process grew past the tolerance, blocks leaked or a
-request failed; 2 for bad arguments.
+table; ``--json FILE`` writes every sample (and each one as it is taken to ``FILE.samples.jsonl``). Exit status 1
+when a process grew past the tolerance, blocks leaked or a request failed; 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class SoakConfig:
     kv_backend: str = "auto"
     seed: int = 0
     cluster_log: str | None = None  # the cluster's stderr: a path, "-" (this terminal) or None (a temporary file)
+    samples_log: str | None = None  # each sample as a JSON line, written as it is taken (None: not written)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "concurrency"):
@@ -173,7 +174,10 @@ async def traffic(url: str, cfg: SoakConfig, sample: Any, trace: str) -> tuple[l
     async def sampler() -> None:
         while time.monotonic() < stop_at:
             await asyncio.sleep(min(cfg.sample_every_s, max(0.0, stop_at - time.monotonic())))
-            samples.append(await asyncio.to_thread(sample, time.monotonic() - t0, list(outcomes)))
+            try:
+                samples.append(await asyncio.to_thread(sample, time.monotonic() - t0, list(outcomes)))
+            except Exception as e:  # noqa: BLE001 - one lost sample must not end a 30-minute run
+                print(f"[soak] sample failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -181,9 +185,14 @@ async def traffic(url: str, cfg: SoakConfig, sample: Any, trace: str) -> tuple[l
     return outcomes, kinds, samples
 
 
-def take_sample(cluster: Any, actors: list[Any], t_s: float, outcomes: list[Outcome]) -> dict[str, Any]:
-    """One sample: RSS of every process, each actor's KV counts, the request counts so far; prints its line."""
+def take_sample(cluster: Any, actors: list[Any], t_s: float, outcomes: list[Outcome],
+                samples_log: str | None = None) -> dict[str, Any]:
+    """One sample: RSS of every process, each actor's KV counts, the request counts so far; prints its line and
+    appends it to ``samples_log`` (JSON lines: what a run cut short leaves)."""
     s = {"t_s": round(t_s, 1), "rss": rss_sample(cluster, actors), "kv": kv_counts(actors), "counts": tally(outcomes)}
+    if samples_log:
+        with open(samples_log, "a") as f:
+            f.write(json.dumps(s) + "\n")
     c = s["counts"]
     kv = "; ".join(f"{name} free {v.get('free')} res {v.get('reserved')} used {v.get('used')}"
                    for name, v in s["kv"].items())
@@ -223,7 +232,7 @@ def run(cfg: SoakConfig) -> dict[str, Any]:
               f"its log: {cfg.cluster_log}", file=sys.stderr, flush=True)
 
         def sample(t_s: float, outcomes: list[Outcome]) -> dict[str, Any]:
-            return take_sample(cluster, actors, t_s, outcomes)
+            return take_sample(cluster, actors, t_s, outcomes, cfg.samples_log)
 
         t_run = time.monotonic()
         outcomes, kinds, samples = asyncio.run(traffic(cluster.urls[0], cfg, sample, f"soak-{int(time.time())}"))
@@ -269,7 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     use_this_checkout()
-    cfg = dataclasses.replace(cfg, cluster_log=cfg.cluster_log or temp_log("soak"))
+    cfg = dataclasses.replace(cfg, cluster_log=cfg.cluster_log or temp_log("soak"),
+                              samples_log=f"{json_path}.samples.jsonl" if json_path else None)
+    if cfg.samples_log:
+        Path(cfg.samples_log).write_text("")
     started = time.strftime("%Y-%m-%d %H:%M:%S %z")
     r = run(cfg)
     outcomes: list[Outcome] = r["outcomes"]
