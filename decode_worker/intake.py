@@ -83,6 +83,7 @@ class IntakeRecord:
     # ``cached * block_size`` tokens: pinned (one reference each) at reserve, never written, not sent by the prefill
     cached: int = 0
     cached_tokens: int = 0  # = cached * block_size: every layer starts covered up to here
+    preemptions: int = 0  # times the engine took its blocks back (cache full) to recompute it later
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.num_layers < 1:

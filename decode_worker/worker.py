@@ -60,6 +60,8 @@ class DecodeWorker(EngineLoop):
         self.proxy_stalls = 0
         self.reservations_made = 0
         self.recomputes = 0  # requests whose K/V failed to arrive and whose prompt was computed here instead
+        self.preemptions = 0  # sequences whose blocks the engine took back to recompute them later (cache full)
+        self.max_preemptions = 0  # the most times one request was preempted
         self._started = time.monotonic()
         self._lengths = OutputLengths(initial=128.0)  # finished completions' output lengths: the growth projection
         self.kv_endpoint = ""
@@ -259,6 +261,10 @@ class DecodeWorker(EngineLoop):
                 self._emit(out)
             for rid in self.engine.last_preempted:
                 rec = self._records.get(rid)
+                self.preemptions += 1
+                if rec is not None:
+                    rec.preemptions += 1
+                    self.max_preemptions = max(self.max_preemptions, rec.preemptions)
                 if rec is not None and rec.state is S.RUNNING:
                     rec.advance(S.PREEMPTED)
         for address, deltas in self._outbox.items():
@@ -305,7 +311,8 @@ class DecodeWorker(EngineLoop):
             reservations=self.reservations_made,
             tokens_generated=self.tokens_generated,
             decode_tokens_per_s=self.tokens_generated / max(1e-9, time.monotonic() - self._started),
-            proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, kv_address=self.kv_endpoint, **rx)
+            proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, preemptions=self.preemptions,
+            max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, **rx)
 
     def _close(self) -> None:
         self._sender.close()

@@ -489,6 +489,8 @@ class WorkerStats(_Wire):
     kv_bytes_received: int = 0
     reservations: int = 0  # reservations granted (decode): one per request, whatever its n
     recomputes: int = 0  # requests whose K/V failed to arrive and whose prompt was computed on the decode actor
+    preemptions: int = 0  # sequences preempted by recompute because the decode actor's cache ran out (decode)
+    max_preemptions: int = 0  # the most times one request was preempted (decode)
     proxy_stalls: int = 0  # proxies that stopped reading tokens (their requests were aborted)
     requests: dict[str, int] = dataclasses.field(default_factory=dict)  # requests held, by intake state (decode)
     # K/V parts, in-place opens and transfer handshakes dropped for a wrong or missing MAC (decode; cluster.wire.auth)
