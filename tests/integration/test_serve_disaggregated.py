@@ -218,3 +218,49 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
     finally:
         c.decode_actors = c.decode_actors[1:]  # the killed one is gone already
         c.stop()
+
+
+def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(offline: LLM) -> None:
+    """2 prefill + 1 decode actors: the prefill actor computing a long prompt is killed (kill -9) mid-prefill; the
+    proxy retries the prompt on the other prefill actor and the client gets the offline engine's answer, in the same
+    response, with nothing lost; the decode actor's blocks all come back."""
+    import os
+    import signal
+    import threading
+    import time
+
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=2,
+                            port=0, kv_backend="shm"))
+    c.start()
+    try:
+        client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+        question = [{"role": "user", "content": "Numbers: " + " ".join(str(i) for i in range(400)) +
+                     ". What was the first number? Answer in one sentence."}]
+        got: list[str] = []
+
+        def ask() -> None:
+            r = client.chat.completions.create(model="default", messages=question, max_tokens=16, temperature=0)
+            got.append(r.choices[0].message.content or "")
+
+        t = threading.Thread(target=ask)
+        t.start()
+        victim = None
+        deadline = time.monotonic() + 60
+        while victim is None:  # the prefill actor that has the prompt queued or running (64-token chunks: seconds)
+            assert time.monotonic() < deadline, "no prefill actor took the prompt"
+            for a in c.prefill_actors:
+                s = ray.get(a.stats.remote())
+                if s["running"] + s["waiting"] > 0:
+                    victim = a
+            time.sleep(0.05)
+        os.kill(ray.get(victim.info.remote())["pid"], signal.SIGKILL)
+        t.join(240)
+        assert got == [o.text for o in offline.chat([question], SamplingParams(max_tokens=16))]
+        survivor = next(a for a in c.prefill_actors if a is not victim)
+        assert ray.get(survivor.stats.remote())["prompt_tokens"] > 400
+        time.sleep(0.5)
+        counts = ray.get(c.decode_actors[0].check_integrity.remote())
+        assert counts["reserved"] == 0 and counts["used"] == 0 and counts["quarantined"] == 0, counts
+        c.prefill_actors = [survivor]
+    finally:
+        c.stop()
