@@ -3,7 +3,8 @@
 One request: parse -> tokenize -> per prompt: reserve KV blocks on a decode actor, which owns the request from then on
 (waiting in the FIFO admission queue until a bounded wait runs out, then 429) -> in disaggregated mode a prefill actor
 computes the prompt into those blocks and its typed first tokens go to the owner -> relay the owner's token deltas as
-SSE or one JSON body. The proxy never decides text or "finished". A client that disconnects aborts its requests on
+SSE or one JSON body (reserving, prefilling, relaying and resuming a dead owner's completions elsewhere live in
+:mod:`proxy.dispatch`). The proxy never decides text or "finished". A client that disconnects aborts its requests on
 the actors at once. ``X-Request-Id`` (the client's, or one made here) is logged at every hop and returned.
 """
 
@@ -21,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
-from cluster.wire.messages import Usage, WorkerStats
 from cluster.wire.auth import ClusterSecret
+from cluster.wire.messages import Usage, WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
 from proxy.dispatch import DispatchConfig, Dispatcher
