@@ -163,7 +163,7 @@ class Cluster:
         from cluster.flex_worker import FlexWorker
         from cluster.wire.ray_address import wait_reachable
         from kv_transfer.config import KVTransferConfig
-        from cluster.wire.names import NAMESPACE, WORKER_PREFIX
+        from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS, NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg
         if ray.is_initialized():
@@ -184,6 +184,7 @@ class Cluster:
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.kv_host or local, fallback_backend=cfg.kv_fallback,
                               inplace_checksum=cfg.kv_inplace_checksum) if disagg else None
         roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
+                        "concurrency_groups": {CONTROL_GROUP: CONTROL_THREADS},
                         **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {})}
                  for role in ("prefill", "decode")}
         names = iter(f"{WORKER_PREFIX}{i}" for i in range(cfg.decode + cfg.prefill))

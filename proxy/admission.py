@@ -186,7 +186,10 @@ class AdmissionController:
                     pending_blocks: Mapping[str, int] | None = None) -> int:
         """Whole seconds until ``blocks_needed`` blocks are likely free on some actor (module docstring). Pure."""
         cfg, pending = self.config, pending_blocks or {}
-        free = max((a.kv_blocks_free - pending.get(a.actor_id, 0) for a in actors if a.schedulable), default=0)
+        # an actor's pending blocks can be the gate's "full until the next refresh" mark (huge): none free, not a
+        # deficit of 2^40 blocks
+        free = max((a.kv_blocks_free - min(pending.get(a.actor_id, 0), a.kv_blocks_free) for a in actors
+                    if a.schedulable), default=0)
         deficit, rate = blocks_needed - free, self.release_rate(now)
         wait = cfg.retry_after_floor_s if deficit <= 0 or rate <= 0 else deficit / rate
         return retry_after_seconds(min(max(wait, cfg.retry_after_floor_s), cfg.retry_after_cap_s))

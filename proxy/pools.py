@@ -14,9 +14,15 @@ from typing import Any
 import ray
 
 from cluster.wire.messages import ActorStats, PrefixEvents, WireVersionError, WorkerStats
-from cluster.wire.names import MANAGER_NAME, NAMESPACE, worker_names
+from cluster.wire.names import CONTROL_GROUP, MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
+
+
+def _control(method: Any) -> Any:
+    """A worker actor's method called on the actor's control threads (``CONTROL_GROUP``): it never waits behind the
+    request calls (a prefill actor's request threads can all be waiting on long prompts)."""
+    return method.options(concurrency_group=CONTROL_GROUP)
 
 
 class ActorGone(RuntimeError):
@@ -63,7 +69,7 @@ class Pools:
         for name in names - set(self.decode) - set(self.prefill):
             try:
                 handle = ray.get_actor(name, namespace=NAMESPACE)
-                info = await asyncio.wait_for(handle.info.remote(), self.call_timeout_s)
+                info = await asyncio.wait_for(_control(handle.info).remote(), self.call_timeout_s)
                 pools[info["role"]][name] = ActorRef(name, handle, info)
             except Exception:  # not ready yet: next refresh
                 log.info("actor %s not ready", name)
@@ -74,7 +80,7 @@ class Pools:
                     pool.pop(name).alive = False
                 else:
                     refs.append((role, pool, pool[name]))
-        answers = await asyncio.gather(*(asyncio.wait_for(ref.handle.stats.remote(), self.stats_timeout_s)
+        answers = await asyncio.gather(*(asyncio.wait_for(_control(ref.handle.stats).remote(), self.stats_timeout_s)
                                          for _, _, ref in refs), return_exceptions=True)
         for (role, pool, ref), raw in zip(refs, answers):
             name = ref.name
@@ -103,7 +109,7 @@ class Pools:
         """Mutates: bring each live prefill actor's known cached block hashes up to date from its prefix events (the
         router scores prefix hits against them). A failed call leaves them as they were until the next refresh."""
         live = [a for a in self.prefill.values() if a.alive]
-        answers = await asyncio.gather(*(asyncio.wait_for(a.handle.prefix_events.remote(a.prefix_cursor),
+        answers = await asyncio.gather(*(asyncio.wait_for(_control(a.handle.prefix_events).remote(a.prefix_cursor),
                                                           self.stats_timeout_s) for a in live),
                                        return_exceptions=True)
         for ref, raw in zip(live, answers):
@@ -190,7 +196,7 @@ class Pools:
     async def abort(self, actor: ActorRef, request_id: str) -> None:
         """Stop a request on ``actor`` (best effort: a dead actor holds nothing any more)."""
         try:
-            await asyncio.wait_for(actor.handle.abort.remote(request_id), self.call_timeout_s)
+            await asyncio.wait_for(_control(actor.handle.abort).remote(request_id), self.call_timeout_s)
         except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:  # dead or hung: nothing to do here
             log.info("abort of %s on %s: the actor is gone (%s)", request_id, actor.name, type(e).__name__)
         except Exception:

@@ -13,3 +13,8 @@ def worker_names() -> list[str]:
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a.get("namespace") == NAMESPACE and a["name"].startswith(WORKER_PREFIX))
+
+# Ray concurrency group of a worker actor's control calls (stats, info, prefix events, abort): its own threads, so a
+# worker whose request threads all wait on long prefills still answers them at once (and is not taken for hung)
+CONTROL_GROUP = "control"
+CONTROL_THREADS = 4

@@ -156,3 +156,16 @@ def test_bad_calls_raise() -> None:
         ac.submit("b", 0, [decode("d0", 10)], now=0.0)
     with pytest.raises(ValueError):
         ac.observe_release(-1, now=0.0)
+
+
+def test_retry_after_treats_an_actor_marked_full_as_having_nothing_free_not_a_huge_deficit() -> None:
+    """The gate marks an actor that refused a reservation on stale stats with a huge pending count until the next
+    refresh; Retry-After must still come from the release rate (here 20 blocks/s: 165 blocks in ~9 s), not the cap."""
+    from proxy.gate import FULL
+
+    ctl = AdmissionController(AdmissionConfig(block_size=16))
+    for t in range(30):
+        ctl.observe_release(20, float(t))
+    actor = ActorStats("d0", "decode", True, kv_blocks_free=0, kv_blocks_used=100, kv_blocks_total=100)
+    plain = ctl.retry_after(165, [actor], 30.0)
+    assert plain < 60 and ctl.retry_after(165, [actor], 30.0, {"d0": FULL}) == plain
