@@ -125,10 +125,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      # time for preStop to hand the pod's requests over (the actors evacuate) before Kubernetes kills it
+      terminationGracePeriodSeconds: {{ $root.Values.evacuation.gracePeriodSeconds }}
       containers:
         - name: ray-worker
           image: {{ include "pdcluster.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          lifecycle:
+            preStop:
+              exec:
+                # SIGTERM to this pod's worker actors: they take no new work, the proxies resume their requests
+                # on other actors, and each exits once it holds none (cluster/evacuate.py)
+                command: ["python", "-m", "cluster.evacuate", "--timeout",
+                          "{{ sub (int $root.Values.evacuation.gracePeriodSeconds) 5 }}"]
           env:
             {{- include "pdcluster.env" $root | nindent 12 }}
           securityContext:
