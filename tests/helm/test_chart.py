@@ -25,7 +25,7 @@ GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = {"default": None, "cpu": CHART / "examples" / "values-cpu.yaml", "gpu": CHART / "examples" / "values-gpu.yaml"}
 CRDS = ROOT.parent / "shared" / "k8s" / "crds"
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
-RANDOM_SECRET = re.compile(r"^(  cluster-secret: )\S+$", re.M)
+RANDOM_SECRET = re.compile(r"^(  (?:cluster-secret|auth_token): )\S+$", re.M)  # the chart's random secrets
 
 
 def values(name: str) -> dict[str, Any] | None:

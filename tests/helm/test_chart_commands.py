@@ -74,7 +74,14 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
            "HOME": os.environ.get("HOME", "/tmp"), "PDCLUSTER_CACHE_DIR": os.environ.get("PDCLUSTER_CACHE_DIR", "")}
     if not env["PDCLUSTER_CACHE_DIR"]:
         env.pop("PDCLUSTER_CACHE_DIR")  # the image bakes the model under /opt/pdcluster; here, the user's cache
-    assert env["RAY_AUTH_MODE"] == "disabled"
+    # Ray's token auth, as KubeRay's authOptions turns it on in the Ray containers and the chart in its own ones
+    assert env["RAY_AUTH_MODE"] == "token"
+    (ray_token,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-ray-token")]
+    assert rc["spec"]["authOptions"] == {"mode": "token", "secretName": ray_token["metadata"]["name"]}
+    for c in (containers["controller"], pod["proxy"], pod["ray-node"]):
+        ref = next(e for e in c["env"] if e["name"] == "RAY_AUTH_TOKEN")["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": ray_token["metadata"]["name"], "key": "auth_token"}, c["name"]
+    env["RAY_AUTH_TOKEN"] = base64.b64decode(ray_token["data"]["auth_token"]).decode()
     # the cluster secret as Kubernetes would inject it (from the chart's Secret) into serve and the proxy
     (cluster_secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-cluster-secret")]
     refs = [next(e for e in c["env"] if e["name"] == "PDCLUSTER_CLUSTER_SECRET")["valueFrom"]["secretKeyRef"]

@@ -48,8 +48,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   value: /tmp
 - name: PDCLUSTER_CACHE_DIR
   value: /opt/pdcluster
+{{- if .Values.rayAuth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdcluster.rayTokenSecretName" . }}
+      key: auth_token
+{{- else }}
 - name: RAY_AUTH_MODE
   value: disabled
+{{- end }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 - name: POD_IP
@@ -176,4 +186,8 @@ through Ray) and the proxies */}}
 
 {{- define "pdcluster.clusterSecretName" -}}
 {{- .Values.clusterAuth.existingSecret | default (printf "%s-cluster-secret" (include "pdcluster.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pdcluster.rayTokenSecretName" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-token" (include "pdcluster.fullname" .)) -}}
 {{- end -}}
