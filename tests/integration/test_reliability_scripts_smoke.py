@@ -3,7 +3,7 @@
 samples taken, the exit status agreeing with the failures) and that the cluster answered only what overload allows.
 
 Slow (a cluster start each: about a minute apiece here), so not in the default selection:
-``python -m pytest -m slow tests/integration/test_reliability_scripts.py``.
+``python -m pytest -m slow tests/integration/test_reliability_scripts_smoke.py``.
 """
 
 from __future__ import annotations
