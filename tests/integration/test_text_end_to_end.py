@@ -167,8 +167,11 @@ def test_n3_seeded_is_one_reserve_and_one_prefill(cluster: Cluster, cases: dict[
     cfg = offline.engine.config
     one_prompt = cdiv(prompt_tokens, cfg.block_size) * kv_block_bytes(
         offline.engine.model_config, cfg.block_size, DTYPES["float32"])
-    assert p1["kv_bytes_sent"] - p0["kv_bytes_sent"] == 2 * one_prompt, "not one K/V transfer per request"
-    assert d1["kv_bytes_received"] - d0["kv_bytes_received"] == 2 * one_prompt, "not one reservation per request"
+    # at most one prompt's K/V per request (three reservations would each take their own); less when the decode
+    # actor's prefix cache already holds the prompt's head (the chat template's system prompt): those blocks stay
+    sent = p1["kv_bytes_sent"] - p0["kv_bytes_sent"]
+    assert 0 < sent <= 2 * one_prompt, "not one K/V transfer per request"
+    assert d1["kv_bytes_received"] - d0["kv_bytes_received"] == sent, "not one reservation per request"
     assert d1["tokens_generated"] - d0["tokens_generated"] == 2 * sum(case.want_tokens)
     assert d1["kv"]["reserved"] == d1["kv"]["used"] == 0
 
