@@ -469,9 +469,14 @@ def main(argv: list[str] | None = None) -> int:
     report = {"started": started, "machine": machine(), "command": command, "config": dataclasses.asdict(cfg),
               "kill_after_tokens": threshold, "totals": {**totals, "requests": cfg.streams * cfg.rounds},
               "max_pause_s": max(r["max_pause_s"] for r in rounds), "failures": failures, "rounds": rounds}
+    return finish("chaos", report, failures, json_path)
+
+
+def finish(script: str, report: dict[str, Any], failures: list[str], json_path: str | None) -> int:
+    """Write ``report`` to ``json_path`` (if given), print the verdict; the exit status (1 on any failure)."""
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
-    print(f"[chaos] {'FAIL: ' + ', '.join(failures) if failures else 'ok'}", flush=True)
+    print(f"[{script}] {'FAIL: ' + '; '.join(failures) if failures else 'ok'}", flush=True)
     return 1 if failures else 0
 
 

@@ -28,16 +28,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import random
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from _reliability import (Outcome, check_blocks, error_reasons, machine, percentile, send, start_cluster,
                           tally, temp_log, use_this_checkout)
+from chaos import finish
 
 QUESTIONS = ("Name a color.", "What is 2 + 2?", "Say hello.", "Name a fruit.", "What is the capital of France?",
              "Name an animal.", "Count to five.", "What day comes after Monday?")
@@ -279,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"started": started, "machine": machine(), "config": dataclasses.asdict(cfg),
               "command": ["scripts/overload.py", *(sys.argv[1:] if argv is None else argv)], "failures": failures,
               "totals": counts, **result}
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
-    print(f"[overload] {'FAIL: ' + ', '.join(failures) if failures else 'ok'}", flush=True)
-    return 1 if failures else 0
+    return finish("overload", report, failures, json_path)
 
 
 if __name__ == "__main__":

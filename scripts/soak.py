@@ -38,6 +38,7 @@ from typing import Any
 
 from _reliability import (Outcome, check_blocks, error_reasons, kv_counts, machine, mib, percentile, rss_sample, send,
                           start_cluster, tally, temp_log, use_this_checkout)
+from chaos import finish
 
 TOPICS = ("the sea", "a mountain village", "bread", "the moon", "trains", "a lost cat", "autumn", "a library",
           "bees", "the desert")
@@ -310,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
               "errors": error_reasons(o for o in outcomes if o.kind != "disconnected"),
               "complete_latency_p50_s": percentile(latencies, 50), "complete_latency_p99_s": percentile(latencies, 99),
               "rss": rows, "blocks": r["blocks"], "samples": r["samples"]}
-    if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=2))
-    print(f"[soak] {'FAIL: ' + '; '.join(failures) if failures else 'ok'}", flush=True)
-    return 1 if failures else 0
+    return finish("soak", report, failures, json_path)
 
 
 if __name__ == "__main__":
