@@ -1,4 +1,7 @@
-"""Prometheus text exposition for the proxy (no client library: a few counters and histograms)."""
+"""Prometheus text exposition for the proxy (no client library: a few counters, gauges and histograms).
+
+The SLO series (goodput, attainment over a window) come from :class:`proxy.slo.SloTracker`; what they count is said
+there and in docs/operations.md."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from proxy.slo import RequestLatency, SloTracker
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -58,6 +63,7 @@ class Metrics:
     unauthenticated: Callable[[], UnauthenticatedCounts] | None = None  # read at each render; None: not shown
     resumes: int = 0  # completions resumed on another actor (a decode actor died, a prefill actor died)
     resume_pause: Histogram = field(default_factory=Histogram)  # seconds to restart a dead leg's completions
+    slo: SloTracker = field(default_factory=SloTracker)  # goodput against the configured TTFT / TPOT SLOs
 
     def transfer(self, backend: str, nbytes: int, seconds: float) -> None:
         """Mutates: count one request's KV transfer."""
@@ -69,13 +75,36 @@ class Metrics:
         self.resumes += legs
         self.resume_pause.observe(seconds)
 
-    def request_done(self, status: int) -> None:
+    def request_done(self, status: int, latency: RequestLatency | None = None) -> None:
+        """Mutates: count one client request that ended with HTTP ``status``, and its SLO outcome (``latency``: a
+        served request's, from :func:`proxy.slo.request_latency`; any other status is a miss or not counted)."""
         self.requests[status] = self.requests.get(status, 0) + 1
+        self.slo.finished(status, latency)
 
-    def latency(self, ttft: float, tpot: float, e2e: float) -> None:
+    def latency(self, ttft: float, tpot: float | None, e2e: float) -> None:
+        """Mutates: one completion's latencies (``tpot``: None for a single token, which has no gap to time)."""
         self.ttft.observe(ttft)
-        self.tpot.observe(tpot)
+        if tpot is not None:
+            self.tpot.observe(tpot)
         self.e2e.observe(e2e)
+
+    def render_slo(self) -> list[str]:
+        """The goodput series: counters since start, the window's counts and attainment, the SLOs themselves. Pure
+        but for expiring the window's old buckets."""
+        t, cfg, w = self.slo, self.slo.config, self.slo.window()
+        att = w.attainment
+        return ["# TYPE pdcluster_slo_requests_total counter", f"pdcluster_slo_requests_total {t.total}",
+                "# TYPE pdcluster_goodput_requests_total counter", f"pdcluster_goodput_requests_total {t.met}",
+                "# TYPE pdcluster_slo_misses_total counter",
+                *(f'pdcluster_slo_misses_total{{slo="{k}"}} {n}' for k, n in sorted(t.misses.items())),
+                "# TYPE pdcluster_slo_failed_requests_total counter", f"pdcluster_slo_failed_requests_total {t.failed}",
+                "# TYPE pdcluster_slo_window_requests gauge", f"pdcluster_slo_window_requests {w.total}",
+                "# TYPE pdcluster_slo_window_goodput_requests gauge", f"pdcluster_slo_window_goodput_requests {w.met}",
+                "# TYPE pdcluster_slo_attainment gauge",
+                f"pdcluster_slo_attainment {'NaN' if att is None else repr(att)}",
+                "# TYPE pdcluster_slo_seconds gauge", f'pdcluster_slo_seconds{{slo="ttft"}} {cfg.ttft_s}',
+                f'pdcluster_slo_seconds{{slo="tpot"}} {cfg.tpot_s}',
+                f'pdcluster_slo_seconds{{slo="window"}} {cfg.window_s}']
 
     def render(self, queue_depth: int, kv: dict[str, dict[str, int]], pools: dict[str, int] | None = None,
                decisions: int | None = None) -> str:
@@ -83,7 +112,7 @@ class Metrics:
         lines = ["# TYPE pdcluster_requests_total counter"]
         lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
-        lines += self.e2e.render("pdcluster_e2e_seconds")
+        lines += self.e2e.render("pdcluster_e2e_seconds") + self.render_slo()
         lines += ["# TYPE pdcluster_resumed_total counter", f"pdcluster_resumed_total {self.resumes}"]
         lines += self.resume_pause.render("pdcluster_resume_seconds")
         lines += ["# TYPE pdcluster_kv_transfer_bytes_total counter"]

@@ -54,6 +54,7 @@ from proxy.jobs import Job
 from proxy.openapi import openapi_spec
 from proxy.pools import Pools
 from proxy.router import Router, RouterConfig
+from proxy.slo import RequestLatency, SloConfig, SloTracker, request_latency, tpot_s
 from proxy.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class ProxyConfig:
     refresh_interval_s: float = 1.0
     max_resumes: int = 3  # times a prompt's legs may be resumed elsewhere (dead owners, dead prefill actors)
     reserve_headroom_tokens: int = 256  # output tokens reserved up front per completion; decode grows past them
+    slo: SloConfig = SloConfig()  # the TTFT / TPOT SLOs /metrics counts goodput by, and the attainment window
 
 
 class Proxy:
@@ -91,7 +93,8 @@ class Proxy:
         self.block_size = block_size
         self.cfg = cfg
         self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host, secret=stream_secret)
-        self.metrics = Metrics(unauthenticated=lambda: unauthenticated_counts(self.stream, self.pools))
+        self.metrics = Metrics(unauthenticated=lambda: unauthenticated_counts(self.stream, self.pools),
+                               slo=SloTracker(cfg.slo))
         self.gate = AdmissionGate(pools, AdmissionConfig(block_size, cfg.max_waiting, cfg.queue_timeout_s))
         self.shutting_down = False
         self._slo_samples: list[tuple[float, float]] = []  # (TTFT, TPOT) of finished requests, not yet reported
@@ -179,12 +182,14 @@ class Proxy:
             for m in self.proto.served_models]})
 
     async def status(self, _: web.Request) -> web.Response:
-        """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters."""
+        """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters; this
+        proxy's goodput against its SLOs (:meth:`proxy.slo.SloTracker.status`)."""
         actors = [{**(_plain_stats(a.stats) if a.stats else {}), "name": a.name, "role": role, "alive": a.alive}
                   for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
                   for a in pool.values()]
         return web.json_response({"mode": "disaggregated" if self.disaggregated else "colocated",
                                   "waiting_for_blocks": self.gate.waiting, "actors": actors,
+                                  "slo": self.metrics.slo.status(),
                                   "controller": await self.pools.manager_status()})
 
     async def metrics_page(self, _: web.Request) -> web.Response:
@@ -213,9 +218,7 @@ class Proxy:
             await asyncio.gather(*(self.dispatch.start(j, j.legs[0]) for j in jobs))
             if parsed.stream:
                 return await self._stream(request, parsed, jobs, chat, start, trace)  # counts its own status
-            resp = await self._collect(parsed, jobs, chat, start, trace)
-            self.metrics.request_done(200)
-            return resp
+            return await self._collect(parsed, jobs, chat, start, trace)  # counts its own status
         except APIError as e:
             await self.dispatch.abort(jobs)
             self.metrics.request_done(e.status)
@@ -267,7 +270,7 @@ class Proxy:
     async def _collect(self, parsed: Any, jobs: list[Job], chat: bool, start: float, trace: str) -> web.Response:
         async for _ in self.dispatch.deltas(jobs):
             pass
-        self._observe(jobs, start)
+        latency = self._observe(jobs, start)
         rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
         echo = getattr(parsed, "echo_text", None)
         choices = [ChoiceOutput(j.choice_index(i), (echo(j.choice_index(i), self.tok.decode) if echo else "") + c.text,
@@ -276,7 +279,9 @@ class Proxy:
         usage = self._usage(jobs)
         body = (chat_completion_body(rid, parsed.model, created, choices, usage) if chat
                 else completion_body(rid, parsed.model, created, choices, usage))
-        return web.json_response(body, headers={"X-Request-Id": trace})
+        resp = web.json_response(body, headers={"X-Request-Id": trace})
+        self.metrics.request_done(200, latency)
+        return resp
 
     async def _stream(self, request: web.Request, parsed: Any, jobs: list[Job], chat: bool,
                       start: float, trace: str) -> web.StreamResponse:
@@ -313,16 +318,18 @@ class Proxy:
             await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
-        self._observe(jobs, start)
-        self.metrics.request_done(200)
+        self.metrics.request_done(200, self._observe(jobs, start))
         return resp
 
-    def _observe(self, jobs: list[Job], start: float) -> None:
+    def _observe(self, jobs: list[Job], start: float) -> RequestLatency:
+        """Mutates the metrics: every completion's latencies (TTFT from the request's arrival, TPOT to the end of the
+        response, see :mod:`proxy.slo`). Returns the request's, as its SLOs judge it."""
         end = time.monotonic()
         for c in (c for j in jobs for c in j.choices):
             if c.first_at is None:
                 continue
-            tpot = (end - c.first_at) / max(1, len(c.token_ids) - 1)
+            tpot = tpot_s(c.first_at, end, len(c.token_ids))
             self.metrics.latency(c.first_at - start, tpot, end - start)
             if len(self._slo_samples) < 10_000:  # for the controller; drained every few seconds
-                self._slo_samples.append((c.first_at - start, tpot))
+                self._slo_samples.append((c.first_at - start, tpot or 0.0))  # one token: no gap, within the SLO
+        return request_latency(start, end, ((c.first_at, len(c.token_ids)) for j in jobs for c in j.choices))
