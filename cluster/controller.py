@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 ROLES = ("prefill", "decode")
 POLICIES = ("fixed", "throughput", "adaptive")
+KV_WAIT_SHARE = 0.1  # a mean wait for decode KV blocks over this share of the TTFT SLO means decode is short of memory
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ class ActorObservation:
     capacity_tps: float | None  # measured tokens/s within its SLO (prefill or decode tokens); None: not yet known
     queue_depth: int = 0  # requests waiting or running on it
     draining: bool = False
+    kv_free: float | None = None  # decode: share of its KV blocks free (prefix-cache blocks count as free); None: n/a
+    kv_reserved: float = 0.0  # decode: share of its KV blocks reserved for requests whose K/V has not arrived yet
 
 
 @dataclass(frozen=True)
@@ -94,14 +97,53 @@ class Observation:
     mean_prompt_tokens: float
     mean_output_tokens: float
     actors: tuple[ActorObservation, ...]
-    prefill_backlog_tokens: float = 0.0  # prompt tokens queued, not yet prefilled
-    prefill_queue_wait_s: float = 0.0  # mean wait before prefill started, last window
+    prefill_backlog_tokens: float = 0.0  # prompt tokens queued, not yet prefilled (at prefill actors and the gates)
+    prefill_queue_wait_s: float = 0.0  # mean wait in a prefill actor's queue (a TTFT part), last window
     ttft_attainment: float = 1.0  # fraction of the window's requests within the TTFT SLO
     tpot_attainment: float = 1.0
     pending_changes: int = 0  # actors still starting, draining or flipping
+    # decode KV pressure: requests waiting at the proxies' admission gates for decode blocks now, and their prompt
+    # tokens (part of prefill_backlog_tokens, but no prefill actor can start them before decode has room)
+    admission_waiting: int = 0
+    admission_backlog_tokens: float = 0.0
+    decode_backlog_tokens: float = 0.0  # output tokens owed to sequences waiting for a decode batch slot
+    rejected_rate: float = 0.0  # requests refused (429) per second
+    # the window's mean TTFT and its parts (finished requests): waiting for decode blocks, prefill compute, exposed
+    # KV transfer (the prefill queue is prefill_queue_wait_s); what the parts leave is RPCs and the decode join
+    ttft_s: float = 0.0
+    admission_wait_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    transfer_s: float = 0.0
 
     def live(self, role: str) -> list[ActorObservation]:
         return [a for a in self.actors if a.role == role and not a.draining]
+
+    def kv_in_use(self) -> tuple[float, float]:
+        """Decode KV in actors' worth: ``(running, reserved)``: held by the decode pool's own sequences, and reserved
+        for requests still on their way through prefill (a prefill queue holds decode memory too). Pure."""
+        live = [a for a in self.live("decode") if a.kv_free is not None]
+        return (sum(max(0.0, 1 - a.kv_free - a.kv_reserved) for a in live),  # type: ignore[operator]
+                sum(a.kv_reserved for a in live))
+
+    def kv_short(self) -> bool:
+        """Requests wait for decode KV blocks because decode is short of memory: some wait now (or the window's
+        waits were long), and the decode pool's own sequences hold at least as much of its KV as reservations
+        awaiting prefill do (otherwise the prefill queue is what holds the memory). Pure."""
+        waiting = self.admission_waiting > 0 or self.admission_wait_s > 0
+        running, reserved = self.kv_in_use()
+        return waiting and running >= reserved
+
+    def ttft_cause(self) -> str:
+        """Which pool a TTFT miss points at: ``decode`` when waiting for decode KV blocks dominates the TTFT parts
+        and decode's own sequences hold its memory, ``transfer`` when the exposed KV transfer dominates (neither
+        pool's size fixes a slow link), else ``prefill`` (its queue and compute, the reservations a prefill queue
+        holds on decode, and the default when no part was measured). Pure."""
+        parts = {"decode": self.admission_wait_s, "prefill": self.prefill_queue_wait_s + self.prefill_compute_s,
+                 "transfer": self.transfer_s}
+        cause = max(parts, key=lambda k: parts[k])
+        if parts[cause] <= 0 or (cause == "decode" and not self.kv_short()):
+            return "prefill"
+        return cause
 
 
 @dataclass(frozen=True)
@@ -233,37 +275,70 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_p = math.ceil(lp / (mu_p * util)) if lp > 0 else cfg.min_prefill
     want_d = math.ceil(ld / (mu_d * util)) if ld > 0 else cfg.min_decode
     why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
+    # prompts waiting at the admission gates wait for decode KV: prefill's queue unless decode is short of memory
+    kv_short = obs.kv_short()
+    queued_p = max(0.0, obs.prefill_backlog_tokens - obs.admission_backlog_tokens)
     clearable = n_p * mu_p * cfg.slo_ttft_s  # prompt tokens the present pool prefills within one TTFT SLO
-    if obs.prefill_backlog_tokens > clearable:  # queued prompts it cannot clear in time: size for clearing them
+    if queued_p > clearable:  # queued prompts it cannot clear in time: size for clearing them
         # within one TTFT SLO while new prompts keep arriving at the newest rate
-        fast_p = max(fast_p, obs.prefill_tps + obs.prefill_backlog_tokens / cfg.slo_ttft_s)
+        fast_p = max(fast_p, obs.prefill_tps + queued_p / cfg.slo_ttft_s)
         want_p = max(want_p, math.ceil(fast_p / mu_p))
-        why.append(f"prefill backlog {obs.prefill_backlog_tokens:.0f} tokens")
-    # SLO misses the rates did not explain: grow the missing pool by the missed share (at least one actor)
-    if obs.ttft_attainment < cfg.attainment_target:
+        why.append(f"prefill backlog {queued_p:.0f} tokens")
+    # decode memory: the KV its actors hold is a load in actors' worth, like the token rate; requests waiting for
+    # decode blocks mean decode is short of memory whatever its token rate says, and their wait is TTFT
+    over_p = n_p * mu_p < max(sp, obs.prefill_tps) or queued_p > clearable  # prefill overloaded now
+    kv_run, kv_rsv = obs.kv_in_use()
+    kv_load = kv_run  # growth: what decode's own sequences hold (reservations awaiting prefill are prefill's doing)
+    want_d = max(want_d, math.ceil(kv_load / util - 1e-9))
+    # never shrink below the memory in use now, reservations included (they would only wait for it again), unless
+    # those reservations are a prefill queue's, which growing prefill shrinks
+    kv_floor = math.ceil(kv_run + kv_rsv - 1e-9)
+    # waits that last (a snapshot's few waiters come and go), or waiters while nothing finished at all
+    kv_wait = kv_short and (obs.admission_wait_s > KV_WAIT_SHARE * cfg.slo_ttft_s
+                            or (obs.admission_waiting > 0 and obs.ttft_s == 0))
+    if kv_wait:
+        kv_floor = max(kv_floor, n_d + 1)  # one more at a time: memory is wanted by both pools' requests
+        want_d = max(want_d, kv_floor)
+        why.append(f"{obs.admission_waiting} waiting for decode KV ({obs.admission_wait_s:.1f}s mean wait)")
+    clearable_d = n_d * mu_d * cfg.slo_ttft_s  # decode tokens the present pool delivers within one TTFT SLO
+    if obs.decode_backlog_tokens > clearable_d:  # sequences waiting for a batch slot that it cannot start soon
+        fast_d = max(fast_d, obs.decode_tps + obs.decode_backlog_tokens / cfg.slo_ttft_s)
+        want_d = max(want_d, math.ceil(fast_d / mu_d))
+        why.append(f"decode backlog {obs.decode_backlog_tokens:.0f} tokens")
+    # SLO misses the rates did not explain: grow the missing pool by the missed share (at least one actor); a TTFT
+    # miss goes to the pool whose part of the TTFT dominates (waiting for decode KV is decode's)
+    ttft_miss, tpot_miss = obs.ttft_attainment < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
+    cause = obs.ttft_cause()
+    if ttft_miss and cause == "prefill":
         want_p = max(want_p, n_p + max(1, math.ceil(n_p * (cfg.attainment_target - obs.ttft_attainment))))
-        why.append(f"TTFT attainment {obs.ttft_attainment:.0%}")
-    if obs.tpot_attainment < cfg.attainment_target:
+    elif ttft_miss and cause == "decode":
+        kv_floor = max(kv_floor, n_d + max(1, math.ceil(n_d * (cfg.attainment_target - obs.ttft_attainment))))
+        want_d = max(want_d, kv_floor)
+    if ttft_miss:
+        why.append(f"TTFT attainment {obs.ttft_attainment:.0%} (mostly {cause})")
+    if tpot_miss:
         want_d = max(want_d, n_d + max(1, math.ceil(n_d * (cfg.attainment_target - obs.tpot_attainment))))
         why.append(f"TPOT attainment {obs.tpot_attainment:.0%}")
+    load_d = max(ld / mu_d, kv_run + kv_rsv)
     want_p = _hysteresis(n_p, want_p, lp / mu_p, util, cfg.hysteresis)
-    want_d = _hysteresis(n_d, want_d, ld / mu_d, util, cfg.hysteresis)
+    want_d = _hysteresis(n_d, want_d, load_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
-    floors = (math.ceil(obs.prefill_tps / mu_p), math.ceil(obs.decode_tps / mu_d))  # the newest loads, no headroom
-    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, fast_d / mu_d, floors)
-    # overloaded now: the newest load exceeds a pool's capacity, or prompts queue beyond what it clears in a TTFT SLO
+    floors = (math.ceil(obs.prefill_tps / mu_p), max(math.ceil(obs.decode_tps / mu_d), kv_floor))
+    split_d = max(fast_d / mu_d, kv_load, kv_floor if kv_wait else 0)
+    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors)
+    # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO
     # (requests caught in that queue have not finished yet, so attainment cannot show them)
-    overloaded = n_p * mu_p < max(sp, obs.prefill_tps) or n_d * mu_d < max(sd, obs.decode_tps) \
-        or obs.prefill_backlog_tokens > clearable
-    if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not overloaded \
-            and obs.ttft_attainment >= cfg.attainment_target and obs.tpot_attainment >= cfg.attainment_target:
+    over_d = n_d * mu_d < max(sd, obs.decode_tps) or kv_wait or obs.decode_backlog_tokens > clearable_d
+    if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not (over_p or over_d) \
+            and not ttft_miss and not tpot_miss:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
     elif not cfg.elastic and t_p + t_d < cfg.budget:
-        t_p, t_d = _keep_budget((n_p, n_d), (t_p, t_d), (fast_p / mu_p, fast_d / mu_d), cfg.budget)
+        t_p, t_d = _keep_budget((n_p, n_d), (t_p, t_d), (fast_p / mu_p, split_d), cfg.budget)
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
         # only the pool whose own SLO is missed may skip the cooldown (growing the other would feed a see-saw)
-        pressing = (t_p > n_p and (obs.ttft_attainment < cfg.attainment_target or overloaded)) or \
-            (t_d > n_d and obs.tpot_attainment < cfg.attainment_target)
+        pressing = (t_p > n_p and ((ttft_miss and cause == "prefill") or over_p)) or \
+            (t_d > n_d and (tpot_miss or (ttft_miss and cause == "decode") or kv_wait
+                            or obs.decode_backlog_tokens > clearable_d))
         if not pressing:
             return replace(hold, reason=f"cooldown ({obs.t - state.last_change_t:.0f}s since the last change)"), state
     return _act(obs, cfg, state, t_p, t_d, "; ".join(why), allow_flip=cfg.flip_s < cfg.start_s)

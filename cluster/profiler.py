@@ -81,6 +81,7 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
     return replace(base, prefill_tps=round(prefill_tps, 1), decode_base_s=round(base_s, 6),
                    decode_per_seq_s=round(per_seq, 7), decode_per_kv_token_s=round(per_kv, 9),
                    kv_bytes_per_token=float(kv_per_token), max_batch=int(eng.config.max_num_seqs),
+                   decode_kv_tokens=float(eng.kv.pool.num_blocks * eng.config.block_size),
                    start_s=round(start_s, 3), flip_s=round(flip_s, 4), source=source)
 
 

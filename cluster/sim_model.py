@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from cluster.controller import ControllerConfig
+from cluster.observe import ObserverConfig
 
 WORKLOADS = ("diurnal", "bursts", "steady")
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-default.json"
@@ -39,6 +40,11 @@ class CostProfile:
     decode_per_seq_s: float = 0.0012
     decode_per_kv_token_s: float = 3e-6
     max_batch: int = 64  # most sequences one decode actor runs at once
+    # KV tokens one decode actor holds (its cache's blocks x block size; 0: unbounded). A request reserves its prompt
+    # plus reserve_headroom_tokens of output at admission (the proxies' --reserve-headroom) and waits when no decode
+    # actor has that much free
+    decode_kv_tokens: float = 46603.0  # 1 GiB of CPU KV cache at 23040 bytes per token
+    reserve_headroom_tokens: float = 256.0
     start_s: float = 60.0  # a new actor: start, load weights, join
     flip_s: float = 5.0  # an actor changing role once drained (same weights, no reload)
     source: str = "checked-in default"
@@ -69,6 +75,12 @@ class CostProfile:
         cfg = ControllerConfig(**fields)
         return replace(cfg, start_s=self.start_s, flip_s=self.flip_s, default_prefill_tps=self.prefill_tps,
                        default_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0))
+
+    def observer_config(self, cfg: ControllerConfig) -> ObserverConfig:
+        """How observations are built with this profile: per-actor capacities seeded from its numbers (decode at
+        600-token contexts within the TPOT SLO) until actors are measured under load. Pure."""
+        return ObserverConfig(slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s, seed_prefill_tps=self.prefill_tps,
+                              seed_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0))
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:

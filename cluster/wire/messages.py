@@ -81,6 +81,11 @@ def _logprob_pairs(owner: str, values: Any, n: int) -> tuple[tuple[tuple[int, fl
     return lps
 
 
+def _check_seconds(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{owner}.{name}: must be a finite number >= 0, got {value!r}")
+
+
 def _check_ids(owner: str, name: str, values: tuple[Any, ...]) -> None:
     if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in values):
         raise ValueError(f"{owner}.{name}: must be non-negative integers")
@@ -286,6 +291,11 @@ class PrefillResult(_Wire):
     bytes_sent: int = 0
     transfer_s: float = 0.0  # summed time of the parts on the wire (for metrics)
     backend: str = ""
+    # the parts of this request's TTFT spent on the prefill actor, each a duration on its own clock (the controller
+    # attributes TTFT misses by them): waiting in its queue, computing the prompt, then waiting for the last sends
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    send_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("request_id", "reservation_id"):
@@ -302,8 +312,8 @@ class PrefillResult(_Wire):
             _set(self, "first_logprobs", _logprob_pairs("PrefillResult", self.first_logprobs, len(self.first_token_ids)))
         for name in ("seed", "cached_tokens", "parts_sent", "bytes_sent"):
             _check_int("PrefillResult", name, getattr(self, name))
-        if not isinstance(self.transfer_s, (int, float)) or not self.transfer_s >= 0:
-            raise ValueError(f"PrefillResult.transfer_s: must be >= 0, got {self.transfer_s!r}")
+        for name in ("transfer_s", "queue_s", "compute_s", "send_wait_s"):
+            _check_seconds("PrefillResult", name, getattr(self, name))
 
     @property
     def n(self) -> int:
@@ -479,6 +489,7 @@ class WorkerStats(_Wire):
     waiting: int = 0
     queued_prefill_tokens: int = 0  # prompt tokens accepted but not yet computed (the router's load signal)
     prompt_tokens: int = 0  # prompts computed (prefill)
+    cached_prompt_tokens: int = 0  # of those, tokens served from the prefix cache (prefill): not computed
     tokens_generated: int = 0  # tokens delivered (decode)
     decode_tokens_per_s: float = 0.0  # tokens_generated over the actor's lifetime
     kv_bytes_sent: int = 0
@@ -495,6 +506,9 @@ class WorkerStats(_Wire):
     requests: dict[str, int] = dataclasses.field(default_factory=dict)  # requests held, by intake state (decode)
     # K/V parts, in-place opens and transfer handshakes dropped for a wrong or missing MAC (decode; cluster.wire.auth)
     kv_parts_unauthenticated: int = 0
+    # the engine loop's time spent stepping and its steps (the controller's capacity: tokens per busy second)
+    busy_seconds: float = 0.0
+    steps: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.actor_id, str) or not self.actor_id:
@@ -516,3 +530,68 @@ class WorkerStats(_Wire):
         if not isinstance(self.requests, Mapping) or any(
                 not isinstance(k, str) or not isinstance(n, int) for k, n in self.requests.items()):
             raise ValueError(f"WorkerStats.requests: must map state names to counts, got {self.requests!r}")
+
+
+@dataclass(frozen=True)
+class ArrivalSample(_Wire):
+    """One client request (prompt) as it reached a proxy, whether it was then admitted, queued or refused: demand."""
+
+    prompt_tokens: int
+    max_tokens: int  # as resolved by the proxy: an upper bound of its output per completion
+    n: int = 1  # completions
+    age_s: float = 0.0  # seconds between its arrival and the report, on the proxy's clock (a replay's arrival time)
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "max_tokens"):
+            _check_int("ArrivalSample", name, getattr(self, name))
+        _check_int("ArrivalSample", "n", self.n, 1)
+        _check_seconds("ArrivalSample", "age_s", self.age_s)
+
+
+@dataclass(frozen=True)
+class FinishedSample(_Wire):
+    """One finished request (prompt) as its client saw it, with its TTFT split into parts. Every duration is measured
+    on one process's clock; a part that was not measured is 0, and what the parts leave of the TTFT is the rest of
+    the path (the RPCs, the decode actor's join, the first delta's trip)."""
+
+    prompt_tokens: int
+    cached_tokens: int  # of those, served from a prefix cache
+    output_tokens: int  # over its n completions
+    ttft_s: float
+    tpot_s: float
+    admission_wait_s: float = 0.0  # the proxy's wait for decode KV blocks, the reserve call included (proxy clock)
+    prefill_queue_s: float = 0.0  # waiting in the prefill actor's queue (prefill actor's clock)
+    prefill_compute_s: float = 0.0  # the prompt's forward passes, first scheduled to last (prefill actor's clock)
+    transfer_s: float = 0.0  # the prefill actor's wait for its last K/V sends after the forward (exposed transfer)
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "cached_tokens", "output_tokens"):
+            _check_int("FinishedSample", name, getattr(self, name))
+        for name in ("ttft_s", "tpot_s", "admission_wait_s", "prefill_queue_s", "prefill_compute_s", "transfer_s"):
+            _check_seconds("FinishedSample", name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class ProxyReport(_Wire):
+    """Proxy -> pool manager, every pool refresh: what this proxy saw since its last report (the controller's demand,
+    backlog at the admission gate and SLO samples; ``cluster.observe`` turns reports into an observation)."""
+
+    proxy_id: str
+    arrivals: tuple[ArrivalSample, ...] = ()  # every request that arrived since the last report
+    rejected: int = 0  # of the requests that ended since the last report, those refused with 429 (no KV in time)
+    waiting: int = 0  # requests waiting at its admission gate for decode KV blocks now
+    waiting_prompt_tokens: int = 0  # their prompt tokens
+    finished: tuple[FinishedSample, ...] = ()  # requests finished since the last report
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.proxy_id, str) or not self.proxy_id:
+            raise ValueError(f"ProxyReport.proxy_id: must be a non-empty string, got {self.proxy_id!r}")
+        for name, cls in (("arrivals", ArrivalSample), ("finished", FinishedSample)):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+                raise ValueError(f"ProxyReport.{name}: must be a list")
+            _set(self, name, tuple(cls.from_dict(x) if isinstance(x, Mapping) else x for x in value))
+            if any(not isinstance(x, cls) for x in getattr(self, name)):
+                raise ValueError(f"ProxyReport.{name}: must hold {cls.__name__} values")
+        for name in ("rejected", "waiting", "waiting_prompt_tokens"):
+            _check_int("ProxyReport", name, getattr(self, name))
