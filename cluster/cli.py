@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +92,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
             budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
-            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, queue_timeout_s=args.queue_timeout,
+            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
             max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
             max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
     except ValueError as e:
@@ -169,6 +170,18 @@ def _ask(url: str, model: str, question: str) -> int:
     return 0
 
 
+def slo_lines(slo: dict[str, Any]) -> list[str]:
+    """``pdcluster status``'s goodput lines from a proxy's ``/status`` ``slo`` part (:meth:`SloTracker.status`).
+    Pure."""
+    w = slo["window"]
+    att = "-" if w["attainment"] is None else f"{w['attainment']:.1%}"
+    return [f"slo: TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s (this proxy)",
+            f"  last {slo['window_s']:g} s: attainment {att}, goodput {w['goodput']} of {w['requests']} requests "
+            f"({w['ttft_met']} within TTFT, {w['tpot_met']} within TPOT)",
+            f"  since start: goodput {slo['goodput']} of {slo['requests']} requests; missed TTFT "
+            f"{slo['misses']['ttft']}, TPOT {slo['misses']['tpot']}; failed {slo['failed']} (429, 5xx, hung up)"]
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
     import os
@@ -205,6 +218,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(line((a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"), kv.get("used", ""),
                     kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens, a.get("node_ip") or "?",
                     a.get("kv_address") or "-")))
+    if st.get("slo"):  # a proxy from before goodput has none
+        print("\n" + "\n".join(slo_lines(st["slo"])))
     ctrl = st.get("controller")
     if ctrl:
         print(f"\nautoscale: {'on' if ctrl['autoscale'] else 'off'}{'   (a change is in progress)' if ctrl['busy'] else ''}")
@@ -269,8 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "a prefill actor died) before the request fails")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
-    sv.add_argument("--slo-ttft", type=float, default=2.0, help="TTFT SLO (seconds) autoscale aims for")
-    sv.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO (seconds) autoscale aims for")
+    sv.add_argument("--slo-ttft", type=float, default=2.0,
+                    help="TTFT SLO (seconds): autoscale aims for it, the proxies count goodput by it (/metrics)")
+    sv.add_argument("--slo-tpot", type=float, default=0.2,
+                    help="TPOT SLO (seconds): autoscale aims for it, the proxies count goodput by it (/metrics)")
+    sv.add_argument("--slo-window", type=float, default=60.0,
+                    help="seconds of finished requests the proxies' pdcluster_slo_attainment covers")
     sv.add_argument("--role-resources", action="store_true",
                     help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
     sv.add_argument("--budget", type=int, default=0,

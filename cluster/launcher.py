@@ -29,6 +29,7 @@ from typing import Any
 from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
+from proxy.slo import SloConfig
 
 
 KV_BACKENDS = ("auto", "torch_dist", "ucx", "shm", "cuda_ipc")
@@ -66,8 +67,9 @@ class ServeConfig:
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
     controller_interval_s: float = 30.0  # how often autoscale decides
-    slo_ttft_s: float = 2.0  # the SLOs autoscale judges attainment by
+    slo_ttft_s: float = 2.0  # the SLOs autoscale judges attainment by, and the proxies count goodput by (/metrics)
     slo_tpot_s: float = 0.2
+    slo_window_s: float = 60.0  # the proxies' pdcluster_slo_attainment covers the requests that ended this recently
     # place prefill actors only on Ray nodes that offer the custom resource "pdcluster_prefill", decode actors on
     # "pdcluster_decode" (Kubernetes: each worker group's pods advertise their role)
     role_resources: bool = False
@@ -111,6 +113,10 @@ class ServeConfig:
             raise ValueError(f"max_resumes: must be an int >= 0, got {self.max_resumes!r}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
+        try:
+            SloConfig(self.slo_ttft_s, self.slo_tpot_s, self.slo_window_s)
+        except ValueError as e:  # named as here: slo_ttft_s, slo_tpot_s, slo_window_s
+            raise ValueError(f"slo_{e}") from None
         if self.proxies < 0:
             raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
         if self.budget and self.budget < self.prefill + self.decode:
@@ -227,7 +233,9 @@ class Cluster:
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
                  "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name,
                  "--queue-timeout", str(cfg.queue_timeout_s), "--max-waiting", str(cfg.max_waiting),
-                 "--reserve-headroom", str(cfg.reserve_headroom_tokens), "--max-resumes", str(cfg.max_resumes)]
+                 "--reserve-headroom", str(cfg.reserve_headroom_tokens), "--max-resumes", str(cfg.max_resumes),
+                 "--slo-ttft", repr(cfg.slo_ttft_s), "--slo-tpot", repr(cfg.slo_tpot_s),
+                 "--slo-window", repr(cfg.slo_window_s)]
                 + (["--stream-host", local] if local else [])
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else [])
                 + ([] if self.secret is not None else ["--no-cluster-auth"]), env=env))

@@ -19,6 +19,7 @@ from proxy.openai_protocol import ProtocolConfig
 from cluster.wire.names import NAMESPACE
 from proxy.pools import Pools
 from proxy.server import Proxy, ProxyConfig
+from proxy.slo import SloConfig
 from proxy.tokenization import PromptTokenizer
 
 log = logging.getLogger("pdcluster.proxy")
@@ -54,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-resumes", type=int, default=3,
                     help="times a prompt's completions may be resumed on another actor (a decode actor died or "
                          "hung, a prefill actor died) before the request fails")
+    ap.add_argument("--slo-ttft", type=float, default=2.0,
+                    help="TTFT SLO, seconds: /metrics counts goodput (pdcluster_slo_attainment) by it (serve passes "
+                         "its own --slo-ttft, the one autoscale aims for)")
+    ap.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO, seconds (as --slo-ttft)")
+    ap.add_argument("--slo-window", type=float, default=60.0,
+                    help="seconds of finished requests pdcluster_slo_attainment covers")
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     ap.add_argument("--keepalive-timeout", type=float, default=75.0,
@@ -68,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="accept token-stream messages without a MAC (only for a cluster served with "
                          "--no-cluster-auth); otherwise the secret comes from PDCLUSTER_CLUSTER_SECRET")
     args = ap.parse_args(argv)
+    try:
+        slo = SloConfig(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, window_s=args.slo_window)
+    except ValueError as e:
+        ap.error(str(e))
     secret = None if args.no_cluster_auth else ClusterSecret.from_env()
     if secret is None and not args.no_cluster_auth:
         raise SystemExit(f"{ENV_VAR} is not set: give this proxy its cluster's secret, or pass --no-cluster-auth")
@@ -84,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]),
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
                               max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
-                              max_resumes=args.max_resumes,
+                              max_resumes=args.max_resumes, slo=slo,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
                   stream_host=stream_host, stream_advertise_host=stream_advertise,
                   disaggregated=args.disaggregated, stream_secret=secret)

@@ -1,4 +1,6 @@
 """A real cluster on local Ray (colocated decode actors, two proxy processes) answering the official OpenAI client."""
+# its SLOs are chosen so that a request's goodput is known before it runs: any TTFT is within TTFT_SLO, and no
+# completion of two tokens or more is within TPOT_SLO (a CPU decode step takes milliseconds), one token always is
 
 from __future__ import annotations
 
@@ -17,12 +19,14 @@ from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
+TTFT_SLO, TPOT_SLO = 600.0, 0.001
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
 
 
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=0, mode="colocated"))
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=0, mode="colocated",
+                            slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO))
     try:
         c.start()
         yield c
@@ -37,6 +41,70 @@ def offline() -> LLM:
 
 def client(url: str):  # type: ignore[no-untyped-def]
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in r.read().decode().splitlines()
+                                         if line and not line.startswith("#"))}
+
+
+def _client_met(c, max_tokens: int, n: int = 1) -> bool:  # type: ignore[no-untyped-def]
+    """One streamed chat; whether it met the SLOs as this client measures them on its stream: TTFT from sending to
+    each completion's first content, TPOT (last content - first content) / (tokens - 1), one token within TPOT."""
+    t0 = time.monotonic()
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    usage = None
+    for ch in c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], n=n,
+                                        max_tokens=max_tokens, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        now = time.monotonic()
+        usage = ch.usage or usage
+        for choice in ch.choices:
+            if choice.delta.content:
+                first.setdefault(choice.index, now)
+                last[choice.index] = now
+    end = time.monotonic()
+    tokens = usage.completion_tokens // n  # ignore_eos: every completion has max_tokens
+    assert tokens == max_tokens
+    met = True
+    for i in range(n):
+        ttft = first.get(i, end) - t0
+        tpot = (last[i] - first[i]) / (tokens - 1) if tokens >= 2 else 0.0
+        met = met and ttft <= TTFT_SLO and tpot <= TPOT_SLO
+    return met
+
+
+def test_goodput_metrics_agree_with_what_the_client_measured(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The first test of the module: it reads the SLO window of a proxy nothing else has used yet."""
+    url = cluster.urls[0]
+    before = _metrics(url)
+    assert before["pdcluster_slo_window_requests"] == 0, "this test must run before the module's other tests"
+    c = client(url)
+    verdicts = [_client_met(c, k) for k in (1, 8, 1, 8, 1, 8)] + [_client_met(c, 1, n=2)]  # n=2 counts once
+    code, _ = post_chat(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}).encode())
+    assert code == 400  # a client's own mistake: not counted for the SLOs
+    assert verdicts == [True, False, True, False, True, False, True]  # known before running, see the SLOs above
+    after = _metrics(url)
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    met, total = sum(verdicts), len(verdicts)
+    assert (delta("pdcluster_slo_requests_total"), delta("pdcluster_goodput_requests_total")) == (total, met)
+    assert delta('pdcluster_slo_misses_total{slo="tpot"}') == total - met
+    assert delta('pdcluster_slo_misses_total{slo="ttft"}') == 0 == delta("pdcluster_slo_failed_requests_total")
+    assert (after["pdcluster_slo_window_requests"], after["pdcluster_slo_window_goodput_requests"]) == (total, met)
+    assert after["pdcluster_slo_attainment"] == pytest.approx(met / total)
+    assert after['pdcluster_slo_seconds{slo="tpot"}'] == TPOT_SLO
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/status", timeout=30) as r:
+        slo = json.loads(r.read())["slo"]
+    assert slo["window"]["attainment"] == pytest.approx(met / total) and slo["goodput"] == met
 
 
 def test_chat_streaming_and_not_equal_offline_greedy(cluster, offline) -> None:  # type: ignore[no-untyped-def]

@@ -25,7 +25,8 @@ def test_generate_rejects_bad_parameters() -> None:
 
 
 def test_serve_rejects_bad_admission_settings_before_starting_anything() -> None:
-    for flag, value, field in (("--queue-timeout", "0", "queue_timeout_s"), ("--max-waiting", "-1", "max_waiting")):
+    for flag, value, field in (("--queue-timeout", "0", "queue_timeout_s"), ("--max-waiting", "-1", "max_waiting"),
+                               ("--slo-window", "0", "slo_window_s")):
         proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", flag, value],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and field in proc.stderr, proc.stderr

@@ -149,3 +149,16 @@ def test_single_token_completions_are_not_timed_in_the_tpot_histogram() -> None:
     m.latency(0.1, None, 0.2)
     m.latency(0.1, 0.05, 0.3)
     assert (m.ttft.n, m.tpot.n, m.e2e.n) == (2, 1, 2)
+
+
+def test_pdcluster_status_prints_attainment_and_goodput() -> None:
+    from cluster.cli import slo_lines
+
+    t, _ = tracker()
+    assert "attainment -," in "\n".join(slo_lines(t.status()))  # no request in the window yet
+    t.finished(200, served(0.2, 0.02))
+    t.finished(200, served(0.2, 0.5))
+    t.finished(429)
+    text = "\n".join(slo_lines(t.status()))
+    assert "TTFT <= 1 s, TPOT <= 0.1 s" in text and "last 60 s: attainment 33.3%, goodput 1 of 3 requests" in text
+    assert "missed TTFT 0, TPOT 1; failed 1" in text
