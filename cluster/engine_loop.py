@@ -67,6 +67,10 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{self.role}-{actor_id}", daemon=True)
         self._published_at = float("-inf")
+        # the time spent in steps that had work, and their number (loop thread; stats report them: the controller's
+        # measured capacity is tokens per busy second)
+        self.busy_s = 0.0
+        self.steps = 0
 
     def _start_loop(self) -> None:
         self._thread.start()
@@ -101,8 +105,12 @@ class EngineLoop:
         while not self._stop.is_set():
             self._run_inbox()
             try:
+                t0 = time.monotonic()
                 busy = self._step()
                 now = time.monotonic()
+                if busy:
+                    self.busy_s += now - t0
+                    self.steps += 1
                 if now - self._published_at >= self.stats_interval_s:
                     self._publish_stats()
                     self._published_at = now

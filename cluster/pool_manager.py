@@ -10,9 +10,12 @@ of a second against a model load), and proxies move it to its new pool on their 
 pool and shrinks the other, the manager flips rather than drains and starts, unless actors are pinned to role-specific
 Ray resources (``role_resources``: the pools live on different node groups), where a flip is a drain plus a start.
 
-Observations for the controller come from the actors' own counters (prompt tokens prefilled, tokens generated,
-queued prompt tokens) as rates over each interval; per-actor capacity comes from the cost profile. SLO attainment
-comes from the proxies: each hands the (TTFT, TPOT) of its finished requests to the manager every second.
+Observations for the controller are built by :func:`cluster.observe.build`, the builder the simulator uses too, from
+two sources: every actor's cumulative counters (:class:`~cluster.wire.messages.WorkerStats`: tokens computed and
+generated, busy seconds, queued prompt tokens, KV blocks), differenced per actor so flips and departures never distort
+a rate, and the proxies' :class:`~cluster.wire.messages.ProxyReport` values, which each proxy hands to :meth:`report`
+every pool refresh (demand as it arrives, 429s, what waits for decode KV, finished requests with their TTFT parts).
+Per-actor capacity is measured under load, seeded from a ``pdcluster profile`` cost profile when one is given.
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import ray
 
-from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, attainment,
-                                decide)
+from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.observe import ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports
 from cluster.wire.worker_config import WorkerConfig
-from cluster.wire.messages import WorkerStats
+from cluster.wire.messages import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
 
 
@@ -35,7 +39,10 @@ class PoolManager:
     """One per cluster (a named Ray actor). Changes run one at a time; ``status`` answers while they run."""
 
     def __init__(self, worker: WorkerConfig, kv: Any, resources: dict[str, dict[str, Any]], on_transfer_failure: str,
-                 controller: ControllerConfig, drain_timeout_s: float = 600.0) -> None:
+                 controller: ControllerConfig, drain_timeout_s: float = 600.0,
+                 profile: dict[str, Any] | None = None) -> None:
+        """``profile``: a ``pdcluster profile`` cost profile (its JSON as a dict) to seed each actor's capacity with
+        until it is measured under load; None: unknown until measured (the controller's defaults apply)."""
         self.worker, self.kv, self.resources = worker, kv, resources
         self.on_transfer_failure = on_transfer_failure
         self.controller = controller
@@ -57,9 +64,14 @@ class PoolManager:
         self._autoscale = threading.Event()
         self._auto_thread: threading.Thread | None = None
         self._state = ControllerState()
-        self._last_counters: tuple[float, float, float] | None = None  # (time, prompt tokens, generated tokens)
-        self._latencies: list[tuple[float, float]] = []  # (TTFT, TPOT) reported by proxies since the last window
-        self.latency_samples = 0  # reported since start
+        self.observer = ObserverConfig(slo_ttft_s=controller.slo_ttft_s, slo_tpot_s=controller.slo_tpot_s)
+        if profile is not None:
+            from cluster.sim_model import CostProfile
+
+            self.observer = CostProfile(**profile).observer_config(controller)
+        self._observed = ObserverState()
+        self._reports: list[ProxyReport] = []  # reported by proxies since the last window
+        self.latency_samples = 0  # finished requests reported since start
 
     # -- queries ----------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -69,11 +81,14 @@ class PoolManager:
                     "decision_count": self.decision_count, "latency_samples": self.latency_samples,
                     "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:]}
 
-    def report_latencies(self, samples: list[tuple[float, float]]) -> None:
-        """Mutates: a proxy's finished requests' (TTFT, TPOT), for the next window's SLO attainment."""
+    def report(self, message: dict[str, Any]) -> None:
+        """Mutates: a proxy's :class:`ProxyReport` (wire form), for the next window's observation. Raises
+        ``ValueError`` for a malformed one."""
+        report = ProxyReport.from_dict(message)
         with self._lock:
-            self._latencies.extend((float(a), float(b)) for a, b in samples[:10_000])
-            self.latency_samples += len(samples)
+            if len(self._reports) < 10_000:  # a window's worth from many proxies; a stuck loop must not grow it
+                self._reports.append(report)
+            self.latency_samples += len(report.finished)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -217,25 +232,23 @@ class PoolManager:
 
     # -- the control loop -------------------------------------------------------------------------------------------
     def _observe(self) -> Observation | None:
+        """Mutates the observer's state: this window's observation (None on the first call: baselines only)."""
         with self._lock:
-            names = [n for n in self.roles if n not in self.draining]
-        stats = [WorkerStats.from_dict(s) for s in ray.get([self.handles[n].stats.remote() for n in names], timeout=30)]
-        prompt = float(sum(s.prompt_tokens for s in stats if s.role == "prefill"))
-        generated = float(sum(s.tokens_generated for s in stats if s.role == "decode"))
+            names, draining = list(self.roles), set(self.draining)
+        refs = [self.handles[n].stats.remote() for n in names]
+        counters = []
+        for name, ref in zip(names, refs):
+            try:
+                c = ActorCounters.from_stats(WorkerStats.from_dict(ray.get(ref, timeout=30)))
+            except Exception:  # stopped meanwhile (a drain finished): it just drops out of the window
+                continue
+            counters.append(replace(c, actor_id=name, draining=c.draining or name in draining))
         now = time.monotonic()
-        last, self._last_counters = self._last_counters, (now, prompt, generated)
-        if last is None or now <= last[0]:
-            return None
-        dt = now - last[0]
         with self._lock:
-            window, self._latencies = self._latencies, []
-        ttft_ok, tpot_ok = attainment(window, self.controller.slo_ttft_s, self.controller.slo_tpot_s)
-        actors = tuple(ActorObservation(n, s.role, None, s.running + s.waiting) for n, s in zip(names, stats))
-        return Observation(t=now, prefill_tps=max(0.0, prompt - last[1]) / dt,
-                           decode_tps=max(0.0, generated - last[2]) / dt, request_rate=0.0, mean_prompt_tokens=0.0,
-                           mean_output_tokens=0.0, actors=actors,
-                           prefill_backlog_tokens=float(sum(s.queued_prefill_tokens for s in stats)),
-                           ttft_attainment=ttft_ok, tpot_attainment=tpot_ok)
+            reports, self._reports = self._reports, []
+        demand = demand_from_reports(reports, self.controller.slo_ttft_s, self.controller.slo_tpot_s)
+        obs, self._observed = build(now, counters, demand, self.observer, self._observed)
+        return obs
 
     def _auto_loop(self) -> None:
         while self._autoscale.is_set():

@@ -312,7 +312,8 @@ class DecodeWorker(EngineLoop):
             tokens_generated=self.tokens_generated,
             decode_tokens_per_s=self.tokens_generated / max(1e-9, time.monotonic() - self._started),
             proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, preemptions=self.preemptions,
-            max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, **rx)
+            max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, busy_seconds=self.busy_s,
+            steps=self.steps, **rx)
 
     def _close(self) -> None:
         self._sender.close()

@@ -37,6 +37,10 @@ class _Job:
     seed: int = 0
     bytes_sent: int = 0
     in_place: bool = False  # K/V written straight into the decode actor's blocks (shm / cuda_ipc)
+    # monotonic times on this actor: posted to the loop, first scheduled in a step, computed (its TTFT parts)
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    computed_at: float = 0.0
 
 
 class PrefillWorker(EngineLoop):
@@ -61,6 +65,8 @@ class PrefillWorker(EngineLoop):
         self.bytes_sent = 0
         self.transfer_s = 0.0  # waiting for sends after the forward finished: transfer time NOT hidden by compute
         self.transfer_busy_s = 0.0  # sum of every part's time on the wire
+        self.cached_prompt_tokens = 0  # of prompt_tokens, served from the prefix cache (not computed)
+        self._step_t0 = 0.0  # when the loop's current step began (loop thread)
         self._stats: WorkerStats
         self._publish_stats()
         self._start_loop()
@@ -78,7 +84,7 @@ class PrefillWorker(EngineLoop):
 
         msg = PrefillRequest.from_dict(message)
         req = msg.request
-        job = _Job(req, msg.grant)
+        job = _Job(req, msg.grant, submitted_at=time.monotonic())
         peer = msg.grant.kv_endpoint
         job.in_place = self.backend.in_place(peer)
         if job.in_place:  # the decode actor records this writer (and refuses a reservation already gone)
@@ -132,8 +138,10 @@ class PrefillWorker(EngineLoop):
             kv=KVCounts(free=c["free"] + c["cached"], used=c["used"], total=c["total"], cached=c["cached"]),
             running=len(sched.running), waiting=len(sched.waiting),
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
-            prompt_tokens=self.prompt_tokens, kv_bytes_sent=self.bytes_sent, kv_transfer_seconds=self.transfer_s,
-            kv_transfer_busy_seconds=self.transfer_busy_s, backend=self.backend.config.backend)
+            prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
+            kv_bytes_sent=self.bytes_sent, kv_transfer_seconds=self.transfer_s,
+            kv_transfer_busy_seconds=self.transfer_busy_s, backend=self.backend.config.backend,
+            busy_seconds=self.busy_s, steps=self.steps)
 
     def _idle(self) -> bool:
         return not self._jobs and not self.engine.has_unfinished_requests()
@@ -145,9 +153,13 @@ class PrefillWorker(EngineLoop):
     def _step(self) -> bool:
         if not self.engine.has_unfinished_requests():
             return False
+        self._step_t0 = time.monotonic()
         for out in self.engine.step(after_kv_store=self._ship):
             job = self._jobs.pop(out.request_id, None) if out.finished else None
             if job is not None:
+                job.computed_at = time.monotonic()
+                if job.started_at is None:  # computed in one step that shipped nothing
+                    job.started_at = self._step_t0
                 job.output = out
                 job.done.set()  # the caller's thread waits for the wire, not this loop
         return True
@@ -163,6 +175,8 @@ class PrefillWorker(EngineLoop):
             job = self._jobs.get(s.seq.request_id)
             if job is None or s.seq.index != 0:
                 continue
+            if job.started_at is None:  # its first step: the queue wait ends where that step began
+                job.started_at = self._step_t0
             logical = s.export_range(bs)
             if logical.stop <= job.grant.cached_blocks:  # the decode actor holds these blocks already
                 continue
@@ -197,12 +211,15 @@ class PrefillWorker(EngineLoop):
         t = time.perf_counter()
         failed = [str(h.error) for h in job.handles
                   if h.wait(self.backend.config.io_timeout_s) is not TransferState.DONE]
-        self.transfer_s += time.perf_counter() - t
+        send_wait = time.perf_counter() - t
+        self.transfer_s += send_wait
         busy = sum(h.elapsed_s or 0.0 for h in job.handles)
         self.transfer_busy_s += busy
         self.bytes_sent += job.bytes_sent
         self.prompt_tokens += len(job.request.prompt_token_ids)
         out = job.output
+        self.cached_prompt_tokens += out.num_cached_tokens
+        started = job.started_at if job.started_at is not None else job.computed_at
         outs = sorted(out.outputs, key=lambda c: c.index)
         lps = None
         if job.request.logprobs is not None:
@@ -211,4 +228,6 @@ class PrefillWorker(EngineLoop):
             request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
             first_token_ids=tuple(c.token_ids[0] for c in outs), first_logprobs=lps, seed=job.seed,
             cached_tokens=out.num_cached_tokens, parts_sent=len(job.handles), failed_parts=tuple(failed),
-            bytes_sent=job.bytes_sent, transfer_s=busy, backend=self.backend.config.backend)
+            bytes_sent=job.bytes_sent, transfer_s=busy, backend=self.backend.config.backend,
+            queue_s=max(0.0, started - job.submitted_at), compute_s=max(0.0, job.computed_at - started),
+            send_wait_s=send_wait)

@@ -95,11 +95,13 @@ class Dispatcher:
         prefill = None if resumed else self._pick_prefill(req.prompt_token_ids)
         context = len(req.prompt_token_ids) + len(req.resume_token_ids)
         need = self.config.reserve_blocks(context, req.max_tokens - len(req.resume_token_ids), req.n)
+        asked = time.monotonic()
         try:
             actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None))
         except ValueError as e:
             raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
         leg.actor, leg.grant, leg.blocks = actor, grant, need
+        leg.admission_s = time.monotonic() - asked
         if prefill is None:
             return
         try:
@@ -145,6 +147,8 @@ class Dispatcher:
             self.inflight[prefill.name] -= n
             leg.prefill = None
         result = PrefillResult.from_dict(raw)
+        leg.prefill_queue_s, leg.prefill_compute_s, leg.send_wait_s = result.queue_s, result.compute_s, \
+            result.send_wait_s
         self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
         await self.pools.prefilled(leg.actor, raw)
 

@@ -37,11 +37,17 @@ class AdmissionGate:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # aborts that outlive their cancelled request
+        self._waiting_tokens: dict[str, int] = {}  # queued request -> its prompt tokens (the controller's backlog)
 
     @property
     def waiting(self) -> int:
         """Requests waiting in the queue now."""
         return len(self.ctl)
+
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """The prompt tokens of the requests waiting in the queue now."""
+        return sum(self._waiting_tokens.values())
 
     def start(self) -> None:
         """Start the queue's background task (call from the running event loop)."""
@@ -77,7 +83,11 @@ class AdmissionGate:
             if isinstance(decision, Admit):
                 self._add(decision.actor_id, n_blocks)
             elif isinstance(decision, Queued):
-                decision = await self._wait(request_id)
+                self._waiting_tokens[request_id] = len(message.request.prompt_token_ids)
+                try:
+                    decision = await self._wait(request_id)
+                finally:
+                    self._waiting_tokens.pop(request_id, None)
             if isinstance(decision, Reject):
                 raise decision.error
             assert isinstance(decision, Admit)

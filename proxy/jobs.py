@@ -43,6 +43,12 @@ class Leg:
     grant: ReserveGrant | None = None
     blocks: int = 0  # blocks the admission gate counts for it on ``actor`` until it ends
     ended: bool = False  # finished, or given up (its actor died and it was resumed elsewhere)
+    # its TTFT parts, each a duration on one clock (proxy.report): waiting for decode KV blocks (the reserve call
+    # included, this proxy's clock); the prefill actor's queue, compute and wait for its last K/V sends (its clock)
+    admission_s: float = 0.0
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    send_wait_s: float = 0.0
 
     @property
     def indices(self) -> range:

@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 
-from cluster.wire.messages import ActorStats, PrefixEvents, WireVersionError, WorkerStats
+from cluster.wire.messages import ActorStats, PrefixEvents, ProxyReport, WireVersionError, WorkerStats
 from cluster.wire.names import CONTROL_GROUP, MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
@@ -120,11 +120,11 @@ class Pools:
             except ValueError as e:  # WireVersionError included: never guess
                 log.warning("prefix events of %s: %s", ref.name, e)
 
-    async def report_latencies(self, samples: list[tuple[float, float]]) -> None:
-        """Hand finished requests' (TTFT, TPOT) to the pool manager, if this cluster has one (best effort)."""
+    async def report(self, report: ProxyReport) -> None:
+        """Hand this proxy's :class:`ProxyReport` to the pool manager, if this cluster has one (best effort)."""
         try:
             manager = ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
-            await asyncio.wait_for(manager.report_latencies.remote(samples), 5.0)
+            await asyncio.wait_for(manager.report.remote(report.to_dict()), 5.0)
         except Exception:  # colocated clusters have none; a lost report only makes one window's estimate coarser
             pass
 

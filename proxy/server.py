@@ -53,6 +53,7 @@ from proxy.openai_responses import (
 from proxy.jobs import Job
 from proxy.openapi import openapi_spec
 from proxy.pools import Pools
+from proxy.report import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
 from proxy.slo import RequestLatency, SloConfig, SloTracker, request_latency, tpot_s
 from proxy.tokenization import PromptTokenizer
@@ -97,7 +98,8 @@ class Proxy:
                                slo=SloTracker(cfg.slo))
         self.gate = AdmissionGate(pools, AdmissionConfig(block_size, cfg.max_waiting, cfg.queue_timeout_s))
         self.shutting_down = False
-        self._slo_samples: list[tuple[float, float]] = []  # (TTFT, TPOT) of finished requests, not yet reported
+        # what this proxy saw since its last report to the pool manager: demand, 429s, finished requests' TTFT parts
+        self.report = ReportCollector(f"proxy-{uuid.uuid4().hex[:12]}")
         self.router = Router(RouterConfig(block_size=block_size))
         self.dispatch = Dispatcher(pools, self.gate, self.router, self.stream, self.metrics,
                                    DispatchConfig(block_size, disaggregated, cfg.max_resumes,
@@ -157,9 +159,8 @@ class Proxy:
                 self.router.sync([Pools.actor_stats(a, "prefill") for a in self.pools.prefill.values()])
             except Exception:
                 log.exception("pool refresh failed")
-            if self._slo_samples:  # the controller judges SLO attainment from what clients saw
-                samples, self._slo_samples = self._slo_samples, []
-                await self.pools.report_latencies(samples)
+            if self.disaggregated:  # the controller's demand, backlog and SLO attainment: what clients saw here
+                await self.pools.report(self.report.take(self.gate.waiting, self.gate.waiting_prompt_tokens))
 
     # -- small endpoints ---------------------------------------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
@@ -214,6 +215,8 @@ class Proxy:
         jobs: list[Job] = []
         try:
             parsed, jobs = self._parse(await request.read(), chat, trace)
+            for j in jobs:  # demand, whether it is then admitted, queued or refused
+                self.report.arrived(len(j.req.prompt_token_ids), j.req.max_tokens, j.req.n)
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
             await asyncio.gather(*(self.dispatch.start(j, j.legs[0]) for j in jobs))
             if parsed.stream:
@@ -221,6 +224,8 @@ class Proxy:
             return await self._collect(parsed, jobs, chat, start, trace)  # counts its own status
         except APIError as e:
             await self.dispatch.abort(jobs)
+            if e.status == 429:
+                self.report.rejected()
             self.metrics.request_done(e.status)
             return web.json_response(e.body(), status=e.status, headers={**e.headers(), "X-Request-Id": trace})
         except (asyncio.CancelledError, ConnectionResetError):
@@ -322,14 +327,15 @@ class Proxy:
         return resp
 
     def _observe(self, jobs: list[Job], start: float) -> RequestLatency:
-        """Mutates the metrics: every completion's latencies (TTFT from the request's arrival, TPOT to the end of the
-        response, see :mod:`proxy.slo`). Returns the request's, as its SLOs judge it."""
+        """Mutates the metrics and the controller's report: every completion's latencies (TTFT from the request's
+        arrival, TPOT to the end of the response, see :mod:`proxy.slo`). Returns the request's, as its SLOs judge
+        it."""
         end = time.monotonic()
         for c in (c for j in jobs for c in j.choices):
             if c.first_at is None:
                 continue
             tpot = tpot_s(c.first_at, end, len(c.token_ids))
             self.metrics.latency(c.first_at - start, tpot, end - start)
-            if len(self._slo_samples) < 10_000:  # for the controller; drained every few seconds
-                self._slo_samples.append((c.first_at - start, tpot or 0.0))  # one token: no gap, within the SLO
+        for j in jobs:  # for the controller, with each prompt's TTFT parts; sent on the next refresh
+            self.report.finished(finished_sample(j, start, end))
         return request_latency(start, end, ((c.first_at, len(c.token_ids)) for j in jobs for c in j.choices))

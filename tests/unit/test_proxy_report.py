@@ -1,0 +1,58 @@
+"""A proxy's report to the pool manager: arrivals with ages on its clock, 429s, the gate's backlog, finished prompts
+with their TTFT parts (proxy/report.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.wire.messages import GenerateRequest, TokenDelta, Usage
+from proxy.jobs import Job, Leg
+from proxy.report import ReportCollector, finished_sample
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_collector_reports_arrivals_with_ages_and_starts_over() -> None:
+    clock = Clock()
+    c = ReportCollector("p1", clock, max_samples=2)
+    c.arrived(100, 16, 1)
+    clock.t += 0.5
+    c.arrived(200, 32, 2)
+    c.arrived(300, 8, 1)  # over the bound: dropped
+    c.rejected()
+    clock.t += 0.25
+    r = c.take(waiting=3, waiting_prompt_tokens=900)
+    assert r.proxy_id == "p1" and [a.prompt_tokens for a in r.arrivals] == [100, 200]
+    assert [a.age_s for a in r.arrivals] == pytest.approx([0.75, 0.25]) and r.arrivals[1].n == 2
+    assert (r.rejected, r.waiting, r.waiting_prompt_tokens) == (1, 3, 900)
+    again = c.take(0, 0)
+    assert not again.arrivals and not again.finished and again.rejected == 0
+
+
+def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
+    req = GenerateRequest("r1", [1, 2, 3, 4], max_tokens=8, n=2)
+    job = Job(req, 0)
+    leg = Leg(req, asyncio.Queue())
+    leg.admission_s, leg.prefill_queue_s, leg.prefill_compute_s, leg.send_wait_s = 0.3, 0.2, 0.1, 0.05
+    job.legs.append(leg)
+    assert finished_sample(job, 10.0, 11.0) is None  # nothing delivered
+    job.apply(TokenDelta("r1", 0, [5]), [], 10.8)
+    job.apply(TokenDelta("r1", 1, [6, 7]), [], 10.9)
+    job.apply(TokenDelta("r1", 0, [8], finish_reason="stop", usage=Usage(4, 4, cached_tokens=2)), [], 11.0)
+    s = finished_sample(job, 10.0, 12.0)
+    assert s is not None
+    assert (s.prompt_tokens, s.cached_tokens, s.output_tokens) == (4, 2, 4)
+    assert s.ttft_s == pytest.approx(0.9)  # the worst completion's first token
+    assert (s.admission_wait_s, s.prefill_queue_s, s.prefill_compute_s, s.transfer_s) == (0.3, 0.2, 0.1, 0.05)
+    c = ReportCollector("p", Clock())
+    c.finished(s)
+    c.finished(None)
+    assert c.take(0, 0).finished == (s,)
