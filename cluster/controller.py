@@ -169,6 +169,7 @@ class ControllerState:
     prefill_slope: float = 0.0  # smoothed change of the smoothed rates, tokens/s per second
     decode_slope: float = 0.0
     t: float | None = None  # when the rates were last updated
+    decode_kv: float = 0.0  # decode KV in use in actors' worth (reservations included): at once up, smoothed down
     last_change_t: float = -math.inf
     history: tuple[Decision, ...] = field(default=())  # the last decisions that changed something (newest last)
 
@@ -288,11 +289,15 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # decode blocks mean decode is short of memory whatever its token rate says, and their wait is TTFT
     over_p = n_p * mu_p < max(sp, obs.prefill_tps) or queued_p > clearable  # prefill overloaded now
     kv_run, kv_rsv = obs.kv_in_use()
-    kv_load = kv_run  # growth: what decode's own sequences hold (reservations awaiting prefill are prefill's doing)
-    want_d = max(want_d, math.ceil(kv_load / util - 1e-9))
+    kv_mem = max(kv_run + kv_rsv, a * (kv_run + kv_rsv) + (1 - a) * state.decode_kv)
+    state = replace(state, decode_kv=kv_mem)
+    # memory is sized like tokens, with headroom: what is in use, reservations included, over the target utilisation
+    if math.ceil(kv_mem / util - 1e-9) > want_d:
+        want_d = math.ceil(kv_mem / util - 1e-9)
+        why.append(f"decode KV in use {kv_mem:.1f} actors' worth")
     # never shrink below the memory in use now, reservations included (they would only wait for it again), unless
     # those reservations are a prefill queue's, which growing prefill shrinks
-    kv_floor = math.ceil(kv_run + kv_rsv - 1e-9)
+    kv_floor = math.ceil(kv_mem - 1e-9)
     # waits that last (a snapshot's few waiters come and go), or waiters while nothing finished at all
     kv_wait = kv_short and (obs.admission_wait_s > KV_WAIT_SHARE * cfg.slo_ttft_s
                             or (obs.admission_waiting > 0 and obs.ttft_s == 0))
@@ -319,12 +324,12 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if tpot_miss:
         want_d = max(want_d, n_d + max(1, math.ceil(n_d * (cfg.attainment_target - obs.tpot_attainment))))
         why.append(f"TPOT attainment {obs.tpot_attainment:.0%}")
-    load_d = max(ld / mu_d, kv_run + kv_rsv)
+    load_d = max(ld / mu_d, kv_mem)
     want_p = _hysteresis(n_p, want_p, lp / mu_p, util, cfg.hysteresis)
     want_d = _hysteresis(n_d, want_d, load_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
     floors = (math.ceil(obs.prefill_tps / mu_p), max(math.ceil(obs.decode_tps / mu_d), kv_floor))
-    split_d = max(fast_d / mu_d, kv_load, kv_floor if kv_wait else 0)
+    split_d = max(fast_d / mu_d, kv_mem, kv_floor if kv_wait else 0)
     t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors)
     # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO
     # (requests caught in that queue have not finished yet, so attainment cannot show them)

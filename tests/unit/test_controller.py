@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -156,3 +157,48 @@ def test_attainment_counts_samples_within_each_slo() -> None:
 
     assert attainment([], 1.0, 0.1) == (1.0, 1.0)
     assert attainment([(0.5, 0.05), (1.5, 0.05), (0.9, 0.2), (1.0, 0.1)], 1.0, 0.1) == (0.75, 0.75)
+
+
+def kv_actors(n_p: int, n_d: int, free: float, reserved: float) -> tuple[ActorObservation, ...]:
+    return tuple([ActorObservation(f"p{i}", "prefill", MU_P) for i in range(n_p)]
+                 + [ActorObservation(f"d{i}", "decode", MU_D, kv_free=free, kv_reserved=reserved) for i in range(n_d)])
+
+
+def test_waits_for_decode_kv_grow_decode_not_prefill() -> None:
+    """Requests wait at admission for decode blocks and decode's own sequences fill its memory: a TTFT miss whose
+    biggest part is that wait is decode's, whatever the token rates say (they fit 4P:4D easily)."""
+    cfg = ControllerConfig(budget=8, cooldown_s=60)
+    obs = Observation(t=15.0, prefill_tps=1000.0, decode_tps=200.0, request_rate=2.0, mean_prompt_tokens=500.0,
+                      mean_output_tokens=100.0, actors=kv_actors(4, 4, free=0.02, reserved=0.05),
+                      admission_waiting=12, admission_backlog_tokens=6000.0, prefill_backlog_tokens=6500.0,
+                      ttft_attainment=0.4, ttft_s=4.0, admission_wait_s=3.2, prefill_queue_wait_s=0.1,
+                      prefill_compute_s=0.5)
+    assert obs.ttft_cause() == "decode" and obs.kv_short()
+    d, _ = decide(obs, cfg, ControllerState(last_change_t=0.0))  # within the cooldown: pressing, it goes at once
+    assert d.n_decode > 4 and d.n_prefill < 4 and d.flip, d.reason
+    assert "decode KV" in d.reason and "mostly decode" in d.reason
+    # the same waits while prefill's queued requests hold the memory (reserved, K/V not yet sent): prefill's cause.
+    # (Decode keeps the memory in use: with spare budget prefill grows by new actors.)
+    obs2 = replace(obs, actors=kv_actors(4, 4, free=0.02, reserved=0.8), prefill_backlog_tokens=40000.0)
+    assert obs2.ttft_cause() == "prefill" and not obs2.kv_short()
+    d, _ = decide(obs2, replace(cfg, budget=12), ControllerState(last_change_t=0.0))
+    assert d.n_prefill > 4 and d.n_decode == 4 and "waiting for decode KV" not in d.reason, d.reason
+
+
+def test_prefill_queueing_grows_prefill_and_a_decode_backlog_grows_decode() -> None:
+    cfg = ControllerConfig(budget=8, cooldown_s=60)
+    base = Observation(t=15.0, prefill_tps=1000.0, decode_tps=200.0, request_rate=2.0, mean_prompt_tokens=500.0,
+                       mean_output_tokens=100.0, actors=actors(4, 4), ttft_attainment=0.5, ttft_s=4.0,
+                       prefill_queue_wait_s=3.0, prefill_compute_s=0.5, admission_wait_s=0.2)
+    assert base.ttft_cause() == "prefill"
+    d, _ = decide(base, cfg, ControllerState(last_change_t=0.0))
+    assert d.n_prefill > 4 and "mostly prefill" in d.reason, d.reason
+    # an exposed-transfer dominated miss is neither pool's: no pool grows for it
+    slow_link = replace(base, prefill_queue_wait_s=0.1, transfer_s=3.0)
+    assert slow_link.ttft_cause() == "transfer"
+    d, _ = decide(slow_link, cfg, ControllerState(last_change_t=0.0))
+    assert not d.changes, d.reason
+    # sequences waiting for a decode batch slot: more than 4 actors deliver in a TTFT SLO
+    backlog = replace(base, ttft_attainment=1.0, decode_backlog_tokens=4 * MU_D * cfg.slo_ttft_s * 2)
+    d, _ = decide(backlog, cfg, ControllerState(last_change_t=0.0))
+    assert d.n_decode > 4 and "decode backlog" in d.reason, d.reason

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -106,3 +107,35 @@ def test_workloads_keep_their_load_share() -> None:
         work = (tr.prompt / PROFILE.prefill_tps).sum() + (tr.output / PROFILE.decode_capacity_tps(32, 600)).sum()
         assert 0.4 < work / (10 * 1800) < 0.9, name
         assert math.isclose(tr.duration, 1800)
+
+
+def test_requests_wait_for_decode_kv_in_fifo_order_and_the_wait_is_ttft() -> None:
+    """One decode actor holding 3000 KV tokens: a request takes prompt 500 + a 256-token headroom (its 50-token
+    output fits in it), so three fit at once and the rest wait at admission, first come first served."""
+    prof = dataclasses.replace(PROFILE, decode_kv_tokens=3000.0, reserve_headroom_tokens=256.0)
+    n = 12
+    tr = Trace(np.linspace(0.0, 0.1, n), np.full(n, 500), np.full(n, 50), 0.1)
+    sim = Simulation(tr, prof, cfg("fixed:2:1", 3), 3)
+    r = sim.run()
+    assert np.isfinite(r.ttft).all() and np.isfinite(r.tpot).all()
+    assert (r.admission_wait[:3] == 0).all() and (r.admission_wait[3:] > 0).all()
+    admitted = tr.t + r.admission_wait
+    assert (np.diff(admitted) >= -1e-12).all()  # FIFO: nobody overtakes
+    assert (r.ttft >= r.admission_wait + 500 / prof.prefill_tps).all()  # the wait is part of the TTFT
+    decode = [a for a in sim.actors if a.role == "decode"]
+    assert all(a.kv_held == 0 and a.holds == 0 and a.kv_reserved == 0 for a in decode)  # nothing leaked
+
+
+def test_adaptive_grows_decode_when_decode_kv_binds() -> None:
+    """Long prompts, short answers: the token rates say one decode actor is plenty, but its 6000 KV tokens hold three
+    requests. A fixed 5P:1D split queues without end; adaptive sees the waits for decode KV and grows decode."""
+    prof = dataclasses.replace(PROFILE, decode_kv_tokens=6000.0)
+    rng = np.random.default_rng(0)
+    t = np.sort(rng.uniform(0, 900.0, 900))
+    tr = Trace(t, np.full(len(t), 1500), np.full(len(t), 30), 900.0)
+    fixed = Simulation(tr, prof, cfg("fixed:5:1", 7), 7).run()
+    adaptive = Simulation(tr, prof, cfg("adaptive", 7), 7, initial=(5, 1)).run()
+    assert fixed.ok.mean() < 0.2 and (fixed.admission_wait > 5).mean() > 0.5
+    assert adaptive.ok.mean() > 0.9, adaptive.decisions[:3]
+    assert max(p["n_decode"] for p in adaptive.timeline) >= 3
+    assert "decode KV" in adaptive.decisions[0]["reason"], adaptive.decisions[0]
