@@ -289,7 +289,9 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # decode blocks mean decode is short of memory whatever its token rate says, and their wait is TTFT
     over_p = n_p * mu_p < max(sp, obs.prefill_tps) or queued_p > clearable  # prefill overloaded now
     kv_run, kv_rsv = obs.kv_in_use()
-    kv_mem = max(kv_run + kv_rsv, a * (kv_run + kv_rsv) + (1 - a) * state.decode_kv)
+    # reservations scale with prefill's queue: count those a queue it clears within one TTFT SLO would hold
+    kv_now = kv_run + kv_rsv * (min(1.0, clearable / queued_p) if queued_p > 0 else 1.0)
+    kv_mem = max(kv_now, a * kv_now + (1 - a) * state.decode_kv)
     state = replace(state, decode_kv=kv_mem)
     # memory is sized like tokens, with headroom: what is in use, reservations included, over the target utilisation
     if math.ceil(kv_mem / util - 1e-9) > want_d:
@@ -317,7 +319,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if ttft_miss and cause == "prefill":
         want_p = max(want_p, n_p + max(1, math.ceil(n_p * (cfg.attainment_target - obs.ttft_attainment))))
     elif ttft_miss and cause == "decode":
-        kv_floor = max(kv_floor, n_d + max(1, math.ceil(n_d * (cfg.attainment_target - obs.ttft_attainment))))
+        kv_floor = max(kv_floor, n_d + 1)  # one at a time, as for waits: both pools' requests hold decode memory
         want_d = max(want_d, kv_floor)
     if ttft_miss:
         why.append(f"TTFT attainment {obs.ttft_attainment:.0%} (mostly {cause})")
