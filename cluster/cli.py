@@ -92,6 +92,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
             budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
+            controller_profile=args.controller_profile or "",
             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
             max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
             max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="times a prompt's completions may be resumed on another actor (a decode actor died or hung, "
                          "a prefill actor died) before the request fails")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
+    sv.add_argument("--controller-profile", default=None,
+                    help="a pdcluster profile cost profile (JSON): autoscale's per-actor capacity until measured")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
     sv.add_argument("--slo-ttft", type=float, default=2.0,
                     help="TTFT SLO (seconds): autoscale aims for it, the proxies count goodput by it (/metrics)")

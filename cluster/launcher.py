@@ -15,6 +15,7 @@ environment. ``cluster_auth=False`` runs without any (only when asked for).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -67,6 +68,8 @@ class ServeConfig:
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
     controller_interval_s: float = 30.0  # how often autoscale decides
+    # a ``pdcluster profile`` cost profile (JSON): seeds each actor's capacity until it is measured under load
+    controller_profile: str = ""
     slo_ttft_s: float = 2.0  # the SLOs autoscale judges attainment by, and the proxies count goodput by (/metrics)
     slo_tpot_s: float = 0.2
     slo_window_s: float = 60.0  # the proxies' pdcluster_slo_attainment covers the requests that ended this recently
@@ -117,6 +120,8 @@ class ServeConfig:
             SloConfig(self.slo_ttft_s, self.slo_tpot_s, self.slo_window_s)
         except ValueError as e:  # named as here: slo_ttft_s, slo_tpot_s, slo_window_s
             raise ValueError(f"slo_{e}") from None
+        if self.controller_profile and not os.path.isfile(self.controller_profile):
+            raise ValueError(f"controller_profile: no such file {self.controller_profile!r}")
         if self.proxies < 0:
             raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
         if self.budget and self.budget < self.prefill + self.decode:
@@ -217,7 +222,8 @@ class Cluster:
                                     cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
                                     slo_tpot_s=cfg.slo_tpot_s)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8, enable_task_events=False)(PoolManager).options(name=MANAGER_NAME).remote(
-                worker, kv, roles, cfg.on_transfer_failure, ctrl)
+                worker, kv, roles, cfg.on_transfer_failure, ctrl,
+                profile=json.loads(open(cfg.controller_profile).read()) if cfg.controller_profile else None)
             ray.get(self.manager.counts.remote(), timeout=60)
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
