@@ -25,6 +25,7 @@ import tempfile
 import time
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cluster.wire.auth import ENV_VAR, ClusterSecret
@@ -223,7 +224,7 @@ class Cluster:
                                     slo_tpot_s=cfg.slo_tpot_s)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8, enable_task_events=False)(PoolManager).options(name=MANAGER_NAME).remote(
                 worker, kv, roles, cfg.on_transfer_failure, ctrl,
-                profile=json.loads(open(cfg.controller_profile).read()) if cfg.controller_profile else None)
+                profile=json.loads(Path(cfg.controller_profile).read_text()) if cfg.controller_profile else None)
             ray.get(self.manager.counts.remote(), timeout=60)
         address = ray.get_runtime_context().gcs_address
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
