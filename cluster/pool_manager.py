@@ -86,7 +86,8 @@ class PoolManager:
         ``ValueError`` for a malformed one."""
         report = ProxyReport.from_dict(message)
         with self._lock:
-            if len(self._reports) < 10_000:  # a window's worth from many proxies; a stuck loop must not grow it
+            # kept only while autoscale runs (its windows read them); bounded: a stuck loop must not grow it
+            if self._autoscale.is_set() and len(self._reports) < 10_000:
                 self._reports.append(report)
             self.latency_samples += len(report.finished)
 
@@ -125,6 +126,8 @@ class PoolManager:
     def autoscale(self, on: bool) -> bool:
         """Mutates: start or stop the control loop (every ``interval_s``). Returns the new setting."""
         if on and not self._autoscale.is_set():
+            with self._lock:  # windows start afresh: the first one takes baselines
+                self._observed, self._reports = ObserverState(), []
             self._autoscale.set()
             self._auto_thread = threading.Thread(target=self._auto_loop, name="autoscale", daemon=True)
             self._auto_thread.start()
