@@ -159,7 +159,7 @@ class Simulation:
         while heap:
             free, aid = heap[0]
             a = self.actors[aid]
-            if not a.live or a.role != "decode" or a.draining or -free != a.kv_free():
+            if not a.live or a.role != "decode" or a.draining or free != a.kv_held - a.kv_total:
                 heapq.heappop(heap)
                 continue
             return a
@@ -177,14 +177,14 @@ class Simulation:
         while q:
             r = q[0]
             a = self._most_free()
-            if a is None or a.kv_free() < self.need[r]:
+            if a is None or a.kv_total - a.kv_held < self.need[r]:
                 return
             q.popleft()
             self.adm_tokens -= float(self.trace.prompt[r])
             a.kv_held += self.need[r]
             a.kv_reserved += self.need[r]
             a.holds += 1
-            heapq.heappush(self.kv_heap, (-a.kv_free(), a.aid))
+            heapq.heappush(self.kv_heap, (a.kv_held - a.kv_total, a.aid))
             self.owner[r] = a.aid
             self.t_adm[r] = now
             p = self._route_prefill(now)
@@ -194,9 +194,9 @@ class Simulation:
                 self._prefill(p, r, now)
 
     def _release(self, a: _Actor, r: int, now: float) -> None:
+        """``r`` finished on ``a``: its KV is free again (``_after_release`` republishes ``a``'s free KV once)."""
         a.kv_held -= self.need[r]
         a.holds -= 1
-        heapq.heappush(self.kv_heap, (-a.kv_free(), a.aid))
         self.window_done.append(r)
         self.last[r] = now
 
@@ -268,6 +268,7 @@ class Simulation:
         self._after_release(a, now)
 
     def _after_release(self, a: _Actor, now: float) -> None:
+        heapq.heappush(self.kv_heap, (a.kv_held - a.kv_total, a.aid))
         if a.draining and a.holds == 0:
             self._leave_counted(a, now)
         self._admit(now)
