@@ -24,9 +24,11 @@ when there is one, else unknown), backlog in tokens per pool, KV pressure per de
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.controller import ActorObservation, Observation
 from cluster.wire.messages import ProxyReport, WorkerStats
@@ -233,3 +235,14 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
         rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), admission_wait_s=mean(d.admission_wait_s),
         prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s))
     return obs, new_state
+
+
+def observation_summary(obs: Observation) -> dict[str, Any]:
+    """An observation as plain values for ``status`` (numbers rounded; per actor: role, capacity, KV shares). Pure."""
+    out: dict[str, Any] = {k: round(v, 3) if isinstance(v, float) else v
+                           for k, v in dataclasses.asdict(obs).items() if k != "actors"}
+    out["actors"] = {a.actor_id: {"role": a.role, "capacity_tps": None if a.capacity_tps is None
+                                  else round(a.capacity_tps, 1), "queue_depth": a.queue_depth, "draining": a.draining,
+                                  "kv_free": None if a.kv_free is None else round(a.kv_free, 3),
+                                  "kv_reserved": round(a.kv_reserved, 3)} for a in obs.actors}
+    return out

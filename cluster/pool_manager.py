@@ -29,7 +29,8 @@ from typing import Any
 import ray
 
 from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide
-from cluster.observe import ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports
+from cluster.observe import (ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports,
+                             observation_summary)
 from cluster.wire.worker_config import WorkerConfig
 from cluster.wire.messages import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
@@ -72,6 +73,7 @@ class PoolManager:
         self._observed = ObserverState()
         self._reports: list[ProxyReport] = []  # reported by proxies since the last window
         self.latency_samples = 0  # finished requests reported since start
+        self.last_observation: dict[str, Any] | None = None  # what the controller saw last (status)
 
     # -- queries ----------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -79,7 +81,8 @@ class PoolManager:
             actors = [{"name": n, "role": r, "draining": n in self.draining} for n, r in sorted(self.roles.items())]
             return {"actors": actors, "autoscale": self._autoscale.is_set(), "busy": self._change.locked(),
                     "decision_count": self.decision_count, "latency_samples": self.latency_samples,
-                    "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:]}
+                    "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:],
+                    "observation": self.last_observation}
 
     def report(self, message: dict[str, Any]) -> None:
         """Mutates: a proxy's :class:`ProxyReport` (wire form), for the next window's observation. Raises
@@ -262,6 +265,8 @@ class PoolManager:
                 obs = self._observe()
                 if obs is None:
                     continue
+                with self._lock:
+                    self.last_observation = observation_summary(obs)
                 decision, self._state = decide(obs, self.controller, self._state)
                 if not decision.changes:
                     continue

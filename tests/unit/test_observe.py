@@ -3,9 +3,12 @@ departures and newcomers, demand including queued and refused requests, capacity
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from cluster.observe import ActorCounters, Demand, ObserverConfig, ObserverState, build, demand_from_reports
+from cluster.observe import (ActorCounters, Demand, ObserverConfig, ObserverState, build, demand_from_reports,
+                             observation_summary)
 from cluster.wire.messages import ArrivalSample, FinishedSample, KVCounts, ProxyReport, WorkerStats
 
 CFG = ObserverConfig(slo_ttft_s=2.0, slo_tpot_s=0.1, ewma_alpha=0.5, seed_prefill_tps=1000.0, seed_decode_tps=300.0)
@@ -122,6 +125,8 @@ def test_kv_pressure_and_decode_backlog_per_decode_actor() -> None:
     assert a.kv_free == pytest.approx(0.1) and a.kv_reserved == pytest.approx(0.3) and a.queue_depth == 12
     assert obs.decode_backlog_tokens == pytest.approx(400)  # 4 sequences waiting x 100 output tokens
     assert obs.kv_in_use() == pytest.approx((0.6, 0.3))
+    summary = json.loads(json.dumps(observation_summary(obs)))  # plain values for status
+    assert summary["actors"]["d0"]["kv_free"] == 0.1 and summary["decode_backlog_tokens"] == 400
 
 
 def test_live_counters_come_from_worker_stats() -> None:
