@@ -56,3 +56,31 @@ def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
     c.finished(s)
     c.finished(None)
     assert c.take(0, 0).finished == (s,)
+
+
+def test_the_gate_counts_the_prompt_tokens_waiting_for_decode_kv() -> None:
+    from cluster.wire.messages import KVCounts, ReserveRequest, WorkerStats
+    from proxy.admission import AdmissionConfig
+    from proxy.gate import AdmissionGate
+    from proxy.pools import ActorRef
+
+    full = ActorRef("d0", None, {}, WorkerStats("d0", "decode", kv=KVCounts(free=0, used=8, total=8)))
+
+    class FullPools:
+        decode = {"d0": full}
+
+        def live_decode(self) -> list[ActorRef]:
+            return [full]
+
+    async def scenario() -> tuple[int, int, int]:
+        gate = AdmissionGate(FullPools(), AdmissionConfig(block_size=4, queue_timeout_s=30.0))  # type: ignore[arg-type]
+        gate.start()
+        task = asyncio.ensure_future(gate.reserve(ReserveRequest(GenerateRequest("r1", [1] * 10, max_tokens=4), 4)))
+        await asyncio.sleep(0.05)
+        waiting = (gate.waiting, gate.waiting_prompt_tokens)
+        task.cancel()  # the client left: it leaves the queue and the count
+        await asyncio.gather(task, return_exceptions=True)
+        gate.stop()
+        return (*waiting, gate.waiting_prompt_tokens)
+
+    assert asyncio.run(scenario()) == (1, 10, 0)
