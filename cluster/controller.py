@@ -229,6 +229,15 @@ def _keep_budget(now: tuple[int, int], need: tuple[int, int], loads: tuple[float
     return g_p, g_d
 
 
+def _grew_lately(obs: Observation, cfg: ControllerConfig, state: ControllerState, role: str) -> bool:
+    """Whether the last change, within one cooldown, grew ``role``'s pool: the finished requests a window judges
+    waited under the sizes before it, so their misses say nothing new about that pool. Pure."""
+    if role not in ROLES or not state.history or obs.t - state.last_change_t >= cfg.cooldown_s:
+        return False
+    last = state.history[-1]
+    return any(r == role for _, r in last.flip) or role in last.add
+
+
 def fixed_sizes(policy: str) -> tuple[int, int] | None:
     """``(P, D)`` of a ``fixed:P:D`` policy, else None. Pure."""
     parts = policy.split(":")
@@ -300,9 +309,13 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # never shrink below the memory in use now, reservations included (they would only wait for it again), unless
     # those reservations are a prefill queue's, which growing prefill shrinks
     kv_floor = math.ceil(kv_mem - 1e-9)
-    # waits that last (a snapshot's few waiters come and go), or waiters while nothing finished at all
-    kv_wait = kv_short and (obs.admission_wait_s > KV_WAIT_SHARE * cfg.slo_ttft_s
-                            or (obs.admission_waiting > 0 and obs.ttft_s == 0))
+    # waits that last (a snapshot's few waiters come and go), or waiters while nothing finished at all; right after
+    # decode grew, the finished requests' waits are the old size's: only waiters now count
+    waiters = obs.admission_waiting > 0
+    if _grew_lately(obs, cfg, state, "decode"):
+        kv_wait = kv_short and waiters
+    else:
+        kv_wait = kv_short and (obs.admission_wait_s > KV_WAIT_SHARE * cfg.slo_ttft_s or (waiters and obs.ttft_s == 0))
     if kv_wait:
         kv_floor = max(kv_floor, n_d + 1)  # one more at a time: memory is wanted by both pools' requests
         want_d = max(want_d, kv_floor)
@@ -316,6 +329,8 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # miss goes to the pool whose part of the TTFT dominates (waiting for decode KV is decode's)
     ttft_miss, tpot_miss = obs.ttft_attainment < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
     cause = obs.ttft_cause()
+    if ttft_miss and _grew_lately(obs, cfg, state, cause):  # the window's misses are the old sizes' (they lag)
+        ttft_miss = False
     if ttft_miss and cause == "prefill":
         want_p = max(want_p, n_p + max(1, math.ceil(n_p * (cfg.attainment_target - obs.ttft_attainment))))
     elif ttft_miss and cause == "decode":
@@ -331,7 +346,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_d = _hysteresis(n_d, want_d, load_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
     floors = (math.ceil(obs.prefill_tps / mu_p), max(math.ceil(obs.decode_tps / mu_d), kv_floor))
-    split_d = max(fast_d / mu_d, kv_mem, kv_floor if kv_wait else 0)
+    split_d = max(fast_d / mu_d, kv_mem / util, kv_floor if kv_wait else 0)  # memory with headroom, like tokens
     t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors)
     # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO
     # (requests caught in that queue have not finished yet, so attainment cannot show them)
@@ -339,6 +354,11 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not (over_p or over_d) \
             and not ttft_miss and not tpot_miss:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
+    elif n_p + n_d == cfg.budget and t_p + t_d == cfg.budget and over_p and kv_wait:
+        # both pools pressed at a binding budget: a move only shifts the bottleneck and costs a drain; let the
+        # queues drain where they are
+        t_p, t_d = n_p, n_d
+        why.append("both pools pressed")
     elif not cfg.elastic and t_p + t_d < cfg.budget:
         t_p, t_d = _keep_budget((n_p, n_d), (t_p, t_d), (fast_p / mu_p, split_d), cfg.budget)
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
