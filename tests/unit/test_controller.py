@@ -203,3 +203,21 @@ def test_prefill_queueing_grows_prefill_and_a_decode_backlog_grows_decode() -> N
     backlog = replace(base, ttft_attainment=1.0, decode_backlog_tokens=4 * MU_D * cfg.slo_ttft_s * 2)
     d, _ = decide(backlog, cfg, ControllerState(last_change_t=0.0))
     assert d.n_decode > 4 and "decode backlog" in d.reason, d.reason
+
+
+def test_lagging_misses_do_not_grow_a_pool_that_just_grew_and_both_pressed_pools_hold() -> None:
+    cfg = ControllerConfig(budget=8, cooldown_s=60)
+    obs = Observation(t=15.0, prefill_tps=1000.0, decode_tps=200.0, request_rate=2.0, mean_prompt_tokens=500.0,
+                      mean_output_tokens=100.0, actors=kv_actors(3, 5, free=0.3, reserved=0.1), ttft_attainment=0.3,
+                      ttft_s=4.0, admission_wait_s=3.0, prefill_queue_wait_s=0.1, prefill_compute_s=0.5)
+    assert obs.ttft_cause() == "decode"
+    grew = Decision(3, 5, flip=(("p3", "decode"),), reason="4P:4D -> 3P:5D")
+    d, _ = decide(obs, cfg, ControllerState(last_change_t=0.0, history=(grew,)))
+    assert not d.changes, d.reason  # the requests judged here waited under 4 decode actors
+    d, _ = decide(obs, cfg, ControllerState(last_change_t=0.0))
+    assert d.n_decode > 5, d.reason  # without that change behind it, the same miss grows decode
+    # prefill overloaded (its queue) and decode short of memory (waiters now) at a binding budget: hold
+    pressed = replace(obs, actors=kv_actors(4, 4, free=0.02, reserved=0.05), admission_waiting=10,
+                      prefill_backlog_tokens=60000.0, admission_backlog_tokens=5000.0, ttft_attainment=1.0)
+    d, _ = decide(pressed, cfg, ControllerState())
+    assert not d.changes and "both pools pressed" in d.reason, d.reason
