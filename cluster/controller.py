@@ -8,7 +8,10 @@ loop on what is observed:
    (prefill tokens/s within the TTFT SLO, decode tokens/s within the TPOT SLO).
 2. Size each pool for its load plus headroom: ``n = ceil(λ·(1 + headroom) / μ)``.
 3. See queueing, which averages cannot: a prefill backlog that would not drain within a TTFT SLO adds the actors that
-   drain it in one; SLO attainment under target adds one actor to the pool that misses.
+   drain it in one; SLO attainment under target adds one actor to the pool that misses. Decode memory (the KV its
+   actors hold, reservations for prompts still in prefill included) is a load like the token rate; requests waiting
+   at admission for decode KV grow decode, and a TTFT miss goes to the pool whose part of the TTFT dominates
+   (``Observation.ttft_cause``). Observations come from :mod:`cluster.observe`, live and simulated alike.
 4. Respect minimums and the total budget (split in proportion to demand when it binds).
 5. Hysteresis: grow at once, shrink only when the smaller pool would still run below ``1 - hysteresis`` of the target
    utilisation; a cooldown after each change; nothing new while a change is pending.
@@ -285,7 +288,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_p = math.ceil(lp / (mu_p * util)) if lp > 0 else cfg.min_prefill
     want_d = math.ceil(ld / (mu_d * util)) if ld > 0 else cfg.min_decode
     why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
-    # prompts waiting at the admission gates wait for decode KV: prefill's queue unless decode is short of memory
+    # prompts waiting at the admission gates wait for decode KV, not for a prefill actor: prefill's queue is the rest
     kv_short = obs.kv_short()
     queued_p = max(0.0, obs.prefill_backlog_tokens - obs.admission_backlog_tokens)
     clearable = n_p * mu_p * cfg.slo_ttft_s  # prompt tokens the present pool prefills within one TTFT SLO
@@ -306,8 +309,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if math.ceil(kv_mem / util - 1e-9) > want_d:
         want_d = math.ceil(kv_mem / util - 1e-9)
         why.append(f"decode KV in use {kv_mem:.1f} actors' worth")
-    # never shrink below the memory in use now, reservations included (they would only wait for it again), unless
-    # those reservations are a prefill queue's, which growing prefill shrinks
+    # never shrink below the memory in use now, reservations included (they would only wait for it again)
     kv_floor = math.ceil(kv_mem - 1e-9)
     # waits that last (a snapshot's few waiters come and go), or waiters while nothing finished at all; right after
     # decode grew, the finished requests' waits are the old size's: only waiters now count
@@ -325,8 +327,8 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         fast_d = max(fast_d, obs.decode_tps + obs.decode_backlog_tokens / cfg.slo_ttft_s)
         want_d = max(want_d, math.ceil(fast_d / mu_d))
         why.append(f"decode backlog {obs.decode_backlog_tokens:.0f} tokens")
-    # SLO misses the rates did not explain: grow the missing pool by the missed share (at least one actor); a TTFT
-    # miss goes to the pool whose part of the TTFT dominates (waiting for decode KV is decode's)
+    # SLO misses the rates did not explain: grow the missing pool (prefill and TPOT: by the missed share, at least
+    # one actor; decode memory: one); a TTFT miss goes to the pool whose part of the TTFT dominates
     ttft_miss, tpot_miss = obs.ttft_attainment < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
     cause = obs.ttft_cause()
     if ttft_miss and _grew_lately(obs, cfg, state, cause):  # the window's misses are the old sizes' (they lag)
