@@ -102,6 +102,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ask is not None and cfg.proxies == 0:
         print("error: --ask needs a proxy (--proxies >= 1)", file=sys.stderr)
         return 2
+    if (args.record or args.dry_run) and not args.autoscale:
+        print("error: --record and --dry-run go with --autoscale", file=sys.stderr)
+        return 2
     if cfg.worker.model == "default":  # convert the default model once, here, not in every actor at the same time
         from engine.default_model import resolve_model
 
@@ -131,8 +134,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 return 2
             import ray
 
-            ray.get(cluster.manager.autoscale.remote(True), timeout=60)
-            print("[pdcluster] autoscale on", flush=True)
+            from pathlib import Path
+
+            record = str(Path(args.record).resolve()) if args.record else None
+            ray.get(cluster.manager.autoscale.remote(True, record=record, dry_run=args.dry_run), timeout=60)
+            print(f"[pdcluster] autoscale on{' (dry run: decisions logged, not carried out)' if args.dry_run else ''}"
+                  f"{f', recording to {record}' if record else ''}", flush=True)
         if not cluster.urls:
             print("[pdcluster] workers ready; no proxies here (--proxies 0): start them with python -m proxy.main",
                   flush=True)
@@ -223,9 +230,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("\n" + "\n".join(slo_lines(st["slo"])))
     ctrl = st.get("controller")
     if ctrl:
-        print(f"\nautoscale: {'on' if ctrl['autoscale'] else 'off'}{'   (a change is in progress)' if ctrl['busy'] else ''}")
+        mode = " (dry run: decisions are logged, not carried out)" if ctrl.get("dry_run") else ""
+        rec = f"   recording to {ctrl['recording']}" if ctrl.get("recording") else ""
+        print(f"\nautoscale: {'on' if ctrl['autoscale'] else 'off'}{mode}"
+              f"{'   (a change is in progress)' if ctrl['busy'] else ''}{rec}")
         for d in ctrl["decisions"][-5:]:
-            print(f"  {time.strftime('%H:%M:%S', time.localtime(d['t']))}  {d['reason']}")
+            note = "  (not carried out)" if d.get("applied") is False else ""
+            print(f"  {time.strftime('%H:%M:%S', time.localtime(d['t']))}  {d['reason']}{note}")
     return 0
 
 
@@ -287,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--controller-profile", default=None,
                     help="a pdcluster profile cost profile (JSON): autoscale's per-actor capacity until measured")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")
+    sv.add_argument("--record", default=None, metavar="FILE",
+                    help="with --autoscale: write the control loop's record (arrivals, observations, every decision "
+                         "with its reason; JSON lines) for pdcluster simulate --replay")
+    sv.add_argument("--dry-run", action="store_true",
+                    help="with --autoscale: decide and log every decision without carrying any out")
     sv.add_argument("--slo-ttft", type=float, default=2.0,
                     help="TTFT SLO (seconds): autoscale aims for it, the proxies count goodput by it (/metrics)")
     sv.add_argument("--slo-tpot", type=float, default=0.2,

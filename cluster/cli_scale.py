@@ -16,6 +16,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     sc.set_defaults(func=_cmd_scale)
     au = sub.add_parser("autoscale", help="let the controller move the prefill:decode ratio (on) or stop it (off)")
     au.add_argument("state", choices=["on", "off"])
+    au.add_argument("--record", default=None, metavar="FILE",
+                    help="on: write the control loop's record (arrivals, observations, every decision with its reason; "
+                         "JSON lines) to FILE on the node the pool manager runs on, for pdcluster simulate --replay")
+    au.add_argument("--dry-run", action="store_true",
+                    help="on: decide and log every decision (pdcluster status, the record) without carrying any out")
     au.add_argument("--ray-address", default="auto", help="the cluster's Ray (default: the local one)")
     au.set_defaults(func=_cmd_autoscale)
 
@@ -67,6 +72,18 @@ def _cmd_autoscale(args: argparse.Namespace) -> int:
     manager = _manager(args.ray_address)
     if manager is None:
         return 2
-    on = ray.get(manager.autoscale.remote(args.state == "on"), timeout=30)
-    print(f"[pdcluster] autoscale {'on' if on else 'off'}")
+    from pathlib import Path
+
+    if args.state == "off" and (args.record or args.dry_run):
+        print("error: --record and --dry-run go with autoscale on", file=sys.stderr)
+        return 2
+    record = str(Path(args.record).resolve()) if args.record else None
+    try:
+        on = ray.get(manager.autoscale.remote(args.state == "on", record=record, dry_run=args.dry_run), timeout=30)
+    except ray.exceptions.RayTaskError as e:  # the record's file could not be opened
+        print(f"error: {e.cause if hasattr(e, 'cause') else e}", file=sys.stderr)
+        return 2
+    extra = (" (dry run: decisions are logged, not carried out)" if on and args.dry_run else "") + \
+        (f", recording to {record}" if on and record else "")
+    print(f"[pdcluster] autoscale {'on' if on else 'off'}{extra}")
     return 0

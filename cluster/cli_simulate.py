@@ -14,20 +14,50 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="JSONL: one {\"t\", \"prompt_tokens\", \"output_tokens\"} per line")
     src.add_argument("--workload", help="a generated workload: diurnal | bursts | steady")
-    s.add_argument("--workers", type=int, required=True, help="actor budget (prefill + decode)")
-    s.add_argument("--policy", required=True, help="fixed:P:D | throughput | adaptive")
-    s.add_argument("--slo-ttft", type=float, required=True, help="TTFT SLO, seconds")
-    s.add_argument("--slo-tpot", type=float, required=True, help="TPOT SLO, seconds")
-    s.add_argument("--profile", default=None, help="cost profile JSON (default: the checked-in CPU profile)")
+    src.add_argument("--replay", metavar="FILE",
+                     help="an autoscale record (serve/autoscale --record, or simulate --record): re-run its arrivals "
+                          "in closed loop with its controller config, SLOs and initial pools; report live beside "
+                          "simulated decisions and attainment")
+    s.add_argument("--workers", type=int, help="actor budget (prefill + decode); required unless --replay")
+    s.add_argument("--policy", help="fixed:P:D | throughput | adaptive; required unless --replay")
+    s.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds; required unless --replay")
+    s.add_argument("--slo-tpot", type=float, help="TPOT SLO, seconds; required unless --replay")
+    s.add_argument("--profile", default=None, help="cost profile JSON (default: the checked-in CPU profile; with "
+                                                    "--replay: the record's own profile, if it has one)")
+    s.add_argument("--record", default=None, metavar="FILE",
+                   help="write the run's record (arrivals, every observation and decision) for --replay")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--duration", type=float, default=3600.0, help="seconds of generated workload")
     s.add_argument("--load", type=float, default=0.6, help="generated workload's load as a share of capacity")
     s.add_argument("--interval", type=float, default=15.0, help="controller interval, seconds")
     s.add_argument("--elastic", action="store_true", help="adaptive may also shrink below the budget")
     s.add_argument("--initial", default=None, metavar="P:D", help="initial pool sizes (default: half and half)")
-    s.add_argument("--json", required=True, metavar="OUT", help="write the report here")
+    s.add_argument("--json", metavar="OUT", help="write the report here; required unless --replay")
     s.add_argument("--plot", default=None, metavar="OUT.png", help="plot the ratio, traffic mix and attainment")
     s.set_defaults(func=run)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from cluster.record import read_record
+    from cluster.replay import format_report, replay, side_by_side
+    from cluster.sim_model import DEFAULT_PROFILE, CostProfile
+
+    try:
+        rec = read_record(args.replay)
+        if args.profile or not rec.profile:
+            profile = CostProfile.load(args.profile or DEFAULT_PROFILE)
+        else:
+            profile = CostProfile(**rec.profile)
+        result, _ = replay(rec, profile)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = side_by_side(rec, result, profile)
+    print(format_report(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,6 +65,13 @@ def run(args: argparse.Namespace) -> int:
     from cluster.sim_report import plot, summarize
     from cluster.simulator import Simulation
 
+    if args.replay:
+        return _replay(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("workers", "policy", "slo_ttft", "slo_tpot", "json")
+               if getattr(args, n) is None]
+    if missing:
+        print(f"error: {', '.join(missing)} required (unless --replay)", file=sys.stderr)
+        return 2
     try:
         profile = CostProfile.load(args.profile or DEFAULT_PROFILE)
         if args.trace:
@@ -56,7 +93,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"[pdcluster] simulating {len(trace)} requests over {trace.duration:.0f}s, {args.workers} workers, "
           f"policy {args.policy} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    result = sim.run()
+    if args.record:
+        from cluster.replay import record_simulation
+
+        result = record_simulation(args.record, trace, profile, cfg, args.workers, initial)
+    else:
+        result = sim.run()
     wall = time.perf_counter() - t0
     report = summarize(result, trace)
     report.update(policy=args.policy, workers=args.workers, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,

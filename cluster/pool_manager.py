@@ -16,6 +16,10 @@ generated, busy seconds, queued prompt tokens, KV blocks), differenced per actor
 a rate, and the proxies' :class:`~cluster.wire.messages.ProxyReport` values, which each proxy hands to :meth:`report`
 every pool refresh (demand as it arrives, 429s, what waits for decode KV, finished requests with their TTFT parts).
 Per-actor capacity is measured under load, seeded from a ``pdcluster profile`` cost profile when one is given.
+
+``autoscale(True, record=FILE)`` writes the loop's record (:mod:`cluster.record`: every arrival and finished request
+the proxies report, on this actor's clock, every observation and every decision with its reason) for ``pdcluster
+simulate --replay``; ``dry_run=True`` decides and logs every decision without carrying any out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import ray
 from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide
 from cluster.observe import (ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports,
                              observation_summary)
+from cluster.record import (RecordWriter, decision_fields, header_fields, observation_fields, report_records)
 from cluster.wire.worker_config import WorkerConfig
 from cluster.wire.messages import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
@@ -74,12 +79,16 @@ class PoolManager:
         self._reports: list[ProxyReport] = []  # reported by proxies since the last window
         self.latency_samples = 0  # finished requests reported since start
         self.last_observation: dict[str, Any] | None = None  # what the controller saw last (status)
+        self.profile = profile
+        self.dry_run = False  # autoscale decides and logs, but changes nothing
+        self._recorder: RecordWriter | None = None  # autoscale's record (autoscale(True, record=...)), while on
 
     # -- queries ----------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         with self._lock:
             actors = [{"name": n, "role": r, "draining": n in self.draining} for n, r in sorted(self.roles.items())]
-            return {"actors": actors, "autoscale": self._autoscale.is_set(), "busy": self._change.locked(),
+            return {"actors": actors, "autoscale": self._autoscale.is_set(), "dry_run": self.dry_run,
+                    "recording": str(self._recorder.path) if self._recorder else None, "busy": self._change.locked(),
                     "decision_count": self.decision_count, "latency_samples": self.latency_samples,
                     "decisions": list(self.decisions)[-10:], "events": list(self.events)[-20:],
                     "observation": self.last_observation}
@@ -93,6 +102,10 @@ class PoolManager:
             if self._autoscale.is_set() and len(self._reports) < 10_000:
                 self._reports.append(report)
             self.latency_samples += len(report.finished)
+            recorder = self._recorder if self._autoscale.is_set() else None
+        if recorder is not None:  # arrival times: this clock's receipt minus the proxy's measured age
+            for kind, t, fields in report_records(report, recorder.now()):
+                recorder.write(kind, t, fields)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -117,8 +130,10 @@ class PoolManager:
                 drains.remove(name)
                 flips.append((name, adds.pop(0)))
             reason = f"manual scale {now['prefill']}P:{now['decode']}D -> {n_prefill}P:{n_decode}D"
-            self._record(Decision(n_prefill, n_decode, tuple(adds), tuple(drains), tuple(flips), reason=reason))
+            self._record(Decision(n_prefill, n_decode, tuple(adds), tuple(drains), tuple(flips), reason=reason),
+                         applied=True, manual=True)
             self._apply(adds, drains, flips)
+        self._record_pools()
         return self.counts()
 
     def set_flip_in_place(self, on: bool) -> bool:
@@ -126,8 +141,21 @@ class PoolManager:
         self.flip_in_place = bool(on)
         return self.flip_in_place
 
-    def autoscale(self, on: bool) -> bool:
-        """Mutates: start or stop the control loop (every ``interval_s``). Returns the new setting."""
+    def autoscale(self, on: bool, record: str | None = None, dry_run: bool = False) -> bool:
+        """Mutates: start or stop the control loop (every ``interval_s``). ``record``: a file (on the node this actor
+        runs on) for the loop's record, written until autoscale goes off (a loop already on starts a new one);
+        ``dry_run``: decide and log every decision, carry none out. Returns the new setting. ``OSError`` when the
+        record cannot be written."""
+        if on:
+            self.dry_run = bool(dry_run)
+            if record:
+                writer = RecordWriter(record, header_fields(
+                    "live", self.controller, self.observer, self._sizes(), dry_run=self.dry_run, profile=self.profile,
+                    wall_time=time.time()))
+                with self._lock:
+                    old, self._recorder = self._recorder, writer
+                if old is not None:
+                    old.close()
         if on and not self._autoscale.is_set():
             with self._lock:  # windows start afresh: the first one takes baselines
                 self._observed, self._reports = ObserverState(), []
@@ -136,8 +164,24 @@ class PoolManager:
             self._auto_thread.start()
         elif not on:
             self._autoscale.clear()
-        self._event(f"autoscale {'on' if on else 'off'}")
+            with self._lock:
+                old, self._recorder = self._recorder, None
+            if old is not None:
+                old.close()
+        extra = (" (dry run: decisions are logged, not carried out)" if on and self.dry_run else "") + \
+            (f", recording to {record}" if on and record else "")
+        self._event(f"autoscale {'on' if on else 'off'}{extra}")
         return self._autoscale.is_set()
+
+    def _sizes(self) -> tuple[int, int]:
+        c = self.counts()
+        return c["prefill"], c["decode"]
+
+    def _record_pools(self) -> None:
+        recorder = self._recorder
+        if recorder is not None:
+            p, d = self._sizes()
+            recorder.write("pools", None, {"prefill": p, "decode": d})
 
     def _least_loaded(self, role: str, n: int) -> list[str]:
         if n <= 0:
@@ -230,11 +274,20 @@ class PoolManager:
         with self._lock:
             self.events.append({"t": round(time.time(), 3), "event": what})
 
-    def _record(self, d: Decision) -> None:
+    def _record(self, d: Decision, applied: bool, manual: bool = False) -> None:
+        """Mutates: a decision that changes something goes to ``status`` (its reason, what it does, whether it is
+        carried out); every decision, holds included, goes to the record when one is written."""
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.write("decision", None, decision_fields(d, applied, manual))
+        if not d.changes:
+            return
         with self._lock:
-            self.decision_count += 1
+            if applied:
+                self.decision_count += 1
             self.decisions.append({"t": round(time.time(), 3), "reason": d.reason, "add": list(d.add),
-                                   "drain": list(d.drain), "flip": [list(f) for f in d.flip]})
+                                   "drain": list(d.drain), "flip": [list(f) for f in d.flip],
+                                   "target": [d.n_prefill, d.n_decode], "applied": applied, "manual": manual})
 
     # -- the control loop -------------------------------------------------------------------------------------------
     def _observe(self) -> Observation | None:
@@ -262,21 +315,34 @@ class PoolManager:
             if not self._autoscale.is_set():
                 return
             try:
-                obs = self._observe()
-                if obs is None:
-                    continue
-                with self._lock:
-                    self.last_observation = observation_summary(obs)
-                decision, self._state = decide(obs, self.controller, self._state)
-                if not decision.changes:
-                    continue
-                self._record(decision)
-                adds, drains, flips = list(decision.add), list(decision.drain), list(decision.flip)
-                if not self.flip_in_place:  # pinned actors: a flip is a drain plus a start
-                    adds += [role for _, role in flips]
-                    drains += [name for name, _ in flips]
-                    flips = []
-                with self._change:
-                    self._apply(adds, drains, flips)
+                self._step()
             except Exception as e:  # keep controlling; the error shows in status
                 self._event(f"autoscale step failed: {type(e).__name__}: {e}")
+
+    def _step(self) -> Decision | None:
+        """Mutates: one control window: observe, decide, log (and record) the decision, carry it out unless this is a
+        dry run. Returns the decision (None for the first window: baselines only)."""
+        obs = self._observe()
+        if obs is None:
+            return None
+        recorder = self._recorder
+        if recorder is not None:
+            recorder.write("observation", None, observation_fields(replace(obs, t=obs.t - recorder.t0)))
+        with self._lock:
+            self.last_observation = observation_summary(obs)
+        decision, self._state = decide(obs, self.controller, self._state)
+        self._record(decision, applied=not self.dry_run)
+        if not decision.changes:
+            return decision
+        if self.dry_run:
+            self._event(f"dry run, not carried out: {decision.reason}")
+            return decision
+        adds, drains, flips = list(decision.add), list(decision.drain), list(decision.flip)
+        if not self.flip_in_place:  # pinned actors: a flip is a drain plus a start
+            adds += [role for _, role in flips]
+            drains += [name for name, _ in flips]
+            flips = []
+        with self._change:
+            self._apply(adds, drains, flips)
+        self._record_pools()
+        return decision

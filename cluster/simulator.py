@@ -32,12 +32,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.controller import ControllerConfig, ControllerState, decide, fixed_sizes
-from cluster.observe import ActorCounters, Demand, ObserverState, build
+from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
+from cluster.observe import ActorCounters, Demand, ObserverConfig, ObserverState, build
 from cluster.sim_model import CostProfile, Trace
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED = 0, 1, 2, 3, 4  # event kinds
@@ -95,8 +96,12 @@ class SimResult:
 
 class Simulation:
     def __init__(self, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
-                 initial: tuple[int, int] | None = None) -> None:
+                 initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
+                 on_control: Callable[[float, Observation, Decision], None] | None = None) -> None:
+        """``observer``: how observations are built (default: seeded from ``profile``; a replay passes the recorded
+        one); ``on_control``: called with every window's observation and decision, holds included (a record)."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
+        self.on_control = on_control
         sizes = fixed_sizes(cfg.policy) or initial or (max(1, workers // 2), workers - max(1, workers // 2))
         if sizes[0] < 1 or sizes[1] < 1 or sum(sizes) > workers:
             raise ValueError(f"initial sizes {sizes[0]}P:{sizes[1]}D must be >= 1 each and fit {workers} workers")
@@ -124,7 +129,7 @@ class Simulation:
         self.kv_heap: list[tuple[float, int]] = [(-a.kv_free(), a.aid) for a in self.actors if a.role == "decode"]
         heapq.heapify(self.kv_heap)
         self.state = ControllerState()
-        self.obs_cfg = profile.observer_config(cfg)
+        self.obs_cfg = observer or profile.observer_config(cfg)
         self.obs_state = ObserverState(t=0.0)
         self.timeline: list[dict] = []
         self.decisions: list[dict] = []
@@ -347,6 +352,8 @@ class Simulation:
         if obs is None:
             return
         decision, self.state = decide(obs, self.cfg, self.state)
+        if self.on_control is not None:
+            self.on_control(float(now), obs, decision)
         if not decision.changes:
             return
         self.decisions.append({"t": round(float(now), 3), "reason": decision.reason, "add": list(decision.add),

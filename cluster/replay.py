@@ -1,0 +1,144 @@
+"""Replay an autoscale record (:mod:`cluster.record`) through the simulator in closed loop, and compare.
+
+``pdcluster simulate --replay FILE`` re-runs the recorded arrivals (their times, prompt lengths and output lengths)
+through :class:`~cluster.simulator.Simulation` with the simulator's own controller deciding: the recorded
+controller config and SLOs, the recorded observer config, the recorded initial pool sizes and budget. It then puts
+the live decisions (times, reasons, whether applied) beside the simulated ones, and live attainment (the finished
+requests the proxies reported, 429s counted as misses) beside simulated attainment.
+
+Output lengths: a simulator's record carries each arrival's; a live record has the requested ``max_tokens`` per
+arrival and the finished requests' output lengths with no request id linking the two, so each arrival takes the
+output of the next unmatched finished request from the same proxy with the same prompt length (in time order), and
+``max_tokens x n`` (an upper bound) when there is none (a refused or unfinished request).
+
+:func:`record_simulation` writes a record of a simulated run (what a replay of it must reproduce exactly: the
+simulator is deterministic given its arrivals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cluster.controller import ControllerConfig, Decision, Observation
+from cluster.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
+from cluster.sim_model import CostProfile, Trace
+from cluster.simulator import SimResult, Simulation
+
+
+def trace_from_recording(rec: Recording) -> Trace:
+    """The recorded arrivals as a simulator trace (times from the record's start, never negative). Pure."""
+    if not rec.arrivals:
+        raise ValueError("the record holds no arrivals: nothing to replay")
+    outputs: dict[tuple[str, int], deque[int]] = defaultdict(deque)
+    for f in rec.finished:  # in time order
+        outputs[(f.proxy, f.sample.prompt_tokens)].append(f.sample.output_tokens)
+    t, prompt, output = [], [], []
+    for a in rec.arrivals:
+        if a.output_tokens is not None:
+            out = a.output_tokens
+        else:
+            q = outputs.get((a.proxy, a.prompt_tokens))
+            out = q.popleft() if q else a.max_tokens * a.n
+        t.append(max(0.0, a.t))
+        prompt.append(max(1, a.prompt_tokens))
+        output.append(max(1, out))
+    order = np.argsort(np.asarray(t), kind="stable")
+    ts = np.asarray(t, dtype=np.float64)[order]
+    return Trace(ts, np.asarray(prompt, dtype=np.int64)[order], np.asarray(output, dtype=np.int64)[order],
+                 float(max(rec.end_t, ts[-1])))
+
+
+def live_attainment(rec: Recording) -> dict[str, Any]:
+    """Attainment of the recorded (live) run: finished requests within both SLOs over finished plus refused. Pure."""
+    cfg = rec.controller
+    met = sum(1 for f in rec.finished if f.sample.ttft_s <= cfg.slo_ttft_s and f.sample.tpot_s <= cfg.slo_tpot_s)
+    refused = sum(n for _, n in rec.rejected)
+    judged = len(rec.finished) + refused
+    return {"requests": judged, "met": met, "refused": refused,
+            "slo_attainment": round(met / judged, 4) if judged else None}
+
+
+def replay(rec: Recording, profile: CostProfile) -> tuple[SimResult, Trace]:
+    """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured.
+    Pure (deterministic)."""
+    trace = trace_from_recording(rec)
+    sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer)
+    return sim.run(), trace
+
+
+def side_by_side(rec: Recording, result: SimResult, profile: CostProfile) -> dict[str, Any]:
+    """The replay report: live and simulated decisions and attainment. Pure."""
+    cfg = rec.controller
+    live_changes = [d for d in rec.decisions if d.get("changes")]
+    return {
+        "source": rec.source, "dry_run": rec.dry_run, "policy": cfg.policy, "budget": cfg.budget,
+        "initial": list(rec.initial), "interval_s": cfg.interval_s, "slo_ttft_s": cfg.slo_ttft_s,
+        "slo_tpot_s": cfg.slo_tpot_s, "profile": profile.source, "duration_s": round(rec.end_t, 3),
+        "arrivals": len(rec.arrivals), "truncated": rec.truncated,
+        "live": {**live_attainment(rec), "windows": len(rec.observations), "decisions": live_changes,
+                 "pools": [{"t": t, "n_prefill": p, "n_decode": d} for t, p, d in rec.pools]},
+        "simulated": {"requests": int(len(result.ok)), "met": int(result.ok.sum()),
+                      "slo_attainment": round(float(result.ok.mean()), 4) if len(result.ok) else None,
+                      "decisions": result.decisions, "timeline": result.timeline},
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The side-by-side report as text. Pure."""
+    live, sim = report["live"], report["simulated"]
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    lines = [f"replay of a {report['source']} record{' (dry run: decisions logged, not applied)' if report['dry_run'] else ''}:"
+             f" {report['arrivals']} arrivals over {report['duration_s']:.0f}s, policy {report['policy']}, budget "
+             f"{report['budget']}, start {report['initial'][0]}P:{report['initial'][1]}D, interval "
+             f"{report['interval_s']:g}s, SLOs TTFT {report['slo_ttft_s']:g}s TPOT {report['slo_tpot_s']:g}s, "
+             f"profile {report['profile']}" + ("; its last line was cut off" if report["truncated"] else ""),
+             f"{'':10}{'attainment':>12}{'met':>8}{'judged':>8}{'changes':>9}",
+             f"{'live':10}{pct(live['slo_attainment']):>12}{live['met']:>8}{live['requests']:>8}"
+             f"{len(live['decisions']):>9}",
+             f"{'simulated':10}{pct(sim['slo_attainment']):>12}{sim['met']:>8}{sim['requests']:>8}"
+             f"{len(sim['decisions']):>9}",
+             "live decisions:"]
+    for d in live["decisions"]:
+        tag = "" if d.get("applied") else "  (not applied: dry run)" if report["dry_run"] else "  (not applied)"
+        lines.append(f"  {d['t']:8.1f}s  {'manual: ' if d.get('manual') else ''}{d['reason']}{tag}")
+    lines.append("simulated decisions:")
+    lines += [f"  {d['t']:8.1f}s  {d['reason']}" for d in sim["decisions"]]
+    return "\n".join(lines)
+
+
+def record_simulation(path: str | Path, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
+                      initial: tuple[int, int] | None = None) -> SimResult:
+    """Run a simulation and write its record (arrivals with their output lengths, every window's observation and
+    decision, the finished requests). Mutates: writes ``path``."""
+    windows: list[tuple[float, Observation, Decision]] = []
+    sim = Simulation(trace, profile, cfg, workers, initial, on_control=lambda t, o, d: windows.append((t, o, d)))
+    sizes = (sum(1 for a in sim.actors if a.role == "prefill"), sum(1 for a in sim.actors if a.role == "decode"))
+    result = sim.run()
+    writer = RecordWriter(path, header_fields("simulator", cfg, sim.obs_cfg, sizes, profile=dataclasses.asdict(profile),
+                                              wall_time=time.time()))
+    try:
+        for i in range(len(trace)):
+            writer.write("arrival", float(trace.t[i]), {"proxy": "sim", "prompt_tokens": int(trace.prompt[i]),
+                                                        "max_tokens": int(trace.output[i]), "n": 1,
+                                                        "output_tokens": int(trace.output[i])})
+        for t, obs, decision in windows:
+            writer.write("observation", t, observation_fields(obs))
+            writer.write("decision", t, decision_fields(decision, applied=True))
+        for i in np.flatnonzero(np.isfinite(result.tpot)):
+            end = float(trace.t[i] + result.ttft[i] + result.tpot[i] * max(1, int(trace.output[i]) - 1))
+            writer.write("finished", end, {
+                "proxy": "sim", "prompt_tokens": int(trace.prompt[i]), "cached_tokens": 0,
+                "output_tokens": int(trace.output[i]), "ttft_s": float(result.ttft[i]),
+                "tpot_s": float(result.tpot[i]), "admission_wait_s": float(max(0.0, result.admission_wait[i]))})
+    finally:
+        writer.close(result.duration)
+    return result
