@@ -5,7 +5,8 @@ A request needs ``ceil((prompt + max_tokens) / block_size)`` KV blocks on one de
 - rejected with 503 when no decode actor is alive and not draining;
 - rejected with 400 (``kv_capacity_exceeded``, naming the limit) when it needs more blocks than the largest live
   decode actor holds in all: waiting would never help;
-- admitted to ``router.pick_decode_actor``'s choice when the queue is empty and some actor has room;
+- admitted to ``router.pick_decode_actor``'s choice (room, prefix-cache hits against load) when the queue is empty
+  and some actor has room;
 - queued otherwise, in FIFO order (a newcomer never overtakes a waiting request, so big requests do not starve),
   and rejected with 429 ``queue_full`` when the queue is at its bound;
 - rejected with 429 ``queue_timeout`` when it waited ``queue_timeout_s`` without room.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 from cluster.wire.messages import ActorStats
 from proxy.errors import APIError, kv_capacity_exceeded, rate_limited, retry_after_seconds, service_unavailable
-from proxy.router import pick_decode_actor
+from proxy.router import PrefixHits, pick_decode_actor
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ Decision = Admit | Queued | Reject
 class _Waiting:
     n_blocks: int
     enqueued_at: float
+    prefix: PrefixHits | None = None
 
 
 class AdmissionController:
@@ -108,10 +110,11 @@ class AdmissionController:
         return sum(w.n_blocks for w in self._queue.values())
 
     def submit(self, request_id: str, n_blocks: int, actors: Iterable[ActorStats], now: float,
-               pending_blocks: Mapping[str, int] | None = None) -> Decision:
+               pending_blocks: Mapping[str, int] | None = None, prefix: PrefixHits | None = None) -> Decision:
         """Decide a new request. Mutates: a ``Queued`` request joins the queue (``poll`` resolves it later).
 
-        ``actors``: the decode actors' latest stats; ``pending_blocks``: blocks this proxy reserved on each since.
+        ``actors``: the decode actors' latest stats; ``pending_blocks``: blocks this proxy reserved on each since;
+        ``prefix``: the request's prompt blocks each actor's prefix cache holds (kept while it waits).
         """
         if request_id in self._queue:
             raise ValueError(f"request {request_id!r} is already queued")
@@ -122,7 +125,7 @@ class AdmissionController:
         if error is not None:
             return Reject(request_id, error)
         if not self._queue:
-            actor_id = pick_decode_actor(actors, n_blocks, pending_blocks)
+            actor_id = pick_decode_actor(actors, n_blocks, pending_blocks, prefix)
             if actor_id is not None:
                 return Admit(request_id, actor_id, n_blocks)
         if len(self._queue) >= self.config.max_queue_len:
@@ -130,7 +133,7 @@ class AdmissionController:
             return Reject(request_id, rate_limited(
                 f"The server is at capacity and {len(self._queue)} requests are already waiting; retry in "
                 f"{wait} s.", wait, "queue_full"))
-        self._queue[request_id] = _Waiting(n_blocks, now)
+        self._queue[request_id] = _Waiting(n_blocks, now, prefix)
         return Queued(request_id, len(self._queue) - 1, now + self.config.queue_timeout_s)
 
     def poll(self, actors: Iterable[ActorStats], now: float,
@@ -157,7 +160,7 @@ class AdmissionController:
                 del self._queue[request_id]
                 out.append(Reject(request_id, error))
                 continue
-            actor_id = pick_decode_actor(actors, w.n_blocks, pending)
+            actor_id = pick_decode_actor(actors, w.n_blocks, pending, w.prefix)
             if actor_id is None:
                 break
             del self._queue[request_id]

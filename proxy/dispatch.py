@@ -29,7 +29,7 @@ from proxy.jobs import Job, Leg
 from proxy.metrics import Metrics
 from proxy.openai_responses import TokenLogprob, token_logprob
 from proxy.pools import ActorGone, ActorRef, Pools
-from proxy.router import Router
+from proxy.router import PrefixHits, Router, leading_hits
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,15 @@ class Dispatcher:
         is computed by its decode actor itself."""
         req = leg.req
         resumed = req.resumed or req.choice_index > 0
-        prefill = None if resumed else self._pick_prefill(req.prompt_token_ids)
+        hashes = self._hashes(req.prompt_token_ids)
+        prefill = None if resumed else self._pick_prefill(hashes)
         context = len(req.prompt_token_ids) + len(req.resume_token_ids)
         need = self.config.reserve_blocks(context, req.max_tokens - len(req.resume_token_ids), req.n)
+        prefix = PrefixHits(len(hashes), {a.name: leading_hits(hashes, a.cached_hashes)
+                                          for a in self.pools.live_decode() if a.cached_hashes})
         asked = time.monotonic()
         try:
-            actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None))
+            actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None), prefix)
         except ValueError as e:
             raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
         leg.actor, leg.grant, leg.blocks = actor, grant, need
@@ -110,17 +113,23 @@ class Dispatcher:
             self._give_up(leg, f"prefill actor {gone} is gone")
             await self._resume(job, leg, f"prefill actor {gone} died")
 
-    def _pick_prefill(self, prompt: tuple[int, ...]) -> ActorRef | None:
+    def _hashes(self, prompt: tuple[int, ...]) -> list[int]:
+        """The prompt's full blocks hashed as the actors hash their prefix caches (bound to the model), so their
+        reported caches compare; none while no actor is known."""
+        actor = next(iter(self.pools.live_prefill() + self.pools.live_decode()), None)
+        if actor is None:
+            return []
+        return hash_full_blocks(prompt, self.config.block_size, bytes.fromhex(actor.info.get("prefix_hash_extra", "")))
+
+    def _pick_prefill(self, hashes: list[int]) -> ActorRef | None:
         """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
-        :mod:`proxy.router`); None in colocated mode. Records the prompt's blocks as that actor's."""
+        :mod:`proxy.router`) for a prompt whose full blocks hash to ``hashes``; None in colocated mode. Records the
+        prompt's blocks as that actor's."""
         if not self.config.disaggregated:
             return None
         live = {a.name: a for a in self.pools.live_prefill()}
         if not live:
             raise service_unavailable("No prefill actor is available.", 1)
-        # hashed as the actors hash their prefix caches (bound to the model), so their reported caches compare
-        extra = bytes.fromhex(next(iter(live.values())).info.get("prefix_hash_extra", ""))
-        hashes = hash_full_blocks(prompt, self.config.block_size, extra)
         choice = self.router.pick_prefill([Pools.actor_stats(a, "prefill") for a in live.values()], hashes,
                                           self.inflight, {a.name: a.cached_hashes for a in live.values()})
         if choice is None:

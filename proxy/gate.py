@@ -19,6 +19,7 @@ from cluster.wire.messages import ActorStats, ReserveGrant, ReserveRequest
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject
 from proxy.errors import rate_limited
 from proxy.pools import ActorRef, Pools
+from proxy.router import PrefixHits
 
 FULL = 1 << 40  # pending blocks that make an actor look full (it refused a reservation since its last stats)
 
@@ -70,16 +71,18 @@ class AdmissionGate:
         self.ctl.observe_release(n_blocks, self.clock())
         self._kick()
 
-    async def reserve(self, message: ReserveRequest) -> tuple[ActorRef, ReserveGrant]:
+    async def reserve(self, message: ReserveRequest,
+                      prefix: PrefixHits | None = None) -> tuple[ActorRef, ReserveGrant]:
         """Blocks for a request on some decode actor, which owns the request from then on: ``(actor, grant)``.
-        Waits in the queue if it must.
+        Waits in the queue if it must. ``prefix``: the prompt blocks each decode actor's prefix cache holds (the
+        choice weighs them against load, :mod:`proxy.router`).
 
         Raises the controller's ``APIError`` (400 never fits, 429 queue full or timed out, 503 no decode actor).
         A cancelled caller leaves the queue."""
         request_id, n_blocks = message.request.request_id, message.num_blocks
         deadline = self.clock() + self.config.queue_timeout_s
         while True:
-            decision = self.ctl.submit(request_id, n_blocks, self._stats(), self.clock(), self._pending())
+            decision = self.ctl.submit(request_id, n_blocks, self._stats(), self.clock(), self._pending(), prefix)
             if isinstance(decision, Admit):
                 self._add(decision.actor_id, n_blocks)
             elif isinstance(decision, Queued):

@@ -106,9 +106,10 @@ class Pools:
         await self._refresh_prefix_caches()
 
     async def _refresh_prefix_caches(self) -> None:
-        """Mutates: bring each live prefill actor's known cached block hashes up to date from its prefix events (the
-        router scores prefix hits against them). A failed call leaves them as they were until the next refresh."""
-        live = [a for a in self.prefill.values() if a.alive]
+        """Mutates: bring each live actor's known cached block hashes up to date from its prefix events (the router
+        scores prefix hits against them, for prefill and decode actors). A failed call leaves them as they were until
+        the next refresh."""
+        live = [a for pool in (self.prefill, self.decode) for a in pool.values() if a.alive]
         answers = await asyncio.gather(*(asyncio.wait_for(_control(a.handle.prefix_events).remote(a.prefix_cursor),
                                                           self.stats_timeout_s) for a in live),
                                        return_exceptions=True)

@@ -1,7 +1,16 @@
 """Pure routing: which decode actor holds a request's KV, and which prefill actor computes it. No I/O.
 
-Decode: the schedulable actor with the most free blocks once this proxy's not-yet-reported reservations are taken
-off, ties broken by fewest running requests, then by id (so the choice is deterministic).
+Decode: among the schedulable actors with room for the request's blocks (once this proxy's not-yet-reported
+reservations are taken off), the one with the least
+
+    cost(D) = overlap_weight * (prompt_blocks - cached_blocks(D)) - free_blocks(D)
+
+i.e. the prompt blocks D would still have to compute (colocated) or receive (disaggregated) plus the blocks its running
+requests hold (free and used add up to the same total on equal actors), both in blocks; ties go to fewer running
+requests, then the id (so the choice is deterministic). ``cached_blocks(D)`` is the request's leading run of blocks in
+D's real prefix cache, from its add/evict events. A follow-up turn of a conversation thus goes back to the actor that
+holds its history unless that actor runs more than about that many blocks' worth of other work. Without prefix
+information (or no hits) this is the actor with the most free blocks.
 
 Prefill: each prefill actor P gets
 
@@ -22,7 +31,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.wire.messages import ActorStats
 
@@ -95,17 +104,45 @@ def prefill_score(cached_blocks: int, queued_tokens: int, block_size: int, queue
     return block_size * cached_blocks - queue_penalty * queued_tokens
 
 
+@dataclass(frozen=True)
+class PrefixHits:
+    """A request's full prompt blocks and, per decode actor, how many of them (a leading run) its prefix cache holds."""
+
+    prompt_blocks: int = 0
+    by_actor: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.prompt_blocks < 0 or any(not 0 <= n <= self.prompt_blocks for n in self.by_actor.values()):
+            raise ValueError(f"PrefixHits: hits must lie in [0, prompt_blocks={self.prompt_blocks}], "
+                             f"got {dict(self.by_actor)}")
+
+
+def leading_hits(block_hashes: Sequence[int], held: AbstractSet[int]) -> int:
+    """How many of ``block_hashes``, from the first, ``held`` contains (hashes are chained: only a leading run can
+    hit a prefix cache). Pure."""
+    n = 0
+    for h in block_hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
 def pick_decode_actor(actors: Iterable[ActorStats], n_blocks: int,
-                      pending_blocks: Mapping[str, int] | None = None) -> str | None:
-    """The schedulable actor with room for ``n_blocks`` and the most free blocks after ``pending_blocks`` (blocks
-    reserved since its stats were taken), ties by fewest running then id; None if none has room. Pure."""
+                      pending_blocks: Mapping[str, int] | None = None, prefix: PrefixHits | None = None,
+                      overlap_weight: float = 1.0) -> str | None:
+    """The schedulable actor with room for ``n_blocks`` after ``pending_blocks`` (blocks reserved since its stats were
+    taken) and the least cost (module docstring: prompt blocks not cached there, minus its free blocks), ties by
+    fewest running then id; None if none has room. Pure."""
     pending = pending_blocks or {}
-    best: tuple[int, int, str] | None = None
+    prefix = prefix or PrefixHits()
+    best: tuple[float, int, str] | None = None
     for a in actors:
         free = a.kv_blocks_free - pending.get(a.actor_id, 0)
         if not a.schedulable or free < n_blocks:
             continue
-        key = (-free, a.num_running, a.actor_id)
+        missing = prefix.prompt_blocks - prefix.by_actor.get(a.actor_id, 0)
+        key = (overlap_weight * missing - free, a.num_running, a.actor_id)
         if best is None or key < best:
             best = key
     return None if best is None else best[2]
@@ -119,9 +156,9 @@ class Router:
         self._seen: dict[str, SeenBlocks] = {}
 
     def pick_decode(self, actors: Iterable[ActorStats], n_blocks: int,
-                    pending_blocks: Mapping[str, int] | None = None) -> str | None:
+                    pending_blocks: Mapping[str, int] | None = None, prefix: PrefixHits | None = None) -> str | None:
         """``pick_decode_actor``. Pure."""
-        return pick_decode_actor(actors, n_blocks, pending_blocks)
+        return pick_decode_actor(actors, n_blocks, pending_blocks, prefix)
 
     def cached_blocks(self, actor_id: str, block_hashes: Sequence[int],
                       cached: Mapping[str, AbstractSet[int]] | None = None) -> int:
@@ -130,13 +167,7 @@ class Router:
         seen = self._seen.get(actor_id)
         recent = 0 if seen is None else seen.leading_overlap(block_hashes)
         held = (cached or {}).get(actor_id)
-        real = 0
-        if held:
-            for h in block_hashes:
-                if h not in held:
-                    break
-                real += 1
-        return max(recent, real)
+        return max(recent, leading_hits(block_hashes, held) if held else 0)
 
     def pick_prefill(self, actors: Iterable[ActorStats], block_hashes: Sequence[int],
                      pending_tokens: Mapping[str, int] | None = None,

@@ -2,7 +2,8 @@
 completions on the other decode actor from what the client already has, into the same response, and the text equals
 the offline engine's (greedy and seeded). The stopped actor, woken, frees every block; the SIGTERM'd one exits.
 
-(kill -9 of a decode actor under in-place K/V is in test_serve_disaggregated.py.) Its own module: one Ray cluster."""
+(kill -9 of a decode actor under in-place K/V is in test_serve_disaggregated.py.) Its own module: one Ray cluster,
+which first checks that a conversation's next turn goes back to the decode actor holding its history."""
 
 from __future__ import annotations
 
@@ -116,6 +117,43 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
     url = c.urls[0]
     stopped_pid = None
     try:
+        # phase 0: prefix-aware decode routing. Turn 1 of a conversation with a long history lands on one actor (both
+        # idle: the tie goes by id); a long answer then runs there, so the other actor has ~18 blocks more free; turn
+        # 2 still goes back to the actor holding the history's ~45 cached blocks and reports them as cached tokens
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=180)
+        history = [{"role": "system", "content": "You are a patient tutor who explains every step. " * 70},
+                   {"role": "user", "content": "What is 2+2?"}]
+        first = client.chat.completions.create(model="default", messages=history, max_tokens=4, temperature=0)
+        time.sleep(1.5)  # the proxy's next refresh reads the actors' stats and prefix-cache events
+        reservations = [ray.get(a.stats.remote())["reservations"] for a in c.decode_actors]
+        holder = next(i for i, (a, n) in enumerate(zip(c.decode_actors, reservations)) if n)
+        busy_errors: list[str] = []
+
+        def long_answer() -> None:
+            try:
+                client.chat.completions.create(model="default", max_tokens=300, temperature=0, extra_body={
+                    "ignore_eos": True}, messages=[{"role": "user", "content": "Count slowly to one hundred."}])
+            except openai.APIError as e:
+                busy_errors.append(str(e))
+
+        busy = threading.Thread(target=long_answer)
+        busy.start()
+        deadline = time.monotonic() + 60
+        while sum(running := [ray.get(a.stats.remote())["running"] for a in c.decode_actors]) == 0:
+            assert time.monotonic() < deadline and busy.is_alive(), busy_errors
+            time.sleep(0.05)
+        assert running[holder] == 1 and sum(running) == 1, (holder, running)  # the long answer shares the holder
+        time.sleep(1.2)  # and the proxy's view of the holder includes it
+        second = client.chat.completions.create(
+            model="default", max_tokens=4, temperature=0,
+            messages=[*history, {"role": "assistant", "content": first.choices[0].message.content or ""},
+                      {"role": "user", "content": "And 3+3?"}])
+        cached = second.usage.prompt_tokens_details.cached_tokens if second.usage.prompt_tokens_details else 0
+        assert first.usage.prompt_tokens > 700 and cached >= 600, (cached, first.usage)
+        assert [ray.get(a.stats.remote())["reservations"] for a in c.decode_actors][holder] == reservations[holder] + 2
+        busy.join(180)
+        assert not busy_errors, busy_errors
+
         # phase 1: SIGSTOP one actor mid-stream; the proxy stops hearing from it (5 s) and resumes its streams
         questions = [f"Count slowly to {40 + i}." for i in range(4)]
         llm = LLM("default", kv_cache_gib=0.25)

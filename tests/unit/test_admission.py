@@ -6,6 +6,7 @@ import pytest
 
 from cluster.wire.messages import ActorStats
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject, estimate_blocks
+from proxy.router import PrefixHits
 
 
 def decode(actor_id: str, free: int, total: int = 100, running: int = 0, alive: bool = True,
@@ -65,6 +66,16 @@ def test_poll_does_not_hand_the_same_free_blocks_out_twice() -> None:
     assert ac.poll([decode("d0", 10)], now=1.0) == [Admit("a", "d0", 6)]
     assert ac.poll([decode("d0", 10)], now=1.0, pending_blocks={"d0": 6}) == []  # a's blocks are taken
     assert ac.poll([decode("d0", 10)], now=1.0, pending_blocks={"d0": 4}) == [Admit("b", "d0", 6)]
+
+
+def test_prefix_hits_steer_admission_now_and_after_a_wait() -> None:
+    ac = controller(max_queue_len=3)
+    prefix = PrefixHits(10, {"d1": 10})  # d1 holds the whole prompt
+    assert ac.submit("now", 4, [decode("d0", 50), decode("d1", 45)], now=0.0, prefix=prefix) == Admit("now", "d1", 4)
+    full = [decode("d0", 2), decode("d1", 2)]
+    assert ac.submit("later", 4, full, now=1.0, prefix=prefix) == Queued("later", 0, 11.0)
+    # the hits travel with the waiting request: d1 wins once both have room
+    assert ac.poll([decode("d0", 50), decode("d1", 45)], now=2.0) == [Admit("later", "d1", 4)]
 
 
 def test_queue_full_is_429_with_retry_after() -> None:

@@ -6,7 +6,8 @@ import pytest
 
 from cluster.wire.messages import ActorStats
 from engine.block_hash import hash_full_blocks
-from proxy.router import PrefillChoice, Router, RouterConfig, SeenBlocks, pick_decode_actor, prefill_score
+from proxy.router import (PrefillChoice, PrefixHits, Router, RouterConfig, SeenBlocks, leading_hits, pick_decode_actor,
+                          prefill_score)
 
 BS = 4
 
@@ -38,6 +39,31 @@ def test_decode_most_free_then_fewest_running_never_dead_or_draining() -> None:
     assert pick_decode_actor(actors, 31) is None
     assert pick_decode_actor(actors[2:4], 1) is None
     assert pick_decode_actor([decode("b", 30), decode("a", 30)], 1) == "a"  # deterministic
+
+
+def test_decode_weighs_prefix_hits_against_load_in_blocks() -> None:
+    # a 20-block prompt: d1 holds its first 12 blocks (a conversation's history), d0 has 8 more blocks free
+    prefix = PrefixHits(20, {"d1": 12})
+    assert pick_decode_actor([decode("d0", 58), decode("d1", 50)], 5, prefix=prefix) == "d1"  # 12 cached > 8 free
+    assert pick_decode_actor([decode("d0", 63), decode("d1", 50)], 5, prefix=prefix) == "d0"  # 13 free > 12 cached
+    # equal cost: fewer running, then the id; a hit never overrides room or liveness
+    assert pick_decode_actor([decode("d0", 62, running=3), decode("d1", 50, running=1)], 5, prefix=prefix) == "d1"
+    assert pick_decode_actor([decode("d0", 62), decode("d1", 50)], 5, prefix=prefix) == "d0"
+    assert pick_decode_actor([decode("d0", 58), decode("d1", 4)], 5, prefix=prefix) == "d0"
+    assert pick_decode_actor([decode("d0", 58), decode("d1", 50, alive=False)], 5, prefix=prefix) == "d0"
+    assert pick_decode_actor([decode("d0", 58), decode("d1", 50)], 5, pending_blocks={"d1": 10}, prefix=prefix) == "d0"
+    # no prefix information: the most free blocks, as before
+    assert pick_decode_actor([decode("d0", 58), decode("d1", 50)], 5, prefix=PrefixHits(20)) == "d0"
+
+
+def test_prefix_hits_count_only_a_leading_run_and_are_validated() -> None:
+    held = set(PROMPT_A[:5]) | {PROMPT_A[6]}
+    assert leading_hits(PROMPT_A, held) == 5
+    assert leading_hits(PROMPT_A, set()) == 0 and leading_hits([], held) == 0
+    with pytest.raises(ValueError, match="prompt_blocks"):
+        PrefixHits(3, {"d0": 4})
+    with pytest.raises(ValueError, match="prompt_blocks"):
+        PrefixHits(3, {"d0": -1})
 
 
 def test_seen_blocks_lru_keeps_leading_blocks_longest() -> None:
