@@ -1,0 +1,150 @@
+"""The live controller against fixed splits, on one two-phase load, one run after another on this machine.
+
+    python benchmarks/bench_live_controller.py [--phase-s 45] [--interval 3] [--slo-ttft 2] [--slo-tpot 0.15]
+                                               [--out DIR]
+
+Three runs, each on a fresh local 3-worker cluster (budget 3, the default model): ``adaptive`` (starts at 2P1D,
+autoscale on), ``fixed 1P2D`` and ``fixed 2P1D`` (autoscale on with ``dry_run``: the controller decides and logs,
+nothing moves). Each run sends the same load: a decode-heavy phase (short prompts, ``--decode-tokens`` out each,
+``--decode-streams`` clients at once), a pause of two controller intervals, then a prefill-heavy phase (~730-token
+prompts, one token out, ``--prefill-streams`` clients). Every run writes its autoscale record (``DIR/<run>.jsonl``);
+attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
+SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
+the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from cluster.launcher import Cluster, ServeConfig
+from cluster.record import Recording, read_record
+from cluster.wire.worker_config import WorkerConfig
+
+SHORT_PROMPT = "Count from one to one hundred."
+LONG_PROMPT = " ".join(["Summarise the history of the printing press in Europe, with dates."] * 50)
+RUNS = (("adaptive", (2, 1), False), ("fixed 1P2D", (1, 2), True), ("fixed 2P1D", (2, 1), True))
+
+
+def load(url: str, prompt: str, max_tokens: int, streams: int, seconds: float) -> tuple[int, int]:
+    """``streams`` clients in closed loop for ``seconds``: (requests done, failed)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    stop = threading.Event()
+
+    def one() -> tuple[int, int]:
+        ok = bad = 0
+        while not stop.is_set():
+            try:
+                client.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+                ok += 1
+            except Exception:
+                bad += 1
+        return ok, bad
+
+    with cf.ThreadPoolExecutor(streams) as ex:
+        futs = [ex.submit(one) for _ in range(streams)]
+        stop.wait(seconds)
+        stop.set()
+        results = [f.result(timeout=900) for f in futs]
+    return sum(r[0] for r in results), sum(r[1] for r in results)
+
+
+def attainment(rec: Recording, phase: str | None) -> tuple[float | None, int]:
+    """(share within both SLOs, requests judged) of one phase's finished requests (by prompt length) or all."""
+    cfg = rec.controller
+    fin = [f.sample for f in rec.finished
+           if phase is None or (f.sample.prompt_tokens < 200) == (phase == "decode")]
+    met = sum(1 for s in fin if s.ttft_s <= cfg.slo_ttft_s and s.tpot_s <= cfg.slo_tpot_s)
+    judged = len(fin) + (sum(n for _, n in rec.rejected) if phase is None else 0)
+    return (met / judged if judged else None), judged
+
+
+def one_run(name: str, sizes: tuple[int, int], dry_run: bool, args: argparse.Namespace, record: Path) -> Recording:
+    c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, kv_cache_gib=0.5, max_num_batched_tokens=64),
+                            prefill=sizes[0], decode=sizes[1], port=0, budget=3, cpus_per_actor=0.5,
+                            controller_interval_s=args.interval, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot))
+    c.start()
+    try:
+        ray.get(c.manager.autoscale.remote(True, record=str(record), dry_run=dry_run), timeout=60)
+        d_ok, d_bad = load(c.urls[0], SHORT_PROMPT, args.decode_tokens, args.decode_streams, args.phase_s)
+        time.sleep(2 * args.interval)
+        p_ok, p_bad = load(c.urls[0], LONG_PROMPT, 1, args.prefill_streams, args.phase_s)
+        time.sleep(2.0)  # the proxies' last reports
+        print(f"  {name}: decode phase {d_ok} done / {d_bad} failed, prefill phase {p_ok} done / {p_bad} failed, "
+              f"pools at the end {ray.get(c.manager.counts.remote(), timeout=60)}", flush=True)
+    finally:
+        try:
+            ray.get(c.manager.autoscale.remote(False), timeout=60)
+        finally:
+            c.stop()
+    return read_record(record)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--phase-s", type=float, default=45.0, help="seconds of each phase's load")
+    ap.add_argument("--interval", type=float, default=3.0, help="controller interval, seconds")
+    ap.add_argument("--slo-ttft", type=float, default=2.0)
+    ap.add_argument("--slo-tpot", type=float, default=0.15)
+    ap.add_argument("--decode-streams", type=int, default=12)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prefill-streams", type=int, default=6)
+    ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
+    args = ap.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-live-controller-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name, sizes, dry_run in RUNS:
+        path = out / f"{name.replace(' ', '-')}.jsonl"
+        rec = one_run(name, sizes, dry_run, args, path)
+        rows.append((name, rec, path))
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:6.1%}"
+
+    print(f"\nSLOs TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s; {args.phase_s:g} s per phase; interval "
+          f"{args.interval:g} s; records in {out}")
+    print(f"{'run':12}{'all':>9}{'judged':>8}{'decode ph.':>12}{'prefill ph.':>13}{'TPOT p50 dec':>14}"
+          f"{'TTFT p50 pre':>14}{'changes':>9}")
+    att = {}
+    for name, rec, _ in rows:
+        a, n = attainment(rec, None)
+        att[name] = a
+        tpot = [f.sample.tpot_s for f in rec.finished if f.sample.prompt_tokens < 200]
+        ttft = [f.sample.ttft_s for f in rec.finished if f.sample.prompt_tokens >= 200]
+        changes = [d for d in rec.decisions if d["changes"]]
+        print(f"{name:12}{pct(a):>9}{n:>8}{pct(attainment(rec, 'decode')[0]):>12}"
+              f"{pct(attainment(rec, 'prefill')[0]):>13}"
+              f"{statistics.median(tpot) if tpot else float('nan'):>14.3f}"
+              f"{statistics.median(ttft) if ttft else float('nan'):>14.2f}"
+              f"{len(changes):>6}{' (dry)' if rec.dry_run else ''}")
+    for fixed in ("fixed 1P2D", "fixed 2P1D"):
+        if att["adaptive"] is not None and att[fixed]:
+            print(f"adaptive / {fixed}: {att['adaptive'] / att[fixed]:.2f}x")
+    for name, rec, _ in rows:
+        for d in (d for d in rec.decisions if d["changes"]):
+            print(f"  {name:12} {d['t']:6.1f}s {'' if d['applied'] else '(dry run) '}{d['reason']}")
+    from cluster.replay import format_report, replay, side_by_side
+    from cluster.sim_model import DEFAULT_PROFILE, CostProfile
+
+    profile = CostProfile.load(DEFAULT_PROFILE)
+    rec = rows[0][1]
+    result, _ = replay(rec, profile)
+    print("\n" + format_report(side_by_side(rec, result, profile)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
