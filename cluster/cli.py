@@ -67,6 +67,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
     import signal
 
     from cluster.launcher import Cluster, ServeConfig
@@ -104,6 +105,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if (args.record or args.dry_run) and not args.autoscale:
         print("error: --record and --dry-run go with --autoscale", file=sys.stderr)
+        return 2
+    if args.record and not os.path.isdir(os.path.dirname(os.path.abspath(args.record))):
+        print(f"error: --record: no such folder for {args.record!r}", file=sys.stderr)
         return 2
     if cfg.worker.model == "default":  # convert the default model once, here, not in every actor at the same time
         from engine.default_model import resolve_model
