@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from cluster.controller import ControllerConfig, Decision, Observation
+from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide
 from cluster.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
 from cluster.sim_model import CostProfile, Trace
 from cluster.simulator import SimResult, Simulation
@@ -72,6 +72,19 @@ def replay(rec: Recording, profile: CostProfile) -> tuple[SimResult, Trace]:
     return sim.run(), trace
 
 
+def redecide(rec: Recording) -> tuple[int, int]:
+    """Open-loop check of the record: ``decide()`` re-run on the recorded observations with the recorded config.
+    Returns (recorded controller decisions it reproduces, in order and with the same reason; recorded controller
+    decisions). A complete record reproduces every one. Pure."""
+    state = ControllerState()
+    again = []
+    for _, obs in rec.observations:
+        d, state = decide(obs, rec.controller, state)
+        again.append(d.reason)
+    recorded = [d["reason"] for d in rec.decisions if not d.get("manual")]
+    return sum(1 for a, b in zip(again, recorded) if a == b), len(recorded)
+
+
 def side_by_side(rec: Recording, result: SimResult, profile: CostProfile) -> dict[str, Any]:
     """The replay report: live and simulated decisions and attainment. Pure."""
     cfg = rec.controller
@@ -80,7 +93,7 @@ def side_by_side(rec: Recording, result: SimResult, profile: CostProfile) -> dic
         "source": rec.source, "dry_run": rec.dry_run, "policy": cfg.policy, "budget": cfg.budget,
         "initial": list(rec.initial), "interval_s": cfg.interval_s, "slo_ttft_s": cfg.slo_ttft_s,
         "slo_tpot_s": cfg.slo_tpot_s, "profile": profile.source, "duration_s": round(rec.end_t, 3),
-        "arrivals": len(rec.arrivals), "truncated": rec.truncated,
+        "arrivals": len(rec.arrivals), "truncated": rec.truncated, "redecided": list(redecide(rec)),
         "live": {**live_attainment(rec), "windows": len(rec.observations), "decisions": live_changes,
                  "pools": [{"t": t, "n_prefill": p, "n_decode": d} for t, p, d in rec.pools]},
         "simulated": {"requests": int(len(result.ok)), "met": int(result.ok.sum()),
@@ -106,6 +119,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{len(live['decisions']):>9}",
              f"{'simulated':10}{pct(sim['slo_attainment']):>12}{sim['met']:>8}{sim['requests']:>8}"
              f"{len(sim['decisions']):>9}",
+             f"decide() on the recorded observations reproduces {report['redecided'][0]} of "
+             f"{report['redecided'][1]} recorded decisions (holds included)",
              "live decisions:"]
     for d in live["decisions"]:
         tag = "" if d.get("applied") else "  (not applied: dry run)" if report["dry_run"] else "  (not applied)"

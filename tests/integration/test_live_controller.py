@@ -108,4 +108,5 @@ def test_the_controller_follows_the_load_mix_recorded_and_replayed(tmp_path: Pat
     report = json.loads(out.read_text())
     assert report["live"]["requests"] >= n1 + n2 - 2 * STREAMS and report["simulated"]["requests"] == len(rec.arrivals)
     assert report["simulated"]["slo_attainment"] is not None and report["initial"] == [2, 1]
+    assert report["redecided"][0] == report["redecided"][1] > 0  # decide() on the recorded observations: the same
     print(run.stdout)

@@ -15,7 +15,8 @@ from cluster.controller import ActorObservation, ControllerConfig, ControllerSta
 from cluster.observe import ObserverConfig
 from cluster.record import (RECORD_VERSION, RecordWriter, decision_fields, header_fields, observation_fields,
                             parse_record, read_record, report_records)
-from cluster.replay import live_attainment, record_simulation, replay, side_by_side, trace_from_recording
+from cluster.replay import (live_attainment, record_simulation, redecide, replay, side_by_side,
+                            trace_from_recording)
 from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
 from cluster.wire.messages import ArrivalSample, FinishedSample, ProxyReport
 
@@ -127,6 +128,7 @@ def test_a_simulated_runs_record_replays_to_the_same_decisions(tmp_path: Path) -
     assert len(rec.decisions) == len(rec.observations) > len(key)  # holds are recorded too, each with its reason
     assert all(d["reason"] for d in rec.decisions)
     report = side_by_side(rec, result, PROFILE)
+    assert report["redecided"] == [len(rec.decisions)] * 2  # decide() on the recorded observations: the same
     assert report["live"]["slo_attainment"] == report["simulated"]["slo_attainment"] == round(float(original.ok.mean()), 4)
 
 
@@ -177,4 +179,5 @@ def test_a_dry_run_logs_every_decision_and_carries_none_out(tmp_path: Path,
     rec = read_record(path)
     assert rec.dry_run and rec.source == "live" and rec.controller == ctrl and len(rec.observations) == 2
     assert [(d["changes"], d["applied"]) for d in rec.decisions] == [(True, False), (True, True)]
+    assert redecide(rec) == (2, 2)
     assert all(d["reason"] for d in rec.decisions)
