@@ -112,15 +112,15 @@ class FlexWorker:
                 "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
 
     def prefix_events(self, cursor: int) -> dict[str, Any]:
-        """A :class:`~cluster.wire.messages.PrefixEvents` (wire form): what this actor's prefix cache gained and lost
+        """A :class:`~cluster.wire.reports.PrefixEvents` (wire form): what this actor's prefix cache gained and lost
         after event ``cursor`` (0: everything it caches now). Never waits for the engine loop."""
-        from cluster.wire.messages import PrefixEvents
+        from cluster.wire.reports import PrefixEvents
 
         b = self.impl.engine.prefix_events.since(cursor)
         return PrefixEvents(b.next, b.reset, b.added, b.evicted).to_dict()
 
     def stats(self) -> dict[str, Any]:
-        """A :class:`~cluster.wire.messages.WorkerStats` (wire form): what proxies and the pool manager read."""
+        """A :class:`~cluster.wire.reports.WorkerStats` (wire form): what proxies and the pool manager read."""
         return dataclasses.replace(self.impl.stats(), flips=self.flips, node_ip=self.node_ip,
                                    evacuating=self.evacuating).to_dict()
 

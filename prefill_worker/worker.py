@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from cluster.engine_loop import EngineLoop, load_engine
-from cluster.wire.messages import GenerateRequest, KVCounts, PrefillRequest, PrefillResult, ReserveGrant, WorkerStats
+from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
+from cluster.wire.reports import KVCounts, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.base import TransferHandle, TransferState
 from kv_transfer.config import KVTransferConfig

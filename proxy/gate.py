@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cluster.wire.messages import ActorStats, ReserveGrant, ReserveRequest
+from cluster.wire.messages import ReserveGrant, ReserveRequest
+from cluster.wire.reports import ActorStats
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject
 from proxy.errors import rate_limited
 from proxy.pools import ActorRef, Pools

@@ -23,7 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from cluster.wire.auth import ClusterSecret
-from cluster.wire.messages import Usage, WorkerStats
+from cluster.wire.messages import Usage
+from cluster.wire.reports import WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
 from proxy.dispatch import DispatchConfig, Dispatcher

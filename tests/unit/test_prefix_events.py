@@ -3,7 +3,7 @@ them per actor (``proxy.pools.ActorRef``), and the router scores prefix hits aga
 
 from __future__ import annotations
 
-from cluster.wire.messages import ActorStats, PrefixEvents
+from cluster.wire.reports import ActorStats, PrefixEvents
 from engine.block_hash import hash_full_blocks
 from engine.block_pool import BlockPool
 from engine.prefix_events import PrefixEventLog

@@ -59,7 +59,8 @@ def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
 
 
 def test_the_gate_counts_the_prompt_tokens_waiting_for_decode_kv() -> None:
-    from cluster.wire.messages import KVCounts, ReserveRequest, WorkerStats
+    from cluster.wire.messages import ReserveRequest
+    from cluster.wire.reports import KVCounts, WorkerStats
     from proxy.admission import AdmissionConfig
     from proxy.gate import AdmissionGate
     from proxy.pools import ActorRef
