@@ -66,7 +66,7 @@ def attainment(rec: Recording, phase: str | None) -> tuple[float | None, int]:
     fin = [f.sample for f in rec.finished
            if phase is None or (f.sample.prompt_tokens < 200) == (phase == "decode")]
     met = sum(1 for s in fin if s.ttft_s <= cfg.slo_ttft_s and s.tpot_s <= cfg.slo_tpot_s)
-    judged = len(fin) + (sum(n for _, n in rec.rejected) if phase is None else 0)
+    judged = len(fin) + (sum(n for _, n in rec.rejected + rec.failed) if phase is None else 0)
     return (met / judged if judged else None), judged
 
 

@@ -102,8 +102,11 @@ class Observation:
     actors: tuple[ActorObservation, ...]
     prefill_backlog_tokens: float = 0.0  # prompt tokens queued, not yet prefilled (at prefill actors and the gates)
     prefill_queue_wait_s: float = 0.0  # mean wait in a prefill actor's queue (a TTFT part), last window
-    ttft_attainment: float = 1.0  # fraction of the window's requests within the TTFT SLO
+    # the window's requests within the TTFT SLO, the TPOT SLO, and both (goodput: the objective, the number
+    # pdcluster_slo_attainment shows for this window); refused (429) and failed requests count as misses of each
+    ttft_attainment: float = 1.0
     tpot_attainment: float = 1.0
+    slo_attainment: float = 1.0
     pending_changes: int = 0  # actors still starting, draining or flipping
     # decode KV pressure: requests waiting at the proxies' admission gates for decode blocks now, and their prompt
     # tokens (part of prefill_backlog_tokens, but no prefill actor can start them before decode has room)
@@ -338,6 +341,8 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     elif ttft_miss and cause == "decode":
         kv_floor = max(kv_floor, n_d + 1)  # one at a time, as for waits: both pools' requests hold decode memory
         want_d = max(want_d, kv_floor)
+    if ttft_miss or tpot_miss:
+        why.append(f"goodput {obs.slo_attainment:.0%}")
     if ttft_miss:
         why.append(f"TTFT attainment {obs.ttft_attainment:.0%} (mostly {cause})")
     if tpot_miss:

@@ -32,6 +32,7 @@ from typing import Any
 
 from cluster.controller import ActorObservation, Observation
 from cluster.wire.reports import ProxyReport, WorkerStats
+from proxy.slo import RequestLatency, SloConfig, judge
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Demand:
     prompt_tokens: float = 0.0  # their prompt tokens
     max_output_tokens: float = 0.0  # their requested max_tokens x n: an upper bound of their output
     rejected: int = 0  # refused with 429
+    failed: int = 0  # failed otherwise (5xx, an error mid-stream, 499): misses, as pdcluster_slo_attainment counts
     gate_waiting: int = 0  # waiting at the admission gates for decode KV now
     gate_prompt_tokens: float = 0.0  # their prompt tokens
     finished: int = 0
@@ -108,6 +110,7 @@ class Demand:
     finished_output_tokens: float = 0.0
     ttft_met: int = 0  # finished within the TTFT SLO
     tpot_met: int = 0
+    met: int = 0  # finished within both (goodput)
     ttft_s: float = 0.0  # sums over the finished requests (means are taken by build)
     admission_wait_s: float = 0.0
     prefill_queue_s: float = 0.0
@@ -119,7 +122,8 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
     """Sum the proxies' reports of one window (``waiting`` from each proxy's newest report only). Pure."""
     newest: dict[str, ProxyReport] = {}
     sums: dict[str, float] = {}
-    arrivals = rejected = finished = ttft_met = tpot_met = 0
+    arrivals = rejected = failed = finished = ttft_met = tpot_met = met = 0
+    slo = SloConfig(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
 
     def add(name: str, v: float) -> None:
         sums[name] = sums.get(name, 0.0) + v
@@ -127,20 +131,24 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
     for r in reports:
         newest[r.proxy_id] = r
         rejected += r.rejected
+        failed += r.failed
         arrivals += len(r.arrivals)
         for a in r.arrivals:
             add("prompt_tokens", a.prompt_tokens)
             add("max_output_tokens", a.max_tokens * a.n)
         for f in r.finished:
             finished += 1
-            ttft_met += f.ttft_s <= slo_ttft_s
-            tpot_met += f.tpot_s <= slo_tpot_s
+            outcome = judge(RequestLatency(f.ttft_s, f.tpot_s), slo)  # the metric's own definition of "met"
+            ttft_met += outcome.ttft_met
+            tpot_met += outcome.tpot_met
+            met += outcome.met
             for name, v in (("finished_prompt_tokens", f.prompt_tokens), ("finished_cached_tokens", f.cached_tokens),
                             ("finished_output_tokens", f.output_tokens), ("ttft_s", f.ttft_s),
                             ("admission_wait_s", f.admission_wait_s), ("prefill_queue_s", f.prefill_queue_s),
                             ("prefill_compute_s", f.prefill_compute_s), ("transfer_s", f.transfer_s)):
                 add(name, v)
-    return Demand(arrivals=arrivals, rejected=rejected, finished=finished, ttft_met=ttft_met, tpot_met=tpot_met,
+    return Demand(arrivals=arrivals, rejected=rejected, failed=failed, finished=finished, ttft_met=ttft_met,
+                  tpot_met=tpot_met, met=met,
                   gate_waiting=sum(r.waiting for r in newest.values()),
                   gate_prompt_tokens=float(sum(r.waiting_prompt_tokens for r in newest.values())), **sums)
 
@@ -218,6 +226,7 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
                                          a.kv_reserved / a.kv_total if kv else 0.0))
     decode_waiting = sum(a.waiting for a in actors if a.role == "decode")
     n = d.finished
+    judged = n + d.rejected + d.failed  # as pdcluster_slo_attainment judges: refused and failed requests miss
 
     def mean(total: float) -> float:
         return total / n if n else 0.0
@@ -229,7 +238,8 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
         prefill_backlog_tokens=sum(a.queued_prefill_tokens for a in actors if a.role == "prefill")
         + d.gate_prompt_tokens * (1 - cache_hit),
         prefill_queue_wait_s=mean(d.prefill_queue_s),
-        ttft_attainment=d.ttft_met / n if n else 1.0, tpot_attainment=d.tpot_met / n if n else 1.0,
+        ttft_attainment=d.ttft_met / judged if judged else 1.0, tpot_attainment=d.tpot_met / judged if judged else 1.0,
+        slo_attainment=d.met / judged if judged else 1.0,
         pending_changes=pending_changes, admission_waiting=d.gate_waiting,
         admission_backlog_tokens=d.gate_prompt_tokens * (1 - cache_hit), decode_backlog_tokens=decode_waiting * mean_output,
         rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), admission_wait_s=mean(d.admission_wait_s),

@@ -13,7 +13,8 @@ header; every other kind may come in any order (a reader sorts by ``t``). Versio
   proxy's report minus the arrival's age on the proxy's clock (durations only: no timestamp crosses hosts);
 - ``finished``: one finished request: ``proxy`` and the :class:`~cluster.wire.reports.FinishedSample` fields
   (TTFT, TPOT and the TTFT parts, each a duration measured on one process's clock);
-- ``rejected``: ``count`` requests a proxy refused with 429 since its last report;
+- ``rejected``: ``count`` requests a proxy refused with 429 since its last report, and ``failed`` that failed
+  otherwise (5xx, an error mid-stream, 499; absent: 0);
 - ``observation``: the :class:`~cluster.controller.Observation` the controller decided on (``observation``);
 - ``decision``: every decision, holds included: ``n_prefill``, ``n_decode``, ``add``, ``drain``, ``flip``,
   ``reason``, ``changes`` (it changes something), ``applied`` (False in a dry run or for a hold), ``manual``
@@ -70,8 +71,9 @@ def report_records(report: ProxyReport, received_t: float) -> list[tuple[str, fl
     for f in report.finished:
         out.append(("finished", received_t, {"proxy": report.proxy_id,
                                              **{k: getattr(f, k) for k in _FINISHED_FIELDS}}))
-    if report.rejected:
-        out.append(("rejected", received_t, {"proxy": report.proxy_id, "count": report.rejected}))
+    if report.rejected or report.failed:
+        out.append(("rejected", received_t, {"proxy": report.proxy_id, "count": report.rejected,
+                                              "failed": report.failed}))
     return out
 
 
@@ -127,6 +129,7 @@ class Recording:
     pools: tuple[tuple[float, int, int], ...]  # (t, prefill, decode)
     end_t: float  # the last time in the record
     truncated: bool = False  # its last line was cut off (ignored)
+    failed: tuple[tuple[float, int], ...] = ()  # (t, count): failed otherwise (5xx, mid-stream errors, 499)
 
 
 def parse_record(lines: list[str], name: str = "record") -> Recording:
@@ -158,7 +161,7 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
         initial = (int(head["initial"][0]), int(head["initial"][1]))
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ValueError(f"{name}:1: a bad header: {e}") from None
-    arrivals, finished, rejected, observations, decisions, pools = [], [], [], [], [], []
+    arrivals, finished, rejected, failed, observations, decisions, pools = [], [], [], [], [], [], []
     end_t = 0.0
     for i, row in sorted(rows[1:], key=lambda r: (r[1]["t"], r[0])):
         kind, t = row["kind"], float(row["t"])
@@ -174,6 +177,7 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
                                          FinishedSample(**{k: row[k] for k in _FINISHED_FIELDS if k in row})))
             elif kind == "rejected":
                 rejected.append((t, int(row["count"])))
+                failed.append((t, int(row.get("failed", 0))))
             elif kind == "observation":
                 observations.append((t, observation_from_dict(row["observation"])))
             elif kind == "decision":
@@ -186,7 +190,7 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
             raise ValueError(f"{name}:{i}: a bad {kind} record: {e}") from None
     return Recording(str(head.get("source", "")), controller, observer, initial, bool(head.get("dry_run")),
                      head.get("profile"), tuple(arrivals), tuple(finished), tuple(rejected), tuple(observations),
-                     tuple(decisions), tuple(pools), end_t, truncated)
+                     tuple(decisions), tuple(pools), end_t, truncated, tuple(failed))
 
 
 def read_record(path: str | Path) -> Recording:

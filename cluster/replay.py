@@ -29,6 +29,7 @@ from cluster.controller import ControllerConfig, ControllerState, Decision, Obse
 from cluster.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
 from cluster.sim_model import CostProfile, Trace
 from cluster.simulator import SimResult, Simulation
+from proxy.slo import RequestLatency, SloConfig, judge
 
 
 def trace_from_recording(rec: Recording) -> Trace:
@@ -55,12 +56,15 @@ def trace_from_recording(rec: Recording) -> Trace:
 
 
 def live_attainment(rec: Recording) -> dict[str, Any]:
-    """Attainment of the recorded (live) run: finished requests within both SLOs over finished plus refused. Pure."""
+    """Attainment of the recorded (live) run, as ``pdcluster_slo_attainment`` judges: finished requests within both
+    SLOs over finished plus refused (429) plus failed. Pure."""
     cfg = rec.controller
-    met = sum(1 for f in rec.finished if f.sample.ttft_s <= cfg.slo_ttft_s and f.sample.tpot_s <= cfg.slo_tpot_s)
+    slo = SloConfig(ttft_s=cfg.slo_ttft_s, tpot_s=cfg.slo_tpot_s)
+    met = sum(1 for f in rec.finished if judge(RequestLatency(f.sample.ttft_s, f.sample.tpot_s), slo).met)
     refused = sum(n for _, n in rec.rejected)
-    judged = len(rec.finished) + refused
-    return {"requests": judged, "met": met, "refused": refused,
+    failed = sum(n for _, n in rec.failed)
+    judged = len(rec.finished) + refused + failed
+    return {"requests": judged, "met": met, "refused": refused, "failed": failed,
             "slo_attainment": round(met / judged, 4) if judged else None}
 
 

@@ -341,6 +341,7 @@ class Simulation:
             gate_prompt_tokens=self.adm_tokens, finished=len(done),
             finished_prompt_tokens=float(tr.prompt[done].sum()), finished_output_tokens=float(tr.output[done].sum()),
             ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
+            met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
             ttft_s=float(ttft.sum()), admission_wait_s=float((self.t_adm[done] - tr.t[done]).sum()),
             prefill_queue_s=float(self.t_pq[done].sum()), prefill_compute_s=float(self.t_pc[done].sum()),
             transfer_s=float(self.t_xf[done].sum()))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from cluster.wire.reports import ArrivalSample, FinishedSample, ProxyReport
 from proxy.jobs import Job
-from proxy.slo import request_latency
+from proxy.slo import counts_for_slo, request_latency
 
 
 def finished_sample(job: Job, start: float, end: float) -> FinishedSample | None:
@@ -43,15 +43,21 @@ class ReportCollector:
         self._arrivals: list[tuple[float, int, int, int]] = []  # (arrived at, prompt tokens, max_tokens, n)
         self._finished: list[FinishedSample] = []
         self._rejected = 0
+        self._failed = 0
 
     def arrived(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
         """Mutates: a prompt reached this proxy (before admission)."""
         if len(self._arrivals) < self.max_samples:
             self._arrivals.append((self.clock(), prompt_tokens, max_tokens, n))
 
-    def rejected(self) -> None:
-        """Mutates: a request was refused with 429 (no decode KV in time, or the queue was full)."""
-        self._rejected += 1
+    def ended(self, status: int) -> None:
+        """Mutates: a client request ended with HTTP ``status``: a 429 (no decode KV in time, or the queue was full)
+        counts as refused, any other failure the SLOs count (:func:`proxy.slo.counts_for_slo`: 5xx, 499) as failed;
+        a 200 is reported by :meth:`finished` with its latencies, a client's own mistake not at all."""
+        if status == 429:
+            self._rejected += 1
+        elif status != 200 and counts_for_slo(status):
+            self._failed += 1
 
     def finished(self, sample: FinishedSample | None) -> None:
         """Mutates: a prompt finished (None: it delivered nothing; not counted)."""
@@ -64,6 +70,6 @@ class ReportCollector:
         now = self.clock()
         report = ProxyReport(self.proxy_id, tuple(ArrivalSample(p, m, n, max(0.0, now - t))
                                                   for t, p, m, n in self._arrivals),
-                             self._rejected, waiting, waiting_prompt_tokens, tuple(self._finished))
-        self._arrivals, self._finished, self._rejected = [], [], 0
+                             self._rejected, self._failed, waiting, waiting_prompt_tokens, tuple(self._finished))
+        self._arrivals, self._finished, self._rejected, self._failed = [], [], 0, 0
         return report

@@ -225,19 +225,17 @@ class Proxy:
             return await self._collect(parsed, jobs, chat, start, trace)  # counts its own status
         except APIError as e:
             await self.dispatch.abort(jobs)
-            if e.status == 429:
-                self.report.rejected()
-            self.metrics.request_done(e.status)
+            self._done(e.status)
             return web.json_response(e.body(), status=e.status, headers={**e.headers(), "X-Request-Id": trace})
         except (asyncio.CancelledError, ConnectionResetError):
             await asyncio.shield(self.dispatch.abort(jobs))  # the client went away: free its blocks at once
-            self.metrics.request_done(499)
+            self._done(499)
             raise
         except Exception:
             log.exception("request %s failed", trace)
             await self.dispatch.abort(jobs)
             err = internal_error()
-            self.metrics.request_done(500)
+            self._done(500)
             return web.json_response(err.body(), status=500, headers={"X-Request-Id": trace})
         finally:
             self.dispatch.close(jobs)
@@ -286,7 +284,7 @@ class Proxy:
         body = (chat_completion_body(rid, parsed.model, created, choices, usage) if chat
                 else completion_body(rid, parsed.model, created, choices, usage))
         resp = web.json_response(body, headers={"X-Request-Id": trace})
-        self.metrics.request_done(200, latency)
+        self._done(200, latency)
         return resp
 
     async def _stream(self, request: web.Request, parsed: Any, jobs: list[Job], chat: bool,
@@ -318,14 +316,19 @@ class Proxy:
             await resp.write(sse_event(e.body()))
             await resp.write(SSE_DONE)
             await resp.write_eof()
-            self.metrics.request_done(e.status)
+            self._done(e.status)
             return resp
         if include:
             await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
-        self.metrics.request_done(200, self._observe(jobs, start))
+        self._done(200, self._observe(jobs, start))
         return resp
+
+    def _done(self, status: int, latency: RequestLatency | None = None) -> None:
+        """Mutates the metrics (SLO window included) and the controller's report: a client request ended."""
+        self.metrics.request_done(status, latency)
+        self.report.ended(status)
 
     def _observe(self, jobs: list[Job], start: float) -> RequestLatency:
         """Mutates the metrics and the controller's report: every completion's latencies (TTFT from the request's

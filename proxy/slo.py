@@ -18,11 +18,12 @@ client request when it ends (:mod:`proxy.server`) and renders the counters in ``
   counted at all (:func:`counts_for_slo`).
 
 **One number for the autoscaler.** :func:`judge` is the one definition of "met", :meth:`SloTracker.window` the
-window's counts and :func:`attainment` the ratio. The controller uses the same number: each proxy reports its window's
-counts (``(met, total)`` from :meth:`SloTracker.counts`, or the full :class:`SloWindow`) in its ``ProxyReport``, and
-the controller sums them over the proxies before calling :func:`attainment` (never an average of ratios: proxies
+window's counts and :func:`attainment` the ratio. The controller's objective is the same number over its own window:
+each proxy's ``ProxyReport`` carries every finished prompt's latencies (from :func:`request_latency`) and the counts
+of refused (429) and failed requests; ``cluster.observe`` sums them over the proxies and judges each with
+:func:`judge` against the controller's SLOs, refused and failed ones as misses (never an average of ratios: proxies
 see different traffic). Prometheus does the same: ``sum(pdcluster_slo_window_goodput_requests) /
-sum(pdcluster_slo_window_requests)``.
+sum(pdcluster_slo_window_requests)``. (The report counts prompts; a request with several prompts counts once here.)
 """
 
 from __future__ import annotations

@@ -222,6 +222,7 @@ class ProxyReport(_Wire):
     proxy_id: str
     arrivals: tuple[ArrivalSample, ...] = ()  # every request that arrived since the last report
     rejected: int = 0  # of the requests that ended since the last report, those refused with 429 (no KV in time)
+    failed: int = 0  # ... and those that failed otherwise (5xx, an error mid-stream, a client that hung up: 499)
     waiting: int = 0  # requests waiting at its admission gate for decode KV blocks now
     waiting_prompt_tokens: int = 0  # their prompt tokens
     finished: tuple[FinishedSample, ...] = ()  # requests finished since the last report
@@ -236,5 +237,5 @@ class ProxyReport(_Wire):
             _set(self, name, tuple(cls.from_dict(x) if isinstance(x, Mapping) else x for x in value))
             if any(not isinstance(x, cls) for x in getattr(self, name)):
                 raise ValueError(f"ProxyReport.{name}: must hold {cls.__name__} values")
-        for name in ("rejected", "waiting", "waiting_prompt_tokens"):
+        for name in ("rejected", "failed", "waiting", "waiting_prompt_tokens"):
             _check_int("ProxyReport", name, getattr(self, name))

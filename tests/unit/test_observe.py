@@ -110,6 +110,14 @@ def test_finished_requests_give_output_lengths_cache_hits_attainment_and_the_ttf
     assert obs.ttft_s == pytest.approx(2.0) and obs.admission_wait_s == pytest.approx(1.0)
     assert obs.prefill_queue_wait_s == pytest.approx(0.4) and obs.prefill_compute_s == pytest.approx(0.5)
     assert obs.transfer_s == pytest.approx(0.03)
+    assert obs.slo_attainment == 0.0  # goodput: within both SLOs (one missed TTFT, the other TPOT)
+    # refused (429) and failed requests count as misses of each SLO, as pdcluster_slo_attainment counts them
+    ok = FinishedSample(1000, 0, 40, ttft_s=1.0, tpot_s=0.05)
+    d = demand_from_reports([ProxyReport("a", finished=(ok, fin[0]), rejected=1),
+                             ProxyReport("b", finished=(ok,), failed=1)], 2.0, 0.1)
+    assert (d.finished, d.rejected, d.failed, d.met) == (3, 1, 1, 2)
+    obs, _ = build(10.0, [], d, CFG, st)
+    assert (obs.ttft_attainment, obs.tpot_attainment, obs.slo_attainment) == pytest.approx((0.4, 0.6, 0.4))
     # a window where nothing finished keeps the last output length and hit rate, and judges nothing
     obs, _ = build(10.0, [], demand_from_reports([ProxyReport("a", (ArrivalSample(1000, 500),))], 2.0, 0.1), CFG, st)
     assert obs.mean_output_tokens == 30 and obs.prefill_tps == pytest.approx(1000 * 0.8 / 5)

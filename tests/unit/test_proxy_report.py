@@ -27,12 +27,16 @@ def test_collector_reports_arrivals_with_ages_and_starts_over() -> None:
     clock.t += 0.5
     c.arrived(200, 32, 2)
     c.arrived(300, 8, 1)  # over the bound: dropped
-    c.rejected()
+    c.ended(429)  # refused
+    c.ended(503)  # failed: a miss for the SLOs
+    c.ended(499)  # the client hung up: a miss too
+    c.ended(400)  # the client's own mistake: not counted
+    c.ended(200)  # served: reported by finished() with its latencies
     clock.t += 0.25
     r = c.take(waiting=3, waiting_prompt_tokens=900)
     assert r.proxy_id == "p1" and [a.prompt_tokens for a in r.arrivals] == [100, 200]
     assert [a.age_s for a in r.arrivals] == pytest.approx([0.75, 0.25]) and r.arrivals[1].n == 2
-    assert (r.rejected, r.waiting, r.waiting_prompt_tokens) == (1, 3, 900)
+    assert (r.rejected, r.failed, r.waiting, r.waiting_prompt_tokens) == (1, 2, 3, 900)
     again = c.take(0, 0)
     assert not again.arrivals and not again.finished and again.rejected == 0
 

@@ -44,7 +44,7 @@ def write_live_record(path: Path) -> None:
     clock = FakeClock()
     w = RecordWriter(path, header_fields("live", CTRL, OBSERVER, (2, 1), wall_time=1.0), clock=clock)
     clock.now = 103.0  # a report received 3 s in: its arrivals were 0.5 s and 2 s old on the proxy's clock
-    report = ProxyReport("proxy-0", (ArrivalSample(20, 64, 1, 0.5), ArrivalSample(700, 1, 1, 2.0)), rejected=1,
+    report = ProxyReport("proxy-0", (ArrivalSample(20, 64, 1, 0.5), ArrivalSample(700, 1, 1, 2.0)), rejected=1, failed=1,
                          finished=(FinishedSample(20, 0, 50, 0.2, 0.04, prefill_compute_s=0.1),
                                    FinishedSample(700, 0, 1, 1.5, 0.0, prefill_queue_s=1.0)))
     for kind, t, fields in report_records(report, w.now()):
@@ -67,6 +67,7 @@ def test_round_trip_keeps_every_kind_on_the_recorders_clock(tmp_path: Path) -> N
     # arrival times: receipt (3 s) minus age, in time order
     assert [(a.t, a.prompt_tokens, a.max_tokens) for a in rec.arrivals] == [(1.0, 700, 1), (2.5, 20, 64)]
     assert [f.sample.output_tokens for f in rec.finished] == [50, 1] and rec.rejected == ((3.0, 1),)
+    assert rec.failed == ((3.0, 1),)
     assert rec.finished[1].sample.prefill_queue_s == 1.0
     (t, obs), = rec.observations
     assert t == 5.0 and obs == observation(5.0, tpot_attainment=0.5)
@@ -74,7 +75,8 @@ def test_round_trip_keeps_every_kind_on_the_recorders_clock(tmp_path: Path) -> N
     assert d["changes"] and d["applied"] and d["n_decode"] == 2 and d["flip"] == [["w0", "decode"]]
     assert d["reason"].startswith("2P:1D -> 1P:2D") and "TPOT attainment 50%" in d["reason"]
     assert rec.pools == ((5.0, 1, 2),) and rec.end_t == 5.0
-    assert live_attainment(rec) == {"requests": 3, "met": 1, "refused": 1, "slo_attainment": 0.3333}
+    # as pdcluster_slo_attainment judges: the refused and the failed request miss
+    assert live_attainment(rec) == {"requests": 4, "met": 1, "refused": 1, "failed": 1, "slo_attainment": 0.25}
     for line in path.read_text().splitlines():  # one record kind per line
         assert set(json.loads(line)) >= {"kind", "t"}
 
