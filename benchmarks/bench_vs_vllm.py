@@ -126,18 +126,23 @@ def medians(runs: list[list[dict[str, Any]]]) -> dict[int, dict[str, float]]:
 
 def table(results: dict[str, dict[int, dict[str, float]]]) -> str:
     """A markdown table: each server's medians and its ratio to vLLM. Pure."""
-    rows = ["| concurrency | server | output tok/s | vs vLLM | TTFT p50 ms | TTFT p99 ms | TTFT p99 vs vLLM | ITL p50 ms |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| concurrency | server | output tok/s | vs vLLM | vs colocated | TTFT p50 ms | TTFT p99 ms | "
+            "TTFT p99 vs vLLM | ITL p50 ms | failed |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def ratio(m: dict[str, float], base: dict[str, float] | None, key: str) -> str:
+        return f"{m[key] / base[key]:.2f}x" if base and base[key] else "-"
+
     for c in sorted(next(iter(results.values()))):
-        base = results.get("vllm", {}).get(c)
+        base, colo = results.get("vllm", {}).get(c), results.get("colocated", {}).get(c)
         for kind, per_c in results.items():
             m = per_c.get(c)
             if m is None:
                 continue
-            tok = f"{m['output_tok_s'] / base['output_tok_s']:.2f}x" if base else "-"
-            p99 = f"{m['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x" if base else "-"
-            rows.append(f"| {c} | {kind} | {m['output_tok_s']:.1f} | {tok} | {m['ttft_p50_ms']:.0f} | "
-                        f"{m['ttft_p99_ms']:.0f} | {p99} | {m['itl_p50_ms']:.0f} |")
+            rows.append(f"| {c} | {kind} | {m['output_tok_s']:.1f} | {ratio(m, base, 'output_tok_s')} | "
+                        f"{ratio(m, colo, 'output_tok_s') if kind == 'disaggregated' else '-'} | "
+                        f"{m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | {ratio(m, base, 'ttft_p99_ms')} | "
+                        f"{m['itl_p50_ms']:.0f} | {m['failed']:.0f} |")
     return "\n".join(rows)
 
 

@@ -353,6 +353,12 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     want_d = _hysteresis(n_d, want_d, load_d, util, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
     floors = (math.ceil(obs.prefill_tps / mu_p), max(math.ceil(obs.decode_tps / mu_d), kv_floor))
+    # a pool missing its own SLO is never the one a binding budget shrinks (its measured capacity may not show why
+    # it misses: a TPOT miss with an unmeasured decode capacity looked like spare decode and fed a see-saw)
+    if ttft_miss and cause == "prefill":
+        floors = (max(floors[0], n_p), floors[1])
+    if tpot_miss or (ttft_miss and cause == "decode"):
+        floors = (floors[0], max(floors[1], n_d))
     split_d = max(fast_d / mu_d, kv_mem / util, kv_floor if kv_wait else 0)  # memory with headroom, like tokens
     t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors)
     # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO

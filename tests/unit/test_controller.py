@@ -119,12 +119,34 @@ def test_a_binding_budget_never_starves_a_pool_below_its_present_load() -> None:
 def test_only_the_missing_pool_may_skip_the_cooldown() -> None:
     cfg = ControllerConfig(budget=16, cooldown_s=60)
     state = ControllerState(last_change_t=0.0)
-    # TTFT misses, but the re-split would grow decode (its rates say so): that waits for the cooldown
-    d, _ = decide(observe(15.0, 3000.0, 3000.0, 8, 8, ttft_attainment=0.5), cfg, state)
-    assert not d.changes and "cooldown" in d.reason
+    # TTFT misses (prefill's), and decode's rates would take actors from prefill: the missing pool keeps its
+    # actors, in the cooldown or not
+    for st in (state, ControllerState()):
+        d, _ = decide(observe(15.0, 3000.0, 3000.0, 8, 8, ttft_attainment=0.5), cfg, st)
+        assert not d.changes, d.reason
     # TPOT misses and decode grows: at once
     d, _ = decide(observe(15.0, 3000.0, 3000.0, 8, 8, tpot_attainment=0.5), cfg, state)
     assert d.changes and d.n_decode > 8, d.reason
+
+
+def test_a_pool_missing_its_slo_is_not_shrunk_by_a_budget_split() -> None:
+    """The live see-saw (bench_live_controller, 3 workers): decode-heavy load at 1P:2D misses TPOT, decode's capacity
+    is not measured (the defaults say it is nearly idle) and prefill's, measured on short prompts under contention,
+    is tiny: a split by those loads moved an actor back to prefill, which missed TPOT worse. The missing pool keeps
+    its actors; the other can still grow from spare budget."""
+    cfg = ControllerConfig(budget=3, cooldown_s=0)
+    acts = (ActorObservation("p0", "prefill", 18.0), ActorObservation("d0", "decode", None),
+            ActorObservation("d1", "decode", None))
+    obs = Observation(t=30.0, prefill_tps=10.0, decode_tps=61.0, request_rate=2.0, mean_prompt_tokens=5.0,
+                      mean_output_tokens=32.0, actors=acts, tpot_attainment=0.0, slo_attainment=0.0)
+    d, _ = decide(obs, cfg, ControllerState())
+    assert not d.changes, d.reason
+    assert "goodput 0%" in d.reason and "TPOT attainment 0%" in d.reason
+    # a prefill miss of its own (backlog it cannot clear) at the same sizes still moves an actor: both pools press,
+    # so the budget goes by the floors and loads, never by taking the decode pool's actors for nothing
+    d, _ = decide(replace(obs, tpot_attainment=1.0, slo_attainment=1.0, prefill_backlog_tokens=3655.0),
+                  cfg, ControllerState())
+    assert (d.n_prefill, d.n_decode) == (2, 1) and "prefill backlog" in d.reason, d.reason
 
 
 def test_elastic_shrinks_but_fixed_budget_keeps_every_actor() -> None:
