@@ -207,7 +207,7 @@ def main() -> None:
     sel = [(t, b, c) for t, b, c in steps if b == top]
     t_step = sorted(t for t, _, _ in sel)[len(sel) // 2]
     ctx = sum(c for _, _, c in sel) / len(sel)
-    params = sum(w.numel() for w in _weights(e))
+    params = _params(e)
     kv_tok = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * esize
     bytes_step = params * esize + ctx * kv_tok
     flops_step = 2 * params * top + 4 * ctx * mc.num_layers * mc.num_heads * mc.head_dim
@@ -463,12 +463,13 @@ def ap_default_hf() -> str:
     return "bfloat16:16,bfloat16:32,bfloat16:64,float32:64"
 
 
-def _weights(e) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+def _params(e) -> int:  # type: ignore[no-untyped-def]
+    """The model's parameter count (a tied head counted once)."""
     m = e.runner.model
-    ws = [m.embed, m.final_norm] + ([] if m.lm_head is m.embed else [m.lm_head])
+    n = m.embed.numel() + m.final_norm.numel() + (0 if m.cfg.tie_word_embeddings else m.lm_head.numel)
     for lw in m.layers:
-        ws += [lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down]
-    return ws
+        n += lw.input_norm.numel() + lw.post_norm.numel() + lw.qkv.numel + lw.o.numel + lw.gate_up.numel + lw.down.numel
+    return n
 
 
 if __name__ == "__main__":

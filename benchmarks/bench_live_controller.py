@@ -7,7 +7,7 @@ Three runs, each on a fresh local 3-worker cluster (budget 3, the default model)
 autoscale on), ``fixed 1P2D`` and ``fixed 2P1D`` (autoscale on with ``dry_run``: the controller decides and logs,
 nothing moves). Each run sends the same load: a decode-heavy phase (short prompts, ``--decode-tokens`` out each,
 ``--decode-streams`` clients at once), a pause of two controller intervals, then a prefill-heavy phase (~730-token
-prompts, one token out, ``--prefill-streams`` clients). Every run writes its autoscale record (``DIR/<run>.jsonl``);
+prompts, each made unique so no prefix cache serves it, one token out, ``--prefill-streams`` clients). Every run writes its autoscale record (``DIR/<run>.jsonl``);
 attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record.
@@ -34,18 +34,24 @@ LONG_PROMPT = " ".join(["Summarise the history of the printing press in Europe, 
 RUNS = (("adaptive", (2, 1), False), ("fixed 1P2D", (1, 2), True), ("fixed 2P1D", (2, 1), True))
 
 
-def load(url: str, prompt: str, max_tokens: int, streams: int, seconds: float) -> tuple[int, int]:
-    """``streams`` clients in closed loop for ``seconds``: (requests done, failed)."""
+def load(url: str, prompt: str, max_tokens: int, streams: int, seconds: float,
+         unique: bool = False) -> tuple[int, int]:
+    """``streams`` clients in closed loop for ``seconds``: (requests done, failed). ``unique``: every request's
+    prompt starts with its own number, so no prefix cache serves it (each is prefilled in full)."""
+    import itertools
+
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     stop = threading.Event()
+    numbers = itertools.count()
 
     def one() -> tuple[int, int]:
         ok = bad = 0
         while not stop.is_set():
+            text = f"Request {next(numbers)}. {prompt}" if unique else prompt
             try:
-                client.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}],
+                client.chat.completions.create(model="default", messages=[{"role": "user", "content": text}],
                                                max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
                 ok += 1
             except Exception:
@@ -79,7 +85,7 @@ def one_run(name: str, sizes: tuple[int, int], dry_run: bool, args: argparse.Nam
         ray.get(c.manager.autoscale.remote(True, record=str(record), dry_run=dry_run), timeout=60)
         d_ok, d_bad = load(c.urls[0], SHORT_PROMPT, args.decode_tokens, args.decode_streams, args.phase_s)
         time.sleep(2 * args.interval)
-        p_ok, p_bad = load(c.urls[0], LONG_PROMPT, 1, args.prefill_streams, args.phase_s)
+        p_ok, p_bad = load(c.urls[0], LONG_PROMPT, 1, args.prefill_streams, args.phase_s, unique=True)
         time.sleep(2.0)  # the proxies' last reports
         print(f"  {name}: decode phase {d_ok} done / {d_bad} failed, prefill phase {p_ok} done / {p_bad} failed, "
               f"pools at the end {ray.get(c.manager.counts.remote(), timeout=60)}", flush=True)
@@ -100,7 +106,7 @@ def main() -> int:
     ap.add_argument("--slo-tpot", type=float, default=0.15)
     ap.add_argument("--decode-streams", type=int, default=12)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--prefill-streams", type=int, default=6)
+    ap.add_argument("--prefill-streams", type=int, default=2)
     ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-live-controller-"))

@@ -36,12 +36,31 @@ def resolve_device(spec: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """``"auto"`` -> bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are fast but the tests compare float32
-    outputs with Hugging Face's); other names unchanged. Pure."""
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (the ``avx512_bf16`` or ``amx_bf16`` flag in ``/proc/cpuinfo``;
+    ``cpuinfo`` overrides the file's text). False where the file is missing (not Linux). Pure apart from reading it."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[-1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def resolve_dtype(dtype: str, device: torch.device, native_bf16: bool | None = None) -> str:
+    """``"auto"`` -> bfloat16 on CUDA and on a CPU that computes bfloat16 natively (as vLLM's CPU build does: on this
+    project's CPU it is ~1.7x float32's speed), else float32; other names unchanged. ``native_bf16`` overrides the
+    CPU probe. Tests that compare with Hugging Face's float32 outputs name float32. Pure apart from the probe."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    if device.type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if (cpu_has_native_bf16() if native_bf16 is None else native_bf16) else "float32"
 
 
 def kv_cache_bytes(device: torch.device, kv_cache_gib: float | None, gpu_memory_utilization: float,

@@ -1,7 +1,8 @@
 """Decoder-only transformer forward (Llama / Qwen2 / Mistral) over a paged KV cache.
 
-Weights are plain tensors (q/k/v and gate/up fused into one matmul each); attention and KV writes go through
-``kernels``, so the Triton kernels replace the torch reference without touching this file.
+Matmul weights are :class:`engine.linear.Linear` (q/k/v and gate/up fused into one matmul each; pre-packed for
+oneDNN in bfloat16 on the CPU); attention and KV writes go through ``kernels``, so the Triton kernels replace the
+torch reference without touching this file.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 
@@ -20,12 +22,11 @@ from engine.rope import RotaryEmbedding
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(Hq + 2 Hk) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # [(Hq + 2 Hk) * D, hidden], with the q/k/v biases when the model has them
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 @dataclass
@@ -51,7 +52,8 @@ class DecoderModel:
         self.cfg = cfg
         self.dtype = dtype
         self.embed = state.pop("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else state.pop("lm_head.weight")
+        # a tied head is the embedding table read as a matmul: packed, it is a second copy (the table stays a table)
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else state.pop("lm_head.weight"))
         self.final_norm = state.pop("model.norm.weight")
         self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_dim**-0.5
@@ -68,12 +70,12 @@ class DecoderModel:
             bias = torch.cat([state.pop(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
         return LayerWeights(
             input_norm=state.pop(f"{p}input_layernorm.weight"),
-            qkv=torch.cat([q, k, v]).contiguous(),
-            qkv_bias=bias,
-            o=state.pop(f"{p}self_attn.o_proj.weight"),
+            qkv=Linear(torch.cat([q, k, v]).contiguous(), bias),
+            o=Linear(state.pop(f"{p}self_attn.o_proj.weight")),
             post_norm=state.pop(f"{p}post_attention_layernorm.weight"),
-            gate_up=torch.cat([state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]).contiguous(),
-            down=state.pop(f"{p}mlp.down_proj.weight"),
+            gate_up=Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
+                                      state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
+            down=Linear(state.pop(f"{p}mlp.down_proj.weight")),
         )
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ class DecoderModel:
         cos_sin = self.rope.lookup(positions)
         for i, lw in enumerate(self.layers):
             x = self._norm(h, lw.input_norm)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            qkv = lw.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -117,10 +119,10 @@ class DecoderModel:
             if after_kv_store is not None:
                 after_kv_store(i)
             attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i], scales)
-            h = h + F.linear(attn.reshape(T, self.q_size), lw.o)
+            h = h + lw.o(attn.reshape(T, self.q_size))
             x = self._norm(h, lw.post_norm)
-            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
+            gate, up = lw.gate_up(x).chunk(2, dim=-1)
+            h = h + lw.down(F.silu(gate) * up)
         return self._norm(h, self.final_norm)
 
     def _attention(
@@ -147,4 +149,4 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the given final hidden states. Pure."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()

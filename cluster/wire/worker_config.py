@@ -8,11 +8,22 @@ from typing import Any
 from cluster.wire.auth import ClusterSecret
 
 
+def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:
+    """Torch threads per worker actor when ``serve --threads`` is left out. Pure.
+
+    A local cluster (serve started Ray on this machine) shares the machine's ``cpus`` among the ``actors`` it may run
+    (one colocated actor on 2 cores gets 2; a 1P1D pair gets 1 each); on an existing Ray cluster an actor gets the
+    CPUs Ray reserves for it (``--cpus-per-actor``, at least 1)."""
+    if local:
+        return max(1, cpus // max(1, actors))
+    return max(1, int(cpus_per_actor))
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str = "default"
     device: str = "auto"  # the engine's device: auto (CUDA when the actor sees a GPU) | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     kv_cache_dtype: str = "auto"  # or "fp8": KV stored and sent as float8_e4m3fn with per-(block, kv head) scales
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -21,7 +32,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
-    num_threads: int = 1  # torch threads per actor (one actor per core on CPU)
+    num_threads: int = 1  # torch threads per actor (serve picks default_threads when --threads is left out)
     # CUDA: the share of the device's memory this actor's engine may take (weights + activations + KV cache); actors
     # sharing one GPU (a fractional --gpus-per-actor) get their share of it
     gpu_memory_utilization: float = 0.9

@@ -1,0 +1,55 @@
+"""Weights laid out for the matmul that reads them: bfloat16 weights on the CPU are pre-packed for oneDNN.
+
+On the CPU a bfloat16 ``F.linear`` already runs oneDNN's matmul, but it re-lays the weight out on every call; a
+decode step reads every weight once per layer, so it spends its time streaming weights from memory in a layout made
+for the caller, not the kernel. ``torch.ops.mkldnn._reorder_linear_weight`` does that layout once at load and
+``_linear_pointwise`` runs the same oneDNN matmul on it: the results are bit-identical to ``F.linear`` (the unit test
+checks it over batch sizes and with a bias) and a batch-8 decode step of the default model takes ~0.6-0.8x the time
+(``python benchmarks/bench_engine.py``, docs/benchmarks.md). float32 keeps ``F.linear`` (MKL's sgemm, which the
+Hugging Face identity tests compare against: oneDNN's float32 would round differently), and so does every other
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def packs(weight: torch.Tensor) -> bool:
+    """Whether :class:`Linear` pre-packs ``weight``: bfloat16 on the CPU with oneDNN built in. Pure."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear:
+    """One weight ``[out, in]`` (and optional bias) applied as ``x @ weight.T + bias``.
+
+    ``weight`` keeps the plain tensor only when it is not packed (the packed copy replaces it, so memory is unchanged
+    unless the caller keeps the plain one too, as a tied embedding does); ``numel`` and ``nbytes`` describe the
+    weight either way.
+    """
+
+    __slots__ = ("weight", "bias", "_packed", "out_features", "numel", "nbytes")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        if weight.dim() != 2:
+            raise ValueError(f"Linear: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+        self.out_features = int(weight.shape[0])
+        self.numel = weight.numel()
+        self.nbytes = weight.numel() * weight.element_size()
+        self.bias = bias
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if packs(weight) else None
+        self.weight = weight if self._packed is None else None
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] -> [..., out]``. Pure."""
+        if self._packed is None:
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features)

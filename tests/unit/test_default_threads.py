@@ -1,0 +1,35 @@
+"""serve's torch threads per actor when --threads is left out (cluster.wire.worker_config.default_threads)."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.cli import serve_threads
+from cluster.wire.worker_config import default_threads
+
+
+def test_a_local_cluster_shares_the_cores_among_its_actors() -> None:
+    assert default_threads(2, 1, local=True, cpus_per_actor=1.0) == 2  # one colocated actor on 2 cores
+    assert default_threads(2, 2, local=True, cpus_per_actor=1.0) == 1  # 1P1D on 2 cores
+    assert default_threads(2, 3, local=True, cpus_per_actor=1.0) == 1  # never below one
+    assert default_threads(16, 4, local=True, cpus_per_actor=1.0) == 4
+
+
+def test_an_existing_cluster_gives_an_actor_its_reserved_cpus() -> None:
+    assert default_threads(64, 1, local=False, cpus_per_actor=4.0) == 4
+    assert default_threads(64, 1, local=False, cpus_per_actor=0.5) == 1
+
+
+def test_serve_counts_the_budget_and_the_mode() -> None:
+    def ns(**kw: object) -> argparse.Namespace:
+        base = {"budget": 0, "decode": 1, "prefill": 1, "mode": "disaggregated", "ray_address": None,
+                "cpus_per_actor": 1.0}
+        return argparse.Namespace(**{**base, **kw})
+
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    assert serve_threads(ns(mode="colocated")) == max(1, cpus)
+    assert serve_threads(ns()) == max(1, cpus // 2)
+    assert serve_threads(ns(budget=3)) == max(1, cpus // 3)
+    assert serve_threads(ns(ray_address="10.0.0.1:6379", cpus_per_actor=2.0)) == 2

@@ -1,0 +1,45 @@
+"""engine/linear.py: pre-packed bfloat16 weights on the CPU give exactly what F.linear gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.linear import Linear, packs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 300])
+def test_packed_bfloat16_is_bit_identical_to_f_linear(rows: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16) if bias else None
+    lin = Linear(w, b)
+    assert lin.packed == packs(w)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    # leading dimensions are kept
+    assert torch.equal(lin(x.view(1, rows, 64)), F.linear(x, w, b).view(1, rows, 96))
+
+
+def test_bfloat16_on_the_cpu_is_packed_and_drops_the_plain_copy() -> None:
+    w = torch.randn(32, 16).to(torch.bfloat16)
+    lin = Linear(w)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    assert lin.packed and lin.weight is None
+    assert (lin.numel, lin.nbytes, lin.out_features) == (512, 1024, 32)
+
+
+def test_float32_keeps_f_linear() -> None:
+    w = torch.randn(32, 16)
+    lin = Linear(w)
+    assert not lin.packed and lin.weight is w
+    x = torch.randn(5, 16)
+    assert torch.equal(lin(x), F.linear(x, w))
+
+
+def test_a_weight_must_be_two_dimensional() -> None:
+    with pytest.raises(ValueError, match="2-D"):
+        Linear(torch.zeros(4))
