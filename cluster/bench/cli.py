@@ -19,6 +19,23 @@ from cluster.bench.openai_stream import ENDPOINTS, base_url
 from cluster.bench.stats import Slo, summarize
 from cluster.bench.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
 
+WARMUP_SEED = 1_000_003  # warm-up prompts are drawn with SEED + this + point index: never a measured prompt
+
+
+def point_dataset(spec: DatasetSpec, num_requests: int, seed: int, point: int,
+                  tok: Any) -> tuple[Conversation, ...]:
+    """Sweep point ``point``'s requests, drawn with ``seed + point``: a later point never finds an earlier point's
+    prompts in the server's prefix cache (which would measure cache hits, not the load). Pure."""
+    return make_dataset(spec, num_requests, seed + point, tok)
+
+
+def warmup_dataset(spec: DatasetSpec, num_requests: int, seed: int, point: int,
+                   tok: Any) -> tuple[Conversation, ...]:
+    """The warm-up requests before sweep point ``point`` (first turns only), drawn apart from every measured one.
+    Pure."""
+    drawn = make_dataset(spec, num_requests, seed + WARMUP_SEED + point, tok)
+    return tuple(Conversation(c.index, c.turns[:1]) for c in drawn)
+
 
 def _list_of(kind: type):  # type: ignore[no-untyped-def]
     def parse(text: str) -> tuple:
@@ -53,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--tokenizer", default="default",
                    help="counts prompt tokens: 'default' (pdcluster's default model), a folder with "
                         "tokenizer.json, or 'none' (one word = one token, approximate)")
-    d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
+    d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times (sweep point i draws its prompts with SEED + i)")
     a = b.add_argument_group("load")
     sweep = a.add_mutually_exclusive_group()
     sweep.add_argument("--concurrency", type=_list_of(int), default=None, metavar="C[,C...]",
@@ -146,17 +163,19 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         print(f"error: {plan.url}/v1/models lists no model; pass --model", file=sys.stderr)
         return 1
-    convs = make_dataset(plan.spec, args.num_requests, args.seed, tok)
+    convs = point_dataset(plan.spec, args.num_requests, args.seed, 0, tok)
     target = Target(plan.url, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos, args.timeout)
-    counted = [t.text_tokens for c in convs for t in c.turns]
+    counted = [t.text_tokens for c in convs for t in c.turns]  # the first point's; later points draw alike
     print(f"[bench] {plan.url} model {model!r}, {args.endpoint}; {args.dataset} dataset: {len(counted)} requests, "
           f"user text {min(counted)}-{max(counted)} tokens ({args.tokenizer} tokenizer); {len(plan.points)} point(s)",
           file=sys.stderr, flush=True)
     rows: list[tuple[SweepPoint, dict[str, Any]]] = []
     results: list[dict[str, Any]] = []
     for i, point in enumerate(plan.points):
+        if i:
+            convs = point_dataset(plan.spec, args.num_requests, args.seed, i, tok)
         if args.warmup:  # first turns only, not measured
-            warm = tuple(Conversation(c.index, c.turns[:1]) for c in convs[: args.warmup])
+            warm = warmup_dataset(plan.spec, args.warmup, args.seed, i, tok)
             asyncio.run(run_point(target, SweepPoint(math.inf, point.max_concurrency), warm, (0.0,) * len(warm)))
         offsets = arrival_offsets(len(convs), point.rate, args.arrival, args.burstiness, args.seed + i)
         bar = ProgressBar(len(counted), f"[bench {i + 1}/{len(plan.points)}] {point.label}",

@@ -23,6 +23,7 @@ from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, texts, token_ids
 from tests.worker_pair import eventually, run_request
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 PROMPT = tuple(range(40, 110))
 KV = KVTransferConfig(backend="torch_dist", connect_timeout_s=20, io_timeout_s=20)
@@ -35,7 +36,7 @@ def model(tiny_checkpoint: Any) -> str:
 
 def _workers(model: str, corrupt_every: int = 0, policy: str = "recompute",
              **cfg: Any) -> tuple[FlexWorker, FlexWorker]:
-    config = WorkerConfig(model=model, num_kv_blocks=64, **cfg)
+    config = WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, **cfg)
     return (FlexWorker("pf", "prefill", config, KV, corrupt_every=corrupt_every),
             FlexWorker("dc", "decode", config, KV, on_transfer_failure=policy))
 
@@ -82,7 +83,7 @@ def test_corrupt_part_recomputes_with_the_same_text(model: str, inbox: TokenInbo
 
 def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: str, inbox: TokenInbox) -> None:
     prefill, decode = _workers(model, reservation_ttl_s=600.0)
-    strict = FlexWorker("dc2", "decode", WorkerConfig(model=model, num_kv_blocks=64, reservation_ttl_s=600.0), KV,
+    strict = FlexWorker("dc2", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, reservation_ttl_s=600.0), KV,
                         on_transfer_failure="fail")
     try:
         for dc, rid in ((decode, "sf1"), (strict, "sf2")):
@@ -106,7 +107,7 @@ def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: 
 
 
 def test_reservation_without_kv_expires_with_an_error(model: str, inbox: TokenInbox) -> None:
-    _, decode = None, FlexWorker("dc3", "decode", WorkerConfig(model=model, num_kv_blocks=64), KV)
+    _, decode = None, FlexWorker("dc3", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64), KV)
     try:
         req = GenerateRequest("lost", PROMPT, max_tokens=5, reply_to=inbox.address)
         assert decode.reserve(ReserveRequest(req, 6, ttl_s=0.5).to_dict()) is not None
@@ -123,7 +124,7 @@ def test_a_proxy_that_stops_reading_loses_its_requests_not_others(model: str, in
     dead = ctx.socket(zmq.PULL)
     port = dead.bind_to_random_port("tcp://127.0.0.1")
     dead.close(0)  # nobody listens there any more: a proxy that went away
-    decode = FlexWorker("dc4", "decode", WorkerConfig(model=model, num_kv_blocks=64), None)
+    decode = FlexWorker("dc4", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64), None)
     try:
         gone = GenerateRequest("gone", PROMPT, max_tokens=400, ignore_eos=True, reply_to=f"tcp://127.0.0.1:{port}")
         live = GenerateRequest("live", PROMPT, max_tokens=60, ignore_eos=True, reply_to=inbox.address)

@@ -15,8 +15,9 @@ from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, token_ids
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
-CFG = WorkerConfig(num_kv_blocks=64)
+CFG = WorkerConfig(dtype=EXACT_DTYPE, num_kv_blocks=64)
 PROMPT = tuple(range(200, 260))
 
 

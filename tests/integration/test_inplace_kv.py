@@ -26,6 +26,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.loopback import CacheSpec, ReceiverProcess, WriterProcess
 from tests.token_inbox import TokenInbox, texts, token_ids
 from tests.worker_pair import eventually, run_request
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 PROMPT = tuple(range(40, 110))
 SHM = KVTransferConfig(backend="shm", connect_timeout_s=20, io_timeout_s=20)
@@ -44,7 +45,7 @@ def inbox() -> Iterator[TokenInbox]:
 
 
 def _pair(model: str, kv: KVTransferConfig, corrupt_every: int = 0, **cfg: Any) -> tuple[FlexWorker, FlexWorker]:
-    config = WorkerConfig(model=model, num_kv_blocks=64, shared_kv=True, **cfg)
+    config = WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True, **cfg)
     return (FlexWorker("pf", "prefill", config, kv, corrupt_every=corrupt_every),
             FlexWorker("dc", "decode", config, kv))
 
@@ -125,7 +126,7 @@ def _write_one(writer: WriterProcess, grant: ReserveGrant, fingerprint: str) -> 
 
 
 def test_quarantine_follows_the_writer_not_the_lease(model: str, inbox: TokenInbox) -> None:
-    decode = FlexWorker("dq", "decode", WorkerConfig(model=model, num_kv_blocks=64, shared_kv=True), SHM)
+    decode = FlexWorker("dq", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True), SHM)
     killed, stopped = _writer(decode), _writer(decode)
     try:
         g1, g2 = _reserve(decode, inbox, "k1", 0.5), _reserve(decode, inbox, "s1", 0.5)

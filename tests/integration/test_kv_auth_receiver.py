@@ -28,13 +28,14 @@ from kv_transfer.inplace import InPlaceBackend
 from kv_transfer.inplace_channel import InPlaceAddress, recv_message, send_message
 from kv_transfer.layer_parts import pack_layer_part
 from tests.worker_pair import eventually
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 SECRET = ClusterSecret.generate()
 OTHER = ClusterSecret.generate()
 
 
 def _worker(model: str, kv: KVTransferConfig) -> FlexWorker:
-    return FlexWorker("dc", "decode", WorkerConfig(model=model, num_kv_blocks=32, shared_kv=True,
+    return FlexWorker("dc", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=32, shared_kv=True,
                                                    cluster_secret=SECRET), kv)
 
 

@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 PROMPTS = [f"{q} Answer in one sentence." for q in
            ("What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.")]
@@ -30,11 +31,11 @@ def status(url: str) -> dict:
 
 
 def test_scale_up_and_across_while_serving() -> None:
-    offline = LLM("default", kv_cache_gib=0.25)
+    offline = LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
     want = {p: o.text for p, o in zip(PROMPTS, offline.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                                                             SamplingParams(max_tokens=16)))}
     del offline
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
                             port=0, budget=3, cpus_per_actor=0.5))
     c.start()
     try:
@@ -107,7 +108,7 @@ def test_scale_up_and_across_while_serving() -> None:
 
 
 def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
                             port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0))
     c.start()
     try:

@@ -24,6 +24,7 @@ import ray  # noqa: E402
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 # Seeded draws are keyed by (seed, completion, position), so a resumed completion draws what it would have; its logits
 # come from another forward shape and differ in the last bits, which can move a draw that lands in the long tail of
@@ -112,7 +113,7 @@ def resumed(url: str) -> int:
 
 
 def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=2, port=0, mode="colocated"))
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=2, port=0, mode="colocated"))
     c.start()
     url = c.urls[0]
     stopped_pid = None
@@ -156,7 +157,7 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
 
         # phase 1: SIGSTOP one actor mid-stream; the proxy stops hearing from it (5 s) and resumes its streams
         questions = [f"Count slowly to {40 + i}." for i in range(4)]
-        llm = LLM("default", kv_cache_gib=0.25)
+        llm = LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
         victim, stopped_pid, got = signal_mid_stream(c.decode_actors, url, questions, signal.SIGSTOP)
         assert resumed(url) >= 1
         os.kill(stopped_pid, signal.SIGCONT)  # it wakes up: the proxy's aborts free what it held

@@ -18,6 +18,7 @@ from http_util import post_chat  # noqa: E402
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 TTFT_SLO, TPOT_SLO = 600.0, 0.001
 QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish."]
@@ -25,7 +26,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=2, port=0, mode="colocated",
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, proxies=2, port=0, mode="colocated",
                             slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO))
     try:
         c.start()
@@ -36,7 +37,7 @@ def cluster():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM("default", kv_cache_gib=0.25)
+    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
 
 
 def client(url: str):  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ import ray  # noqa: E402
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 PROMPTS = [f"{q} Answer in one sentence." for q in
            ("What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.")]
@@ -23,11 +24,11 @@ PROMPTS = [f"{q} Answer in one sentence." for q in
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM("default", kv_cache_gib=0.25)
+    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
 
 
 def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
                             port=0, kv_backend=backend, corrupt_kv_every=corrupt_every,
                             kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0))
     c.start()
@@ -135,7 +136,7 @@ def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() 
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, prefill=2, port=0))
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=2, port=0))
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -174,7 +175,7 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
     import time
     import urllib.request
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=2, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=2, prefill=1,
                             port=0, kv_backend="shm"))
     c.start()
     try:
@@ -229,7 +230,7 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=2,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=2,
                             port=0, kv_backend="shm"))
     c.start()
     try:

@@ -22,6 +22,7 @@ from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.kv_cache_manager import cdiv  # noqa: E402
 from engine.model_runner import DTYPES, kv_block_bytes  # noqa: E402
+from tests.factories import EXACT_DTYPE  # noqa: E402
 
 KV_GIB = 0.25  # the same engine config on both sides: offline LLM and every actor
 MAX_TOKENS = 16
@@ -57,7 +58,7 @@ class Case:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM("default", kv_cache_gib=KV_GIB)
+    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=KV_GIB)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def cases(offline: LLM) -> dict[str, Case]:
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def cluster(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=KV_GIB), decode=1, prefill=1, port=0,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=KV_GIB), decode=1, prefill=1, port=0,
                             mode=request.param))
     try:
         c.start()

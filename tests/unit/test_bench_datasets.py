@@ -95,3 +95,15 @@ def test_draw_len_stays_in_range_and_at_least_one() -> None:
 def test_no_requests_is_an_error() -> None:
     with pytest.raises(ValueError, match="num_requests"):
         make_dataset(DatasetSpec(), 0, seed=0, tok=WordTokenizer())
+
+
+def test_sweep_points_and_warmups_never_share_a_prompt() -> None:
+    from cluster.bench.cli import point_dataset, warmup_dataset
+
+    spec, tok = DatasetSpec(kind="random", input_len=12, output_len=4), WordTokenizer()
+    texts = [{t.text for c in point_dataset(spec, 6, 0, i, tok) for t in c.turns} for i in range(3)]
+    warm = [{t.text for c in warmup_dataset(spec, 2, 0, i, tok) for t in c.turns} for i in range(3)]
+    every = texts + warm
+    assert all(len(s) == (6 if k < 3 else 2) for k, s in enumerate(every))
+    assert all(not (a & b) for k, a in enumerate(every) for b in every[k + 1:])
+    assert point_dataset(spec, 6, 0, 1, tok) == point_dataset(spec, 6, 0, 1, tok)  # seeded: reproducible
