@@ -102,6 +102,9 @@ class EngineLoop:
 
     # -- the loop -------------------------------------------------------------------------------------------------
     def _run(self) -> None:
+        bind = getattr(self.engine, "bind_threads", None)  # OpenMP's thread count is per thread: set it on this one
+        if bind is not None:
+            bind()
         while not self._stop.is_set():
             self._run_inbox()
             try:

@@ -49,8 +49,7 @@ class LLMEngine:
         self.model_path = path
         self.model_config = mc = load_model_config(path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+        self.bind_threads()
         self.device = resolve_device(config.device)
         dtype_name = resolve_dtype(config.dtype, self.device)
         dtype = DTYPES[dtype_name]
@@ -83,6 +82,14 @@ class LLMEngine:
         self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
 
     # -- requests -----------------------------------------------------------------------------------------------
+    def bind_threads(self) -> None:
+        """Apply ``config.num_threads`` (when set) to the calling thread. OpenMP keeps its thread count per thread, and
+        oneDNN's matmuls read the calling thread's: a thread other than the one that built the engine (a worker's
+        engine loop) must call this before it steps, or its matmuls run on ``OMP_NUM_THREADS`` threads (Ray sets the
+        actor's CPUs) while torch's own parallel loops use ``num_threads``."""
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids for a prompt given as text or ids; raises ``ValueError`` on an empty or invalid prompt. Pure."""
         if isinstance(prompt, str):
