@@ -1,13 +1,18 @@
 """The live controller against fixed splits, on one two-phase load, one run after another on this machine.
 
-    python benchmarks/bench_live_controller.py [--phase-s 45] [--interval 3] [--slo-ttft 2] [--slo-tpot 0.15]
-                                               [--out DIR]
+    python benchmarks/bench_live_controller.py [--phase-s 45] [--interval 3] [--slo-ttft 3.5] [--slo-tpot 0.1]
+                                               [--decode-streams 24] [--decode-tokens 48] [--out DIR]
+
+The defaults make each phase decide between the splits on this 2-core machine (one torch thread per actor): 24
+decode streams miss a 0.1 s TPOT on one decode actor and mostly meet it on two; two ~730-token prefill streams miss
+a 3.5 s TTFT on one prefill actor and meet it on two (docs/controller.md, "Live benchmark").
 
 Three runs, each on a fresh local 3-worker cluster (budget 3, the default model): ``adaptive`` (starts at 2P1D,
 autoscale on), ``fixed 1P2D`` and ``fixed 2P1D`` (autoscale on with ``dry_run``: the controller decides and logs,
 nothing moves). Each run sends the same load: a decode-heavy phase (short prompts, ``--decode-tokens`` out each,
 ``--decode-streams`` clients at once), a pause of two controller intervals, then a prefill-heavy phase (~730-token
-prompts, each made unique so no prefix cache serves it, one token out, ``--prefill-streams`` clients). Every run writes its autoscale record (``DIR/<run>.jsonl``);
+prompts, each made unique so no prefix cache serves it, one token out, ``--prefill-streams`` clients). Every run
+writes its autoscale record (``DIR/<run>.jsonl``);
 attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record.
@@ -102,10 +107,10 @@ def main() -> int:
     ap.add_argument("--model", default="default")
     ap.add_argument("--phase-s", type=float, default=45.0, help="seconds of each phase's load")
     ap.add_argument("--interval", type=float, default=3.0, help="controller interval, seconds")
-    ap.add_argument("--slo-ttft", type=float, default=2.0)
-    ap.add_argument("--slo-tpot", type=float, default=0.15)
-    ap.add_argument("--decode-streams", type=int, default=12)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--slo-ttft", type=float, default=3.5)
+    ap.add_argument("--slo-tpot", type=float, default=0.1)
+    ap.add_argument("--decode-streams", type=int, default=24)
+    ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--prefill-streams", type=int, default=2)
     ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
     args = ap.parse_args()
