@@ -12,7 +12,8 @@ from typing import Any
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights, activations and KV: auto = bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/amx_bf16), else float32")
+                   help="weights, activations and KV: auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(avx512_bf16/amx_bf16), else float32")
     p.add_argument("--device", default="auto", help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "
@@ -20,9 +21,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="KV storage: auto (= --dtype) or fp8 (float8_e4m3fn with scales: half of bfloat16's bytes)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (generate: torch's choice; serve, per actor: the "
-                   "machine's cores shared among the actors a local cluster may run, or --cpus-per-actor on "
-                   "an existing Ray cluster)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (generate: torch's choice; serve, per actor: the machine's cores "
+                        "shared among the actors a local cluster may run, or --cpus-per-actor on an existing Ray "
+                        "cluster)")
     p.add_argument("--cache-dir", default=None, help="where the default model is converted (~/.cache/pdcluster)")
 
 
@@ -96,7 +98,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              f"(the same in every proxy) or pass --no-cluster-auth")
         cfg = ServeConfig(
             worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                num_threads=args.threads or serve_threads(args), device=args.device, enforce_eager=args.enforce_eager,
+                                num_threads=args.threads or serve_threads(args), device=args.device,
+                                enforce_eager=args.enforce_eager,
                                 gpu_memory_utilization=args.gpu_memory_utilization * (
                                     args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
                                 cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),

@@ -18,7 +18,9 @@ class EngineConfig:
     # where weights, activations, KV cache and sampling live: "auto" (CUDA when available, else the CPU), "cpu",
     # "cuda" (the current CUDA device) or "cuda:N"
     device: str = "auto"
-    dtype: str = "auto"  # weights, activations and KV cache: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32) | float32 | bfloat16
+    # weights, activations and KV cache: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32) | float32 |
+    # bfloat16
+    dtype: str = "auto"
     # KV cache storage: "auto" (= dtype) or "fp8" (float8_e4m3fn with one float32 scale per block and kv head: half
     # of bfloat16's bytes in memory and on the wire; attention dequantizes)
     kv_cache_dtype: str = "auto"

@@ -70,7 +70,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--tokenizer", default="default",
                    help="counts prompt tokens: 'default' (pdcluster's default model), a folder with "
                         "tokenizer.json, or 'none' (one word = one token, approximate)")
-    d.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times (sweep point i draws its prompts with SEED + i)")
+    d.add_argument("--seed", type=int, default=0,
+                   help="seeds the dataset and the arrival times (sweep point i draws its prompts with SEED + i)")
     a = b.add_argument_group("load")
     sweep = a.add_mutually_exclusive_group()
     sweep.add_argument("--concurrency", type=_list_of(int), default=None, metavar="C[,C...]",
