@@ -28,14 +28,13 @@ from kv_transfer.inplace import InPlaceBackend
 from kv_transfer.inplace_channel import InPlaceAddress, recv_message, send_message
 from kv_transfer.layer_parts import pack_layer_part
 from tests.worker_pair import eventually
-from tests.factories import EXACT_DTYPE  # noqa: E402
 
 SECRET = ClusterSecret.generate()
 OTHER = ClusterSecret.generate()
 
 
 def _worker(model: str, kv: KVTransferConfig) -> FlexWorker:
-    return FlexWorker("dc", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=32, shared_kv=True,
+    return FlexWorker("dc", "decode", WorkerConfig(model=model, num_kv_blocks=32, shared_kv=True,
                                                    cluster_secret=SECRET), kv)
 
 
@@ -69,7 +68,11 @@ def _part(decode: FlexWorker, grant: ReserveGrant, src: torch.Tensor, **override
 
 
 def _deliver(decode: FlexWorker, header: KVTransferHeader, payload: torch.Tensor) -> None:
-    assert decode.impl.receiver.backend.deliver("mallory", header, as_bytes(payload)) is None
+    backend = decode.impl.receiver.backend
+    # the fake backend never blocks: a part sent while every receive buffer is still being checked fails as
+    # back-pressure, which is not what these tests check, so wait for a free buffer first
+    eventually(lambda: backend.recv_side.has_free_buffer())
+    assert backend.deliver("mallory", header, as_bytes(payload)) is None
 
 
 def test_forged_replayed_and_tampered_parts_are_dropped_counted_and_write_nothing(decode: FlexWorker) -> None:
