@@ -18,6 +18,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 MARK_ENV = "PDCLUSTER_TEST_PROCESS_MARK"
+# ports a `ray start` on this machine takes by default (GCS, its metrics and client servers, the dashboard and its
+# agent's HTTP, the worker range): a free port picked for a Ray head must not be one of them, or Ray refuses to start
+RAY_DEFAULT_PORTS = frozenset({6379, 8076, 8265, 10001, 52365, 52366, *range(10002, 20000)})
+
+
+def free_ray_port() -> int:
+    """A free TCP port on 127.0.0.1 that none of Ray's default components will also ask for."""
+    import socket
+
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 class OwnProcesses:

@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from own_processes import OwnProcesses, start_ray_node
+from own_processes import OwnProcesses, free_ray_port, start_ray_node
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("ray")
@@ -28,9 +27,7 @@ CHART = ROOT / "helm" / "pdcluster"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ray_port()
 
 
 def ray_start(params: dict[str, str], head: bool, address: str) -> list[str]:

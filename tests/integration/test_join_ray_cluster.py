@@ -10,8 +10,8 @@ import tempfile
 
 import pytest
 
-from cluster.launcher import free_port
 from own_processes import OwnProcesses, ray_start, start_ray_node
+from own_processes import free_ray_port as free_port
 
 
 @pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not on PATH")

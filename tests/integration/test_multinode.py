@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from cluster.launcher import free_port
 from cluster.wire.node import NODE_IP_ENV
 from kv_transfer.auto import split_address
 from own_processes import OwnProcesses, ray_start, start_ray_node
+from own_processes import free_ray_port as free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}  # each worker node offers its role's resource
