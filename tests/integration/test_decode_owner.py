@@ -124,9 +124,11 @@ def test_a_proxy_that_stops_reading_loses_its_requests_not_others(model: str, in
     dead = ctx.socket(zmq.PULL)
     port = dead.bind_to_random_port("tcp://127.0.0.1")
     dead.close(0)  # nobody listens there any more: a proxy that went away
-    decode = FlexWorker("dc4", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64), None)
+    decode = FlexWorker("dc4", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128), None)
     try:
-        gone = GenerateRequest("gone", PROMPT, max_tokens=400, ignore_eos=True, reply_to=f"tcp://127.0.0.1:{port}")
+        # long enough that it cannot finish before the stall is seen: the sender's queue is full after 256 steps,
+        # and on a loaded host its thread may wait a while for the GIL before it reports (CI once saw it finish 400)
+        gone = GenerateRequest("gone", PROMPT, max_tokens=900, ignore_eos=True, reply_to=f"tcp://127.0.0.1:{port}")
         live = GenerateRequest("live", PROMPT, max_tokens=60, ignore_eos=True, reply_to=inbox.address)
         assert decode.reserve(ReserveRequest(gone, 32, colocated=True).to_dict()) is not None
         assert decode.reserve(ReserveRequest(live, 12, colocated=True).to_dict()) is not None
