@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.launcher import ServeConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -70,16 +74,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def serve_threads(args: argparse.Namespace) -> int:
+def serve_threads(cfg: ServeConfig) -> int:
     """Torch threads per actor for ``serve`` without ``--threads``: this machine's cores shared among the actors a
-    local cluster may run (the budget when scaling may add some), or ``--cpus-per-actor`` on an existing cluster."""
+    local cluster may run (``cfg.max_actors``), or ``--cpus-per-actor`` on an existing cluster."""
     import os
 
     from cluster.wire.worker_config import default_threads
 
-    actors = args.budget or args.decode + (args.prefill if args.mode == "disaggregated" else 0)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return default_threads(cpus, actors, local=not args.ray_address, cpus_per_actor=args.cpus_per_actor)
+    return default_threads(cpus, cfg.max_actors, local=not cfg.ray_address, cpus_per_actor=cfg.cpus_per_actor)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -98,7 +101,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                              f"(the same in every proxy) or pass --no-cluster-auth")
         cfg = ServeConfig(
             worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                num_threads=args.threads or serve_threads(args), device=args.device,
+                                num_threads=args.threads or 1, device=args.device,
                                 enforce_eager=args.enforce_eager,
                                 gpu_memory_utilization=args.gpu_memory_utilization * (
                                     args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
@@ -114,6 +117,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
             max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
             max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
+        if not args.threads:
+            cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, num_threads=serve_threads(cfg)))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -82,6 +82,11 @@ class ServeConfig:
     cluster_auth: bool = True
     cluster_secret: ClusterSecret | None = None  # None (with cluster_auth): a fresh one, made at start
 
+    @property
+    def max_actors(self) -> int:
+        """The most worker actors this cluster may run at once: the budget when scaling may add some. Pure."""
+        return self.budget or self.decode + (self.prefill if self.mode == "disaggregated" else 0)
+
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode: 'disaggregated' or 'colocated', got {self.mode!r}")
@@ -184,8 +189,7 @@ class Cluster:
             wait_reachable(cfg.ray_address, timeout_s=30.0)
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
         else:
-            n_actors = cfg.budget or cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
-            ray.init(namespace=NAMESPACE, num_cpus=max(2, int(n_actors * cfg.cpus_per_actor) + 1),
+            ray.init(namespace=NAMESPACE, num_cpus=max(2, int(cfg.max_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
         self._owns_ray = True
         if cfg.cluster_auth:

@@ -26,18 +26,17 @@ class Linear:
     """One weight ``[out, in]`` (and optional bias) applied as ``x @ weight.T + bias``.
 
     ``weight`` keeps the plain tensor only when it is not packed (the packed copy replaces it, so memory is unchanged
-    unless the caller keeps the plain one too, as a tied embedding does); ``numel`` and ``nbytes`` describe the
-    weight either way.
+    unless the caller keeps the plain one too, as a tied embedding does); ``numel`` counts the
+    weight's elements either way.
     """
 
-    __slots__ = ("weight", "bias", "_packed", "out_features", "numel", "nbytes")
+    __slots__ = ("weight", "bias", "_packed", "out_features", "numel")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         if weight.dim() != 2:
             raise ValueError(f"Linear: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
         self.out_features = int(weight.shape[0])
         self.numel = weight.numel()
-        self.nbytes = weight.numel() * weight.element_size()
         self.bias = bias
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if packs(weight) else None
         self.weight = weight if self._packed is None else None

@@ -17,17 +17,14 @@ from typing import Any
 import pytest
 import yaml
 
-from own_processes import OwnProcesses, free_ray_port, start_ray_node
+from own_processes import OwnProcesses, start_ray_node
+from own_processes import free_ray_port as free_port
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdcluster"
-
-
-def free_port() -> int:
-    return free_ray_port()
 
 
 def ray_start(params: dict[str, str], head: bool, address: str) -> list[str]:

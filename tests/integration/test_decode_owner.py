@@ -83,7 +83,8 @@ def test_corrupt_part_recomputes_with_the_same_text(model: str, inbox: TokenInbo
 
 def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: str, inbox: TokenInbox) -> None:
     prefill, decode = _workers(model, reservation_ttl_s=600.0)
-    strict = FlexWorker("dc2", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, reservation_ttl_s=600.0), KV,
+    strict = FlexWorker("dc2", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, reservation_ttl_s=600.0),
+                        KV,
                         on_transfer_failure="fail")
     try:
         for dc, rid in ((decode, "sf1"), (strict, "sf2")):

@@ -126,7 +126,8 @@ def _write_one(writer: WriterProcess, grant: ReserveGrant, fingerprint: str) -> 
 
 
 def test_quarantine_follows_the_writer_not_the_lease(model: str, inbox: TokenInbox) -> None:
-    decode = FlexWorker("dq", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True), SHM)
+    decode = FlexWorker("dq", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True),
+                        SHM)
     killed, stopped = _writer(decode), _writer(decode)
     try:
         g1, g2 = _reserve(decode, inbox, "k1", 0.5), _reserve(decode, inbox, "s1", 0.5)

@@ -35,7 +35,8 @@ def test_scale_up_and_across_while_serving() -> None:
     want = {p: o.text for p, o in zip(PROMPTS, offline.chat([[{"role": "user", "content": p}] for p in PROMPTS],
                                                             SamplingParams(max_tokens=16)))}
     del offline
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
+                            decode=1, prefill=1,
                             port=0, budget=3, cpus_per_actor=0.5))
     c.start()
     try:
@@ -108,7 +109,8 @@ def test_scale_up_and_across_while_serving() -> None:
 
 
 def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
+                            decode=1, prefill=1,
                             port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0))
     c.start()
     try:

@@ -113,7 +113,8 @@ def resumed(url: str) -> int:
 
 
 def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=2, port=0, mode="colocated"))
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
+                            decode=2, port=0, mode="colocated"))
     c.start()
     url = c.urls[0]
     stopped_pid = None

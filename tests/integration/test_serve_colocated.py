@@ -26,7 +26,8 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 
 @pytest.fixture(scope="module")
 def cluster():  # type: ignore[no-untyped-def]
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, proxies=2, port=0, mode="colocated",
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
+                            decode=1, proxies=2, port=0, mode="colocated",
                             slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO))
     try:
         c.start()

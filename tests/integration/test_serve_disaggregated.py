@@ -28,7 +28,8 @@ def offline() -> LLM:
 
 
 def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
+                            decode=1, prefill=1,
                             port=0, kv_backend=backend, corrupt_kv_every=corrupt_every,
                             kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0))
     c.start()
@@ -175,7 +176,8 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
     import time
     import urllib.request
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=2, prefill=1,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
+                            decode=2, prefill=1,
                             port=0, kv_backend="shm"))
     c.start()
     try:
@@ -230,7 +232,8 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64), decode=1, prefill=2,
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
+                            decode=1, prefill=2,
                             port=0, kv_backend="shm"))
     c.start()
     try:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 from cluster.cli import serve_threads
 from cluster.wire.worker_config import default_threads
 
@@ -21,15 +19,13 @@ def test_an_existing_cluster_gives_an_actor_its_reserved_cpus() -> None:
 
 
 def test_serve_counts_the_budget_and_the_mode() -> None:
-    def ns(**kw: object) -> argparse.Namespace:
-        base = {"budget": 0, "decode": 1, "prefill": 1, "mode": "disaggregated", "ray_address": None,
-                "cpus_per_actor": 1.0}
-        return argparse.Namespace(**{**base, **kw})
-
     import os
 
+    from cluster.launcher import ServeConfig
+
     cpus = len(os.sched_getaffinity(0))
-    assert serve_threads(ns(mode="colocated")) == max(1, cpus)
-    assert serve_threads(ns()) == max(1, cpus // 2)
-    assert serve_threads(ns(budget=3)) == max(1, cpus // 3)
-    assert serve_threads(ns(ray_address="10.0.0.1:6379", cpus_per_actor=2.0)) == 2
+    assert serve_threads(ServeConfig(mode="colocated")) == max(1, cpus)
+    assert serve_threads(ServeConfig()) == max(1, cpus // 2)
+    assert serve_threads(ServeConfig(budget=3)) == max(1, cpus // 3)
+    assert serve_threads(ServeConfig(ray_address="10.0.0.1:6379", cpus_per_actor=2.0)) == 2
+    assert ServeConfig(mode="colocated", decode=2, prefill=3).max_actors == 2  # colocated: no prefill actors

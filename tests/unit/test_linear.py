@@ -29,7 +29,7 @@ def test_bfloat16_on_the_cpu_is_packed_and_drops_the_plain_copy() -> None:
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     assert lin.packed and lin.weight is None
-    assert (lin.numel, lin.nbytes, lin.out_features) == (512, 1024, 32)
+    assert (lin.numel, lin.out_features) == (512, 32)
 
 
 def test_float32_keeps_f_linear() -> None:
