@@ -3,7 +3,8 @@
 Each public function checks its arguments (raising ``ValueError`` that names the offending one) and runs the
 implementation for the tensors' device: the Triton kernels of :mod:`kernels.triton_kv` on CUDA tensors, or on any
 tensors when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter: how the tests check them here), and otherwise the
-pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path. Callers never change.
+pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path (decode attention in bfloat16 /
+float16 on the CPU goes through :mod:`kernels.cpu_decode`'s two batched matmuls instead). Callers never change.
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
 ``[num_blocks, kv_heads]``. A block's scale is fixed by the write that opens it (:func:`store_kv_quantized`) and never
@@ -21,7 +22,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import cpu_decode, reference
 
 __all__ = [
     "copy_blocks_between",
@@ -158,6 +159,9 @@ def paged_decode_attention(
                 q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], _sm_count(q.device.index or 0))
         return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                                 k_scales, v_scales, num_splits)
+    if cpu_decode.fits(q, k_cache):
+        return cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                                 k_scales, v_scales)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                             k_scales, v_scales)
 

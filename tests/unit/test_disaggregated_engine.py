@@ -13,6 +13,7 @@ import kernels
 from engine import LLM, SamplingParams
 from engine.kv_cache_manager import cdiv
 from engine.scheduler import SchedulerOutput
+from tests.factories import EXACT_DTYPE
 
 
 def prompts(seed: int = 3) -> list[list[int]]:
@@ -97,8 +98,10 @@ def test_recompute_after_lost_kv_continues_after_the_first_token(tiny_checkpoint
     """The decode side's fallback when a transfer fails: recompute prompt + the prefill's first token itself."""
     folder = str(tiny_checkpoint("llama"))
     params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=11)
-    want = LLM(folder, block_size=8).generate(prompts()[:3], params)
-    eng = LLM(folder, block_size=8, num_kv_blocks=80).engine
+    # float32: the recompute prefills the first token that the reference decoded; in bfloat16 the prefill and decode
+    # attention round differently (tests/factories.py: EXACT_DTYPE)
+    want = LLM(folder, dtype=EXACT_DTYPE, block_size=8).generate(prompts()[:3], params)
+    eng = LLM(folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=80).engine
     for i, (p, ref) in enumerate(zip(prompts()[:3], want)):
         blocks = [b.block_id for b in eng.kv.pool.allocate(cdiv(len(p) + 10, 8))]
         eng.add_request(f"r{i}", p, params, block_ids=blocks, output_prefix=ref.token_ids[:1])
@@ -119,8 +122,8 @@ def test_a_request_started_on_reserved_blocks_hits_the_prefix_cache(tiny_checkpo
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     shared = list(range(5, 45))  # 40 tokens: 5 full blocks of 8
     first, second = shared + [60, 61], shared + [70, 71, 72]
-    want = LLM(folder, block_size=8, enable_prefix_caching=False).generate([first, second], params)
-    eng = LLM(folder, block_size=8, num_kv_blocks=40).engine
+    want = LLM(folder, dtype=EXACT_DTYPE, block_size=8, enable_prefix_caching=False).generate([first, second], params)
+    eng = LLM(folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=40).engine
     outs = {}
     for rid, p in (("a", first), ("b", second)):
         blocks = [b.block_id for b in eng.kv.pool.allocate(cdiv(len(p) + 6, 8))]

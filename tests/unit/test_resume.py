@@ -21,6 +21,7 @@ from cluster.wire.messages import GenerateRequest, ReserveRequest, TokenDelta
 from decode_worker.deltas import DeltaTracker
 from engine import LLM, SamplingParams
 from engine.kv_cache_manager import cdiv
+from tests.factories import EXACT_DTYPE
 
 
 def wire_request(rid: str, prompt: list[int], params: SamplingParams, tokens: list[int], chars: int,
@@ -116,8 +117,9 @@ def test_resumed_seeded_and_greedy_sampling_draw_what_the_undisturbed_run_drew(t
     prompt = [5, 6, 7, 8, 9, 10, 11]
     for params in (SamplingParams(n=3, seed=7, temperature=0.8, max_tokens=14, ignore_eos=True),
                    SamplingParams(max_tokens=14, ignore_eos=True)):
-        want = LLM(folder, block_size=4, num_kv_blocks=64).generate([prompt], params)[0]
-        other = LLM(folder, block_size=4, num_kv_blocks=64).engine
+        # float32: the resume prefills tokens the undisturbed run decoded (bfloat16 rounds the two paths apart)
+        want = LLM(folder, dtype=EXACT_DTYPE, block_size=4, num_kv_blocks=64).generate([prompt], params)[0]
+        other = LLM(folder, dtype=EXACT_DTYPE, block_size=4, num_kv_blocks=64).engine
         j = params.n - 1
         done = want.outputs[j].token_ids
         other.add_request("r", prompt, dataclasses.replace(params, n=1), output_prefix=done[:5], choice_index=j)
