@@ -27,8 +27,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV storage: auto (= --dtype) or fp8 (float8_e4m3fn with scales: half of bfloat16's bytes)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (generate: torch's choice; serve, per actor: the machine's cores "
-                        "shared among the actors a local cluster may run, or --cpus-per-actor on an existing Ray "
-                        "cluster)")
+                        "but one shared among the actors a local cluster may run, or --cpus-per-actor on an existing "
+                        "Ray cluster)")
     p.add_argument("--cache-dir", default=None, help="where the default model is converted (~/.cache/pdcluster)")
 
 

@@ -11,11 +11,15 @@ from cluster.wire.auth import ClusterSecret
 def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:
     """Torch threads per worker actor when ``serve --threads`` is left out. Pure.
 
-    A local cluster (serve started Ray on this machine) shares the machine's ``cpus`` among the ``actors`` it may run
-    (one colocated actor on 2 cores gets 2; a 1P1D pair gets 1 each); on an existing Ray cluster an actor gets the
-    CPUs Ray reserves for it (``--cpus-per-actor``, at least 1)."""
+    A local cluster (serve started Ray on this machine) keeps one core for everything else on it (the proxies, Ray's
+    own processes, a client) and shares the rest among the ``actors`` it may run, at least one thread each: one
+    colocated actor on 2 cores gets 1, on 16 cores 15; a 1P1D pair on 2 cores 1 each. An engine thread that another
+    process preempts stalls its siblings at every matmul (OpenMP waits for all of them), and Ray runs workers at nice
+    15: measured on 2 cores, one colocated actor served 1.26x the output tok/s with 1 thread than with 2 (docs/
+    benchmarks.md). On an existing Ray cluster an actor gets the CPUs Ray reserves for it (``--cpus-per-actor``, at
+    least 1)."""
     if local:
-        return max(1, cpus // max(1, actors))
+        return max(1, (cpus - 1) // max(1, actors))
     return max(1, int(cpus_per_actor))
 
 

@@ -1,0 +1,109 @@
+"""CPU decode attention: torch's flash kernel (the reference path) against kernels.cpu_decode's two batched matmuls.
+
+    python benchmarks/bench_cpu_decode.py [--model default] [--threads 1] [--batches 8,16] [--repeats 3]
+
+Two tables, each measured side by side in one run (alternating, so that a noisy machine hits both alike):
+- the attention call alone, one layer of the default model's shape (9 query heads, 3 kv heads, head_dim 64, block
+  size 16), bfloat16, contexts of 290-350 tokens;
+- a whole engine decode step of ``--model`` in bfloat16 with 286-token prompts, the engine's decode attention forced
+  to the reference for the "flash" rows (this script replaces ``kernels.cpu_decode.fits`` for those; the engine has
+  no such switch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+
+def timed(fn: Callable[[], object], n: int) -> float:
+    """Mean seconds per call over ``n`` calls, after one warm-up call."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n
+
+
+def kernel_rows(batches: list[int], repeats: int) -> None:
+    import torch
+
+    from kernels import cpu_decode, reference
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, hd, bs, nb = 9, 3, 64, 16, 4096
+    kc = torch.randn(nb, bs, kv_heads, hd, generator=g).bfloat16()
+    vc = torch.randn(nb, bs, kv_heads, hd, generator=g).bfloat16()
+    print("attention call, one layer (9 heads / 3 kv heads x 64, bfloat16), microseconds:")
+    print(f"{'batch':>6} {'flash':>9} {'bmm':>9} {'bmm / flash':>12}")
+    for b in batches:
+        lens = torch.randint(290, 351, (b,), generator=g, dtype=torch.int32)
+        tables = torch.randperm(nb, generator=g)[: b * 22].view(b, 22).int()
+        q = torch.randn(b, heads, hd, generator=g).bfloat16()
+        args = (q, kc, vc, tables, lens, hd**-0.5)
+        flash, bmm = [], []
+        for _ in range(repeats):
+            flash.append(timed(lambda: reference.paged_decode_attention(*args), 50))
+            bmm.append(timed(lambda: cpu_decode.paged_decode_attention(*args), 50))
+        f, m = statistics.median(flash) * 1e6, statistics.median(bmm) * 1e6
+        print(f"{b:>6} {f:>9.0f} {m:>9.0f} {m / f:>11.2f}x")
+
+
+def step_rows(model: str, threads: int, batches: list[int], repeats: int) -> None:
+    import kernels.cpu_decode as cd
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=threads))
+    fits = cd.fits
+    rng = random.Random(0)
+    vocab = eng.model_config.vocab_size
+
+    def step_ms(batch: int, fast: bool) -> float:
+        cd.fits = fits if fast else (lambda *a: False)
+        try:
+            for i in range(batch):
+                prompt = [rng.randrange(100, vocab) for _ in range(286)]
+                eng.add_request(f"b{batch}-{fast}-{rng.random()}", prompt,
+                                SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0))
+            while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                               for s in eng.scheduler.running):
+                eng.step()
+            dt = timed(eng.step, 20)
+            while eng.has_unfinished_requests():
+                eng.step()
+            return dt * 1000
+        finally:
+            cd.fits = fits
+
+    print(f"\nengine decode step, {model}, bfloat16, {threads} thread(s), ms:")
+    print(f"{'batch':>6} {'flash':>9} {'bmm':>9} {'bmm / flash':>12}")
+    for b in batches:
+        flash, bmm = [], []
+        for _ in range(repeats):
+            flash.append(step_ms(b, False))
+            bmm.append(step_ms(b, True))
+        f, m = statistics.median(flash), statistics.median(bmm)
+        print(f"{b:>6} {f:>9.1f} {m:>9.1f} {m / f:>11.2f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batches", default="8,16", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    kernel_rows(args.batches, args.repeats)
+    step_rows(args.model, args.threads, args.batches, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
