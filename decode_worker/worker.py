@@ -255,6 +255,7 @@ class DecodeWorker(EngineLoop):
 
     def _step(self) -> bool:
         self._intake()
+        self._flush()  # first tokens of requests joined just now, and intake failures: not one step later
         busy = self.engine.has_unfinished_requests()
         if busy:
             for out in self.engine.step():
@@ -267,10 +268,15 @@ class DecodeWorker(EngineLoop):
                     self.max_preemptions = max(self.max_preemptions, rec.preemptions)
                 if rec is not None and rec.state is S.RUNNING:
                     rec.advance(S.PREEMPTED)
-        for address, deltas in self._outbox.items():
-            self._sender.send(address, deltas)
-        self._outbox = {}
+        self._flush()
         return busy
+
+    def _flush(self) -> None:
+        """Hand what this iteration queued to the token sender (it never blocks)."""
+        if self._outbox:
+            for address, deltas in self._outbox.items():
+                self._sender.send(address, deltas)
+            self._outbox = {}
 
     def _emit(self, out: Any) -> None:
         rec = self._records.get(out.request_id)
