@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -35,3 +37,17 @@ def test_bench_kernels_runs_on_cpu_for_the_script_itself(tmp_path: Path) -> None
     refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py")], capture_output=True,
                              text=True, timeout=600)
     assert refused.returncode == 2 and "no CUDA device" in refused.stderr
+
+
+def test_aiperf_numbers_compare_like_with_like() -> None:
+    """aiperf's per-request inter_token_latency is pdcluster bench's TPOT; its inter_chunk_latency our ITL."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_vs_aiperf import aiperf_numbers
+
+    doc = {"output_token_throughput": {"avg": 55.5}, "time_to_first_token": {"p50": 3990.0},
+           "inter_token_latency": {"p50": 95.0}, "inter_chunk_latency": {"p50": 80.0}}
+    assert aiperf_numbers(doc) == {"output_tok_s": 55.5, "ttft_p50_ms": 3990.0, "tpot_p50_ms": 95.0,
+                                   "itl_p50_ms": 80.0}
+    del doc["inter_chunk_latency"]
+    with pytest.raises(KeyError, match="inter_chunk_latency"):
+        aiperf_numbers(doc)
