@@ -75,8 +75,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def serve_threads(cfg: ServeConfig) -> int:
-    """Torch threads per actor for ``serve`` without ``--threads``: this machine's cores shared among the actors a
-    local cluster may run (``cfg.max_actors``), or ``--cpus-per-actor`` on an existing cluster."""
+    """Torch threads per actor for ``serve`` without ``--threads``: this machine's cores but one shared among the
+    actors a local cluster may run (``cfg.max_actors``), or ``--cpus-per-actor`` on an existing cluster."""
     import os
 
     from cluster.wire.worker_config import default_threads
