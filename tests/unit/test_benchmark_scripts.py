@@ -51,3 +51,11 @@ def test_aiperf_numbers_compare_like_with_like() -> None:
     del doc["inter_chunk_latency"]
     with pytest.raises(KeyError, match="inter_chunk_latency"):
         aiperf_numbers(doc)
+
+
+def test_bench_cpu_decode_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--model", str(tiny_checkpoint("llama")),
+         "--batches", "2", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "engine decode step" in out.stdout and "bmm / flash" in out.stdout
