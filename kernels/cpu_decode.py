@@ -48,31 +48,20 @@ def paged_decode_attention(
     q ``[n, num_heads, head_dim]``; block_tables int ``[n, max_blocks]``; seq_lens int ``[n]`` (including the query
     token, whose K/V is already stored). Returns q's shape and dtype."""
     n, num_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max()) if n else 0
-    if max_len == 0:
+    kv_heads = k_cache.shape[2]
+    span = reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
+    if span is None:
         return torch.zeros_like(q)
-    n_blocks = -(-max_len // block_size)
-    ctx = n_blocks * block_size
-    idx = block_tables[:, :n_blocks].reshape(-1).long()
+    ctx, idx, allowed = span
     width = kv_heads * head_dim
-    k = _gather(k_cache, idx, k_scales, q.dtype).view(n, ctx, width)
-    v = _gather(v_cache, idx, v_scales, q.dtype).view(n, ctx, width)
+    k = reference.gather_blocks(k_cache, idx, k_scales, q.dtype).view(n, ctx, width)
+    v = reference.gather_blocks(v_cache, idx, v_scales, q.dtype).view(n, ctx, width)
     group = num_heads // kv_heads
     own = torch.eye(kv_heads, dtype=q.dtype).view(1, kv_heads, 1, kv_heads, 1)
     q_diag = (q.view(n, kv_heads, group, 1, head_dim) * own).reshape(n, num_heads, width)
     scores = torch.bmm(q_diag, k.transpose(1, 2)).float().mul_(scale)  # [n, num_heads, ctx]
-    pos = torch.arange(ctx)[None, :]
-    lens = seq_lens.long()[:, None]
-    allowed = pos < lens
-    if sliding_window is not None:
-        allowed &= pos > lens - 1 - sliding_window
     scores.masked_fill_(~allowed[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(q.dtype)  # an empty row: all -inf, NaN -> zeros
     out = torch.bmm(probs, v).view(n, kv_heads, group, kv_heads, head_dim)
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, num_heads, head_dim)
 
-
-def _gather(cache: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    blocks = cache.index_select(0, idx)
-    return blocks if scales is None else reference.dequantize_kv_fp8(blocks, scales.index_select(0, idx), dtype)

@@ -36,21 +36,14 @@ def paged_decode_attention(
     The context is gathered up to the longest sequence, so callers batch sequences of similar length together.
     """
     num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(seq_lens.max()) if num_seqs else 0
-    if max_len == 0:
+    num_kv_heads = k_cache.shape[2]
+    span = decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
+    if span is None:
         return torch.zeros_like(q)
-    n_blocks = (max_len + block_size - 1) // block_size
-    ctx = n_blocks * block_size
-    idx = block_tables[:, :n_blocks].reshape(-1).long()
+    ctx, idx, allowed = span
     # gather [num_seqs, ctx, kv_heads, head_dim] -> [num_seqs, kv_heads, ctx, head_dim]
-    k = _gather(k_cache, idx, k_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    v = _gather(v_cache, idx, v_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
-    pos = torch.arange(ctx, device=q.device)[None, :]
-    lens = seq_lens.to(q.device).long()[:, None]
-    allowed = pos < lens
-    if sliding_window is not None:
-        allowed &= pos > lens - 1 - sliding_window
+    k = gather_blocks(k_cache, idx, k_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
+    v = gather_blocks(v_cache, idx, v_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=allowed[:, None, None, :], scale=scale)
     # a padded row (seq_len 0) attends to nothing: zeros, whatever the SDPA backend makes of an all-masked row
@@ -58,7 +51,27 @@ def paged_decode_attention(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def decode_span(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int | None,
+                device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """What a decode attention over these sequences reads: the gathered context length ``ctx`` (the longest
+    sequence's blocks), the int64 block ids to gather (``[n * ctx / block_size]``, sequence-major) and the allowed
+    positions ``[n, ctx]`` (within each length, and its sliding window). None when every sequence is empty. Pure."""
+    max_len = int(seq_lens.max()) if seq_lens.shape[0] else 0
+    if max_len == 0:
+        return None
+    n_blocks = (max_len + block_size - 1) // block_size
+    ctx = n_blocks * block_size
+    idx = block_tables[:, :n_blocks].reshape(-1).long()
+    pos = torch.arange(ctx, device=device)[None, :]
+    lens = seq_lens.to(device).long()[:, None]
+    allowed = pos < lens
+    if sliding_window is not None:
+        allowed &= pos > lens - 1 - sliding_window
+    return ctx, idx, allowed
+
+
+def gather_blocks(cache: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
     """Blocks ``idx`` of ``cache`` (dequantized to ``dtype`` when ``scales`` is given). Pure."""
     blocks = cache.index_select(0, idx)
     return blocks if scales is None else dequantize_kv_fp8(blocks, scales.index_select(0, idx), dtype)
@@ -85,8 +98,8 @@ def paged_prefill_attention(
     ctx = start_pos + num_tokens
     n_blocks = (ctx + block_size - 1) // block_size
     table = block_table[:n_blocks].long()
-    k = _gather(k_cache, table, k_scales, q.dtype).reshape(n_blocks * block_size, num_kv_heads, head_dim)
-    v = _gather(v_cache, table, v_scales, q.dtype).reshape(n_blocks * block_size, num_kv_heads, head_dim)
+    k = gather_blocks(k_cache, table, k_scales, q.dtype).reshape(n_blocks * block_size, num_kv_heads, head_dim)
+    v = gather_blocks(v_cache, table, v_scales, q.dtype).reshape(n_blocks * block_size, num_kv_heads, head_dim)
     k, v = k[:ctx].transpose(0, 1), v[:ctx].transpose(0, 1)
     group = num_heads // num_kv_heads
     if group > 1:  # CPU flash attention has no GQA path: without this, SDPA falls back to the slow math kernel
