@@ -12,14 +12,29 @@ differently), and so does every other device.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 
+@functools.cache
+def _cpu_packs_bfloat16() -> bool:
+    """Whether this torch's oneDNN packs a bfloat16 weight on this CPU: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
+    and refuses elsewhere (an AVX2-only CPU), so one tiny weight is tried once per process."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
+
+
 def packs(weight: torch.Tensor) -> bool:
-    """Whether :class:`Linear` pre-packs ``weight``: bfloat16 on the CPU with oneDNN built in. Pure."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether :class:`Linear` pre-packs ``weight``: bfloat16 on a CPU whose oneDNN packs it. Pure apart from the
+    one-time probe."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _cpu_packs_bfloat16()
 
 
 class Linear:
