@@ -102,14 +102,16 @@ class DecoderModel:
         h = self.embed[input_ids]
         T = h.shape[0]
         cos_sin = self.rope.lookup(positions)
+        # each decode group's gather ids and mask, once per step for all layers with the same sliding window
+        plans = {w: [kernels.decode_plan(kv_caches[0][0], tables, lens, w) for _, _, tables, lens in meta.decode_groups]
+                 for w in set(cfg.sliding_windows)}
         for i, lw in enumerate(self.layers):
             x = self._norm(h, lw.input_norm)
             qkv = lw.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, cfg.num_heads, cfg.head_dim)
-            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self.rope.apply(q, k, cos_sin)
+            # q's and k's heads rotated together: q and k are views of one new tensor
+            qk = self.rope.apply(qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim), cos_sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
             scales = (kv_scales[i][0], kv_scales[i][1]) if kv_scales is not None else (None, None)
             if scales[0] is None:
@@ -118,7 +120,8 @@ class DecoderModel:
                 kernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
             if after_kv_store is not None:
                 after_kv_store(i)
-            attn = self._attention(q, k_cache, v_cache, meta, cfg.sliding_windows[i], scales)
+            window = cfg.sliding_windows[i]
+            attn = self._attention(q, k_cache, v_cache, meta, window, scales, plans[window])
             h = h + lw.o(attn.reshape(T, self.q_size))
             x = self._norm(h, lw.post_norm)
             gate, up = lw.gate_up(x).chunk(2, dim=-1)
@@ -127,13 +130,12 @@ class DecoderModel:
 
     def _attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
-        scales: tuple[torch.Tensor | None, torch.Tensor | None],
+        scales: tuple[torch.Tensor | None, torch.Tensor | None], plans: list[kernels.reference.DecodeSpan | None],
     ) -> torch.Tensor:
         parts = [
             kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window, *scales,
-                                           **({} if meta.decode_num_splits is None
-                                              else {"num_splits": meta.decode_num_splits}))
-            for a, b, tables, lens in meta.decode_groups
+                                           num_splits=meta.decode_num_splits, plan=plan)
+            for (a, b, tables, lens), plan in zip(meta.decode_groups, plans)
         ]
         off = meta.num_decodes
         if meta.prefill_varlen is not None:

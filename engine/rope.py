@@ -29,7 +29,12 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> tor
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables; :meth:`apply` rotates q and k in place of the rotate-half convention."""
+    """Precomputed cos/sin tables; :meth:`apply` rotates q and k (the rotate-half convention) in one pass.
+
+    ``rotate_half(x) * sin`` is computed as ``roll(x, D/2) * sin_signed``, with the first half of ``sin_signed``
+    negated: a negation is exact, so the result is bit-identical to Hugging Face's ``cat(-x2, x1) * sin``, in four
+    tensor ops for q and k together instead of seven each (a decode step runs it once per layer).
+    """
 
     def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict[str, Any], dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
@@ -37,22 +42,18 @@ class RotaryEmbedding:
         inv = inv_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_dim // 2
+        sin = emb.sin()
         self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` of shape ``[T, 1, D]`` for token positions ``[T]``; computed once per step. Pure."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        """``(cos, sin_signed)`` of shape ``[T, 1, D]`` for token positions ``[T]``; computed once per step. Pure."""
+        return self.cos[positions][:, None, :], self.sin_signed[positions][:, None, :]
 
     @staticmethod
-    def apply(
-        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return rotated ``q [T, Hq, D]`` and ``k [T, Hk, D]`` given :meth:`lookup`'s tables. Pure."""
-        cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotated ``x [T, heads, D]`` (q's and k's heads side by side, or either) given :meth:`lookup`'s tables.
+        Pure."""
+        cos, sin_signed = cos_sin
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed

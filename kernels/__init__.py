@@ -27,6 +27,7 @@ from kernels import cpu_decode, reference
 __all__ = [
     "copy_blocks_between",
     "decode_num_splits",
+    "decode_plan",
     "dequantize_kv_fp8",
     "pack_blocks",
     "paged_decode_attention",
@@ -118,6 +119,31 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _check_lens(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Decode lengths within what the block tables address, read on the host (CPU tensors only)."""
+    if seq_lens.shape[0] and _readable(seq_lens):
+        _check(int(seq_lens.max()) <= block_tables.shape[1] * k_cache.shape[1], "seq_lens",
+               "longer than block_tables can address")
+        _check(int(seq_lens.min()) >= 0, "seq_lens", "must be >= 0")
+
+
+def decode_plan(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                sliding_window: int | None = None) -> reference.DecodeSpan | None:
+    """What :func:`paged_decode_attention` over these sequences reads on the torch paths (gather ids, allowed
+    positions), computed once for every layer of a step that shares the cache shape and sliding window; pass it as
+    ``plan``. None where the Triton kernel serves (it reads the block tables itself, and computing this would read
+    device values). Pure."""
+    if uses_triton(k_cache):
+        return None
+    _check(block_tables.dim() == 2 and not block_tables.is_floating_point(), "block_tables",
+           f"expected an integer [num_seqs, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    _check(seq_lens.shape == (block_tables.shape[0],) and not seq_lens.is_floating_point(), "seq_lens",
+           f"expected an integer [{block_tables.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
+    _check_lens(seq_lens, block_tables, k_cache)
+    return reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, k_cache.device)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -129,13 +155,17 @@ def paged_decode_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
+    plan: reference.DecodeSpan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attending over its paged KV; a row with ``seq_lens`` 0 (CUDA-graph padding)
     yields zeros. Pure; see :func:`reference.paged_decode_attention`.
 
     ``num_splits``: the Triton path splits each sequence's context into that many ranges computed in parallel and
     then combined (split-K: more programs at small batch); ``None`` picks :func:`decode_num_splits` from the shapes
-    on a GPU and 1 elsewhere. The result does not depend on it beyond rounding; the torch path ignores it."""
+    on a GPU and 1 elsewhere. The result does not depend on it beyond rounding; the torch path ignores it.
+
+    ``plan``: :func:`decode_plan` of the same ``k_cache`` shape, ``block_tables``, ``seq_lens`` and
+    ``sliding_window`` (its value checks were made there); the Triton path ignores it."""
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
@@ -149,10 +179,10 @@ def paged_decode_attention(
     _check(seq_lens.shape == (q.shape[0],), "seq_lens", f"expected [{q.shape[0]}], got {tuple(seq_lens.shape)}")
     _check(not seq_lens.is_floating_point(), "seq_lens", f"must be an integer tensor, got {seq_lens.dtype}")
     _check(num_splits is None or num_splits >= 1, "num_splits", f"must be >= 1, got {num_splits}")
-    if q.shape[0] and _readable(seq_lens):
-        _check(int(seq_lens.max()) <= block_tables.shape[1] * k_cache.shape[1], "seq_lens",
-               "longer than block_tables can address")
-        _check(int(seq_lens.min()) >= 0, "seq_lens", "must be >= 0")
+    if plan is None:
+        _check_lens(seq_lens, block_tables, k_cache)
+    else:
+        _check(plan.allowed.shape[0] == q.shape[0], "plan", f"made for {plan.allowed.shape[0]} sequences, not {q.shape[0]}")
     if uses_triton(q):
         if num_splits is None:
             num_splits = 1 if not q.is_cuda else decode_num_splits(
@@ -161,9 +191,9 @@ def paged_decode_attention(
                                                 k_scales, v_scales, num_splits)
     if cpu_decode.fits(q, k_cache):
         return cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                                                 k_scales, v_scales)
+                                                 k_scales, v_scales, plan)
     return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                                            k_scales, v_scales)
+                                            k_scales, v_scales, plan)
 
 
 def paged_prefill_attention(

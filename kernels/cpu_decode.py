@@ -42,17 +42,19 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    span: reference.DecodeSpan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its paged context; a row with ``seq_lens`` 0 yields zeros. Pure.
 
     q ``[n, num_heads, head_dim]``; block_tables int ``[n, max_blocks]``; seq_lens int ``[n]`` (including the query
-    token, whose K/V is already stored). Returns q's shape and dtype."""
+    token, whose K/V is already stored); ``span``: :func:`reference.decode_span` of them, when the caller has it.
+    Returns q's shape and dtype."""
     n, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    span = reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
-    if span is None:
+    span = span or reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
+    if span.ctx == 0:
         return torch.zeros_like(q)
-    ctx, idx, allowed = span
+    ctx, idx, allowed = span.ctx, span.idx, span.allowed
     width = kv_heads * head_dim
     k = reference.gather_blocks(k_cache, idx, k_scales, q.dtype).view(n, ctx, width)
     v = reference.gather_blocks(v_cache, idx, v_scales, q.dtype).view(n, ctx, width)

@@ -7,6 +7,8 @@ Layouts: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, he
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -27,38 +29,52 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    span: DecodeSpan | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context. Pure: returns a new tensor.
 
     q [num_seqs, num_heads, head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
     (context length including the query token, whose K/V must already be stored; 0 for a padded row, which yields
-    zeros). Returns q's shape and dtype.
+    zeros). Returns q's shape and dtype. ``span``: :func:`decode_span` of these arguments, when the caller has it.
     The context is gathered up to the longest sequence, so callers batch sequences of similar length together.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    span = decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
-    if span is None:
+    span = span or decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
+    if span.ctx == 0:
         return torch.zeros_like(q)
-    ctx, idx, allowed = span
+    ctx, idx, allowed = span.ctx, span.idx, span.allowed
     # gather [num_seqs, ctx, kv_heads, head_dim] -> [num_seqs, kv_heads, ctx, head_dim]
     k = gather_blocks(k_cache, idx, k_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     v = gather_blocks(v_cache, idx, v_scales, q.dtype).view(num_seqs, ctx, num_kv_heads, head_dim).permute(0, 2, 1, 3)
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=allowed[:, None, None, :], scale=scale)
-    # a padded row (seq_len 0) attends to nothing: zeros, whatever the SDPA backend makes of an all-masked row
-    out = out.masked_fill(~allowed.any(dim=1)[:, None, None, None], 0.0)
+    if span.has_empty:  # a padded row (seq_len 0) attends to nothing: zeros, whatever SDPA makes of an all-masked row
+        out = out.masked_fill(~allowed.any(dim=1)[:, None, None, None], 0.0)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+@dataclass(frozen=True)
+class DecodeSpan:
+    """What a decode attention over some sequences reads, the same for every layer with the same sliding window:
+    the gathered context length ``ctx`` (the longest sequence's blocks; 0 when every sequence is empty), the int64
+    block ids to gather (``[n * ctx / block_size]``, sequence-major), the allowed positions ``[n, ctx]`` (within each
+    length, and its sliding window) and whether a sequence is empty (a padded row)."""
+
+    ctx: int
+    idx: torch.Tensor
+    allowed: torch.Tensor
+    has_empty: bool
+
+
 def decode_span(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, sliding_window: int | None,
-                device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-    """What a decode attention over these sequences reads: the gathered context length ``ctx`` (the longest
-    sequence's blocks), the int64 block ids to gather (``[n * ctx / block_size]``, sequence-major) and the allowed
-    positions ``[n, ctx]`` (within each length, and its sliding window). None when every sequence is empty. Pure."""
-    max_len = int(seq_lens.max()) if seq_lens.shape[0] else 0
+                device: torch.device) -> DecodeSpan:
+    """The :class:`DecodeSpan` of these sequences (reads ``seq_lens``' values). Pure."""
+    n = seq_lens.shape[0]
+    max_len = int(seq_lens.max()) if n else 0
     if max_len == 0:
-        return None
+        empty = torch.zeros(n, 0, dtype=torch.bool, device=device)
+        return DecodeSpan(0, torch.zeros(0, dtype=torch.int64, device=device), empty, n > 0)
     n_blocks = (max_len + block_size - 1) // block_size
     ctx = n_blocks * block_size
     idx = block_tables[:, :n_blocks].reshape(-1).long()
@@ -67,7 +83,7 @@ def decode_span(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
     allowed = pos < lens
     if sliding_window is not None:
         allowed &= pos > lens - 1 - sliding_window
-    return ctx, idx, allowed
+    return DecodeSpan(ctx, idx, allowed, bool((seq_lens == 0).any()))
 
 
 def gather_blocks(cache: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor | None,

@@ -230,3 +230,24 @@ def test_varlen_wrapper_names_the_bad_argument() -> None:
     with pytest.raises(ValueError, match="num_splits"):
         kernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, tables, torch.ones(2, dtype=torch.int32), 1.0,
                                        num_splits=0)
+
+
+@pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.float32, 4), (torch.bfloat16, None),
+                                          (torch.bfloat16, 6)])
+def test_a_decode_plan_gives_what_each_call_computes_itself(dtype: torch.dtype, window: int | None) -> None:
+    """The model computes the gather ids and mask once per step (``kernels.decode_plan``) for every layer: the same
+    bits as a call that computes them itself, on the reference (float32) and the CPU bmm path, padded rows too."""
+    torch.manual_seed(6)
+    kc, vc = torch.randn(12, 8, 3, 16).to(dtype), torch.randn(12, 8, 3, 16).to(dtype)
+    tables = torch.randperm(12)[:9].view(3, 3).int()
+    lens = torch.tensor([17, 0, 5], dtype=torch.int32)
+    q = torch.randn(3, 6, 16).to(dtype)
+    plan = kernels.decode_plan(kc, tables, lens, window)
+    assert plan is not None and plan.ctx == 24 and plan.has_empty
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window, plan=plan)
+    assert torch.equal(got, kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window))
+    assert not got[1].any() and got[0].abs().sum() > 0
+    with pytest.raises(ValueError, match="plan"):
+        kernels.paged_decode_attention(q[:2], kc, vc, tables[:2], lens[:2], 0.25, window, plan=plan)
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.decode_plan(kc, tables, torch.tensor([25, 0, 5], dtype=torch.int32), window)
