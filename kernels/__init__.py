@@ -119,6 +119,16 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _check_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, n: int, sliding_window: int | None) -> None:
+    """``n`` decode rows: integer block tables ``[n, max_blocks]`` and lengths ``[n]``, and the sliding window."""
+    _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == n, "block_tables",
+           f"expected [{n}, max_blocks], got {tuple(block_tables.shape)}")
+    _check(not block_tables.is_floating_point(), "block_tables", f"must be an integer tensor, got {block_tables.dtype}")
+    _check(seq_lens.shape == (n,), "seq_lens", f"expected [{n}], got {tuple(seq_lens.shape)}")
+    _check(not seq_lens.is_floating_point(), "seq_lens", f"must be an integer tensor, got {seq_lens.dtype}")
+
+
 def _check_lens(seq_lens: torch.Tensor, block_tables: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Decode lengths within what the block tables address, read on the host (CPU tensors only)."""
     if seq_lens.shape[0] and _readable(seq_lens):
@@ -135,11 +145,7 @@ def decode_plan(k_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: tor
     device values). Pure."""
     if uses_triton(k_cache):
         return None
-    _check(block_tables.dim() == 2 and not block_tables.is_floating_point(), "block_tables",
-           f"expected an integer [num_seqs, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
-    _check(seq_lens.shape == (block_tables.shape[0],) and not seq_lens.is_floating_point(), "seq_lens",
-           f"expected an integer [{block_tables.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
+    _check_decode_rows(block_tables, seq_lens, block_tables.shape[0] if block_tables.dim() == 2 else -1, sliding_window)
     _check_lens(seq_lens, block_tables, k_cache)
     return reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, k_cache.device)
 
@@ -169,15 +175,10 @@ def paged_decode_attention(
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
-    _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
     _check(q.dim() == 3, "q", f"expected [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
     _check(q.shape[2] == k_cache.shape[3], "q", f"head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     _check(q.shape[1] % k_cache.shape[2] == 0, "q", f"num_heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
-    _check(block_tables.dim() == 2 and block_tables.shape[0] == q.shape[0], "block_tables",
-           f"expected [{q.shape[0]}, max_blocks], got {tuple(block_tables.shape)}")
-    _check(not block_tables.is_floating_point(), "block_tables", f"must be an integer tensor, got {block_tables.dtype}")
-    _check(seq_lens.shape == (q.shape[0],), "seq_lens", f"expected [{q.shape[0]}], got {tuple(seq_lens.shape)}")
-    _check(not seq_lens.is_floating_point(), "seq_lens", f"must be an integer tensor, got {seq_lens.dtype}")
+    _check_decode_rows(block_tables, seq_lens, q.shape[0], sliding_window)
     _check(num_splits is None or num_splits >= 1, "num_splits", f"must be >= 1, got {num_splits}")
     if plan is None:
         _check_lens(seq_lens, block_tables, k_cache)

@@ -51,7 +51,8 @@ def paged_decode_attention(
     Returns q's shape and dtype."""
     n, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    span = span or reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
+    if span is None:
+        span = reference.decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
     if span.ctx == 0:
         return torch.zeros_like(q)
     ctx, idx, allowed = span.ctx, span.idx, span.allowed

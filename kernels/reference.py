@@ -40,7 +40,8 @@ def paged_decode_attention(
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    span = span or decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
+    if span is None:
+        span = decode_span(block_tables, seq_lens, k_cache.shape[1], sliding_window, q.device)
     if span.ctx == 0:
         return torch.zeros_like(q)
     ctx, idx, allowed = span.ctx, span.idx, span.allowed
