@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights, activations and KV: auto = bfloat16 on CUDA and on CPUs with native bf16 "
-                        "(avx512_bf16/amx_bf16), else float32")
+                   help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
+                        "there is opt-in: faster where native, but it loses near-ties)")
     p.add_argument("--device", default="auto", help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "

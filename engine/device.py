@@ -53,14 +53,16 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 
 def resolve_dtype(dtype: str, device: torch.device, native_bf16: bool | None = None) -> str:
-    """``"auto"`` -> bfloat16 on CUDA and on a CPU that computes bfloat16 natively (as vLLM's CPU build does: on this
-    project's CPU it is ~1.7x float32's speed), else float32; other names unchanged. ``native_bf16`` overrides the
-    CPU probe. Tests that compare with Hugging Face's float32 outputs name float32. Pure apart from the probe."""
+    """``"auto"`` -> bfloat16 on CUDA, float32 on every CPU; other names unchanged. bfloat16 on a CPU is opt-in
+    (``--dtype bfloat16``; ~1.7x float32's speed where the CPU computes it natively), because bf16-rounded logits lose
+    near-ties there: on a Xeon with AMX (2026-12-02) the default model answers "What is the capital of France?" with
+    "L'Étoile, la Marseillaise, ..." in bfloat16 and "The capital of France is Paris." in float32 (the first token is
+    a near-tie, docs/benchmarks.md). ``native_bf16`` is kept for callers that probe the CPU; it no longer changes
+    ``auto``. Pure."""
     if dtype != "auto":
         return dtype
-    if device.type == "cuda":
-        return "bfloat16"
-    return "bfloat16" if (cpu_has_native_bf16() if native_bf16 is None else native_bf16) else "float32"
+    del native_bf16  # a fast wrong answer is worth nothing: the CPU default is float32 whatever the CPU computes
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def kv_cache_bytes(device: torch.device, kv_cache_gib: float | None, gpu_memory_utilization: float,
