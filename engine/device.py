@@ -52,16 +52,14 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return False
 
 
-def resolve_dtype(dtype: str, device: torch.device, native_bf16: bool | None = None) -> str:
+def resolve_dtype(dtype: str, device: torch.device) -> str:
     """``"auto"`` -> bfloat16 on CUDA, float32 on every CPU; other names unchanged. bfloat16 on a CPU is opt-in
     (``--dtype bfloat16``; ~1.7x float32's speed where the CPU computes it natively), because bf16-rounded logits lose
     near-ties there: on a Xeon with AMX (2026-12-02) the default model answers "What is the capital of France?" with
     "L'Étoile, la Marseillaise, ..." in bfloat16 and "The capital of France is Paris." in float32 (the first token is
-    a near-tie, docs/benchmarks.md). ``native_bf16`` is kept for callers that probe the CPU; it no longer changes
-    ``auto``. Pure."""
+    a near-tie, docs/benchmarks.md). Pure."""
     if dtype != "auto":
         return dtype
-    del native_bf16  # a fast wrong answer is worth nothing: the CPU default is float32 whatever the CPU computes
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
