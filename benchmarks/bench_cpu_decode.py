@@ -1,13 +1,14 @@
 """CPU decode attention: torch's flash kernel (the reference path) against kernels.cpu_decode's two batched matmuls.
 
-    python benchmarks/bench_cpu_decode.py [--model default] [--threads 1] [--batches 8,16] [--repeats 3]
+    python benchmarks/bench_cpu_decode.py [--model default] [--dtype bfloat16|float32] [--threads 1] [--batches 8,16]
+                                          [--repeats 3]
 
 Two tables, each measured side by side in one run (alternating, so that a noisy machine hits both alike):
 - the attention call alone, one layer of the default model's shape (9 query heads, 3 kv heads, head_dim 64, block
-  size 16), bfloat16, contexts of 290-350 tokens;
-- a whole engine decode step of ``--model`` in bfloat16 with 286-token prompts, the engine's decode attention forced
-  to the reference for the "flash" rows (this script replaces ``kernels.cpu_decode.fits`` for those; the engine has
-  no such switch).
+  size 16), in ``--dtype``, contexts of 290-350 tokens;
+- a whole engine decode step of ``--model`` in ``--dtype`` with 286-token prompts, the engine's decode attention
+  forced to the reference for the "flash" rows and to the matmuls for the "bmm" rows (this script replaces
+  ``kernels.cpu_decode.fits`` for both; the engine has no such switch).
 """
 
 from __future__ import annotations
@@ -28,21 +29,22 @@ def timed(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def kernel_rows(batches: list[int], repeats: int) -> None:
+def kernel_rows(batches: list[int], repeats: int, dtype: str) -> None:
     import torch
 
     from kernels import cpu_decode, reference
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, hd, bs, nb = 9, 3, 64, 16, 4096
-    kc = torch.randn(nb, bs, kv_heads, hd, generator=g).bfloat16()
-    vc = torch.randn(nb, bs, kv_heads, hd, generator=g).bfloat16()
-    print("attention call, one layer (9 heads / 3 kv heads x 64, bfloat16), microseconds:")
+    dt = getattr(torch, dtype)
+    kc = torch.randn(nb, bs, kv_heads, hd, generator=g).to(dt)
+    vc = torch.randn(nb, bs, kv_heads, hd, generator=g).to(dt)
+    print(f"attention call, one layer (9 heads / 3 kv heads x 64, {dtype}), microseconds:")
     print(f"{'batch':>6} {'flash':>9} {'bmm':>9} {'bmm / flash':>12}")
     for b in batches:
         lens = torch.randint(290, 351, (b,), generator=g, dtype=torch.int32)
         tables = torch.randperm(nb, generator=g)[: b * 22].view(b, 22).int()
-        q = torch.randn(b, heads, hd, generator=g).bfloat16()
+        q = torch.randn(b, heads, hd, generator=g).to(dt)
         args = (q, kc, vc, tables, lens, hd**-0.5)
         flash, bmm = [], []
         for _ in range(repeats):
@@ -52,19 +54,19 @@ def kernel_rows(batches: list[int], repeats: int) -> None:
         print(f"{b:>6} {f:>9.0f} {m:>9.0f} {m / f:>11.2f}x")
 
 
-def step_rows(model: str, threads: int, batches: list[int], repeats: int) -> None:
+def step_rows(model: str, dtype: str, threads: int, batches: list[int], repeats: int) -> None:
     import kernels.cpu_decode as cd
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=model, dtype="bfloat16", num_threads=threads))
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads))
     fits = cd.fits
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
 
     def step_ms(batch: int, fast: bool) -> float:
-        cd.fits = fits if fast else (lambda *a: False)
+        cd.fits = (lambda q, k: q.device.type == "cpu" and k.shape[2] <= cd.MAX_KV_HEADS) if fast else (lambda *a: False)
         try:
             for i in range(batch):
                 prompt = [rng.randrange(100, vocab) for _ in range(286)]
@@ -80,7 +82,7 @@ def step_rows(model: str, threads: int, batches: list[int], repeats: int) -> Non
         finally:
             cd.fits = fits
 
-    print(f"\nengine decode step, {model}, bfloat16, {threads} thread(s), ms:")
+    print(f"\nengine decode step, {model}, {dtype}, {threads} thread(s), ms:")
     print(f"{'batch':>6} {'flash':>9} {'bmm':>9} {'bmm / flash':>12}")
     for b in batches:
         flash, bmm = [], []
@@ -94,6 +96,7 @@ def step_rows(model: str, threads: int, batches: list[int], repeats: int) -> Non
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", default="8,16", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--repeats", type=int, default=3)
@@ -101,8 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    kernel_rows(args.batches, args.repeats)
-    step_rows(args.model, args.threads, args.batches, args.repeats)
+    kernel_rows(args.batches, args.repeats, args.dtype)
+    step_rows(args.model, args.dtype, args.threads, args.batches, args.repeats)
 
 
 if __name__ == "__main__":
