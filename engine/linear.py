@@ -1,13 +1,17 @@
-"""Weights laid out for the matmul that reads them: bfloat16 weights on the CPU are pre-packed for oneDNN.
+"""Weights laid out for the matmul that reads them: bfloat16 and float32 weights on the CPU are pre-packed for oneDNN.
 
-On the CPU a bfloat16 ``F.linear`` already runs oneDNN's matmul, but hands it the weight in its plain layout on every
-call; a decode step reads every weight once per layer, so it is bound by streaming weights from memory.
-``torch.ops.mkldnn._reorder_linear_weight`` lays a weight out once, at load, in the blocked layout oneDNN's kernel
-reads best, and ``_linear_pointwise`` runs the same matmul on it: the results are bit-identical to ``F.linear`` (the
-unit test checks it over batch sizes and with a bias), and a batch-8 decode step of the default model went from 75 to
-62 ms at one thread and from 64 to 44 ms at two (docs/benchmarks.md, "Served beside vLLM's CPU build"). float32 keeps
-``F.linear`` (MKL's sgemm, which the Hugging Face identity tests compare against: oneDNN's float32 rounds
-differently), and so does every other device.
+On the CPU ``F.linear`` hands the weight to its kernel (oneDNN in bfloat16, MKL's sgemm in float32) in its plain
+layout on every call; a decode step reads every weight once per layer, so it is bound by streaming weights from
+memory. ``torch.ops.mkldnn._reorder_linear_weight`` lays a weight out once, at load, in the blocked layout oneDNN's
+kernel reads best, and ``_linear_pointwise`` runs the matmul on it:
+
+- bfloat16: bit-identical to ``F.linear`` (the unit test checks it over batch sizes and with a bias); a batch-8
+  decode step of the default model went from 75 to 62 ms at one thread and from 64 to 44 ms at two
+  (docs/benchmarks.md, "Served beside vLLM's CPU build");
+- float32 (since 2026-12-02): oneDNN's sgemm instead of MKL's, so results differ from ``F.linear`` by float32
+  rounding (~1e-4 on the default model's shapes); greedy text still equals Hugging Face's on the identity tests. A
+  batch-8 decode step of the default model at one thread: ~100 ms packed against ~165 ms with ``F.linear``
+  (docs/benchmarks.md). Every other device keeps ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,23 +22,29 @@ import torch
 import torch.nn.functional as F
 
 
+_PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
 @functools.cache
-def _cpu_packs_bfloat16() -> bool:
-    """Whether this torch's oneDNN packs a bfloat16 weight on this CPU: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT
-    and refuses elsewhere (an AVX2-only CPU), so one tiny weight is tried once per process."""
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+def cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether this torch's oneDNN packs a ``dtype`` weight on this CPU (bfloat16 needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT and is refused elsewhere, e.g. on an AVX2-only CPU), so one tiny weight is tried once per process
+    and dtype."""
+    if dtype not in _PACKED_DTYPES or not (torch.backends.mkldnn.is_available()
+                                           and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=dtype), packed, None, "none", [], "")
     except RuntimeError:
         return False
     return True
 
 
 def packs(weight: torch.Tensor) -> bool:
-    """Whether :class:`Linear` pre-packs ``weight``: bfloat16 on a CPU whose oneDNN packs it. Pure apart from the
-    one-time probe."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _cpu_packs_bfloat16()
+    """Whether :class:`Linear` pre-packs ``weight``: bfloat16 or float32 on a CPU whose oneDNN packs it. Pure apart
+    from the one-time probe."""
+    return weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES and cpu_packs(weight.dtype)
 
 
 class Linear:
