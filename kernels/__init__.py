@@ -4,7 +4,8 @@ Each public function checks its arguments (raising ``ValueError`` that names the
 implementation for the tensors' device: the Triton kernels of :mod:`kernels.triton_kv` on CUDA tensors, or on any
 tensors when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter: how the tests check them here), and otherwise the
 pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path (decode attention in bfloat16 /
-float16 on the CPU goes through :mod:`kernels.cpu_decode`'s two batched matmuls instead). Callers never change.
+float16 on the CPU goes through :mod:`kernels.cpu_decode`'s two batched matmuls instead, and prefill attention
+without a sliding window through :mod:`kernels.cpu_prefill`'s query-chunked matmuls). Callers never change.
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
 ``[num_blocks, kv_heads]``. A block's scale is fixed by the write that opens it (:func:`store_kv_quantized`) and never
@@ -22,7 +23,7 @@ import os
 
 import torch
 
-from kernels import cpu_decode, reference
+from kernels import cpu_decode, cpu_prefill, reference
 
 __all__ = [
     "copy_blocks_between",
@@ -216,8 +217,9 @@ def paged_prefill_attention(
     need = -(-(start_pos + q.shape[0]) // k_cache.shape[1])
     _check(block_table.dim() == 1 and block_table.shape[0] >= need, "block_table",
            f"needs at least {need} blocks, got {tuple(block_table.shape)}")
-    return reference.paged_prefill_attention(q, k_cache, v_cache, block_table, start_pos, scale, sliding_window,
-                                             k_scales, v_scales)
+    attend = cpu_prefill.paged_prefill_attention if cpu_prefill.fits(q, sliding_window) else \
+        reference.paged_prefill_attention
+    return attend(q, k_cache, v_cache, block_table, start_pos, scale, sliding_window, k_scales, v_scales)
 
 
 def paged_prefill_attention_varlen(
@@ -271,8 +273,9 @@ def paged_prefill_attention_varlen(
         return _triton_prefill().paged_prefill_attention_varlen(
             q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale, sliding_window, k_scales, v_scales,
             max_seqlen_q)
+    one = cpu_prefill.paged_prefill_attention if cpu_prefill.fits(q, sliding_window) else None
     return reference.paged_prefill_attention_varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_pos, scale,
-                                                    sliding_window, k_scales, v_scales)
+                                                    sliding_window, k_scales, v_scales, one_sequence=one)
 
 
 def store_kv(

@@ -7,6 +7,7 @@ Layouts: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +148,7 @@ def paged_prefill_attention_varlen(
     sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
+    one_sequence: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention for the packed prefill chunks of several sequences over their paged context. Pure.
 
@@ -154,11 +156,13 @@ def paged_prefill_attention_varlen(
     at positions ``start_pos[s] ..``; block_tables int [num_seqs, max_blocks]. As for
     :func:`paged_prefill_attention`, each chunk's K/V and the ``start_pos[s]`` tokens before it must already be
     stored, so the query at position p sees positions ``max(0, p - sliding_window + 1) .. p``. One
-    :func:`paged_prefill_attention` per sequence: the CPU path costs what the per-sequence calls cost.
+    :func:`paged_prefill_attention` (or ``one_sequence``, a function of its signature) per sequence: the CPU path
+    costs what the per-sequence calls cost.
     """
+    one = one_sequence or paged_prefill_attention
     cu, starts = cu_seqlens_q.tolist(), start_pos.tolist()
-    parts = [paged_prefill_attention(q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], starts[s], scale,
-                                     sliding_window, k_scales, v_scales)
+    parts = [one(q[cu[s] : cu[s + 1]], k_cache, v_cache, block_tables[s], starts[s], scale, sliding_window, k_scales,
+                 v_scales)
              for s in range(len(starts)) if cu[s + 1] > cu[s]]
     if not parts:
         return torch.empty_like(q)
