@@ -59,3 +59,11 @@ def test_bench_cpu_decode_runs(tiny_checkpoint) -> None:
          "--batches", "2", "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "engine decode step" in out.stdout and "bmm / flash" in out.stdout
+
+
+def test_bench_cpu_prefill_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_prefill.py"), "--model", str(tiny_checkpoint("llama")),
+         "--lengths", "40", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "engine prefill" in out.stdout and "chunked / flash" in out.stdout
