@@ -1,7 +1,7 @@
 """Prefill attention on the CPU: causal attention as batched matmuls over query chunks, instead of torch's flash kernel.
 
 torch's CPU flash-attention kernel runs a prompt of a few hundred tokens at a fraction of the core's matmul rate (one
-layer of SmolLM2-135M, 286 tokens, one core: ~2.4 ms in float32, ~20% of a prefill). Here the queries are cut into
+layer of SmolLM2-135M, 286 tokens, one core: ~2.7 ms in float32, ~20% of a prefill). Here the queries are cut into
 chunks of :data:`CHUNK` rows; chunk ``[a, b)`` of a prompt whose cached context ends at ``start + b`` is:
 
 - ``S = Q_chunk @ K[: start + b]^T`` for every kv head at once (its ``group`` query heads stacked as rows of one
@@ -11,8 +11,8 @@ chunks of :data:`CHUNK` rows; chunk ``[a, b)`` of a prompt whose cached context 
   visible), so the masked area, the softmax's and the matmuls' work follow the causal triangle, not the full square;
 - softmax in float32, then ``P @ V[: start + b]`` in the cache dtype (as the flash kernel does).
 
-Measured on one core (default model's shape, 286 tokens): float32 2.40 -> 1.55 ms, bfloat16 2.53 -> 1.30 ms, within
-float32 rounding of the flash kernel (docs/kernels.md). Sliding windows keep :func:`kernels.reference`'s path. Same
+Measured on one core (``benchmarks/bench_cpu_prefill.py``, default model's shape, 286 tokens): float32 2.72 -> 1.74
+ms, bfloat16 2.54 -> 1.38 ms, within float32 rounding of the flash kernel (docs/kernels.md). Sliding windows keep :func:`kernels.reference`'s path. Same
 contract as :func:`kernels.reference.paged_prefill_attention`.
 """
 
@@ -59,7 +59,7 @@ def paged_prefill_attention(
     keys_t = k.to(torch.float32).permute(1, 2, 0)
     values = reference.gather_blocks(v_cache, table, v_scales, q.dtype).flatten(0, 1)[:ctx].transpose(0, 1)
     # queries as [kv_heads, group, num_tokens, head_dim] (query head h belongs to kv head h // group)
-    queries = q.to(torch.float32).view(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    queries = q.to(torch.float32).reshape(num_tokens, kv_heads, group, head_dim).permute(1, 2, 0, 3)
     out = torch.empty(kv_heads, group, num_tokens, head_dim, dtype=q.dtype, device=q.device)
     step = CHUNK[q.dtype]
     future = torch.ones(step, step, dtype=torch.bool, device=q.device).triu(1)  # key after the query: hidden
