@@ -1,15 +1,16 @@
-"""FP8 KV cache against the model dtype's KV: greedy agreement on a fixed prompt set, beside the agreement of two
-correct runs without FP8 (the noise floor), and KV bytes per token.
+"""8-bit KV caches (FP8, int8) against the model dtype's KV: greedy agreement on a fixed prompt set, beside the
+agreement of two correct runs without quantization (the noise floor), and KV bytes per token.
 
     python benchmarks/bench_fp8_kv.py [--model default] [--dtype bfloat16] [--max-tokens 48]
 
-Three runs of the same 16 chat prompts with the same weights and activations dtype (``--dtype``, bfloat16 by
+Four runs of the same 16 chat prompts with the same weights and activations dtype (``--dtype``, bfloat16 by
 default, as issue 14 asks: agreement with bfloat16): the reference (all prompts in one batch, KV in ``--dtype``), the
 noise floor (each prompt alone, KV in ``--dtype``: the same arithmetic in other batch shapes, so only rounding
-differs) and FP8 (one batch, KV as float8_e4m3fn). Reports how many completions are identical to the reference, the
-mean share of each completion generated before the first differing token, and the KV bytes per token (in memory and on
-the wire). e4m3's 3 mantissa bits make the identical count a lottery (docs/kernels.md, "FP8 KV cache"); in
-bfloat16 the noise floor itself is far from 16 of 16.
+differs), FP8 (one batch, KV as float8_e4m3fn, a scale per block and kv head) and int8 (one batch, a scale per token
+and kv head). Reports how many completions are identical to the reference, the mean share of each completion
+generated before the first differing token, and the KV bytes per token (in memory and on the wire). e4m3's 3 mantissa
+bits make FP8's identical count a lottery (docs/kernels.md, "8-bit KV caches"); in bfloat16 the noise floor itself is
+far from 16 of 16, so ``--dtype float32`` (noise floor 16/16) isolates the quantization.
 """
 
 from __future__ import annotations
@@ -64,26 +65,26 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.model_runner import FP8, kv_block_bytes
+    from engine.model_runner import KV_DTYPES, kv_block_bytes
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     runs = {}
-    for kv in ("auto", "fp8"):
+    for kv in ("auto", "fp8", "int8"):
         llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=kv)
         runs[kv] = [o.token_ids for o in llm.chat(chats, params)]
         if kv == "auto":
             runs["alone"] = [llm.chat([c], params)[0].token_ids for c in chats]
         mc, bs = llm.engine.model_config, llm.config.block_size
-        per_token = kv_block_bytes(mc, bs, FP8 if kv == "fp8" else getattr(torch, args.dtype)) / bs
-        print(f"kv {(args.dtype if kv == 'auto' else 'fp8'):<8} {per_token:8.0f} bytes per token (all layers, K+V"
-              f"{', with scales' if kv == 'fp8' else ''})")
-    bf16 = kv_block_bytes(mc, bs, torch.bfloat16) / bs
-    print(f"kv bfloat16 {bf16:6.0f} bytes per token: fp8 is {per_token / bf16:.2f}x of bfloat16")
+        per_token = kv_block_bytes(mc, bs, KV_DTYPES.get(kv, getattr(torch, args.dtype))) / bs
+        bf16 = kv_block_bytes(mc, bs, torch.bfloat16) / bs
+        print(f"kv {(args.dtype if kv == 'auto' else kv):<8} {per_token:8.0f} bytes per token (all layers, K+V"
+              f"{', with scales' if kv != 'auto' else ''}): {per_token / bf16:.2f}x of bfloat16's")
     print(f"{len(PROMPTS)} chat prompts, greedy, {args.max_tokens} tokens, {args.dtype} weights; against the "
           f"{args.dtype} KV run of all prompts in one batch:")
     agreement(f"noise floor ({args.dtype} KV, each prompt alone)", runs["auto"], runs["alone"])
     agreement("fp8 KV (one batch)", runs["auto"], runs["fp8"])
+    agreement("int8 KV (one batch)", runs["auto"], runs["int8"])
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "
                         "it by a fractional --gpus-per-actor, so actors sharing a GPU split it)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="KV storage: auto (= --dtype) or fp8 (float8_e4m3fn with scales: half of bfloat16's bytes)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+                   help="KV storage: auto (= --dtype), fp8 (float8_e4m3fn, a scale per block and kv head) or int8 (a "
+                        "scale per token and kv head: closer to the unquantized text); about half of bfloat16's bytes")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (generate: torch's choice; serve, per actor: the machine's cores "
                         "but one shared among the actors a local cluster may run, or --cpus-per-actor on an existing "

@@ -30,7 +30,7 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
             progress=print) -> CostProfile:  # type: ignore[no-untyped-def]
     """Run the measurements; returns ``base`` with the measured fields replaced."""
     from engine import LLM, SamplingParams
-    from engine.model_runner import DTYPES, FP8, kv_block_bytes
+    from engine.model_runner import DTYPES, KV_DTYPES, kv_block_bytes
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False)
@@ -74,7 +74,7 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
     progress(f"flip: a role handed the loaded engine in {flip_s * 1e3:.1f} ms")
     coef, *_ = np.linalg.lstsq(np.asarray(rows), np.asarray(times), rcond=None)
     base_s, per_seq, per_kv = (max(0.0, float(c)) for c in coef)
-    kv_dtype = FP8 if eng.config.kv_cache_dtype == "fp8" else DTYPES[dtype]
+    kv_dtype = KV_DTYPES.get(eng.config.kv_cache_dtype, DTYPES[dtype])
     kv_per_token = kv_block_bytes(eng.model_config, eng.config.block_size, kv_dtype) / eng.config.block_size
     source = (f"pdcluster profile, {model} {dtype}, {platform.processor() or platform.machine()}, "
               f"{time.strftime('%Y-%m-%d')}{' (quick)' if quick else ''}")

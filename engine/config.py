@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,10 @@ class EngineConfig:
     # weights, activations and KV cache: auto (bfloat16 on CUDA and on CPUs with native bf16, else float32) | float32 |
     # bfloat16
     dtype: str = "auto"
-    # KV cache storage: "auto" (= dtype) or "fp8" (float8_e4m3fn with one float32 scale per block and kv head: half
-    # of bfloat16's bytes in memory and on the wire; attention dequantizes)
+    # KV cache storage: "auto" (= dtype), "fp8" (float8_e4m3fn with one float32 scale per block and kv head) or "int8"
+    # (one float32 scale per token and kv head: 6% more bytes than fp8 at head_dim 64, greedy text much closer to the
+    # unquantized cache; docs/kernels.md). Either is about half of bfloat16's bytes in memory and on the wire;
+    # attention dequantizes
     kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # total KV blocks; None: sized from kv_cache_gib

@@ -103,8 +103,9 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     num_blocks = -(-num_tokens // block_size)
     kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype,
                      device=dev)
-    scales = (list(torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, device=dev).unbind(0))
-              if kv_dtype == torch.float8_e4m3fn else None)
+    per_token = (block_size,) if kv_dtype == torch.int8 else ()  # int8: a scale per token and kv head
+    scales = (list(torch.zeros(cfg.num_layers, 2, num_blocks, *per_token, cfg.num_kv_heads, device=dev).unbind(0))
+              if kv_dtype in (torch.float8_e4m3fn, torch.int8) else None)
     table = torch.arange(num_blocks, dtype=torch.int32, device=dev)
     varlen = (table[None], torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
               torch.zeros(1, dtype=torch.int32, device=dev), num_tokens) if dev.type == "cuda" else None

@@ -24,7 +24,7 @@ PROBE_REGION = 64  # bytes after the cache: the owner writes a nonce there, a pe
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of a paged KV cache in one flat memory region: ``kv`` then (FP8 only) its float32 ``scales``."""
+    """The shape of a paged KV cache in one flat memory region: ``kv`` then (FP8 and int8) its float32 ``scales``."""
 
     num_layers: int
     num_blocks: int
@@ -32,7 +32,9 @@ class KVLayout:
     kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
-    scaled: bool = False  # an FP8 cache: float32 scales [layers, 2, num_blocks, kv_heads] follow the values
+    # a scaled cache: float32 scales follow the values, [layers, 2, num_blocks, kv_heads] for FP8 (one per block and
+    # head), [layers, 2, num_blocks, block_size, kv_heads] for int8 (one per token and head)
+    scaled: bool = False
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -40,7 +42,8 @@ class KVLayout:
 
     @property
     def scales_shape(self) -> tuple[int, ...]:
-        return (self.num_layers, 2, self.num_blocks, self.kv_heads)
+        per_token = (self.block_size,) if self.dtype == "int8" else ()
+        return (self.num_layers, 2, self.num_blocks, *per_token, self.kv_heads)
 
     @property
     def kv_nbytes(self) -> int:

@@ -18,7 +18,7 @@ from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
 from engine.model_loader import load_state_dict, model_fingerprint
-from engine.model_runner import DTYPES, FP8, ModelRunner, kv_block_bytes
+from engine.model_runner import DTYPES, KV_DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.philox import derive_seed
 from engine.prefix_events import PrefixEventLog
@@ -56,7 +56,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.fingerprint = model_fingerprint(path, dtype_name)
         model = DecoderModel(mc, load_state_dict(path, dtype, self.device), dtype, self.max_model_len)
-        kv_dtype = FP8 if config.kv_cache_dtype == "fp8" else dtype
+        kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)
         num_blocks = config.num_kv_blocks or num_kv_blocks(
             self.device, model, config.kv_cache_gib, config.gpu_memory_utilization, config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
@@ -250,7 +250,8 @@ class LLMEngine:
         return self.runner.kv, self.runner.kv_scales, self.runner.shared_kv
 
     def kv_layer_scales(self, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s FP8 scales ``[2, num_blocks, kv_heads]`` (a view), or None for an unquantized cache."""
+        """Layer ``layer``'s scales (a view: FP8 ``[2, num_blocks, kv_heads]``, int8 ``[2, num_blocks, block_size,
+        kv_heads]``), or None for an unquantized cache."""
         return None if self.runner.kv_scale_layers is None else self.runner.kv_scale_layers[layer]
 
     def abort_request(self, request_id: str) -> None:

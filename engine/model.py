@@ -93,7 +93,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm. Writes the tokens' K/V into ``kv_caches``.
 
-        ``kv_scales``: for an FP8 cache, each layer's ``[2, num_blocks, kv_heads]`` scales (written with the K/V).
+        ``kv_scales``: for a scaled cache (FP8, int8), each layer's scales (written with the K/V).
 
         ``after_kv_store(layer)`` runs as soon as a layer's K/V for this step is in the cache, before that layer's
         attention and MLP: a prefill worker starts sending it there, so the transfer overlaps the remaining compute.

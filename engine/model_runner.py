@@ -29,12 +29,16 @@ DECODE_GROUP = 16
 
 
 FP8 = torch.float8_e4m3fn
+INT8 = torch.int8
+KV_DTYPES = {"fp8": FP8, "int8": INT8}  # EngineConfig.kv_cache_dtype -> the cache's dtype ("auto": the model's)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V, and their scales for an FP8 cache)."""
+    """Bytes one block takes across all layers (K and V, and their float32 scales for a scaled cache: one per kv
+    head for FP8, one per token and kv head for int8)."""
     values = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-    return values + (2 * cfg.num_layers * cfg.num_kv_heads * 4 if dtype == FP8 else 0)
+    scales = {FP8: 1, INT8: block_size}.get(dtype, 0)
+    return values + 2 * cfg.num_layers * scales * cfg.num_kv_heads * 4
 
 
 def to_device(values: Seq[int] | Seq[float] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -58,15 +62,18 @@ class ModelRunner:
         self.shared_kv: SharedKVMemory | None = None
         if shared_kv and self.device.type == "cpu":
             self.shared_kv = SharedKVMemory(KVLayout(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                                     cfg.head_dim, str(dtype).removeprefix("torch."), dtype == FP8))
+                                                     cfg.head_dim, str(dtype).removeprefix("torch."),
+                                                     dtype in (FP8, INT8)))
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
         self.kv = (self.shared_kv.kv if self.shared_kv is not None else
                    torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                dtype=dtype, device=self.device))
         self.kv_caches = list(self.kv.unbind(0))
-        # an FP8 cache's scales: [layers, 2, num_blocks, kv_heads] float32 (zero for a never-written block)
-        self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, cfg.num_kv_heads, device=self.device)
-                          if self.kv.dtype == FP8 and self.shared_kv is None else
+        # a scaled cache's float32 scales (zero where never written): FP8 [layers, 2, num_blocks, kv_heads], int8
+        # [layers, 2, num_blocks, block_size, kv_heads]
+        per_token = (block_size,) if dtype == INT8 else ()
+        self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, *per_token, cfg.num_kv_heads, device=self.device)
+                          if dtype in (FP8, INT8) and self.shared_kv is None else
                           self.shared_kv.scales if self.shared_kv is not None else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)

@@ -9,7 +9,9 @@ without a sliding window through :mod:`kernels.cpu_prefill`'s query-chunked matm
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
 ``[num_blocks, kv_heads]``. A block's scale is fixed by the write that opens it (:func:`store_kv_quantized`) and never
-changes afterwards, so a token is rounded once, when written; later tokens beyond its headroom saturate.
+changes afterwards, so a token is rounded once, when written; later tokens beyond its headroom saturate. An int8 cache
+carries one float32 scale per (token, kv head), ``[num_blocks, block_size, kv_heads]``: each token's row is rounded
+to 255 levels of its own largest magnitude when written (:func:`reference.quantize_rows_int8`).
 
 Checks that would read a device tensor's values (``seq_lens`` within the block table, ``cu_seqlens_q`` consistent)
 run on CPU tensors only: on a GPU they would cost a host sync per call and break CUDA-graph capture.
@@ -94,13 +96,15 @@ def _check_token_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 
 
 def _check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None) -> None:
-    """An FP8 cache needs both scale tensors ``[num_blocks, kv_heads]`` float32; any other cache none."""
-    if k_cache.dtype != reference.FP8_DTYPE:
-        _check(k_scales is None and v_scales is None, "k_scales", f"only an FP8 cache takes scales, not {k_cache.dtype}")
+    """A scaled cache needs both float32 scale tensors (:func:`reference.scales_shape`: FP8 ``[num_blocks,
+    kv_heads]``, int8 ``[num_blocks, block_size, kv_heads]``); any other cache none."""
+    if k_cache.dtype not in reference.SCALED_DTYPES:
+        _check(k_scales is None and v_scales is None, "k_scales",
+               f"only an FP8 or int8 cache takes scales, not {k_cache.dtype}")
         return
-    want = (k_cache.shape[0], k_cache.shape[2])
+    want = reference.scales_shape(k_cache)
     for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
-        _check(sc is not None, name, "an FP8 cache needs k_scales and v_scales")
+        _check(sc is not None, name, f"a {k_cache.dtype} cache needs k_scales and v_scales")
         assert sc is not None
         _check(tuple(sc.shape) == want and sc.dtype == torch.float32, name,
                f"expected float32 {want}, got {sc.dtype} {tuple(sc.shape)}")
@@ -248,7 +252,7 @@ def paged_prefill_attention_varlen(
     _check(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     _check(q.shape[2] == k_cache.shape[3], "q", f"head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     _check(q.shape[1] % k_cache.shape[2] == 0, "q", f"num_heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
-    _check(k_cache.dtype in (q.dtype, reference.FP8_DTYPE), "k_cache", f"dtype {k_cache.dtype} != q's {q.dtype}")
+    _check(k_cache.dtype in (q.dtype, *reference.SCALED_DTYPES), "k_cache", f"dtype {k_cache.dtype} != q's {q.dtype}")
     _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
     _check(start_pos.dim() == 1 and not start_pos.is_floating_point(), "start_pos", "must be a 1-D integer tensor")
     n = start_pos.shape[0]
@@ -284,7 +288,8 @@ def store_kv(
     """Write K/V of each token into its slot (``-1`` skips). Mutates the caches."""
     _check_cache(k_cache, v_cache)
     _check_token_rows(key, value, k_cache, slot_mapping)
-    _check(k_cache.dtype != reference.FP8_DTYPE, "k_cache", "an FP8 cache is written with store_kv_quantized")
+    _check(k_cache.dtype not in reference.SCALED_DTYPES, "k_cache",
+           f"a {k_cache.dtype} cache is written with store_kv_quantized")
     if uses_triton(key):
         _triton().store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -295,16 +300,22 @@ def store_kv_quantized(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> None:
-    """:func:`store_kv` into an FP8 cache. Mutates caches and scales: a write that opens a block (writes its offset
-    0, or finds its scale still 0) fixes the block's scale per kv head from those tokens' largest value with
-    ``reference.FP8_HEADROOM``; every write quantizes its tokens with their block's scale, saturating at +-448, and
-    touches no other slot. See :func:`reference.store_kv_quantized`. The Triton path is bit-identical to the torch
-    one (a slot written twice in one call keeps one of its writers, and either may count toward the scale)."""
-    _check(k_cache.dtype == reference.FP8_DTYPE, "k_cache", f"expected float8_e4m3fn, got {k_cache.dtype}")
+    """:func:`store_kv` into a scaled cache. Mutates caches and scales, touching only the written slots.
+
+    FP8: a write that opens a block (writes its offset 0, or finds its scale still 0) fixes the block's scale per kv
+    head from those tokens' largest value with ``reference.FP8_HEADROOM``; every write quantizes its tokens with their
+    block's scale, saturating at +-448. See :func:`reference.store_kv_quantized`. The Triton path is bit-identical to
+    the torch one (a slot written twice in one call keeps one of its writers, and either may count toward the scale).
+
+    int8: each token's row gets its own scale (:func:`reference.store_kv_int8`)."""
+    _check(k_cache.dtype in reference.SCALED_DTYPES, "k_cache", f"expected float8_e4m3fn or int8, got {k_cache.dtype}")
     _check_cache(k_cache, v_cache)
     _check_scales(k_cache, k_scales, v_scales)
     _check_token_rows(key, value, k_cache, slot_mapping)
-    if uses_triton(key):
+    if k_cache.dtype == reference.INT8_DTYPE:
+        store = _triton().store_kv_int8 if uses_triton(key) else reference.store_kv_int8
+        store(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+    elif uses_triton(key):
         _triton().store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     else:
         reference.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)

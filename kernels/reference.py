@@ -18,6 +18,18 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 # block with one token). e4m3 is a float: the headroom costs no precision down to 2**-6 of full scale, i.e. to
 # values 1/900 of the opening amax, and the tokens of the default model never came near the limit (docs/kernels.md).
 FP8_HEADROOM = 32.0
+# An int8 cache keeps one float32 scale per (token, kv head): each token's row is rounded to 255 levels of its own
+# largest magnitude, once, when written (docs/kernels.md: greedy text much closer to the unquantized cache than FP8's)
+INT8_DTYPE = torch.int8
+INT8_MAX = 127.0
+SCALED_DTYPES = (FP8_DTYPE, INT8_DTYPE)  # caches that carry scales
+
+
+def scales_shape(cache: torch.Tensor) -> tuple[int, ...]:
+    """The shape of a scaled cache's K (or V) scales: ``[num_blocks, kv_heads]`` for FP8 (one per block and head),
+    ``[num_blocks, block_size, kv_heads]`` for int8 (one per token and head). Pure."""
+    num_blocks, block_size, kv_heads, _ = cache.shape
+    return (num_blocks, block_size, kv_heads) if cache.dtype == INT8_DTYPE else (num_blocks, kv_heads)
 
 
 def paged_decode_attention(
@@ -90,9 +102,14 @@ def decode_span(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: 
 
 def gather_blocks(cache: torch.Tensor, idx: torch.Tensor, scales: torch.Tensor | None,
                   dtype: torch.dtype) -> torch.Tensor:
-    """Blocks ``idx`` of ``cache`` (dequantized to ``dtype`` when ``scales`` is given). Pure."""
+    """Blocks ``idx`` of ``cache`` (dequantized to ``dtype`` when ``scales`` is given: FP8 per block, int8 per
+    token). Pure."""
     blocks = cache.index_select(0, idx)
-    return blocks if scales is None else dequantize_kv_fp8(blocks, scales.index_select(0, idx), dtype)
+    if scales is None:
+        return blocks
+    if cache.dtype == INT8_DTYPE:
+        return (blocks.float() * scales.index_select(0, idx)[..., None]).to(dtype)
+    return dequantize_kv_fp8(blocks, scales.index_select(0, idx), dtype)
 
 
 def paged_prefill_attention(
@@ -218,6 +235,37 @@ def store_kv_quantized(
         scales[blocks] = torch.where(opens | (old == 0), fresh_fp8_scale(amax), old)
         s = scales[blocks][where][:, :, None]
         cache.view(-1, cache.shape[2], cache.shape[3])[slots] = (new / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens' K or V rows ``[num_tokens, kv_heads, head_dim]`` -> int8 values and float32 scales
+    ``[num_tokens, kv_heads]``: ``scale = max|row| / 127`` (at least 1e-12), ``value = floor(row / scale + 0.5)``
+    (the Triton store computes the same). Pure."""
+    xf = x.float()
+    s = torch.clamp(xf.abs().amax(dim=-1) / INT8_MAX, min=1e-12)
+    q = torch.floor(xf / s[..., None] + 0.5).clamp_(-INT8_MAX, INT8_MAX).to(INT8_DTYPE)
+    return q, s
+
+
+def store_kv_int8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`store_kv` into an int8 cache: each token's row quantized with its own scale (:func:`quantize_rows_int8`),
+    written with it into its slot. Mutates the caches and scales (only the written slots); slots of -1 are skipped."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    for cache, scales, new in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
+        q, s = quantize_rows_int8(new)
+        cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots, q)
+        scales.view(-1, scales.shape[2]).index_copy_(0, slots, s)
 
 
 def fresh_fp8_scale(amax: torch.Tensor) -> torch.Tensor:

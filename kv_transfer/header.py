@@ -1,8 +1,9 @@
 """The KV transfer wire header (msgpack) and the receiver's check of every field. Torch-free.
 
 One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
-``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``. An FP8 payload
-(``float8_e4m3fn``) carries its float32 scales ``[2, len(block_ids), kv_heads]`` right after the blocks.
+``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``. A scaled payload carries its float32
+scales right after the blocks: ``[2, len(block_ids), kv_heads]`` for FP8 (``float8_e4m3fn``), ``[2, len(block_ids),
+block_size, kv_heads]`` for int8 (one per token).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import msgpack
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 
-WIRE_VERSION = 4  # bump when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
+# bump WIRE_VERSION when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
 # 3: the reservation's epoch, and an optional checksum for parts written in place; 4: the reservation's nonce and
-# the header's MAC)
-SCALED_DTYPES = ("float8_e4m3fn",)  # payload dtypes followed by float32 scales, one per (K/V, block, kv head)
+# the header's MAC; 5: int8 payloads, followed by their per-token scales)
+WIRE_VERSION = 5
+# payload dtypes followed by float32 scales: FP8 one per (K/V, block, kv head), int8 one per (K/V, block, token, head)
+SCALED_DTYPES = ("float8_e4m3fn", "int8")
 
 # itemsize per dtype name (torch's name without "torch."); a dtype outside this table is refused
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -105,15 +108,17 @@ class KVTransferHeader:
 
     @property
     def payload_nbytes(self) -> int:
-        """Bytes the payload must have for this dtype and shape (with the scales of an FP8 payload). Pure."""
+        """Bytes the payload must have for this dtype and shape (with the scales of a scaled payload). Pure."""
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype] + self.scales_nbytes
 
     @property
     def scales_nbytes(self) -> int:
-        """Bytes of the float32 scales after the blocks: ``2 * blocks * kv_heads * 4`` for FP8, else 0. Pure."""
+        """Bytes of the float32 scales after the blocks: ``2 * blocks * kv_heads * 4`` for FP8, ``2 * blocks *
+        block_size * kv_heads * 4`` for int8, else 0. Pure."""
         if self.dtype not in SCALED_DTYPES or len(self.shape) != 5:
             return 0
-        return self.shape[0] * self.shape[1] * self.shape[3] * 4
+        per_token = self.shape[2] if self.dtype == "int8" else 1
+        return self.shape[0] * self.shape[1] * per_token * self.shape[3] * 4
 
     def signed_values(self) -> tuple[auth.Value, ...]:
         """What the MAC covers: every field but ``mac``, in declaration order. Pure."""

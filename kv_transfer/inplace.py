@@ -92,7 +92,7 @@ class InPlaceBackend(KVTransferBackend):
 
     # -- the decode actor's side ----------------------------------------------------------------------------------
     def export_cache(self, kv: torch.Tensor, scales: torch.Tensor | None, shared: Any | None) -> None:
-        """Mutates: offer ``kv`` (and an FP8 cache's ``scales``) to writers. ``shm`` needs the cache in shared memory
+        """Mutates: offer ``kv`` (and a scaled cache's ``scales``) to writers. ``shm`` needs the cache in shared memory
         (``shared``: its :class:`engine.kv_memory.SharedKVMemory`); ``cuda_ipc`` a CUDA cache."""
         nonce = os.urandom(PROBE_BYTES)
         if self.kind == "shm":
@@ -302,7 +302,9 @@ class InPlaceBackend(KVTransferBackend):
         kv = flat.view(getattr(torch, hello["dtype"])).view(hello["shape"])
         scales = None
         if hello["scales"] is not None:
-            scales = import_cuda(hello["scales"]).view(torch.float32).view(kv.shape[0], 2, kv.shape[2], kv.shape[4])
+            per_token = (kv.shape[3],) if kv.dtype == torch.int8 else ()  # int8: a scale per token and head
+            scales = import_cuda(hello["scales"]).view(torch.float32).view(kv.shape[0], 2, kv.shape[2], *per_token,
+                                                                            kv.shape[4])
         return kv, scales, import_cuda(hello["probe"])
 
     def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
@@ -380,9 +382,10 @@ class InPlaceBackend(KVTransferBackend):
                 blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
                 ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
                 kernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
-                if header.scales_nbytes and dst_scales is not None:  # an FP8 part: its scales follow the blocks
+                if header.scales_nbytes and dst_scales is not None:  # a scaled part: its scales follow the blocks
                     raw = payload.reshape(-1).view(torch.uint8)[n:]
-                    dst_scales[:, ids] = raw.view(torch.float32).view(2, len(header.block_ids), -1).to(dst.device)
+                    dst_scales[:, ids] = raw.view(torch.float32).view(2, len(header.block_ids),
+                                                                      *dst_scales.shape[2:]).to(dst.device)
             except (ValueError, RuntimeError) as e:
                 return str(e)
             return None

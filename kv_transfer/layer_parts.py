@@ -12,8 +12,9 @@ Receiver, for each DONE handle from ``backend.recv()``::
     install_layer_part(handle.header, handle.raw, expected, k_caches[handle.header.layer], v_caches[...])
     backend.release(handle)
 
-An FP8 cache passes its layer's scales ``[2, num_blocks, kv_heads]`` (``scales=``) to both: the payload then carries
-the blocks' scales after the blocks, half the bytes of bfloat16.
+A scaled cache passes its layer's scales (``scales=``: FP8 ``[2, num_blocks, kv_heads]``, int8 ``[2, num_blocks,
+block_size, kv_heads]``) to both: the payload then carries the blocks' scales after the blocks, about half the bytes of
+bfloat16.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def pack_layer_part(
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
     Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum
-    (``checksum=False``: left for the backend's I/O thread to compute, off the caller's thread); for an FP8 cache
-    (``scales`` given) the payload is flat bytes: the blocks, then their scales ``[2, n, kv_heads]``.
+    (``checksum=False``: left for the backend's I/O thread to compute, off the caller's thread); for a scaled cache
+    (``scales`` given) the payload is flat bytes: the blocks, then their scales ``scales[:, ids]``.
     """
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
@@ -97,7 +98,7 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: i
 
 def blocks_checksum(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
                     scales: torch.Tensor | None = None) -> int:
-    """The checksum the packed payload of these blocks would have (K blocks, then V blocks, then an FP8 cache's
+    """The checksum the packed payload of these blocks would have (K blocks, then V blocks, then a scaled cache's
     scales), computed where they lie: one CRC pass per run of consecutive ids, no packing. Pure (host copies for
     device tensors)."""
     from kernels.copy_between import block_runs
@@ -122,7 +123,7 @@ def install_layer_part(
     scales: torch.Tensor | None = None,
 ) -> None:
     """Verify ``header`` and the payload bytes ``raw`` against ``expected``, then scatter them into the caches
-    (and an FP8 payload's scales into ``scales``, the layer's ``[2, num_blocks, kv_heads]``).
+    (and a scaled payload's scales into ``scales``, the layer's ``[2, num_blocks, ...]``).
 
     Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
     :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
@@ -138,4 +139,4 @@ def install_layer_part(
     ids = torch.tensor(header.block_ids, dtype=torch.long, device=k_cache.device)
     kernels.unpack_blocks(payload, k_cache, v_cache, ids)
     if scales is not None:
-        scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), -1)
+        scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), *scales.shape[2:])

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cluster.wire.auth import ClusterSecret
+from engine.config import KV_CACHE_DTYPES
 
 
 def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:
@@ -28,7 +29,9 @@ class WorkerConfig:
     model: str = "default"
     device: str = "auto"  # the engine's device: auto (CUDA when the actor sees a GPU) | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
-    kv_cache_dtype: str = "auto"  # or "fp8": KV stored and sent as float8_e4m3fn with per-(block, kv head) scales
+    # or "fp8" / "int8": KV stored and sent as float8_e4m3fn with per-(block, kv head) scales / int8 with per-(token,
+    # kv head) scales
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     # KV cache per actor, GiB; None: 1 GiB on the CPU, on CUDA what gpu_memory_utilization leaves
@@ -55,8 +58,8 @@ class WorkerConfig:
     cluster_secret: ClusterSecret | None = None
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype: must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 1:

@@ -155,6 +155,58 @@ def test_store_kv_quantized_bytes_do_not_depend_on_how_later_tokens_are_split() 
     assert torch.equal(one[2], many[2]) and torch.equal(one[3], many[3])
 
 
+def test_store_kv_int8_rounds_each_token_once_with_its_own_scale() -> None:
+    """An int8 cache: each written token's row gets scale max|row| / 127 and values within half a step of it; other
+    slots keep their bytes; -1 skips; a later write never touches earlier tokens."""
+    torch.manual_seed(5)
+    kq = torch.full((3, 4, 2, 8), 7, dtype=torch.int8)  # stale values of a previous owner
+    vq = kq.clone()
+    ks, vs = torch.ones(3, 4, 2), torch.ones(3, 4, 2)
+    key = torch.randn(3, 2, 8) * torch.tensor([0.01, 100.0])[None, :, None]  # heads of very different magnitudes
+    kernels.store_kv_quantized(key, -key, kq, vq, ks, vs, torch.tensor([4, -1, 9]))
+    for slot, row in ((4, key[0]), (9, key[2])):
+        b, o = divmod(slot, 4)
+        want = row.abs().amax(dim=1) / 127
+        assert torch.equal(ks[b, o], want) and torch.equal(vs[b, o], want)
+        back = reference.gather_blocks(kq, torch.tensor([b]), ks, torch.float32)[0, o]
+        assert (back - row).abs().le(want[:, None] / 2 * (1 + 1e-6)).all()  # within half a step, per head
+        assert kq[b, o].abs().amax(dim=1).eq(127).all()  # each row spans the full range
+    untouched = torch.ones(3, 4, dtype=torch.bool)
+    untouched[1, 0] = untouched[2, 1] = False
+    assert (kq[untouched] == 7).all() and (ks[untouched] == 1).all()
+    before = kq.clone(), ks.clone()
+    kernels.store_kv_quantized(key[:1] * 1000, key[:1], kq, vq, ks, vs, torch.tensor([5]))  # a far larger token
+    assert torch.equal(kq[1, 0], before[0][1, 0]) and torch.equal(ks[1, 0], before[1][1, 0])  # no re-rounding
+    zero = torch.zeros(1, 2, 8)  # an all-zero row: a tiny scale, zeros back
+    kernels.store_kv_quantized(zero, zero, kq, vq, ks, vs, torch.tensor([0]))
+    assert (kq[0, 0] == 0).all() and (ks[0, 0] > 0).all()
+    with pytest.raises(ValueError, match="k_scales"):  # int8 scales are per token: a per-block tensor is refused
+        kernels.store_kv_quantized(key, key, kq, vq, torch.ones(3, 2), torch.ones(3, 2), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="store_kv_quantized"):
+        kernels.store_kv(key, key, kq, vq, torch.tensor([0, 1, 2]))
+
+
+def test_int8_decode_and_prefill_attention_read_the_dequantized_cache() -> None:
+    """Attention over an int8 cache equals attention over its dequantized float32 copy (the torch paths)."""
+    torch.manual_seed(6)
+    nb, bs, kvh, hd, heads = 8, 4, 2, 16, 4
+    kq, vq = torch.zeros(nb, bs, kvh, hd, dtype=torch.int8), torch.zeros(nb, bs, kvh, hd, dtype=torch.int8)
+    ks, vs = torch.zeros(nb, bs, kvh), torch.zeros(nb, bs, kvh)
+    kernels.store_kv_quantized(torch.randn(nb * bs, kvh, hd), torch.randn(nb * bs, kvh, hd), kq, vq, ks, vs,
+                               torch.arange(nb * bs))
+    all_blocks = torch.arange(nb)
+    kf = reference.gather_blocks(kq, all_blocks, ks, torch.float32)
+    vf = reference.gather_blocks(vq, all_blocks, vs, torch.float32)
+    q = torch.randn(2, heads, hd)
+    tables, lens = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32), torch.tensor([13, 7], dtype=torch.int32)
+    got = kernels.paged_decode_attention(q, kq, vq, tables, lens, 0.25, None, ks, vs)
+    torch.testing.assert_close(got, naive_decode(q, kf, vf, tables, lens, 0.25), atol=1e-5, rtol=1e-5)
+    qp = torch.randn(5, heads, hd)
+    got = kernels.paged_prefill_attention(qp, kq, vq, tables[1], 3, 0.25, None, ks, vs)
+    want = kernels.paged_prefill_attention(qp, kf, vf, tables[1], 3, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def naive_prefill(q, k, v, start, scale, window=None):  # type: ignore[no-untyped-def]
     """Dense causal softmax attention of one chunk (positions start..) over contiguous K/V [ctx, kv_heads, D]."""
     group = q.shape[1] // k.shape[1]

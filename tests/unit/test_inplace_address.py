@@ -88,7 +88,8 @@ def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_
     mem.close()
 
 
-def test_a_packed_fp8_part_sent_in_place_lands_with_its_scales() -> None:
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_a_packed_scaled_part_sent_in_place_lands_with_its_scales(dtype: str) -> None:
     import torch
 
     from engine.kv_memory import KVLayout, SharedKVMemory
@@ -96,15 +97,16 @@ def test_a_packed_fp8_part_sent_in_place_lands_with_its_scales() -> None:
     from kv_transfer.inplace import InPlaceBackend
     from kv_transfer.layer_parts import pack_layer_part
 
-    mem = SharedKVMemory(KVLayout(1, 6, 4, 2, 8, "float8_e4m3fn", scaled=True))
+    mem = SharedKVMemory(KVLayout(1, 6, 4, 2, 8, dtype, scaled=True))
     decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
     decode.export_cache(mem.kv, mem.scales, mem)
     decode.set_writer_hooks(lambda w, r, e, n: tuple(range(6)), lambda w, r: None, lambda w: None)
     address = decode.listen()
     writer = InPlaceBackend(KVTransferConfig(backend="shm", name="w"))
     g = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(6, 4, 2, 8, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
-    scales = torch.rand(2, 6, 2, generator=g) + 0.5
+    k, v = (torch.randn(6, 4, 2, 8, generator=g).mul(40).to(getattr(torch, dtype)) for _ in range(2))
+    scales = torch.rand(2, 6, *((4,) if dtype == "int8" else ()), 2, generator=g) + 0.5  # int8: one per token
+    assert mem.scales is not None and mem.scales.shape[1:] == scales.shape
     try:
         header, payload = pack_layer_part(k, v, [0, 1], [3, 4], layer=0, token_start=0, token_end=8,
                                           request_id="r", reservation_id="r", model_fingerprint="m", scales=scales)
