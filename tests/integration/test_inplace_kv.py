@@ -89,6 +89,28 @@ def test_in_place_text_equals_the_socket_backend_and_auto_picks_it(model: str, i
             d.shutdown()
 
 
+def test_an_int8_cache_decodes_alike_in_place_over_a_socket_and_offline(model: str, inbox: TokenInbox) -> None:
+    """int8 K/V with per-token scales crosses both backends (the scales with the blocks) and decodes like the offline
+    engine with the same cache: each token is rounded once, however the prompt was chunked."""
+    from engine import LLM, SamplingParams
+
+    pairs = {name: _pair(model, kv, kv_cache_dtype="int8") for name, kv in (
+        ("gloo", KVTransferConfig(backend="torch_dist", connect_timeout_s=20, io_timeout_s=20)), ("shm", SHM))}
+    try:
+        offline = LLM(model, dtype=EXACT_DTYPE, kv_cache_dtype="int8", num_kv_blocks=64)
+        want = offline.generate([list(PROMPT)], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+        for name, (p, d) in pairs.items():
+            got, res = _run(p, d, inbox, f"{name}-int8")
+            assert token_ids(got) == [list(want)], name
+            assert res.parts_sent > 0 and not res.failed_parts
+            _eventually(lambda d=d: d.stats()["kv_parts_installed"] > 0)
+            assert d.stats()["kv_parts_rejected"] == 0 and _counts(d)["reserved"] == 0
+    finally:
+        for p, d in pairs.values():
+            p.shutdown()
+            d.shutdown()
+
+
 def test_checksummed_in_place_write_that_is_corrupted_is_recomputed(model: str, inbox: TokenInbox) -> None:
     checked = KVTransferConfig(backend="shm", inplace_checksum=True, connect_timeout_s=20, io_timeout_s=20)
     clean, bad = _pair(model, checked), _pair(model, checked, corrupt_every=1)
