@@ -25,6 +25,7 @@ def test_bench_fp8_kv_runs(tiny_checkpoint) -> None:
          "--max-tokens", "4"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "identical completions:" in out.stdout and "x of bfloat16" in out.stdout
+    assert "int8 KV (one batch)" in out.stdout and "int8  K " in out.stdout
 
 
 def test_bench_kernels_runs_on_cpu_for_the_script_itself(tmp_path: Path) -> None:
