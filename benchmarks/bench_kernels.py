@@ -4,11 +4,11 @@
     python benchmarks/bench_kernels.py --smoke      # CPU, Triton interpreter, tiny shapes: the script itself (< 20 s)
 
 On a CUDA device: the device's copy bandwidth (a large ``copy_``, read + write), then each kernel's achieved
-bandwidth as a share of it. Paged decode attention (batch x context tokens, GQA, bfloat16 and float16, an FP8 cache
-beside bfloat16, and split-K at a small batch with a long context), torch SDPA on the same KV laid out contiguously
+bandwidth as a share of it. Paged decode attention (batch x context tokens, GQA, bfloat16 and float16, FP8 and int8
+caches beside bfloat16, and split-K at a small batch with a long context), torch SDPA on the same KV laid out contiguously
 (the speed to match); varlen prefill attention (packed chunks, with and without a cached prefix) in TFLOP/s beside
-SDPA's causal attention on contiguous K/V; store_kv at 1k and 16k tokens, the FP8 store, pack/unpack of blocks,
-FP8 quantize/dequantize. Each kernel is timed as CUDA-graph replays of ``GRAPH_CALLS`` calls (so the host's launch
+SDPA's causal attention on contiguous K/V; store_kv at 1k and 16k tokens, the FP8 and int8 stores, pack/unpack of
+blocks, FP8 quantize/dequantize. Each kernel is timed as CUDA-graph replays of ``GRAPH_CALLS`` calls (so the host's launch
 cost is left out, as in the engine's decode graphs), falling back to eager calls where capture fails (marked).
 
 ``--smoke`` runs every row on the CPU through the Triton kernels under ``TRITON_INTERPRET=1`` with tiny shapes, so
@@ -199,6 +199,18 @@ class Bench:
                           lambda: k.paged_decode_attention(q, k8, v8, tables, lens, hd**-0.5, None, ks, vs),
                           kv_bytes // 2)
             self.rows[-1] = (*self.rows[-1][:3], f"{t8 / t_dec:.2f}x the {name} decode's time (goal <= 1)")
+            (ki, kis), (vi, vis) = self._int8(kc), self._int8(vc)
+            t8 = self.row(f"paged decode attention, int8 cache, {b} x {ctx} tokens",
+                          lambda: k.paged_decode_attention(q, ki, vi, tables, lens, hd**-0.5, None, kis, vis),
+                          kv_bytes // kc.element_size() + 2 * b * ctx * kvh * 4)  # values + per-token scales
+            self.rows[-1] = (*self.rows[-1][:3], f"{t8 / t_dec:.2f}x the {name} decode's time")
+
+    def _int8(self, cache):  # type: ignore[no-untyped-def]
+        """An int8 cache ``(values, per-token scales)`` holding ``cache``'s K or V, rounded as the store rounds."""
+        from kernels import reference
+
+        values, scales = reference.quantize_rows_int8(cache.reshape(-1, *cache.shape[2:]))
+        return values.view(cache.shape), scales.view(cache.shape[:3])
 
     def split_k(self, dtype) -> None:  # type: ignore[no-untyped-def]
         torch, k, s = self.torch, self.kernels, self.s
@@ -259,6 +271,11 @@ class Bench:
         self.row(f"store_kv_quantized (fp8), {tokens} tokens", lambda: k.store_kv_quantized(key, key, k8, v8, ks, vs,
                                                                                             slots),
                  2 * key.numel() * key.element_size() + touched)
+        ki, kis = self._int8(kc)
+        vi, vis = ki.clone(), kis.clone()
+        self.row(f"store_kv_quantized (int8), {tokens} tokens",
+                 lambda: k.store_kv_quantized(key, key, ki, vi, kis, vis, slots),
+                 2 * key.numel() * key.element_size() + 2 * slots.numel() * kvh * (hd + 4))  # rows in, int8 + scale out
         ids = tables.reshape(-1)[: nb // 2].long()
         blk_bytes = 2 * ids.numel() * bs * kvh * hd * kc.element_size()
         self.row(f"pack_blocks, {ids.numel()} blocks", lambda: k.pack_blocks(kc, vc, ids), 2 * blk_bytes)
