@@ -1,5 +1,6 @@
-"""Triton kernels for the KV cache: paged decode attention (optionally split-K), KV store (plain and FP8), block
-pack/unpack, FP8 (de)quantization. The varlen prefill attention lives in :mod:`kernels.triton_prefill`.
+"""Triton kernels for the KV cache: paged decode attention (optionally split-K, over plain, FP8 or int8 caches), KV
+store (plain and FP8), block pack/unpack, FP8 (de)quantization. The varlen prefill attention lives in
+:mod:`kernels.triton_prefill`, the int8 store in :mod:`kernels.triton_int8`.
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (exact for float32/float16; the interpreter's
 bfloat16 arithmetic is wrong, so bfloat16 is checked on a GPU only). The argument checks live in
@@ -23,8 +24,10 @@ FP8_HEADROOM = 32.0  # kernels.reference.FP8_HEADROOM: a block's opening scale i
 FP8_OPEN_DIVISOR = tl.constexpr(FP8_MAX / FP8_HEADROOM)  # opening scale = amax / this (14: exact, as in torch)
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
 NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a split that sees no key yields 0, never NaN
-# Decode: context tokens per online-softmax step (spanning blocks of any size). An FP8 tile holds half the bytes, so
-# it takes twice the tokens to keep as many bytes in flight per step.
+# Decode: context tokens per online-softmax step (spanning blocks of any size). An FP8 or int8 tile holds half the
+# bytes, so it takes twice the tokens to keep as many bytes in flight per step; both scaled caches share the *_FP8
+# settings (int8 loads one scale per column token, as FP8 does; ptxas, sm_90: 128 registers as FP8's, 214 with the
+# bf16 settings).
 DECODE_TILE = 64
 DECODE_TILE_FP8 = 128
 # Warps and pipeline stages: ptxas (sm_90) gives bf16 at TILE 64 with 4 warps, 3 stages 122 registers (4 programs per
@@ -46,7 +49,7 @@ def _paged_decode_kernel(
     scale_log2, window,
     stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_sb, stride_sh,
+    stride_sb, stride_st, stride_sh,
     stride_bts,
     stride_os, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -55,7 +58,9 @@ def _paged_decode_kernel(
 ):
     """One program per (sequence, kv head, split): the GROUP query heads sharing that kv head, online softmax over
     TILE-token steps of the split's share of the context. With one split it writes the output; with more it writes
-    the unnormalized partial (acc, max, sum) that ``_decode_reduce_kernel`` combines."""
+    the unnormalized partial (acc, max, sum) that ``_decode_reduce_kernel`` combines. A scaled cache's scale of a
+    column token sits at ``blk * stride_sb + row * stride_st + kvh * stride_sh``: ``stride_st`` is 0 for FP8 (one
+    scale per block and head), the token stride for int8 (one per token and head)."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,12 +95,13 @@ def _paged_decode_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + (blk * stride_vb + row * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
+        sc_off = blk * stride_sb + row * stride_st + kvh * stride_sh  # scaled caches only
         if HAS_SCALES:
-            # FP8 cache: e4m3 values are exact in q's dtype; the per-(block, head) scales multiply the scores'
-            # columns and the probabilities instead of every K/V element
+            # FP8 or int8 cache: e4m3 values and integers up to 127 are exact in q's dtype; the column tokens'
+            # scales multiply the scores' columns and the probabilities instead of every K/V element
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
-            k_sc = tl.load(ks_ptr + blk * stride_sb + kvh * stride_sh, mask=t_ok, other=0.0)
+            k_sc = tl.load(ks_ptr + sc_off, mask=t_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * (k_sc * scale_log2)[None, :]
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_PAD, TILE], fp32 accumulation
@@ -105,7 +111,7 @@ def _paged_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_SCALES:
-            p = p * tl.load(vs_ptr + blk * stride_sb + kvh * stride_sh, mask=t_ok, other=0.0)[None, :]
+            p = p * tl.load(vs_ptr + sc_off, mask=t_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     if NUM_SPLITS > 1:
@@ -149,13 +155,23 @@ def _decode_reduce_kernel(part_ptr, ml_ptr, out_ptr, stride_os, stride_oh,
              out.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
 
 
+def attention_scale_strides(scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """A scaled cache's scales as (block, token, head) strides for the attention kernels: FP8's ``[num_blocks,
+    kv_heads]`` get token stride 0 (every token of a block shares its scale), int8's ``[num_blocks, block_size,
+    kv_heads]`` their own; no scales: zeros (never read)."""
+    if scales is None:
+        return 0, 0, 0
+    return scales.stride(0), scales.stride(1) if scales.dim() == 3 else 0, scales.stride(-1)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, num_splits: int = 1,
 ) -> torch.Tensor:
     """See :func:`kernels.reference.paged_decode_attention`; ``num_splits`` > 1 runs split-K (partials, then a
-    reduce). Pure; no host sync."""
+    reduce). Scales (FP8 ``[num_blocks, kv_heads]``, int8 ``[num_blocks, block_size, kv_heads]``): K's strides
+    serve V's too. Pure; no host sync."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -180,7 +196,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ks.stride(0) if has_scales else 0, ks.stride(1) if has_scales else 0,
+        *attention_scale_strides(k_scales),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -489,3 +505,12 @@ def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, n, key.stride(0), value.stride(0),
         k_cache.stride(0), v_cache.stride(0), *scale_strides,
         BLOCK_SIZE=bs, HEAD_DIM=hd, ROW=row, TOKENS=tokens, COLS=cols, num_warps=STORE_WARPS)
+
+
+def store_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """:func:`kernels.triton_int8.store_kv_int8` (a module of its own, for size), here for :mod:`kernels`' dispatch.
+    Imported at the call, so a module that tests re-decorate under the interpreter is the one that runs."""
+    from kernels import triton_int8
+
+    triton_int8.store_kv_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)

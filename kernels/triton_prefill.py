@@ -6,9 +6,10 @@ this launcher assumes valid arguments. Layouts are those of :mod:`kernels.refere
 Each program takes one tile of a sequence's chunk for one kv head: ``BLOCK_M`` query tokens times the ``GROUP``
 query heads sharing that kv head, flattened into ``BLOCK_M * GROUP_PAD`` rows of one ``tl.dot``, so a K/V tile read
 from the cache serves the whole GQA group. The keys run from the window's start (or 0) to the tile's last position
-in ``TILE_N``-token steps that may span blocks of any size; online softmax in base 2, float32 accumulation; an FP8
-cache is read as e4m3 values (exact in q's dtype) with the per-(block, head) scales applied to the scores' columns
-and to the probabilities. Launch settings are unmeasured first choices (docs/kernels.md).
+in ``TILE_N``-token steps that may span blocks of any size; online softmax in base 2, float32 accumulation; a scaled
+cache is read as its values (FP8's e4m3 or int8's integers, exact in q's dtype) with the scales (FP8's per (block,
+head), int8's per (token, head)) applied to the scores' columns and to the probabilities. Launch settings are
+unmeasured first choices (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _prefill_varlen_kernel(
     scale_log2, window,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_sb, stride_sh,
+    stride_sb, stride_st, stride_sh,
     stride_bts,
     stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -39,7 +40,8 @@ def _prefill_varlen_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     """Program (query tile, sequence, kv head). A tile past its sequence's chunk reads and writes nothing. Query
-    tiles run last-first: the later a tile, the more keys it reads, so the longest programs start first."""
+    tiles run last-first: the later a tile, the more keys it reads, so the longest programs start first. A key's
+    scale (scaled caches) sits at ``blk * stride_sb + row * stride_st + kvh * stride_sh`` (``stride_st`` 0 for FP8)."""
     mt = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -75,10 +77,11 @@ def _prefill_varlen_kernel(
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + (blk * stride_vb + row * stride_vt + kvh * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
+        sc_off = blk * stride_sb + row * stride_st + kvh * stride_sh  # scaled caches only
         if HAS_SCALES:
             k = k.to(tl.float32).to(q.dtype)
             v = v.to(tl.float32).to(q.dtype)
-            k_sc = tl.load(ks_ptr + blk * stride_sb + kvh * stride_sh, mask=t_ok, other=0.0)
+            k_sc = tl.load(ks_ptr + sc_off, mask=t_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * (k_sc * scale_log2)[None, :]
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -91,12 +94,21 @@ def _prefill_varlen_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if HAS_SCALES:
-            p = p * tl.load(vs_ptr + blk * stride_sb + kvh * stride_sh, mask=t_ok, other=0.0)[None, :]
+            p = p * tl.load(vs_ptr + sc_off, mask=t_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _scale_strides(scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """(block, token, head) strides of a scaled cache's scales: token stride 0 for FP8's ``[num_blocks, kv_heads]``
+    (one per block); int8's ``[num_blocks, block_size, kv_heads]`` have their own; no scales: zeros (never read).
+    As :func:`kernels.triton_kv.attention_scale_strides` (not imported: ``compile_sm90.py`` loads this file alone)."""
+    if scales is None:
+        return 0, 0, 0
+    return scales.stride(0), scales.stride(1) if scales.dim() == 3 else 0, scales.stride(-1)
 
 
 def paged_prefill_attention_varlen(
@@ -105,7 +117,8 @@ def paged_prefill_attention_varlen(
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
     """See :func:`kernels.reference.paged_prefill_attention_varlen`. ``max_seqlen_q`` (the longest chunk) sizes the
-    grid; without it one host sync reads it from ``cu_seqlens_q``. Pure."""
+    grid; without it one host sync reads it from ``cu_seqlens_q``. Scales as for
+    :func:`kernels.triton_kv.paged_decode_attention` (K's strides serve V's too). Pure."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = start_pos.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -129,7 +142,7 @@ def paged_prefill_attention_varlen(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ks.stride(0) if has_scales else 0, ks.stride(1) if has_scales else 0,
+        *_scale_strides(k_scales),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, HEAD_DIM=head_dim,

@@ -21,6 +21,6 @@ def test_bench_kernels_smoke_runs_every_row() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Triton path: True" in done.stdout
     for row in ("paged decode attention, fp8 cache", "paged decode attention, int8 cache", "2 splits",
-                "varlen prefill attention", "SDPA causal", "store_kv, ", "store_kv_quantized (fp8)", "store_kv_quantized (int8)", "pack_blocks",
-                "dequantize_kv_fp8"):
+                "varlen prefill attention", "SDPA causal", "store_kv, ", "store_kv_quantized (fp8)",
+                "store_kv_quantized (int8)", "pack_blocks", "dequantize_kv_fp8"):
         assert row in done.stdout, row
