@@ -60,6 +60,12 @@ def _triton():  # type: ignore[no-untyped-def]
     return triton_kv
 
 
+def _triton_int8():  # type: ignore[no-untyped-def]
+    from kernels import triton_int8
+
+    return triton_int8
+
+
 def _triton_prefill():  # type: ignore[no-untyped-def]
     from kernels import triton_prefill
 
@@ -313,7 +319,7 @@ def store_kv_quantized(
     _check_scales(k_cache, k_scales, v_scales)
     _check_token_rows(key, value, k_cache, slot_mapping)
     if k_cache.dtype == reference.INT8_DTYPE:
-        store = _triton().store_kv_int8 if uses_triton(key) else reference.store_kv_int8
+        store = _triton_int8().store_kv_int8 if uses_triton(key) else reference.store_kv_int8
         store(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     elif uses_triton(key):
         _triton().store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)

@@ -506,11 +506,3 @@ def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         k_cache.stride(0), v_cache.stride(0), *scale_strides,
         BLOCK_SIZE=bs, HEAD_DIM=hd, ROW=row, TOKENS=tokens, COLS=cols, num_warps=STORE_WARPS)
 
-
-def store_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """:func:`kernels.triton_int8.store_kv_int8` (a module of its own, for size), here for :mod:`kernels`' dispatch.
-    Imported at the call, so a module that tests re-decorate under the interpreter is the one that runs."""
-    from kernels import triton_int8
-
-    triton_int8.store_kv_int8(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)

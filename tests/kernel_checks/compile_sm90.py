@@ -59,18 +59,20 @@ def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> 
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-CASES = ["decode_bf16_split", "decode_fp8", "decode_reduce", "prefill_bf16_window", "prefill_fp8", "store_kv",
-         "store_fp8", "copy_blocks", "copy_between", "fp8_quantize"]
+CASES = ["decode_bf16_split", "decode_fp8", "decode_int8", "decode_reduce", "prefill_bf16_window", "prefill_fp8",
+         "prefill_int8", "store_kv", "store_fp8", "store_int8", "copy_blocks", "copy_between", "fp8_quantize"]
+CACHE_TYPES = {"fp8": "*fp8e4nv", "int8": "*i8"}
 
 
-def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
+def compile_case(case: str, kv: ModuleType, pf: ModuleType, i8: ModuleType) -> None:
     """Compile the kernel(s) of one case; raises on any compiler error."""
     attn = dict(bt_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", scale_log2=0.1, window=I32, stride_kb=I32_16,
                 stride_kt=I32_16, stride_kh=I32_16, stride_vb=I32_16, stride_vt=I32_16, stride_vh=I32_16,
-                stride_sb=I32, stride_sh=I32, stride_bts=I32, BLOCK_SIZE=16, HEAD_DIM=128, DIM_PAD=128)
+                stride_sb=I32, stride_st=I32, stride_sh=I32, stride_bts=I32, BLOCK_SIZE=16, HEAD_DIM=128,
+                DIM_PAD=128)
     if case.startswith("decode_") and case != "decode_reduce":
-        fp8 = case == "decode_fp8"
-        cache = "*fp8e4nv" if fp8 else "*bf16"
+        fp8 = case in ("decode_fp8", "decode_int8")  # the scaled caches
+        cache = CACHE_TYPES.get(case.split("_")[1], "*bf16")
         args = dict(attn, q_ptr="*bf16", k_ptr=cache, v_ptr=cache, lens_ptr="*i32", out_ptr="*bf16",
                     part_ptr="*fp32", ml_ptr="*fp32", stride_qs=I32_16, stride_qh=I32_16, stride_os=I32_16,
                     stride_oh=I32_16, GROUP=4, GROUP_PAD=16, TILE=kv.DECODE_TILE_FP8 if fp8 else kv.DECODE_TILE,
@@ -82,8 +84,8 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
                                                 stride_oh=I32_16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128,
                                                 NUM_SPLITS=9, SPLITS_PAD=16), 4, 2)
     elif case.startswith("prefill_"):
-        fp8 = case == "prefill_fp8"
-        cache = "*fp8e4nv" if fp8 else "*bf16"
+        fp8 = case in ("prefill_fp8", "prefill_int8")
+        cache = CACHE_TYPES.get(case.split("_")[1], "*bf16")
         args = dict(attn, q_ptr="*bf16", k_ptr=cache, v_ptr=cache, cu_ptr="*i32", start_ptr="*i32", out_ptr="*bf16",
                     stride_qt=I32_16, stride_qh=I32_16, stride_ot=I32_16, stride_oh=I32_16, GROUP=4, GROUP_PAD=4,
                     BLOCK_M=pf.PREFILL_ROWS // 4, TILE_N=pf.PREFILL_TILE_N, HAS_WINDOW=not fp8, HAS_SCALES=fp8)
@@ -104,6 +106,13 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType) -> None:
             key_ptr="*bf16", value_ptr="*bf16", k_ptr="*fp8e4nv", v_ptr="*fp8e4nv", ks_ptr="*fp32", vs_ptr="*fp32",
             slot_ptr="*i64", num_tokens=I32, stride_kt=I32_16, stride_vt=I32_16, stride_kb=I32_16, stride_vb=I32_16,
             **scale_strides, BLOCK_SIZE=16, HEAD_DIM=128, ROW=1024, TOKENS=4, COLS=1024), kv.STORE_WARPS, 2)
+    elif case == "store_int8":
+        _compile(i8._store_int8_kernel, dict(
+            key_ptr="*bf16", value_ptr="*bf16", k_ptr="*i8", v_ptr="*i8", ks_ptr="*fp32", vs_ptr="*fp32",
+            slot_ptr="*i64", num_tokens=I32, stride_kt=I32_16, stride_kh=I32_16, stride_vt=I32_16, stride_vh=I32_16,
+            stride_kb=I32_16, stride_vb=I32_16, stride_ksb=I32, stride_kst=I32, stride_ksh=I32,
+            stride_vsb=I32, stride_vst=I32, stride_vsh=I32, BLOCK_SIZE=16, ROW=1024, HEAD_DIM=128, DIM_PAD=128,
+            TOKENS=i8.STORE_INT8_ELEMS // 128), i8.STORE_INT8_WARPS, 2)
     elif case in ("copy_blocks", "copy_between"):  # pack (ids on the source side) / between two caches
         _compile(kv._copy_blocks_kernel, dict(k_src="*bf16", v_src="*bf16", k_dst="*bf16", v_dst="*bf16",
                                               src_ids="*i64", dst_ids="*i64", stride_ks=I32_16, stride_vs=I32_16,
@@ -119,11 +128,11 @@ def main() -> int:
     if "nvidia" not in triton.backends.backends:
         print("skip: this Triton has no NVIDIA backend")
         return 0
-    kv, pf = _load("triton_kv"), _load("triton_prefill")
+    kv, pf, i8 = _load("triton_kv"), _load("triton_prefill"), _load("triton_int8")
     failed = 0
     for case in CASES:
         try:
-            compile_case(case, kv, pf)
+            compile_case(case, kv, pf, i8)
             print(f"compiled {case}")
         except Exception:  # noqa: BLE001 -- report every case
             failed += 1
