@@ -22,8 +22,8 @@ class EngineConfig:
     # bfloat16
     dtype: str = "auto"
     # KV cache storage: "auto" (= dtype), "fp8" (float8_e4m3fn with one float32 scale per block and kv head) or "int8"
-    # (one float32 scale per token and kv head: 6% more bytes than fp8 at head_dim 64, greedy text much closer to the
-    # unquantized cache; docs/kernels.md). Either is about half of bfloat16's bytes in memory and on the wire;
+    # (one float32 scale per token and kv head: 6% more bytes than fp8 at head_dim 64, half fp8's rounding error for K
+    # and a quarter for V; docs/kernels.md). Either is about half of bfloat16's bytes in memory and on the wire;
     # attention dequantizes
     kv_cache_dtype: str = "auto"
     block_size: int = 16  # tokens per KV block
