@@ -300,4 +300,14 @@ def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_kv_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`quantize_kv_fp8`. Pure."""
-    return (q.float() * scales[:, None, :, None]).to(dtype)
+    return (e4m3_to_float(q) * scales[:, None, :, None]).to(dtype)
+
+
+def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn values as float32, exactly, through float16's bits: a byte ``s eeee mmm`` shifted left by 7 (bit
+    14, the sign's copy, cleared) is the float16 ``s 0eeee mmm0000000``, the same value times 2**-8, subnormals
+    included. torch's own float8 cast runs scalar code on the CPU, ~10x slower (it made an FP8 cache's decode step
+    2.2x a float32 cache's). The NaN code, which the stores never write (they saturate at +-448), reads as +-480.
+    Pure."""
+    h = (q.view(torch.int8).to(torch.int16) << 7).bitwise_and_(~0x4000)
+    return h.view(torch.float16).float().mul_(256.0)

@@ -155,6 +155,15 @@ def test_store_kv_quantized_bytes_do_not_depend_on_how_later_tokens_are_split() 
     assert torch.equal(one[2], many[2]) and torch.equal(one[3], many[3])
 
 
+def test_e4m3_to_float_is_torchs_cast_on_every_code_but_nan() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    want, got = codes.float(), reference.e4m3_to_float(codes)
+    nan = torch.isnan(want)
+    assert int(nan.sum()) == 2 and torch.equal(got[~nan], want[~nan])
+    assert torch.equal(got[nan].abs(), torch.full((2,), 480.0))
+    assert torch.equal(reference.e4m3_to_float(codes.view(4, 8, 8)), got.view(4, 8, 8))  # any shape
+
+
 def test_store_kv_int8_rounds_each_token_once_with_its_own_scale() -> None:
     """An int8 cache: each written token's row gets scale max|row| / 127 and values within half a step of it; other
     slots keep their bytes; -1 skips; a later write never touches earlier tokens."""
