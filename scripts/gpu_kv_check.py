@@ -1,4 +1,4 @@
-"""GPU check of KV that moves memory to memory (issue 13), one prepared run on a CUDA machine, ~6 minutes:
+"""GPU check of KV that moves memory to memory (issue 13), one prepared run on a CUDA machine, ~8 minutes:
 
 1. ``python -m kv_transfer.loopback --device cuda``: ``cuda_ipc`` in-place writes into another process's IPC-mapped
    cache (same block ids, scattered ids, checksummed) against the device's copy bandwidth; NCCL where two GPUs are.
@@ -7,6 +7,8 @@
 3. ``pdcluster serve --device cuda --prefill 1 --decode 1 --gpus-per-actor 0.5 --kv-backend cuda_ipc`` on a
    random-weight Llama built here (the default model's wheel is too large to bring): greedy completions equal the
    offline GPU engine's; TTFT of streamed requests reported (two processes time-slice one GPU: not gated).
+4. The same serve with ``--kv-cache-dtype int8`` (per-token scales cross cuda_ipc with the blocks): greedy completions
+   equal the offline GPU engine's with an int8 cache.
 
 Each stage appends its section to the report (``docs/gpu-results.md``; copied to ``$OUT`` when set) as it finishes.
 The serve stage needs Ray and pyzmq: on the lent machine, ``bash .devbundle/install.sh`` and its PYTHONPATH first.
@@ -108,7 +110,7 @@ def _post(url: str, body: dict, stream: bool = False) -> tuple[str, float]:
         return text, ttft
 
 
-def stage_serve(device: str, smoke: bool) -> str:
+def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto") -> str:
     import statistics
 
     import torch
@@ -125,14 +127,14 @@ def stage_serve(device: str, smoke: bool) -> str:
     kind = "cuda_ipc" if device.startswith("cuda") else "shm"
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (4 + i) for i in range(8)]
     max_tokens = 16
-    offline = LLM(folder, device=device, kv_cache_gib=1.0, gpu_memory_utilization=0.3)
+    offline = LLM(folder, device=device, kv_cache_gib=1.0, gpu_memory_utilization=0.3, kv_cache_dtype=kv_cache_dtype)
     want = [o.text for o in offline.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
     del offline
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     gpus = 0.5 if device.startswith("cuda") else 0.0
     cfg = ServeConfig(worker=WorkerConfig(model=folder, device=device, gpu_memory_utilization=0.4,
-                                          kv_cache_gib=1.0, dtype="auto"),
+                                          kv_cache_gib=1.0, dtype="auto", kv_cache_dtype=kv_cache_dtype),
                       decode=1, prefill=1, port=0, kv_backend=kind, gpus_per_actor=gpus)
     cluster = Cluster(cfg)
     t0 = time.perf_counter()
@@ -149,7 +151,8 @@ def stage_serve(device: str, smoke: bool) -> str:
         kv_bytes = [ln for ln in metrics.splitlines() if ln.startswith("pdcluster_kv_transfer_bytes_total")]
         same = sum(g == w for g, w in zip(got, want))
         return (f"{'PASS' if same == len(prompts) else 'FAIL'}: `serve --device {device} --prefill 1 --decode 1 "
-                f"--gpus-per-actor {gpus} --kv-backend {kind}` on a random-weight {shape} ({dtype}), started in "
+                f"--gpus-per-actor {gpus} --kv-backend {kind} --kv-cache-dtype {kv_cache_dtype}` on a random-weight "
+                f"{shape} ({dtype}), started in "
                 f"{started:.0f} s: {same}/{len(prompts)} greedy completions ({max_tokens} tokens) equal the offline "
                 f"engine's on the same device. Streamed TTFT p50 {statistics.median(ttfts) * 1e3:.0f} ms, max "
                 f"{max(ttfts) * 1e3:.0f} ms (prefill and decode time-slice one device). KV bytes: "
@@ -178,7 +181,8 @@ def main() -> int:
     rc = 0
     for title, fn in (("In-place bandwidth", lambda: stage_loopback(device, args.smoke)),
                       ("A killed decode peer", lambda: stage_kill(device)),
-                      ("Serve over in-place KV", lambda: stage_serve(device, args.smoke))):
+                      ("Serve over in-place KV", lambda: stage_serve(device, args.smoke)),
+                      ("Serve over in-place KV, int8 cache", lambda: stage_serve(device, args.smoke, "int8"))):
         try:
             text = fn()
         except Exception:  # noqa: BLE001 -- report the stage and go on
