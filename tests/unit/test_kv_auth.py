@@ -83,7 +83,7 @@ def test_a_signed_header_round_trips_and_any_changed_field_fails() -> None:
 
 
 def test_the_header_wire_version_moved_and_a_bad_mac_field_is_malformed() -> None:
-    assert WIRE_VERSION == 4
+    assert WIRE_VERSION == 5  # 5: int8 payloads with per-token scales
     with pytest.raises(ValueError, match="mac"):
         _header(mac=b"\x00" * 5)
     import msgpack
