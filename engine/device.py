@@ -98,14 +98,15 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     """One forward of a ``num_tokens`` prefill chunk over a throwaway KV cache, then logits and their log-softmax for
     ``num_rows`` rows: the activation peak of the largest step the engine will run. Writes nothing the engine keeps."""
     from engine.model import AttentionMetadata  # engine.model imports kernels; keep this module light to import
+    from kernels.reference import SCALED_DTYPES, scale_dims
 
     cfg, dev = model.cfg, model.device
     num_blocks = -(-num_tokens // block_size)
     kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype,
                      device=dev)
-    per_token = (block_size,) if kv_dtype == torch.int8 else ()  # int8: a scale per token and kv head
-    scales = (list(torch.zeros(cfg.num_layers, 2, num_blocks, *per_token, cfg.num_kv_heads, device=dev).unbind(0))
-              if kv_dtype in (torch.float8_e4m3fn, torch.int8) else None)
+    scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, num_blocks, block_size, cfg.num_kv_heads),
+                               device=dev).unbind(0))
+              if kv_dtype in SCALED_DTYPES else None)
     table = torch.arange(num_blocks, dtype=torch.int32, device=dev)
     varlen = (table[None], torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
               torch.zeros(1, dtype=torch.int32, device=dev), num_tokens) if dev.type == "cuda" else None

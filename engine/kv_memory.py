@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import scale_dims
+
 _ALIGN = 64  # bytes: each region of the file starts on a cache line
 PROBE_REGION = 64  # bytes after the cache: the owner writes a nonce there, a peer that maps the file reads it back
 
@@ -42,8 +44,8 @@ class KVLayout:
 
     @property
     def scales_shape(self) -> tuple[int, ...]:
-        per_token = (self.block_size,) if self.dtype == "int8" else ()
-        return (self.num_layers, 2, self.num_blocks, *per_token, self.kv_heads)
+        return (self.num_layers, 2, *scale_dims(getattr(torch, self.dtype), self.num_blocks, self.block_size,
+                                                 self.kv_heads))
 
     @property
     def kv_nbytes(self) -> int:

@@ -7,11 +7,13 @@ wait is for the sampled ids (and logprobs) coming back, once per step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence as Seq
 
 import torch
 
 from engine.cuda_graphs import DecodeGraphRunner
+from kernels.reference import SCALED_DTYPES, scale_dims
 from engine.kv_cache_manager import cdiv
 from engine.kv_memory import KVLayout, SharedKVMemory
 from engine.model import AttentionMetadata, DecoderModel
@@ -37,8 +39,9 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     """Bytes one block takes across all layers (K and V, and their float32 scales for a scaled cache: one per kv
     head for FP8, one per token and kv head for int8)."""
     values = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-    scales = {FP8: 1, INT8: block_size}.get(dtype, 0)
-    return values + 2 * cfg.num_layers * scales * cfg.num_kv_heads * 4
+    if dtype not in SCALED_DTYPES:
+        return values
+    return values + 2 * cfg.num_layers * math.prod(scale_dims(dtype, 1, block_size, cfg.num_kv_heads)) * 4
 
 
 def to_device(values: Seq[int] | Seq[float] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,7 +66,7 @@ class ModelRunner:
         if shared_kv and self.device.type == "cpu":
             self.shared_kv = SharedKVMemory(KVLayout(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                                                      cfg.head_dim, str(dtype).removeprefix("torch."),
-                                                     dtype in (FP8, INT8)))
+                                                     dtype in SCALED_DTYPES))
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
         self.kv = (self.shared_kv.kv if self.shared_kv is not None else
                    torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -71,9 +74,9 @@ class ModelRunner:
         self.kv_caches = list(self.kv.unbind(0))
         # a scaled cache's float32 scales (zero where never written): FP8 [layers, 2, num_blocks, kv_heads], int8
         # [layers, 2, num_blocks, block_size, kv_heads]
-        per_token = (block_size,) if dtype == INT8 else ()
-        self.kv_scales = (torch.zeros(cfg.num_layers, 2, num_blocks, *per_token, cfg.num_kv_heads, device=self.device)
-                          if dtype in (FP8, INT8) and self.shared_kv is None else
+        dims = scale_dims(dtype, num_blocks, block_size, cfg.num_kv_heads)
+        self.kv_scales = (torch.zeros(cfg.num_layers, 2, *dims, device=self.device)
+                          if dtype in SCALED_DTYPES and self.shared_kv is None else
                           self.shared_kv.scales if self.shared_kv is not None else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)

@@ -25,11 +25,16 @@ INT8_MAX = 127.0
 SCALED_DTYPES = (FP8_DTYPE, INT8_DTYPE)  # caches that carry scales
 
 
+def scale_dims(dtype: torch.dtype, num_blocks: int, block_size: int, kv_heads: int) -> tuple[int, ...]:
+    """The shape of one layer's K (or V) scales in a scaled cache of ``dtype``: ``[num_blocks, kv_heads]`` for FP8
+    (one per block and head), ``[num_blocks, block_size, kv_heads]`` for int8 (one per token and head). Pure."""
+    return (num_blocks, block_size, kv_heads) if dtype == INT8_DTYPE else (num_blocks, kv_heads)
+
+
 def scales_shape(cache: torch.Tensor) -> tuple[int, ...]:
-    """The shape of a scaled cache's K (or V) scales: ``[num_blocks, kv_heads]`` for FP8 (one per block and head),
-    ``[num_blocks, block_size, kv_heads]`` for int8 (one per token and head). Pure."""
+    """:func:`scale_dims` of a ``[num_blocks, block_size, kv_heads, head_dim]`` cache. Pure."""
     num_blocks, block_size, kv_heads, _ = cache.shape
-    return (num_blocks, block_size, kv_heads) if cache.dtype == INT8_DTYPE else (num_blocks, kv_heads)
+    return scale_dims(cache.dtype, num_blocks, block_size, kv_heads)
 
 
 def paged_decode_attention(
@@ -186,6 +191,16 @@ def paged_prefill_attention_varlen(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def written_rows(slot_mapping: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int64 slots, keys and values of the tokens a store writes: those whose slot is not -1. Pure."""
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    return slots, key, value
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -194,10 +209,7 @@ def store_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write each token's K/V into its slot. Mutates ``k_cache`` and ``v_cache``; slots of -1 are skipped."""
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
+    slots, key, value = written_rows(slot_mapping, key, value)
     k_cache.view(-1, k_cache.shape[2], k_cache.shape[3]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, v_cache.shape[2], v_cache.shape[3]).index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -218,9 +230,7 @@ def store_kv_quantized(
     put in it. Every later write into the block quantizes its tokens with that scale and saturates at +-448, so a
     token is rounded once, when it is written, and never again: a block's bytes do not depend on how the tokens
     after its first write were split into calls. Only the written slots change."""
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    slots, key, value = slots[keep], key[keep], value[keep]
+    slots, key, value = written_rows(slot_mapping, key, value)
     if slots.numel() == 0:
         return
     block_size = k_cache.shape[1]
@@ -258,10 +268,7 @@ def store_kv_int8(
 ) -> None:
     """:func:`store_kv` into an int8 cache: each token's row quantized with its own scale (:func:`quantize_rows_int8`),
     written with it into its slot. Mutates the caches and scales (only the written slots); slots of -1 are skipped."""
-    slots = slot_mapping.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
+    slots, key, value = written_rows(slot_mapping, key, value)
     for cache, scales, new in ((k_cache, k_scales, key), (v_cache, v_scales, value)):
         q, s = quantize_rows_int8(new)
         cache.view(-1, cache.shape[2], cache.shape[3]).index_copy_(0, slots, q)

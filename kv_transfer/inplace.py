@@ -302,9 +302,8 @@ class InPlaceBackend(KVTransferBackend):
         kv = flat.view(getattr(torch, hello["dtype"])).view(hello["shape"])
         scales = None
         if hello["scales"] is not None:
-            per_token = (kv.shape[3],) if kv.dtype == torch.int8 else ()  # int8: a scale per token and head
-            scales = import_cuda(hello["scales"]).view(torch.float32).view(kv.shape[0], 2, kv.shape[2], *per_token,
-                                                                            kv.shape[4])
+            scales = import_cuda(hello["scales"]).view(torch.float32).view(
+                kv.shape[0], 2, *kernels.reference.scale_dims(kv.dtype, kv.shape[2], kv.shape[3], kv.shape[4]))
         return kv, scales, import_cuda(hello["probe"])
 
     def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
