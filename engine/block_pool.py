@@ -6,6 +6,11 @@ A block is in exactly one state:
   is evicted (its hash dropped) only when it is reused;
 - *free*: ``ref_cnt == 0`` and no hash.
 ``free + cached + used == total`` is checked by :meth:`BlockPool.check_integrity`.
+
+:meth:`BlockPool.counts` is read several times a second (stats) on pools of 10^5-10^6 blocks, so it must not walk the
+free list: the number of cached blocks in it is kept up to date at each of the four places a block enters or leaves
+the free list or gains a hash (allocate, touch, free, register), and ``check_integrity`` walks the list and checks
+that number against it.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ class BlockPool:
         self.num_hits = 0
         self.num_queries = 0
         self.events: PrefixEventLog | None = None  # told of every hash registered and evicted (for routers)
+        # blocks in the free list that hold a hash (the "cached" state), kept incrementally: counts() is O(1)
+        self._num_cached_free = 0
 
     # -- counts -----------------------------------------------------------------------------------------------
     @property
@@ -92,9 +99,16 @@ class BlockPool:
         return self.free_queue.size
 
     def counts(self) -> dict[str, int]:
+        """``{"free", "cached", "used", "total"}`` (see the module doc), in O(1): no walk of the free list. Pure."""
+        cached = self._num_cached_free
+        return {"free": self.free_queue.size - cached, "cached": cached,
+                "used": self.num_blocks - self.free_queue.size, "total": self.num_blocks}
+
+    def _walked_counts(self) -> dict[str, int]:
+        """What :meth:`counts` must equal, by walking the free list (O(free blocks): for the integrity check). Pure."""
         cached = sum(1 for b in self.free_queue if b.block_hash is not None)
-        free = self.free_queue.size - cached
-        return {"free": free, "cached": cached, "used": self.num_blocks - self.free_queue.size, "total": self.num_blocks}
+        return {"free": self.free_queue.size - cached, "cached": cached,
+                "used": self.num_blocks - self.free_queue.size, "total": self.num_blocks}
 
     # -- allocation ---------------------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[Block]:
@@ -105,6 +119,7 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             if b.block_hash is not None:
+                self._num_cached_free -= 1
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
                     if self.events is not None:
@@ -120,6 +135,8 @@ class BlockPool:
         for b in blocks:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
+                if b.block_hash is not None:
+                    self._num_cached_free -= 1
             b.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block]) -> None:
@@ -130,6 +147,8 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
+                if b.block_hash is not None:
+                    self._num_cached_free += 1
 
     # -- prefix cache -------------------------------------------------------------------------------------------
     def lookup(self, block_hash: int, token_ids: Sequence[int]) -> Block | None:
@@ -150,6 +169,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        if block.ref_cnt == 0:  # not the documented use (a used block), but keep the count exact if it happens
+            self._num_cached_free += 1
         if self.events is not None:
             self.events.added(block_hash)
 
@@ -159,9 +180,11 @@ class BlockPool:
 
         ``expected_refs`` (block id -> number of holders), when given, must match every block's refcount.
         """
-        c = self.counts()
+        c = self._walked_counts()
         if c["free"] + c["cached"] + c["used"] != c["total"]:
             raise AssertionError(f"block accounting broken: {c}")
+        if self.counts() != c:
+            raise AssertionError(f"incremental block counts {self.counts()} != walked {c}")
         in_queue = set()
         for b in self.free_queue:
             if b.ref_cnt != 0:

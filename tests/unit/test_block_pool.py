@@ -113,3 +113,76 @@ def test_allocate_fails_without_side_effects() -> None:
     s = make_seq(0, list(range(12)))
     assert kv.allocate_slots(s, 12, []) is None
     assert s.block_table == [] and kv.pool.counts()["free"] == 2
+
+
+def _walked(pool: BlockPool) -> dict[str, int]:
+    """The counts by walking every block (independent of the pool's own bookkeeping)."""
+    free = [b for b in pool.blocks if b.ref_cnt == 0]
+    cached = sum(1 for b in free if b.block_hash is not None)
+    return {"free": len(free) - cached, "cached": cached, "used": pool.num_blocks - len(free), "total": pool.num_blocks}
+
+
+class _NoWalk(FreeBlockQueue):
+    """A free list whose iteration raises while ``armed``: counts() must not walk it."""
+
+    armed = False
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        if self.armed:
+            raise AssertionError("counts() walked the free list")
+        return super().__iter__()
+
+
+def test_counts_stay_exact_through_allocate_hit_evict_fork_and_cow_without_walking() -> None:
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_caching=True)
+    pool = kv.pool
+    q = _NoWalk([])
+    for b in pool.blocks:
+        q.append(b)
+    pool.free_queue = q
+
+    def check() -> None:
+        q.armed = True
+        try:
+            got = pool.counts()
+        finally:
+            q.armed = False
+        assert got == _walked(pool)
+        pool.check_integrity()  # walks, and compares the incremental counts with the walk
+
+    a = make_seq(0, list(range(12)))
+    assert kv.allocate_slots(a, 12, []) == []  # allocate
+    a.num_computed_tokens = 12
+    kv.cache_full_blocks(a)  # register: used blocks gain hashes (still used)
+    check()
+    kv.free(a)  # free: three cached blocks in the free list
+    check()
+    assert pool.counts()["cached"] == 3
+    b = make_seq(1, list(range(12)))
+    hits = kv.get_computed_blocks(b)  # cache hit: touch revives cached blocks out of the free list
+    assert kv.allocate_slots(b, 4, hits) == []
+    check()
+    assert pool.counts()["cached"] == 1
+    child = make_seq(2, list(range(12)))
+    kv.fork(b, child)  # fork: shared references, no state change
+    check()
+    copies = kv.allocate_slots(child, 1, [])  # copy-on-write of the shared partial block
+    assert copies is not None
+    check()
+    kv.free(child)
+    kv.free(b)
+    check()
+    big = make_seq(3, list(range(100, 148)))  # needs every block: evicts all cached ones
+    assert kv.allocate_slots(big, 48, []) == []
+    check()
+    assert pool.counts() == {"free": 0, "cached": 0, "used": 12, "total": 12}
+    kv.free(big)
+    check()
+    pool.check_integrity({})
+
+
+def test_integrity_check_catches_drifted_counts() -> None:
+    pool = BlockPool(4)
+    pool._num_cached_free += 1  # a missed update somewhere
+    with pytest.raises(AssertionError, match="incremental block counts"):
+        pool.check_integrity()
