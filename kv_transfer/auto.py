@@ -4,8 +4,9 @@ A decode actor listens on both: the in-place channel (``shm`` on the CPU, ``cuda
 (``fallback_backend``: torch_dist or ucx), and advertises ``auto|<in-place address>|<socket address>``; parts from
 either queue on one receive side. A prefill actor decides once per decode actor: same node (the in-place address names
 the Ray node) and a successful probe (it maps the peer's cache and reads back the nonce the peer wrote there) ->
-in place; anything else -> the socket backend. A plain address (a peer not running ``auto``) goes to the socket
-backend as it is.
+in place; anything else -> the socket backend, counted by reason (:meth:`AutoBackend.fallback_counts`, shown as
+``pdcluster_kv_inplace_fallbacks_total``: a cuda_ipc peer whose GPU this process cannot see is one). A plain address
+(a peer not running ``auto``) goes to the socket backend as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kv_transfer.base import KVTransferBackend, TransferHandle
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
 from kv_transfer.inplace import InPlaceBackend
+from kv_transfer.inplace_channel import fallback_reason
 
 log = logging.getLogger(__name__)
 PREFIX = "auto|"
@@ -48,6 +50,9 @@ class AutoBackend(KVTransferBackend):
         self.socket = make_backend(dataclasses.replace(self.config, backend=config.fallback_backend))
         self._exported = False
         self._routes: dict[str, tuple[KVTransferBackend, str]] = {}  # advertised address -> (backend, its address)
+        # peers offered in place but routed to the socket backend, by reason (inplace_channel.fallback_reason): a
+        # fallback costs bandwidth silently, so it is counted where /metrics can show it
+        self._fallbacks: dict[str, int] = {}
         self._lock = threading.Lock()
         self.peer_errors = self.socket.peer_errors
 
@@ -80,10 +85,18 @@ class AutoBackend(KVTransferBackend):
                 self.inplace.connect(inplace)
                 chosen = (self.inplace, inplace)
             except ConnectionError as e:
-                log.info("KV to %s over %s: %s", sock, self.config.fallback_backend, e)
+                reason = fallback_reason(e)
+                log.info("KV to %s over %s (%s): %s", sock, self.config.fallback_backend, reason, e)
+                with self._lock:
+                    self._fallbacks[reason] = self._fallbacks.get(reason, 0) + 1
         with self._lock:
             self._routes[peer_address] = chosen
         return chosen
+
+    def fallback_counts(self) -> dict[str, int]:
+        """Peers offered in place that went to the socket backend, by reason, since start (a copy). Pure."""
+        with self._lock:
+            return dict(self._fallbacks)
 
     def in_place(self, peer_address: str) -> bool:
         return self.route(peer_address)[0] is self.inplace

@@ -36,8 +36,8 @@ from kernels import copy_between
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeaderError, sign_header
-from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, export_cuda, import_cuda, node_id, recv_message,
-                                         send_message)
+from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, InPlaceUnavailable, export_cuda, import_cuda,
+                                         node_id, recv_message, send_message)
 from kv_transfer.layer_parts import blocks_checksum, part_header
 
 log = logging.getLogger(__name__)
@@ -257,7 +257,7 @@ class InPlaceBackend(KVTransferBackend):
         if addr.kind != self.kind:
             raise ConnectionError(f"peer writes {addr.kind}, this endpoint {self.kind}")
         if addr.node != self.node:
-            raise ConnectionError(f"peer is on node {addr.node}, this process on {self.node}")
+            raise InPlaceUnavailable("other_node", f"peer is on node {addr.node}, this process on {self.node}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.config.connect_timeout_s)
         try:
@@ -274,7 +274,7 @@ class InPlaceBackend(KVTransferBackend):
                 raise ValueError(f"refused: {hello.get('error')}")
             kv, scales, probe = self._map(hello, fds)
             if bytes(probe.cpu().numpy()) != hello["nonce"]:
-                raise ConnectionError("probe failed: the mapped memory is not the peer's")
+                raise InPlaceUnavailable("probe_failed", "probe failed: the mapped memory is not the peer's")
         except (OSError, EOFError, ValueError, KeyError, RuntimeError) as e:
             sock.close()
             raise ConnectionError(f"in-place channel to {address}: {e}") from e
@@ -298,13 +298,13 @@ class InPlaceBackend(KVTransferBackend):
             layout = KVLayout(**hello["layout"])
             kv, scales = layout.views(flat)
             return kv, scales, flat[layout.nbytes:layout.nbytes + PROBE_BYTES]
-        flat = import_cuda(hello["kv"])
+        flat = import_cuda(hello["kv"], self.config.device)  # its GPU found by UUID
         kv = flat.view(getattr(torch, hello["dtype"])).view(hello["shape"])
         scales = None
         if hello["scales"] is not None:
-            scales = import_cuda(hello["scales"]).view(torch.float32).view(
+            scales = import_cuda(hello["scales"], self.config.device).view(torch.float32).view(
                 kv.shape[0], 2, *kernels.reference.scale_dims(kv.dtype, kv.shape[2], kv.shape[3], kv.shape[4]))
-        return kv, scales, import_cuda(hello["probe"])
+        return kv, scales, import_cuda(hello["probe"], self.config.device)
 
     def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
         peer = self._peer(peer_address)

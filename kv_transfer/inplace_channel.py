@@ -10,11 +10,11 @@ memory fails, is not on the decode actor's node: ``auto`` then uses a socket bac
 
 Messages (``t``): decode -> writer ``challenge`` (random bytes, on accept); writer -> decode ``hi`` (its name and,
 with a cluster secret, the MAC of name and challenge: ``cluster.wire.auth``), answered by ``hello`` (kind, node,
-layout, probe nonce, IPC handle) or ``refused`` (no memory is handed to a writer that does not authenticate);
-``open`` (reservation id, epoch, the reservation's nonce and their MAC; answered by ``opened`` with an error or None),
-``part`` (one MACed KVTransferHeader: a layer's blocks for a token range are written), ``end`` (the writer will not
-write this reservation again; the channel is already authenticated). EOF means the writer's process is gone (the
-kernel closes its sockets when it exits, kill -9 included).
+layout, probe nonce, IPC handles with their GPU's UUID) or ``refused`` (no memory is handed to a writer that does not
+authenticate); ``open`` (reservation id, epoch, the reservation's nonce and their MAC; answered by ``opened`` with an
+error or None), ``part`` (one MACed KVTransferHeader: a layer's blocks for a token range are written), ``end`` (the
+writer will not write this reservation again; the channel is already authenticated). EOF means the writer's process
+is gone (the kernel closes its sockets when it exits, kill -9 included).
 """
 
 from __future__ import annotations
@@ -42,6 +42,30 @@ def node_id() -> str:
     if ray is not None and ray.is_initialized():
         return str(ray.get_runtime_context().get_node_id())
     return socket.gethostname()
+
+
+class InPlaceUnavailable(ConnectionError):
+    """This process cannot write a peer's cache in place; ``reason`` is a stable word (the ``reason`` label of
+    ``pdcluster_kv_inplace_fallbacks_total``): ``other_node``, ``probe_failed``, or a device reason of
+    :mod:`kv_transfer.cuda_devices` (``device_not_visible``, ``no_peer_access``, ``no_device_uuid``)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def fallback_reason(error: BaseException) -> str:
+    """The reason word of a failed in-place connect: the first :class:`InPlaceUnavailable` in ``error``'s cause
+    chain, else ``map_failed`` (the CUDA driver refused the handle) or ``unreachable`` (the channel could not be
+    opened, or broke). Pure."""
+    e: BaseException | None = error
+    driver = False
+    while e is not None:
+        if isinstance(e, InPlaceUnavailable):
+            return e.reason
+        driver = driver or isinstance(e, RuntimeError)
+        e = e.__cause__
+    return "map_failed" if driver else "unreachable"
 
 
 @dataclass(frozen=True)
@@ -126,22 +150,35 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 # -- exporting and mapping a KV cache's memory ------------------------------------------------------------------------
 def export_cuda(flat: Any) -> dict[str, Any]:
-    """The CUDA IPC handle of a flat uint8 CUDA tensor, as msgpack-able values (see :func:`import_cuda`)."""
+    """The CUDA IPC handle of a flat uint8 CUDA tensor, as msgpack-able values (see :func:`import_cuda`). ``uuid``
+    names its GPU: ``device``, an index, means that GPU only in this process (each may see other devices)."""
+    from kv_transfer.cuda_devices import device_uuid
+
     storage = flat.untyped_storage()
     device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
-    return {"device": int(device), "handle": bytes(handle), "size": int(size), "offset": int(offset),
+    return {"device": int(device), "uuid": device_uuid(int(device)), "handle": bytes(handle), "size": int(size),
+            "offset": int(offset),
             "rc_handle": bytes(rc_handle), "rc_offset": int(rc_offset), "ev_handle": bytes(ev_handle) if ev_handle
             else b"", "ev_sync": bool(ev_sync), "tensor_offset": int(flat.storage_offset()),
             "numel": int(flat.numel())}
 
 
-def import_cuda(d: dict[str, Any]) -> Any:
-    """Map another process's CUDA memory exported by :func:`export_cuda`: a flat uint8 tensor on this process's view
-    of that device. Raises ``RuntimeError`` if the driver refuses (another node, no peer access)."""
+def import_cuda(d: dict[str, Any], device: str = "cuda") -> Any:
+    """Map another process's CUDA memory exported by :func:`export_cuda` into this process, which writes from its
+    ``device`` (``KVTransferConfig.device``): a flat uint8 tensor labelled with that device, the exporter's GPU found
+    by UUID (:func:`kv_transfer.cuda_devices.match_device`; on another GPU the driver enables peer access).
+    :class:`InPlaceUnavailable` when this process cannot map it (the GPU is not visible here, no peer access);
+    ``RuntimeError`` if the driver refuses."""
     import torch
 
+    from kv_transfer.cuda_devices import Unmappable, resolve
+
     torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(d["device"], d["handle"], d["size"], d["offset"], d["rc_handle"],
-                                                     d["rc_offset"], d["ev_handle"] or None, d["ev_sync"])
-    t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{d['device']}")
+    where = resolve(d, device)
+    if isinstance(where, Unmappable):
+        raise InPlaceUnavailable(where.reason, where.detail)
+    storage = torch.UntypedStorage._new_shared_cuda(where.open_on, d["handle"], d["size"], d["offset"],
+                                                     d["rc_handle"], d["rc_offset"], d["ev_handle"] or None,
+                                                     d["ev_sync"])
+    t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{where.open_on}")
     return t.set_(storage, d["tensor_offset"], (d["numel"],), (1,))

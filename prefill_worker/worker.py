@@ -142,7 +142,12 @@ class PrefillWorker(EngineLoop):
             prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
             kv_bytes_sent=self.bytes_sent, kv_transfer_seconds=self.transfer_s,
             kv_transfer_busy_seconds=self.transfer_busy_s, backend=self.backend.config.backend,
-            busy_seconds=self.busy_s, steps=self.steps)
+            kv_inplace_fallbacks=self._fallbacks(), busy_seconds=self.busy_s, steps=self.steps)
+
+    def _fallbacks(self) -> dict[str, int]:
+        """In-place fallbacks by reason: only ``auto`` falls back (a named backend fails instead). Pure."""
+        counts = getattr(self.backend, "fallback_counts", None)
+        return counts() if counts is not None else {}
 
     def _idle(self) -> bool:
         return not self._jobs and not self.engine.has_unfinished_requests()

@@ -107,8 +107,10 @@ class Metrics:
                 f'pdcluster_slo_seconds{{slo="window"}} {cfg.window_s}']
 
     def render(self, queue_depth: int, kv: dict[str, dict[str, int]], pools: dict[str, int] | None = None,
-               decisions: int | None = None) -> str:
-        """The exposition text. Pure. ``pools``: routable actors per role; ``decisions``: the controller's count."""
+               decisions: int | None = None, fallbacks: dict[str, dict[str, int]] | None = None) -> str:
+        """The exposition text. Pure. ``pools``: routable actors per role; ``decisions``: the controller's count;
+        ``fallbacks``: per prefill actor, decode actors offered in place that it writes over a socket, by reason
+        (``WorkerStats.kv_inplace_fallbacks``)."""
         lines = ["# TYPE pdcluster_requests_total counter"]
         lines += [f'pdcluster_requests_total{{status="{s}"}} {c}' for s, c in sorted(self.requests.items())]
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
@@ -134,6 +136,10 @@ class Metrics:
                       "# TYPE pdcluster_kv_parts_unauthenticated_total counter"]
             lines += [f'pdcluster_kv_parts_unauthenticated_total{{actor="{a}"}} {n}'
                       for a, n in sorted(u.kv_parts.items())]
+        if fallbacks is not None:
+            lines += ["# TYPE pdcluster_kv_inplace_fallbacks_total counter"]
+            lines += [f'pdcluster_kv_inplace_fallbacks_total{{actor="{a}",reason="{r}"}} {n}'
+                      for a, c in sorted(fallbacks.items()) for r, n in sorted(c.items())]
         if decisions is not None:
             lines += ["# TYPE pdcluster_controller_decisions gauge", f"pdcluster_controller_decisions {decisions}"]
         return "\n".join(lines) + "\n"

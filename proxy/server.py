@@ -199,7 +199,9 @@ class Proxy:
         pools = {"prefill": len(self.pools.live_prefill()), "decode": len(self.pools.live_decode())}
         manager = await self.pools.manager_status()
         decisions = manager.get("decision_count") if manager else None
-        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions), content_type="text/plain")
+        fallbacks = {a.name: a.stats.kv_inplace_fallbacks for a in self.pools.prefill.values() if a.stats}
+        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks),
+                            content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

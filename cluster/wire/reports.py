@@ -68,6 +68,7 @@ class PrefixEvents(_Wire):
     reset: bool = False
     added: tuple[int, ...] = ()  # block hashes (engine.block_hash, bound to the model by the actor's hash extra)
     evicted: tuple[int, ...] = ()
+    more: bool = False  # the actor held events back (one answer is bounded): ask again now, not at the next refresh
 
     def __post_init__(self) -> None:
         _check_int("PrefixEvents", "next", self.next)
@@ -149,6 +150,9 @@ class WorkerStats(_Wire):
     requests: dict[str, int] = dataclasses.field(default_factory=dict)  # requests held, by intake state (decode)
     # K/V parts, in-place opens and transfer handshakes dropped for a wrong or missing MAC (decode; cluster.wire.auth)
     kv_parts_unauthenticated: int = 0
+    # decode actors offered in place that this one writes over the socket backend instead, by reason (prefill, auto:
+    # kv_transfer.inplace_channel.fallback_reason; e.g. device_not_visible: one actor per GPU under cuda_ipc)
+    kv_inplace_fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
     # the engine loop's time spent stepping and its steps (the controller's capacity: tokens per busy second)
     busy_seconds: float = 0.0
     steps: int = 0
@@ -170,9 +174,11 @@ class WorkerStats(_Wire):
                 _check_int("WorkerStats", f.name, v)
             if f.type == "float" and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
                 raise ValueError(f"WorkerStats.{f.name}: must be a number >= 0, got {v!r}")
-        if not isinstance(self.requests, Mapping) or any(
-                not isinstance(k, str) or not isinstance(n, int) for k, n in self.requests.items()):
-            raise ValueError(f"WorkerStats.requests: must map state names to counts, got {self.requests!r}")
+        for name in ("requests", "kv_inplace_fallbacks"):
+            counts = getattr(self, name)
+            if not isinstance(counts, Mapping) or any(
+                    not isinstance(k, str) or not isinstance(n, int) for k, n in counts.items()):
+                raise ValueError(f"WorkerStats.{name}: must map names to counts, got {counts!r}")
 
 
 @dataclass(frozen=True)
