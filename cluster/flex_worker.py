@@ -113,11 +113,12 @@ class FlexWorker:
 
     def prefix_events(self, cursor: int) -> dict[str, Any]:
         """A :class:`~cluster.wire.reports.PrefixEvents` (wire form): what this actor's prefix cache gained and lost
-        after event ``cursor`` (0: everything it caches now). Never waits for the engine loop."""
+        after event ``cursor`` (0: everything it caches now), bounded per call (``more``: ask again). Never waits for
+        the engine loop."""
         from cluster.wire.reports import PrefixEvents
 
         b = self.impl.engine.prefix_events.since(cursor)
-        return PrefixEvents(b.next, b.reset, b.added, b.evicted).to_dict()
+        return PrefixEvents(b.next, b.reset, b.added, b.evicted, b.more).to_dict()
 
     def stats(self) -> dict[str, Any]:
         """A :class:`~cluster.wire.reports.WorkerStats` (wire form): what proxies and the pool manager read."""

@@ -18,6 +18,7 @@ from cluster.wire.reports import ActorStats, PrefixEvents, ProxyReport, WorkerSt
 from cluster.wire.names import CONTROL_GROUP, MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)
+PREFIX_EVENT_ROUNDS = 4  # prefix-event polls per actor and refresh while it answers ``more``
 
 
 def _control(method: Any) -> Any:
@@ -111,16 +112,27 @@ class Pools:
         scores prefix hits against them, for prefill and decode actors). A failed call leaves them as they were until
         the next refresh."""
         live = [a for pool in (self.prefill, self.decode) for a in pool.values() if a.alive]
-        answers = await asyncio.gather(*(asyncio.wait_for(_control(a.handle.prefix_events).remote(a.prefix_cursor),
-                                                          self.stats_timeout_s) for a in live),
-                                       return_exceptions=True)
-        for ref, raw in zip(live, answers):
-            if isinstance(raw, BaseException):
-                continue
-            try:
-                ref.apply_prefix_events(PrefixEvents.from_dict(raw))
-            except ValueError as e:  # WireVersionError included: never guess
-                log.warning("prefix events of %s: %s", ref.name, e)
+        # an answer is bounded (PrefixEvents.more): an actor far behind is asked again at once, a few times, so a
+        # burst of cache changes is caught up within one refresh instead of sliding into a reset
+        for _ in range(PREFIX_EVENT_ROUNDS):
+            if not live:
+                break
+            answers = await asyncio.gather(*(asyncio.wait_for(
+                _control(a.handle.prefix_events).remote(a.prefix_cursor), self.stats_timeout_s) for a in live),
+                return_exceptions=True)
+            behind = []
+            for ref, raw in zip(live, answers):
+                if isinstance(raw, BaseException):
+                    continue
+                try:
+                    ev = PrefixEvents.from_dict(raw)
+                except ValueError as e:  # WireVersionError included: never guess
+                    log.warning("prefix events of %s: %s", ref.name, e)
+                    continue
+                ref.apply_prefix_events(ev)
+                if ev.more:
+                    behind.append(ref)
+            live = behind
 
     async def report(self, report: ProxyReport) -> None:
         """Hand this proxy's :class:`ProxyReport` to the pool manager, if this cluster has one (best effort)."""

@@ -72,8 +72,9 @@ class PrefixEvents(_Wire):
 
     def __post_init__(self) -> None:
         _check_int("PrefixEvents", "next", self.next)
-        if not isinstance(self.reset, bool):
-            raise ValueError(f"PrefixEvents.reset: must be a bool, got {self.reset!r}")
+        for name in ("reset", "more"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"PrefixEvents.{name}: must be a bool, got {getattr(self, name)!r}")
         for name in ("added", "evicted"):
             if not isinstance(getattr(self, name), (list, tuple)):
                 raise ValueError(f"PrefixEvents.{name}: must be a list")
