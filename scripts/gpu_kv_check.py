@@ -9,6 +9,11 @@
    offline GPU engine's; TTFT of streamed requests reported (two processes time-slice one GPU: not gated).
 4. The same serve with ``--kv-cache-dtype int8`` (per-token scales cross cuda_ipc with the blocks): greedy completions
    equal the offline GPU engine's with an int8 cache.
+5. One actor per GPU (issue 27; "n/a: one GPU" below two): processes with their own ``CUDA_VISIBLE_DEVICES`` map the
+   exporter's GPU by UUID (the same GPU under another index: in place; another visible GPU: in place with peer
+   access, else a counted fallback; a GPU the writer cannot see: fallback ``device_not_visible``), then ``serve
+   --gpus-per-actor 1 --kv-backend auto``: completions equal the offline engine's over the socket fallback, and
+   ``/metrics`` counts it (``pdcluster_kv_inplace_fallbacks_total{reason="device_not_visible"}``).
 
 Each stage appends its section to the report (``docs/gpu-results.md``; copied to ``$OUT`` when set) as it finishes.
 The serve stage needs Ray and pyzmq: on the lent machine, ``bash .devbundle/install.sh`` and its PYTHONPATH first.
@@ -30,6 +35,7 @@ import time
 import traceback
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -110,7 +116,10 @@ def _post(url: str, body: dict, stream: bool = False) -> tuple[str, float]:
         return text, ttft
 
 
-def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto") -> str:
+def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto", gpus: float = 0.5,
+                kind: str | None = None) -> str:
+    """Serve ``--prefill 1 --decode 1`` (``gpus`` per actor on CUDA; ``kind``: the KV backend, in place by default)
+    and compare greedy completions with the offline engine's."""
     import statistics
 
     import torch
@@ -124,7 +133,7 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto") -> str:
     shape = "tiny" if smoke else "llama-3.2-1b"
     dtype = torch.float32 if smoke else torch.bfloat16
     build_random_model(shape, folder, device, dtype)
-    kind = "cuda_ipc" if device.startswith("cuda") else "shm"
+    kind = kind or ("cuda_ipc" if device.startswith("cuda") else "shm")
     prompts = [f"Request {i}: the quick brown fox jumps over the lazy dog " * (4 + i) for i in range(8)]
     max_tokens = 16
     offline = LLM(folder, device=device, kv_cache_gib=1.0, gpu_memory_utilization=0.3, kv_cache_dtype=kv_cache_dtype)
@@ -132,7 +141,7 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto") -> str:
     del offline
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    gpus = 0.5 if device.startswith("cuda") else 0.0
+    gpus = gpus if device.startswith("cuda") else 0.0
     cfg = ServeConfig(worker=WorkerConfig(model=folder, device=device, gpu_memory_utilization=0.4,
                                           kv_cache_gib=1.0, dtype="auto", kv_cache_dtype=kv_cache_dtype),
                       decode=1, prefill=1, port=0, kv_backend=kind, gpus_per_actor=gpus)
@@ -148,18 +157,129 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto") -> str:
                                                  "stream": True, "ignore_eos": True}, stream=True)[1]
                  for p in prompts]
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-        kv_bytes = [ln for ln in metrics.splitlines() if ln.startswith("pdcluster_kv_transfer_bytes_total")]
+        for _ in range(10):  # a fallback shows once the proxy has refreshed the prefill actor's stats (~1 s)
+            if kind != "auto" or "pdcluster_kv_inplace_fallbacks_total{" in metrics:
+                break
+            time.sleep(1.0)
+            metrics = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+        kv_bytes = [ln for ln in metrics.splitlines() if ln.startswith(("pdcluster_kv_transfer_bytes_total",
+                                                                         "pdcluster_kv_inplace_fallbacks_total{"))]
         same = sum(g == w for g, w in zip(got, want))
         return (f"{'PASS' if same == len(prompts) else 'FAIL'}: `serve --device {device} --prefill 1 --decode 1 "
                 f"--gpus-per-actor {gpus} --kv-backend {kind} --kv-cache-dtype {kv_cache_dtype}` on a random-weight "
                 f"{shape} ({dtype}), started in "
                 f"{started:.0f} s: {same}/{len(prompts)} greedy completions ({max_tokens} tokens) equal the offline "
                 f"engine's on the same device. Streamed TTFT p50 {statistics.median(ttfts) * 1e3:.0f} ms, max "
-                f"{max(ttfts) * 1e3:.0f} ms (prefill and decode time-slice one device). KV bytes: "
-                f"{'; '.join(kv_bytes) or 'none reported'}.")
+                f"{max(ttfts) * 1e3:.0f} ms ({'prefill and decode time-slice one device' if gpus < 1 else 'a GPU each'}"
+                f"). KV bytes and in-place fallbacks: {'; '.join(kv_bytes) or 'none reported'}.")
     finally:
         cluster.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# (what it shows, the decode actor's CUDA_VISIBLE_DEVICES and device, the writer's, what should happen: "in place",
+# "peer" (in place where the writer's cuda:0 has peer access to its cuda:1, else a no_peer_access fallback), or the
+# fallback reason), on a node's GPUs 0 and 1
+LAYOUTS = (("the same GPU under another index", "1,0", "cuda:0", "0,1", "cuda:1", "in place"),
+           ("one GPU each, as Ray gives num_gpus=1 actors", "1", "cuda:0", "0", "cuda:0", "device_not_visible"),
+           ("both visible, the cache on the other GPU", "0,1", "cuda:1", "0,1", "cuda:0", "peer"))
+PER_GPU_SPEC = (1, 64, 16, 8, 128, "float16")  # CacheSpec: one layer of 64 blocks
+
+
+def _per_gpu_writer(device: str, peer: str, conn: Any) -> None:
+    """A spawned writer (its ``CUDA_VISIBLE_DEVICES`` set by the parent before the start): route to ``peer`` with
+    ``auto``, and where that is in place write layer 0's blocks 0..31; sends (in place, fallbacks, write state,
+    whether its cuda:0 has peer access to its cuda:1)."""
+    import torch
+
+    from kv_transfer.auto import AutoBackend
+    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.loopback import CacheSpec
+
+    writer = AutoBackend(KVTransferConfig(backend="auto", name="w", device=device))
+    try:
+        in_place = writer.in_place(peer)
+        state = "not written (socket route)"
+        if in_place:
+            k, v = (c.to(device) for c in CacheSpec(*PER_GPU_SPEC).make(seed=1)[0])
+            ids = list(range(32))
+            writer.open(peer, "r", 0)
+            handle = writer.write_part(peer, k, v, ids, ids, None, layer=0, token_start=0, token_end=16 * 32,
+                                       request_id="r", reservation_id="r", model_fingerprint="m")
+            state = f"{handle.wait(30).value} {handle.error or ''}".strip()
+            torch.cuda.synchronize()  # a bad peer write would surface here as a CUDA error
+        peer_ok = torch.cuda.device_count() > 1 and torch.cuda.can_device_access_peer(0, 1)
+        conn.send((in_place, writer.fallback_counts(), state, peer_ok))
+    except Exception as e:  # noqa: BLE001 -- the parent reports it
+        conn.send((False, {}, f"error: {e!r}", False))
+    finally:
+        writer.close()
+
+
+def _layout(what: str, decode: tuple[str, str], writer: tuple[str, str], rule: str) -> tuple[bool, str]:
+    """One layout of :data:`LAYOUTS`: a decode peer and a writer in spawned processes with their own
+    ``CUDA_VISIBLE_DEVICES`` (a child reads it at its start; this process's CUDA is set up already)."""
+    import multiprocessing as mp
+
+    import torch
+
+    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.loopback import CacheSpec, ReceiverProcess
+
+    saved, receiver = os.environ.get("CUDA_VISIBLE_DEVICES"), None
+    try:
+        os.environ["CUDA_VISIBLE_DEVICES"] = decode[0]
+        receiver = ReceiverProcess(KVTransferConfig(backend="auto", device=decode[1]), CacheSpec(*PER_GPU_SPEC))
+        os.environ["CUDA_VISIBLE_DEVICES"] = writer[0]
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_per_gpu_writer, args=(writer[1], receiver.address, child), daemon=True)
+        proc.start()
+        in_place, fallbacks, state, peer_ok = parent.recv() if parent.poll(180) else (False, {}, "timeout", False)
+        proc.join(30)
+        expect = {"in place": None, "peer": None if peer_ok else "no_peer_access"}.get(rule, rule)
+        if in_place:
+            want = CacheSpec(*PER_GPU_SPEC).make(seed=1)[0]
+            got = receiver.call("caches")[0]
+            intact = torch.equal(got[0][:32], want[0][:32]) and torch.equal(got[1][:32], want[1][:32])
+            good = expect is None and state == "done" and intact
+            result = f"in place, write `{state}`, blocks {'intact' if intact else 'WRONG'}"
+        else:
+            good = expect is not None and fallbacks == {expect: 1}
+            result = f"fallback {fallbacks} ({state})"
+        return good, (f"- {what} (decode CUDA_VISIBLE_DEVICES={decode[0]} {decode[1]}, writer {writer[0]} "
+                      f"{writer[1]}; writer's peer access 0->1: {peer_ok}): {result}, expected "
+                      f"{expect or 'in place'}: {'PASS' if good else 'FAIL'}")
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        if receiver is not None:
+            receiver.close()
+
+
+def stage_per_gpu(device: str) -> str:
+    """cuda_ipc across GPUs (issue 27): the :data:`LAYOUTS`, then serve with one actor per GPU over ``auto``."""
+    import torch
+
+    count = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if count < 2:
+        return f"n/a: one GPU ({count} visible; one actor per GPU needs two)"
+    ok, lines = True, []
+    for what, dcvd, ddev, wcvd, wdev, rule in LAYOUTS:
+        try:
+            good, line = _layout(what, (dcvd, ddev), (wcvd, wdev), rule)
+        except Exception as e:  # noqa: BLE001 -- report the layout and go on
+            good, line = False, f"- {what}: FAIL ({e!r})"
+        ok &= good
+        lines.append(line)
+    serve = stage_serve(device, False, gpus=1.0, kind="auto")
+    counted = 'reason="device_not_visible"' in serve
+    ok &= serve.startswith("PASS") and counted
+    return (f"{'PASS' if ok else 'FAIL'}: cuda_ipc maps the exporter's GPU by UUID ({count} GPUs):\n\n"
+            + "\n".join(lines) + "\n\nServe, one actor per GPU, `--kv-backend auto` (the fallback "
+            f"{'counted' if counted else 'NOT counted'} as device_not_visible): {serve}")
 
 
 def main() -> int:
@@ -182,7 +302,8 @@ def main() -> int:
     for title, fn in (("In-place bandwidth", lambda: stage_loopback(device, args.smoke)),
                       ("A killed decode peer", lambda: stage_kill(device)),
                       ("Serve over in-place KV", lambda: stage_serve(device, args.smoke)),
-                      ("Serve over in-place KV, int8 cache", lambda: stage_serve(device, args.smoke, "int8"))):
+                      ("Serve over in-place KV, int8 cache", lambda: stage_serve(device, args.smoke, "int8")),
+                      ("One actor per GPU", lambda: stage_per_gpu(device))):
         try:
             text = fn()
         except Exception:  # noqa: BLE001 -- report the stage and go on

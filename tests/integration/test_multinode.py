@@ -98,6 +98,15 @@ def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> Non
             actors["decode"]
         assert actors["prefill"].get("kv_address", "") in ("", None) or \
             actors["prefill"]["kv_address"].startswith(f"{NODES['prefill']}:"), actors["prefill"]
+        # ... and that fallback is counted, with its reason, where an operator looks (stats reach the proxy each ~1 s)
+        want = f'pdcluster_kv_inplace_fallbacks_total{{actor="{actors["prefill"]["name"]}",reason="other_node"}} 1'
+        for _ in range(20):
+            with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+                metrics = r.read().decode()
+            if want in metrics:
+                break
+            time.sleep(0.5)
+        assert want in metrics, [ln for ln in metrics.splitlines() if "fallback" in ln]
 
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], capture_output=True,
                              text=True, timeout=60, env=own.env)
