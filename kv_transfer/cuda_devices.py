@@ -20,6 +20,7 @@ Torch-free apart from :func:`visible_device_uuids`, :func:`device_uuid` and :fun
 from __future__ import annotations
 
 import functools
+import os
 import re
 import subprocess
 from collections.abc import Callable, Sequence
@@ -125,28 +126,30 @@ def visible_from_env(cuda_visible_devices: str | None, node_uuids: Sequence[str]
 
 # -- reading CUDA (the injectable inputs of match_device) ------------------------------------------------------------
 def device_uuid(index: int) -> str:
-    """The UUID of this process's ``cuda:index`` (normalized). Reads CUDA."""
-    import torch
-
-    return normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
+    """The UUID of this process's ``cuda:index`` (normalized; "" where it cannot be read: a reader then falls back
+    with ``no_device_uuid``). Reads CUDA."""
+    uuids = visible_device_uuids()
+    return uuids[index] if 0 <= index < len(uuids) else ""
 
 
 @functools.lru_cache(maxsize=1)
 def visible_device_uuids() -> tuple[str, ...]:
     """This process's visible devices' UUIDs in local index order (fixed for a process's life: cached). From torch's
     device properties; where they carry no UUID (an old torch), from ``nvidia-smi -L`` filtered by
-    ``CUDA_VISIBLE_DEVICES``. Reads CUDA."""
-    import os
-
+    ``CUDA_VISIBLE_DEVICES``; "" for a device whose UUID neither gives (it then matches nothing). Reads CUDA."""
     import torch
 
     n = torch.cuda.device_count()
     props = [torch.cuda.get_device_properties(i) for i in range(n)]
     if all(hasattr(p, "uuid") for p in props):
         return tuple(normalize_uuid(str(p.uuid)) for p in props)
-    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        listing = ""
     node = re.findall(r"UUID: ((?:GPU|MIG)-[^)\s]+)\)", listing)
-    return tuple(normalize_uuid(u) for u in visible_from_env(os.environ.get("CUDA_VISIBLE_DEVICES"), node))[:n]
+    found = [normalize_uuid(u) for u in visible_from_env(os.environ.get("CUDA_VISIBLE_DEVICES"), node)][:n]
+    return tuple(found + [""] * (n - len(found)))
 
 
 def can_access_peer(reader: int, other: int) -> bool:

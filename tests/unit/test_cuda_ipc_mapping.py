@@ -135,3 +135,47 @@ def test_fallbacks_reach_stats_and_metrics() -> None:
     assert f'pdcluster_kv_inplace_fallbacks_total{{actor="p0",reason="{NOT_VISIBLE}"}} 2' in text
     assert 'pdcluster_kv_inplace_fallbacks_total{actor="p0",reason="other_node"} 1' in text
     assert "fallbacks" not in Metrics().render(0, {})
+
+
+def test_the_cuda_readers_use_torchs_uuids_or_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The injectable inputs, with torch.cuda faked (no GPU here): properties' UUIDs when torch has them, else
+    ``nvidia-smi -L`` filtered by CUDA_VISIBLE_DEVICES, else "" (matches nothing: the writer falls back)."""
+    import subprocess
+    import types
+
+    import torch
+
+    from kv_transfer import cuda_devices
+
+    class Props:
+        def __init__(self, uuid: str | None) -> None:
+            if uuid is not None:
+                self.uuid = uuid
+
+    uuids: list[str | None] = [A, B.upper()]
+    for name, fn in (("device_count", lambda: 2), ("get_device_properties", lambda i: Props(uuids[i])),
+                     ("current_device", lambda: 1), ("can_device_access_peer", lambda r, o: False)):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    cuda_devices.visible_device_uuids.cache_clear()
+    try:
+        assert cuda_devices.visible_device_uuids() == (A, B) and cuda_devices.device_uuid(1) == B
+        assert cuda_devices.resolve({"uuid": NODE[1]}, "cuda") == Mapped(1, 1, False)  # "cuda": the current device
+        got = cuda_devices.resolve({"uuid": NODE[0]}, "cuda:1")
+        assert isinstance(got, Unmappable) and got.reason == NO_PEER_ACCESS
+        uuids[:] = [None, None]  # an old torch: no .uuid
+        listing = "\n".join(f"GPU {i}: NVIDIA H200 (UUID: {u})" for i, u in enumerate(NODE))
+        monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=listing))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+        cuda_devices.visible_device_uuids.cache_clear()
+        assert cuda_devices.visible_device_uuids() == (normalize_uuid(NODE[3]), B)
+
+        def missing(*a: object, **k: object) -> None:
+            raise FileNotFoundError("nvidia-smi")
+
+        monkeypatch.setattr(subprocess, "run", missing)
+        cuda_devices.visible_device_uuids.cache_clear()
+        assert cuda_devices.visible_device_uuids() == ("", "") and cuda_devices.device_uuid(0) == ""
+        got = match_device(cuda_devices.device_uuid(0), ("", ""), 0, peers())
+        assert isinstance(got, Unmappable) and got.reason == NO_UUID
+    finally:
+        cuda_devices.visible_device_uuids.cache_clear()
