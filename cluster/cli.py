@@ -50,14 +50,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               cache_dir=args.cache_dir, progress=progress, device=args.device,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     print(f"[pdcluster] model ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    printed = 0
 
     def stream(out) -> None:  # type: ignore[no-untyped-def]
-        nonlocal printed
-        text = out.text
-        sys.stdout.write(text[printed:])
+        sys.stdout.write(out.new_text)  # each output carries the text new since the previous one
         sys.stdout.flush()
-        printed = len(text)
 
     t1 = time.perf_counter()
     try:

@@ -290,7 +290,7 @@ class DecodeWorker(EngineLoop):
         self._queue(rec.request.reply_to, deltas)
         if out.finished:
             for c in out.outputs:
-                self._lengths.observe(len(c.token_ids))
+                self._lengths.observe(c.num_tokens)
             rec.advance(S.DONE)
             del self._records[out.request_id], self._trackers[out.request_id]
 

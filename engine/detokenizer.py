@@ -40,12 +40,15 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self._text = ""
+        # emitted text as pieces: `str +=` on an attribute copies the whole string (O(n^2) over a completion)
+        self._pieces: list[str] = []
 
     @property
     def text(self) -> str:
-        """All stable output text so far. Pure."""
-        return self._text
+        """All stable output text so far. O(length): joins the pieces (keeping the join)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def token_ids(self) -> list[int]:
@@ -86,7 +89,7 @@ class IncrementalDetokenizer:
     def _emit(self, delta: str) -> str:
         """Appends `delta` to the text and moves the window past it. Mutates."""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._text += delta
+        self._pieces.append(delta)
         return delta
 
 

@@ -33,7 +33,8 @@ class LLM:
         """Generate for every prompt; outputs come back in input order.
 
         Every prompt is validated before any runs: one bad prompt raises ``ValueError`` and nothing is generated.
-        ``on_output`` sees each partial output as it advances (for streaming).
+        ``on_output`` sees each output as it advances (for streaming): what is new since the previous one
+        (``new_text``, ``new_token_ids``), and the whole completion once finished (:mod:`engine.outputs`).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

@@ -12,14 +12,15 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.default_model import resolve_model
-from engine.detokenizer import IncrementalDetokenizer, find_stop
+from engine.completion_progress import CompletionProgress
+from engine.detokenizer import IncrementalDetokenizer
 from engine.device import num_kv_blocks, resolve_device, resolve_dtype
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
 from engine.model_loader import load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, KV_DTYPES, ModelRunner, kv_block_bytes
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput
 from engine.philox import derive_seed
 from engine.prefix_events import PrefixEventLog
 from engine.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
-    texts: list[str] = field(default_factory=list)
+    progress: list[CompletionProgress] = field(default_factory=list)  # per completion: text, what outputs handed out
 
     @property
     def finished(self) -> bool:
@@ -176,8 +177,10 @@ class LLMEngine:
         if block_ids is not None:
             self._adopt_reserved(seqs[0], block_ids, 0)
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        texts = ["".join(detoks[0].add_token(t) for t in (output_prefix or []))] + [""] * (len(seqs) - 1)
-        self._requests[request_id] = _Request(request_id, ids, seqs, detoks, texts)
+        # a resumed completion's prefix is output like new tokens: its first output hands the prefix out again
+        prefix_text = "".join(detoks[0].add_token(t) for t in (output_prefix or []))
+        progress = [CompletionProgress(params.stop_strings, prefix_text if i == 0 else "") for i in range(len(seqs))]
+        self._requests[request_id] = _Request(request_id, ids, seqs, detoks, progress)
         self.scheduler.add(seqs[0])
         return ids
 
@@ -211,7 +214,7 @@ class LLMEngine:
         self._adopt_reserved(seqs[0], block_ids, len(ids), pinned)
         req = _Request(request_id, ids, seqs,
                        [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs],
-                       [""] * len(seqs))
+                       [CompletionProgress(params.stop_strings) for _ in seqs])
         self._requests[request_id] = req
         self.scheduler.add_running(seqs[0])
         for child in seqs[1:]:
@@ -267,7 +270,8 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def step(self, after_kv_store: Callable[[int, SchedulerOutput], None] | None = None) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped).
+        """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped). Each output
+        carries what is new since the request's previous one, and whole completions once finished (``engine.outputs``).
 
         ``after_kv_store(layer, scheduler_output)`` runs as soon as each layer's K/V of this step is stored (a
         prefill worker streams it to the decode actor from there).
@@ -301,30 +305,23 @@ class LLMEngine:
         delta = "" if stopped_by_token else detok.add_token(tok)
         if seq.is_finished:
             delta += detok.finish()
-        text = req.texts[i] + delta
-        stops = seq.params.stop_strings
-        if stops and delta:
-            at = find_stop(text, stops, len(delta))
-            if at is not None:
-                text = text[:at]
-                self.scheduler.finish(seq, "stop")
-                seq.finish_reason = "stop"  # also when the same token hit max_tokens: the stop string wins
-        req.texts[i] = text
-
-    @staticmethod
-    def _visible_text(seq: Sequence, text: str) -> str:
-        """While running, hold back the last ``len(longest stop) - 1`` characters: they may begin a stop string."""
-        hold = max((len(x) for x in seq.params.stop_strings), default=1) - 1
-        return text if seq.is_finished or hold == 0 else text[: max(0, len(text) - hold)]
+        if req.progress[i].append(delta):  # a stop string: the text is cut where it begins
+            self.scheduler.finish(seq, "stop")
+            seq.finish_reason = "stop"  # also when the same token hit max_tokens: the stop string wins
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [
-            CompletionOutput(
-                index=s.index, text=self._visible_text(s, req.texts[k]), token_ids=list(s.output_token_ids),
-                finish_reason=s.finish_reason, logprobs=list(s.output_logprobs) if s.params.logprobs is not None else None,
-            )
-            for k, s in enumerate(req.seqs)
-        ]
+        """Mutates what ``req``'s outputs have handed out: each completion's output carries what is new since its
+        previous one (O(new tokens)), and the whole completion once finished."""
+        outs = [req.progress[k].output(s) for k, s in enumerate(req.seqs)]
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens)
+
+    def snapshot(self, request_id: str) -> RequestOutput | None:
+        """The whole output so far of an unfinished request (its visible text), or None for an unknown or finished
+        one: O(its length), for a caller that asks; step outputs carry only what is new. Pure."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        outs = [req.progress[k].snapshot(s) for k, s in enumerate(req.seqs)]
         return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens)
 
     def check_integrity(self) -> None:

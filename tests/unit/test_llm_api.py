@@ -56,9 +56,10 @@ def test_logprobs_stop_strings_and_stop_ids(llm: LLM) -> None:
     word = base.text.split()[1]
     partial: list[str] = []
     stopped = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16, stop=[word], ignore_eos=True),
-                           on_output=lambda o: partial.append(o.text))[0]
+                           on_output=lambda o: partial.append(o.new_text))[0]
     assert stopped.finish_reason == "stop" and word not in stopped.text
-    assert partial and not any(word in p for p in partial)  # a stop string is never streamed, even in part
+    assert partial and "".join(partial) == stopped.text  # the streamed deltas add up to the text: a stop string is
+    # never streamed, even in part
     assert base.text.startswith(stopped.text)
     by_id = llm.generate(["The capital of France is"],
                          SamplingParams(max_tokens=16, stop_token_ids=[base.token_ids[3]], ignore_eos=True))[0]
