@@ -108,15 +108,18 @@ class KVCacheManager:
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Mutates the prefix index: register ``seq``'s blocks that are full and fully computed."""
+        """Mutates the prefix index: register ``seq``'s blocks that are full and fully computed, each offered once
+        (O(new full blocks) per call)."""
         if not self.enable_caching:
             return
         self._hash_next_full_blocks(seq, seq.num_computed_tokens)
         bs = self.block_size
-        for i in range(seq.num_computed_tokens // bs):
+        full = seq.num_computed_tokens // bs
+        for i in range(seq.num_offered_blocks, full):
             block = self.pool.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 self.pool.register(block, seq.block_hashes[i], seq.token_slice(i * bs, (i + 1) * bs))
+        seq.num_offered_blocks = max(seq.num_offered_blocks, full)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Mutates: ``child`` shares every block of ``parent`` (refcounts +1); writes later copy-on-write."""
@@ -125,6 +128,7 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+        child.num_offered_blocks = parent.num_offered_blocks  # the same blocks: offered already
 
     def adopt(self, seq: Sequence, block_ids: list[int], num_computed_tokens: int, pinned: int = 0) -> None:
         """Mutates: ``seq`` takes over blocks already allocated for it (ref 1, e.g. a committed reservation) whose
@@ -142,6 +146,7 @@ class KVCacheManager:
                 raise ValueError(f"block_ids: block {b} is not a freshly allocated block (ref_cnt {self.pool.blocks[b].ref_cnt})")
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = num_computed_tokens
+        seq.num_offered_blocks = 0
 
     def adopt_with_prefix(self, seq: Sequence, block_ids: list[int]) -> int:
         """Mutates: like :meth:`adopt` with nothing computed yet, but the longest cached prefix of ``seq``'s prompt is
@@ -162,6 +167,7 @@ class KVCacheManager:
         self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_offered_blocks = 0
 
     def usage(self) -> float:
         """Fraction of blocks held by sequences."""

@@ -36,6 +36,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of this sequence's full blocks, in order
+    # leading blocks of block_table already offered to the prefix index: each full block is offered once, not every
+    # step (a block whose hash another block holds would otherwise be re-offered each step: O(n^2) over a completion)
+    num_offered_blocks: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last (re)admission
     num_preemptions: int = 0
     finish_reason: str | None = None

@@ -186,3 +186,29 @@ def test_integrity_check_catches_drifted_counts() -> None:
     pool._num_cached_free += 1  # a missed update somewhere
     with pytest.raises(AssertionError, match="incremental block counts"):
         pool.check_integrity()
+
+
+def test_each_full_block_is_offered_to_the_prefix_index_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sequences growing the same tokens: the second's blocks duplicate hashes the first holds, so they stay
+    unregistered; they must still be offered once, not again every step (O(n^2) over a completion)."""
+    kv = KVCacheManager(num_blocks=64, block_size=4, enable_caching=True)
+    offered: list[int] = []
+    real = kv.pool.register
+    monkeypatch.setattr(kv.pool, "register", lambda b, h, t: (offered.append(b.block_id), real(b, h, t)))
+    seqs = [make_seq(0, [1, 2, 3]), make_seq(1, [1, 2, 3])]
+    for s in seqs:
+        kv.allocate_slots(s, 3, [])
+        s.num_computed_tokens = 3
+    for step in range(100):  # one token per step each
+        for s in seqs:
+            s.output_token_ids.append(7)
+            assert kv.allocate_slots(s, 1, []) is not None
+            s.num_computed_tokens += 1
+            kv.cache_full_blocks(s)
+    full = 103 // 4
+    assert len(offered) == 2 * full == len(set(offered))  # every full block once
+    assert sum(kv.pool.blocks[b].block_hash is not None for b in seqs[1].block_table) == 0  # duplicates
+    kv.free(seqs[1])  # freed (e.g. preempted): offered again once it is recomputed
+    assert seqs[1].num_offered_blocks == 0
+    kv.free(seqs[0])
+    kv.pool.check_integrity({})
