@@ -21,19 +21,44 @@ T = TypeVar("T")
 
 
 CPU_KV_CACHE_GIB = 1.0  # a worker's KV cache on the CPU when its config leaves it open
+# Device memory one NCCL pair communicator (torch_dist on CUDA) takes once its pair first connects, after the KV cache
+# is sized: its channel buffers (NCCL_BUFFSIZE 4 MiB per protocol, both directions, a few channels). An estimate, not
+# a measurement: the peers are not known when the engine loads.
+NCCL_PAIR_BYTES = 128 << 20
+KV_PEERS_BUDGETED = 2  # pair communicators budgeted per actor (one per actor of the other role it talks to)
 
 
-def load_engine(config: Any) -> Any:
+def transfer_device_bytes(kv: Any, peers: int = KV_PEERS_BUDGETED) -> int:
+    """Device bytes a worker's KV transfer endpoint allocates after its engine loads, for a CUDA engine with the
+    :class:`~kv_transfer.config.KVTransferConfig` ``kv`` (None: colocated, nothing): the receive buffers of a socket
+    backend (``num_recv_buffers`` x ``recv_buffer_bytes``, exact), plus one NCCL communicator per peer pair for
+    torch_dist (estimated). Every role budgets the receive buffers: a flexible actor may become a decoder and listen,
+    keeping its KV cache. In-place backends (shm, cuda_ipc) write the peer's cache directly: no buffers. Pure."""
+    if kv is None:
+        return 0
+    backend = kv.fallback_backend if kv.backend == "auto" else kv.backend  # auto: sockets for other nodes' peers
+    if backend not in ("torch_dist", "ucx", "fake"):
+        return 0
+    comm = NCCL_PAIR_BYTES * peers if backend == "torch_dist" else 0
+    return kv.num_recv_buffers * kv.recv_buffer_bytes + comm
+
+
+def load_engine(config: Any, role: str = "decode", kv: Any = None) -> Any:
     """Mutates nothing: a new ``LLMEngine`` for a :class:`~cluster.wire.worker_config.WorkerConfig`, on the device the
-    config names. A KV cache size left open (None) is :data:`CPU_KV_CACHE_GIB` on the CPU and, on CUDA, what the
-    config's ``gpu_memory_utilization`` leaves after the weights and activations."""
+    config names, for a worker of ``role`` whose KV transfer config is ``kv``. A KV cache size left open (None) is
+    :data:`CPU_KV_CACHE_GIB` on the CPU and, on CUDA, what the config's ``gpu_memory_utilization`` leaves after the
+    engine's measured needs and :func:`transfer_device_bytes`. A prefill engine captures no decode graphs (it never
+    decodes; :meth:`LLMEngine.enable_decode_graphs` captures them if the actor becomes a decoder)."""
     from engine.config import EngineConfig
     from engine.device import resolve_device
     from engine.llm_engine import LLMEngine
 
     kwargs = config.engine_kwargs()
-    if kwargs["kv_cache_gib"] is None and resolve_device(kwargs["device"]).type == "cpu":
+    device = resolve_device(kwargs["device"])
+    if kwargs["kv_cache_gib"] is None and device.type == "cpu":
         kwargs["kv_cache_gib"] = CPU_KV_CACHE_GIB
+    kwargs["decode_graphs"] = role != "prefill"
+    kwargs["reserved_device_bytes"] = transfer_device_bytes(kv) if device.type == "cuda" else 0
     return LLMEngine(EngineConfig(**kwargs))
 
 

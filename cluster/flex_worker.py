@@ -84,7 +84,11 @@ class FlexWorker:
 
     def flip(self, role: str) -> dict[str, Any]:
         """Mutates: become ``role``, keeping the loaded engine. The actor must be drained and idle (``RuntimeError``
-        otherwise, changing nothing); it comes back undrained. Returns ``{"role", "seconds"}``."""
+        otherwise, changing nothing); it comes back undrained. Returns ``{"role", "seconds"}``.
+
+        Decode CUDA graphs: an actor started as prefill has none (its engine never decodes, and its KV cache took
+        their memory); becoming a decoder captures them in what is left, or decodes eagerly if that is too little.
+        A decoder becoming prefill keeps its graphs: their memory is committed, and freeing it gives no KV back."""
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
         with self._flip_lock:

@@ -47,7 +47,9 @@ class DecodeWorker(EngineLoop):
         ``fail`` (the client gets the error)."""
         if on_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {on_transfer_failure!r}")
-        super().__init__(actor_id, engine if engine is not None else load_engine(config))
+        if engine is not None:  # a flip from prefill: that engine skipped the decode graphs; capture them now
+            engine.enable_decode_graphs()
+        super().__init__(actor_id, engine if engine is not None else load_engine(config, self.role, kv))
         self.config = config
         self.on_transfer_failure = on_transfer_failure
         self.reservations = ReservationManager(self.engine.kv.pool)

@@ -35,6 +35,13 @@ class EngineConfig:
     # actor holding a fractional GPU share passes its share here (e.g. two actors per GPU: 0.45 each). Ignored on CPU.
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying CUDA graphs
+    # CUDA: capture decode CUDA graphs at start (unless enforce_eager), their memory measured before the KV cache is
+    # sized. A prefill-only engine never decodes: False skips both (LLMEngine.enable_decode_graphs captures later, e.g.
+    # when a flexible actor becomes a decoder)
+    decode_graphs: bool = True
+    # CUDA: device bytes the engine's host allocates after the engine (KV transfer receive buffers, communicators),
+    # kept out of a KV cache sized from gpu_memory_utilization
+    reserved_device_bytes: int = 0
     # CPU: the KV cache lives in an anonymous shared-memory file, so a KV writer on this node can map it and write
     # blocks in place (the shm KV backend). CUDA memory is always shareable (CUDA IPC); ignored there.
     shared_kv: bool = False
@@ -70,5 +77,8 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", "must be >= 2")
+        if isinstance(self.reserved_device_bytes, bool) or not isinstance(self.reserved_device_bytes, int) \
+                or self.reserved_device_bytes < 0:
+            raise bad("reserved_device_bytes", "must be an int >= 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise bad("num_threads", "must be >= 1")

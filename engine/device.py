@@ -1,15 +1,21 @@
 """Where an engine runs: resolving ``EngineConfig.device``/``dtype`` and sizing the KV cache on a GPU.
 
-On the CPU the KV cache takes ``kv_cache_gib`` (2 GiB by default). On CUDA it takes what
-``gpu_memory_utilization`` of the device's total memory leaves after this engine's weights and a profiled peak of
-activations (one forward over a full token budget), never more than is free on the device at that moment: an actor
-holding a fractional GPU share passes that share as its utilization, and the other actors' memory is never counted
-as its own.
+On the CPU the KV cache takes ``kv_cache_gib`` (2 GiB by default). On CUDA it takes what ``gpu_memory_utilization`` of
+the device's total memory leaves after what the engine needs besides it, every part measured, never guessed
+(:class:`MemoryProfile`): the weights and persistent buffers, the activation peak of the largest step (a forward over a
+full token budget, then a top-p sampling pass over its rows), the decode CUDA graphs' memory pool (captured once
+against a throwaway cache and released, when graphs are on), and what the engine's host allocates after the engine
+(KV transfer receive buffers, communicators: ``EngineConfig.reserved_device_bytes``). The KV cache never takes more
+than is free on the device less those needs: an actor holding a fractional GPU share passes that share as its
+utilization, and the other actors' memory is never counted as its own. ``kv_cache_gib`` overrides the sizing.
+:func:`kv_budget` is the arithmetic, pure: tested with made-up measurements on any machine.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,8 +23,8 @@ import torch
 if TYPE_CHECKING:
     from engine.model import DecoderModel
 
-# left free on the device beyond the profiled peak: CUDA graphs' private pool, allocator fragmentation, NCCL buffers
-CUDA_HEADROOM_BYTES = 512 * 2**20
+log = logging.getLogger(__name__)
+GIB = 2**30
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -63,40 +69,86 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def kv_cache_bytes(device: torch.device, kv_cache_gib: float | None, gpu_memory_utilization: float,
-                   profile: Callable[[], None] | None = None) -> int:
-    """Bytes for the KV cache. On CUDA runs ``profile()`` (a forward at the largest step the engine will run), then
-    takes ``utilization * total - peak allocated by this process - headroom``, capped by free memory less the
-    headroom. Raises ``ValueError`` if nothing is left. ``kv_cache_gib`` set: exactly that (CUDA: if it fits)."""
-    if device.type != "cuda":
-        return int((kv_cache_gib if kv_cache_gib is not None else 2.0) * 2**30)
+@dataclass(frozen=True)
+class MemoryProfile:
+    """One engine's device memory besides its KV cache, measured (bytes)."""
+
+    total: int  # the device's memory
+    free: int  # free on the device once profiling released what it took (other processes' use excluded)
+    resident: int  # this process's allocations that stay: weights and persistent buffers
+    activation_peak: int  # above ``resident`` at the largest step's peak: forward, logits and sampling
+    decode_graphs: int = 0  # the decode CUDA graphs' buffers and memory pool; 0 when not captured
+    reserved: int = 0  # allocated by the engine's host after the engine: KV transfer buffers, communicators
+
+    @property
+    def after_kv(self) -> int:
+        """What must still be free once the KV cache is allocated. Pure."""
+        return self.activation_peak + self.decode_graphs + self.reserved
+
+    def describe(self) -> str:
+        """The parts in GiB, for messages. Pure."""
+        return (f"{self.resident / GIB:.2f} GiB of weights, {self.activation_peak / GIB:.2f} GiB of activations and "
+                f"sampling, {self.decode_graphs / GIB:.2f} GiB of decode graphs, {self.reserved / GIB:.2f} GiB for KV "
+                f"transfer ({self.free / GIB:.1f} of {self.total / GIB:.1f} GiB free)")
+
+
+def kv_budget(p: MemoryProfile, gpu_memory_utilization: float, kv_cache_gib: float | None) -> int:
+    """Bytes for the KV cache from measured needs. Pure.
+
+    ``utilization * total - resident - after_kv``, capped by ``free - after_kv`` (what is free now, less what must
+    stay free after the cache). ``kv_cache_gib`` overrides both: exactly that many bytes, refused (``ValueError``)
+    only when they exceed what is free at all. Raises ``ValueError`` naming the measured parts if nothing is left."""
+    if kv_cache_gib is not None:
+        want = int(kv_cache_gib * GIB)
+        if want > p.free:
+            raise ValueError(f"kv_cache_gib: {kv_cache_gib} GiB does not fit: {p.describe()}")
+        return want
+    budget = min(int(gpu_memory_utilization * p.total) - p.resident - p.after_kv, p.free - p.after_kv)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization: {gpu_memory_utilization} leaves no room for a KV cache after "
+                         f"{p.describe()}")
+    return budget
+
+
+def measure_cuda(device: torch.device, profile: Callable[[], None] | None,
+                 graphs: Callable[[], int] | None, reserved: int) -> MemoryProfile:
+    """Run ``profile()`` (the largest step) and ``graphs()`` (captures decode graphs, returns their bytes, releases
+    them) and measure this process's memory around them. Mutates only the allocator's cache and peak statistics."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     if profile is not None:
         profile()
         torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    activation = torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device)
+    graph_bytes = graphs() if graphs is not None else 0
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    room = free - CUDA_HEADROOM_BYTES - (peak - torch.cuda.memory_allocated(device))
-    if kv_cache_gib is not None:
-        want = int(kv_cache_gib * 2**30)
-        if want > room:
-            raise ValueError(f"kv_cache_gib: {kv_cache_gib} GiB does not fit in the {max(room, 0) / 2**30:.2f} GiB "
-                             f"free on {device}")
-        return want
-    budget = min(int(gpu_memory_utilization * total) - peak - CUDA_HEADROOM_BYTES, room)
-    if budget <= 0:
-        raise ValueError(
-            f"gpu_memory_utilization: {gpu_memory_utilization} of {total / 2**30:.1f} GiB leaves no room for a KV cache "
-            f"after {peak / 2**30:.2f} GiB of weights and activations ({free / 2**30:.1f} GiB free on {device})")
+    return MemoryProfile(total, free, torch.cuda.memory_allocated(device), activation, graph_bytes, reserved)
+
+
+def kv_cache_bytes(device: torch.device, kv_cache_gib: float | None, gpu_memory_utilization: float,
+                   profile: Callable[[], None] | None = None, graphs: Callable[[], int] | None = None,
+                   reserved: int = 0) -> int:
+    """Bytes for the KV cache: on CUDA from a measured :class:`MemoryProfile` (see :func:`kv_budget`); on the CPU
+    ``kv_cache_gib`` or 2 GiB. Raises ``ValueError`` if nothing is left."""
+    if device.type != "cuda":
+        return int((kv_cache_gib if kv_cache_gib is not None else 2.0) * GIB)
+    measured = measure_cuda(device, profile, graphs, reserved)
+    budget = kv_budget(measured, gpu_memory_utilization, kv_cache_gib)
+    if budget > measured.free - measured.after_kv:  # only an explicit kv_cache_gib gets here
+        log.warning("kv_cache_gib: %.2f GiB leaves less free than the engine was measured to need: %s", kv_cache_gib,
+                    measured.describe())
+    log.info("KV cache %.2f GiB after %s", budget / GIB, measured.describe())
     return budget
 
 
 def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_size: int,
                     kv_dtype: torch.dtype) -> None:
-    """One forward of a ``num_tokens`` prefill chunk over a throwaway KV cache, then logits and their log-softmax for
-    ``num_rows`` rows: the activation peak of the largest step the engine will run. Writes nothing the engine keeps."""
+    """One forward of a ``num_tokens`` prefill chunk over a throwaway KV cache, then logits for ``num_rows`` rows and
+    a top-p sampling pass over them (float32 probabilities sorted with their indices, their cumulative sum: the
+    sampler's largest temporaries): the activation peak of the largest step the engine will run. Writes nothing the
+    engine keeps."""
     from engine.model import AttentionMetadata  # engine.model imports kernels; keep this module light to import
     from kernels.reference import SCALED_DTYPES, scale_dims
 
@@ -115,13 +167,44 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     with torch.inference_mode():
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         hidden = model.forward(ids, torch.arange(num_tokens, device=dev), meta, list(kv.unbind(0)), None, scales)
-        model.logits(hidden[-num_rows:]).log_softmax(dim=-1)
+        logits = model.logits(hidden[-num_rows:]).float()
+        logprobs = logits.log_softmax(dim=-1)
+        probs, order = logprobs.exp().sort(dim=-1, descending=True)
+        probs.cumsum(dim=-1).gather(-1, order.argsort(dim=-1))
+
+
+def profile_decode_graphs(model: DecoderModel, max_num_seqs: int, max_model_len: int, block_size: int,
+                          kv_dtype: torch.dtype) -> int:
+    """Capture the decode CUDA graphs against a throwaway one-block KV cache (padding rows read no block), release
+    them, and return the device memory they held: buffers, the graphs' pool and the warm-ups' allocations (cached on
+    the capture's side stream). The graphs do not depend on the cache's size. CUDA only."""
+    from engine.cuda_graphs import DecodeGraphRunner
+    from kernels.reference import SCALED_DTYPES, scale_dims
+
+    cfg, dev = model.cfg, model.device
+    kv = torch.zeros(cfg.num_layers, 2, 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=dev)
+    scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, 1, block_size, cfg.num_kv_heads),
+                               device=dev).unbind(0))
+              if kv_dtype in SCALED_DTYPES else None)
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_reserved(dev)
+    runner = DecodeGraphRunner(model, list(kv.unbind(0)), scales, block_size, max_num_seqs, max_model_len, True)
+    torch.cuda.synchronize(dev)
+    used = torch.cuda.memory_reserved(dev) - before
+    del runner
+    torch.cuda.empty_cache()
+    return max(0, used)
 
 
 def num_kv_blocks(device: torch.device, model: DecoderModel, kv_cache_gib: float | None,
                   gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int,
-                  block_size: int, kv_dtype: torch.dtype, block_bytes: int) -> int:
-    """KV blocks for an engine (see :func:`kv_cache_bytes`); the profile step is the largest a step can be."""
+                  block_size: int, kv_dtype: torch.dtype, block_bytes: int, decode_graphs: bool = False,
+                  reserved_bytes: int = 0) -> int:
+    """KV blocks for an engine (see :func:`kv_cache_bytes`); the profile step is the largest a step can be, and
+    ``decode_graphs`` (CUDA graphs will be captured) adds their measured memory."""
     tokens = max(1, min(max_num_batched_tokens, max_model_len))
     profile = lambda: profile_forward(model, tokens, min(max_num_seqs, tokens), block_size, kv_dtype)  # noqa: E731
-    return max(2, kv_cache_bytes(device, kv_cache_gib, gpu_memory_utilization, profile) // block_bytes)
+    graphs = (lambda: profile_decode_graphs(model, max_num_seqs, max_model_len, block_size, kv_dtype)) \
+        if decode_graphs else None
+    return max(2, kv_cache_bytes(device, kv_cache_gib, gpu_memory_utilization, profile, graphs, reserved_bytes)
+               // block_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,12 @@ from engine.prefix_events import PrefixEventLog
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
+
+
+def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
+    """Whether an engine captures decode CUDA graphs at start: on CUDA, unless ``enforce_eager`` or a prefill-only
+    engine (``decode_graphs=False``). Pure."""
+    return device.type == "cuda" and not config.enforce_eager and config.decode_graphs
 
 
 @dataclass
@@ -58,10 +65,11 @@ class LLMEngine:
         self.fingerprint = model_fingerprint(path, dtype_name)
         model = DecoderModel(mc, load_state_dict(path, dtype, self.device), dtype, self.max_model_len)
         kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)
+        graphs = captures_decode_graphs(self.device, config)
         num_blocks = config.num_kv_blocks or num_kv_blocks(
             self.device, model, config.kv_cache_gib, config.gpu_memory_utilization, config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
-            kv_block_bytes(mc, config.block_size, kv_dtype))
+            kv_block_bytes(mc, config.block_size, kv_dtype), graphs, config.reserved_device_bytes)
         extra = f"{self.fingerprint}:{config.block_size}".encode()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
         self.prefix_hash_extra = extra  # what block hashes bind besides tokens: a router hashes prompts with it
@@ -75,12 +83,25 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype, config.shared_kv)
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
+        if graphs:
+            self.enable_decode_graphs()
         self._ids = seq_id_counter()
         self._num_unseeded = 0  # unseeded requests so far: the counter derive_seed mixes with config.seed
         self._requests: dict[str, _Request] = {}
         self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
+
+    def enable_decode_graphs(self) -> bool:
+        """Mutates: capture the decode CUDA graphs now, if this engine decodes with graphs (CUDA, not
+        ``enforce_eager``) and has none yet: a prefill-role engine skipped them at start, and a flexible actor that
+        becomes a decoder calls this. Its KV cache is sized already, so they take what is left; if that is too little
+        the capture fails and decode runs eagerly (``runner.decode_graphs.capture_error`` says why). Returns whether
+        graphs are (now) in use."""
+        if not captures_decode_graphs(self.device, dataclasses.replace(self.config, decode_graphs=True)):
+            return False
+        if self.runner.decode_graphs is None:
+            self.runner.enable_decode_graphs(self.config.max_num_seqs, self.max_model_len, capture=True)
+        graphs = self.runner.decode_graphs
+        return graphs is not None and not getattr(graphs, "capture_error", None)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def bind_threads(self) -> None:

@@ -54,7 +54,8 @@ class PrefillWorker(EngineLoop):
         for ``config`` to reuse (a role flip keeps the weights); None loads one."""
         from kv_transfer import make_backend
 
-        super().__init__(actor_id, engine if engine is not None else load_engine(config))
+        # a prefill engine captures no decode graphs, and budgets the transfer's device memory
+        super().__init__(actor_id, engine if engine is not None else load_engine(config, self.role, kv))
         self.config = config
         # every part's header (and in-place handshake) is MACed with the cluster secret, which binds the grant's nonce
         self.backend = make_backend(dataclasses.replace(kv, name=actor_id, device=str(self.engine.device),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,7 +11,9 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.cuda_graphs import bucket_sizes
-from engine.device import cpu_has_native_bf16, kv_cache_bytes, resolve_device, resolve_dtype
+from engine.device import (MemoryProfile, cpu_has_native_bf16, kv_budget, kv_cache_bytes, resolve_device,
+                           resolve_dtype)
+from engine.llm_engine import captures_decode_graphs
 
 
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12"])
@@ -124,3 +127,75 @@ def test_generate_reproduces_unseeded_runs(tiny_checkpoint) -> None:
     llm.generate(prompts, sp)
     mixed = llm.generate([prompts[1], prompts[0]], [sp, seeded])[1].outputs[0].token_ids
     assert alone == mixed
+
+
+# -- KV sizing from measured needs (the arithmetic, with made-up measurements) ----------------------------------------
+GiB = 2**30
+
+
+def test_kv_budget_takes_what_utilization_leaves_after_every_measured_need() -> None:
+    p = MemoryProfile(total=80 * GiB, free=70 * GiB, resident=10 * GiB, activation_peak=2 * GiB,
+                      decode_graphs=GiB, reserved=GiB // 2)
+    assert p.after_kv == 3.5 * GiB
+    assert kv_budget(p, 0.9, None) == int(0.9 * 80 * GiB) - 10 * GiB - int(3.5 * GiB)  # 58.5 GiB
+    # another process holds most of the device: what is free (less the needs) caps it
+    busy = dataclasses.replace(p, free=20 * GiB)
+    assert kv_budget(busy, 0.9, None) == 20 * GiB - int(3.5 * GiB)
+    # each measured part counts: no graphs and no transfer buffers leave 1.5 GiB more
+    assert kv_budget(dataclasses.replace(p, decode_graphs=0, reserved=0), 0.9, None) == kv_budget(p, 0.9, None) + 1.5 * GiB
+
+
+def test_kv_cache_gib_overrides_the_sizing_but_not_the_free_memory() -> None:
+    p = MemoryProfile(total=80 * GiB, free=12 * GiB, resident=10 * GiB, activation_peak=2 * GiB, decode_graphs=GiB)
+    assert kv_budget(p, 0.1, 11.0) == 11 * GiB  # past utilization and the measured needs: the user said so
+    with pytest.raises(ValueError, match="kv_cache_gib.*does not fit"):
+        kv_budget(p, 0.9, 13.0)
+
+
+def test_no_room_names_the_measured_parts() -> None:
+    p = MemoryProfile(total=16 * GiB, free=6 * GiB, resident=12 * GiB, activation_peak=3 * GiB, reserved=GiB)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization.*12.00 GiB of weights.*3.00 GiB of activations.*"
+                                         r"1.00 GiB for KV transfer"):
+        kv_budget(p, 0.9, None)
+
+
+def test_transfer_device_bytes_counts_receive_buffers_and_pair_communicators() -> None:
+    from cluster.engine_loop import NCCL_PAIR_BYTES, transfer_device_bytes
+    from kv_transfer.config import KVTransferConfig
+
+    kv = KVTransferConfig(recv_buffer_bytes=64 << 20, num_recv_buffers=4)  # torch_dist
+    assert transfer_device_bytes(None) == 0  # colocated
+    assert transfer_device_bytes(kv, peers=3) == 4 * (64 << 20) + 3 * NCCL_PAIR_BYTES
+    assert transfer_device_bytes(dataclasses.replace(kv, backend="ucx")) == 4 * (64 << 20)
+    assert transfer_device_bytes(dataclasses.replace(kv, backend="cuda_ipc")) == 0  # writes the peer's cache
+    assert transfer_device_bytes(dataclasses.replace(kv, backend="auto"), peers=1) == 4 * (64 << 20) + NCCL_PAIR_BYTES
+
+
+# -- decode graphs: none in prefill-only engines ------------------------------------------------------------------------
+def test_only_decoding_cuda_engines_capture_decode_graphs() -> None:
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert captures_decode_graphs(cuda, EngineConfig())
+    assert not captures_decode_graphs(cuda, EngineConfig(decode_graphs=False))
+    assert not captures_decode_graphs(cuda, EngineConfig(enforce_eager=True))
+    assert not captures_decode_graphs(cpu, EngineConfig())
+
+
+def test_a_prefill_engine_never_calls_enable_decode_graphs(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's start as if on CUDA (the rule applied to a CUDA device; the runner's capture recorded, not run):
+    a prefill-role engine from load_engine captures nothing, a decode-role one does, and a flip to decode captures."""
+    import engine.llm_engine as llm_engine
+    from cluster.engine_loop import load_engine
+    from cluster.wire.worker_config import WorkerConfig
+    from engine.model_runner import ModelRunner
+
+    calls: list[int] = []
+    rule = llm_engine.captures_decode_graphs
+    monkeypatch.setattr(llm_engine, "captures_decode_graphs", lambda dev, cfg: rule(torch.device("cuda", 0), cfg))
+    monkeypatch.setattr(ModelRunner, "enable_decode_graphs", lambda self, seqs, length, capture: calls.append(seqs))
+    cfg = WorkerConfig(model=str(tiny_checkpoint("llama")), device="cpu", num_kv_blocks=32, max_num_seqs=8)
+    prefill = load_engine(cfg, "prefill")
+    assert calls == [] and not prefill.config.decode_graphs
+    decode = load_engine(cfg, "decode")
+    assert calls == [8] and decode.config.decode_graphs
+    prefill.enable_decode_graphs()  # what a flip to decode does with the prefill's engine
+    assert calls == [8, 8]
