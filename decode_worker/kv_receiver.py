@@ -30,6 +30,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHeader, header_authentic,
                                 verify_checksum, verify_fields)
 from kv_transfer.layer_parts import blocks_checksum, install_layer_part
+from kv_transfer.payload_mac import part_key
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,11 @@ class KVReceiver:
                     if rec.writer is None or rec.writer != handle.peer:
                         raise ValueError(f"in-place part from {handle.peer}, which did not open this reservation")
                     verify_fields(header, exp)
-                    if header.checksum is not None:
-                        verify_checksum(header, blocks_checksum(layer[0], layer[1], header.block_ids, scales))
+                    if header.checksum is not None:  # the tag of the blocks as they landed, under the part's key
+                        verify_checksum(header, blocks_checksum(layer[0], layer[1], header.block_ids, scales,
+                                                                key=part_key(self._secret, header)))
                 else:
-                    install_layer_part(header, handle.raw, exp, layer[0], layer[1], scales)
+                    install_layer_part(header, handle.raw, exp, layer[0], layer[1], scales, secret=self._secret)
             except (KVTransferError, ValueError, IndexError) as e:
                 self.parts_rejected += 1
                 log.warning("KV part for %s rejected: %s", header.request_id, e)

@@ -1,12 +1,15 @@
-"""Decoder-only transformer forward (Llama / Qwen2 / Mistral) over a paged KV cache.
+"""Decoder-only transformer forward (Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 text) over a paged KV cache.
 
 Matmul weights are :class:`engine.linear.Linear` (q/k/v and gate/up fused into one matmul each; pre-packed for
 oneDNN in bfloat16 on the CPU); attention and KV writes go through ``kernels``, so the Triton kernels replace the
-torch reference without touching this file.
+torch reference without touching this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
+attention and MLP outputs, (1 + weight) norms in float32, a scaled embedding, a GELU gate, two RoPEs (local and
+global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,9 +27,12 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: Linear  # [(Hq + 2 Hk) * D, hidden], with the q/k/v biases when the model has them
     o: Linear
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the MLP's input norm (Gemma's pre_feedforward_layernorm)
     gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear
+    qk_norm: torch.Tensor | None = None  # [Hq + Hk, D]: q_norm's weight per q head, then k_norm's per k head
+    attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm, on the attention output
+    mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm, on the MLP output
 
 
 @dataclass
@@ -52,35 +58,69 @@ class DecoderModel:
         self.cfg = cfg
         self.dtype = dtype
         self.embed = state.pop("model.embed_tokens.weight")
+        # Gemma multiplies by sqrt(hidden) rounded to the weights' dtype, as Hugging Face does
+        self.embed_scale = (None if cfg.embedding_scale is None
+                            else torch.tensor(cfg.embedding_scale, dtype=torch.float32).to(self.embed.device, dtype))
         # a tied head is the embedding table read as a matmul: packed, it is a second copy (the table stays a table)
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else state.pop("lm_head.weight"))
-        self.final_norm = state.pop("model.norm.weight")
+        self.final_norm = self._norm_weight(state.pop("model.norm.weight"))
         self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
+        self.act: Callable[[torch.Tensor], torch.Tensor] = (
+            F.silu if cfg.hidden_act == "silu" else functools.partial(F.gelu, approximate="tanh"))
         self.device = self.embed.device
         self.rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling_dict, dtype, self.device)
+        # per layer: index into the step's cos/sin tables (0: the global RoPE, 1: Gemma 3's local one)
+        self.ropes = [self.rope]
+        self.rope_ids = [0] * cfg.num_layers
+        if cfg.local_rope is not None:
+            theta, scaling = cfg.local_rope
+            self.ropes.append(RotaryEmbedding(cfg.head_dim, max_len, theta, dict(scaling), dtype, self.device))
+            self.rope_ids = [int(local) for local in cfg.local_layers]
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
+        cfg = self.cfg
         q, k, v = (state.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
         bias = None
-        if self.cfg.attention_bias:
+        if cfg.attention_bias:
             bias = torch.cat([state.pop(f"{p}self_attn.{n}_proj.bias") for n in "qkv"])
+        norm = self._norm_weight
+        qk_norm = None
+        if cfg.qk_norm:
+            qk_norm = torch.cat([norm(state.pop(f"{p}self_attn.q_norm.weight")).expand(cfg.num_heads, -1),
+                                 norm(state.pop(f"{p}self_attn.k_norm.weight")).expand(cfg.num_kv_heads, -1)])
+        # Gemma's MLP input norm is pre_feedforward_layernorm; its post_attention_layernorm norms the attention output
+        mlp_norm = "pre_feedforward_layernorm" if cfg.gemma_norms else "post_attention_layernorm"
         return LayerWeights(
-            input_norm=state.pop(f"{p}input_layernorm.weight"),
+            input_norm=norm(state.pop(f"{p}input_layernorm.weight")),
             qkv=Linear(torch.cat([q, k, v]).contiguous(), bias),
-            o=Linear(state.pop(f"{p}self_attn.o_proj.weight")),
-            post_norm=state.pop(f"{p}post_attention_layernorm.weight"),
+            # Llama-style configs with attention_bias (not Qwen2) bias o_proj too
+            o=Linear(state.pop(f"{p}self_attn.o_proj.weight"), state.pop(f"{p}self_attn.o_proj.bias", None)),
+            post_norm=norm(state.pop(f"{p}{mlp_norm}.weight")),
             gate_up=Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
                                       state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
             down=Linear(state.pop(f"{p}mlp.down_proj.weight")),
+            qk_norm=qk_norm,
+            attn_out_norm=norm(state.pop(f"{p}post_attention_layernorm.weight")) if cfg.gemma_norms else None,
+            mlp_out_norm=norm(state.pop(f"{p}post_feedforward_layernorm.weight")) if cfg.gemma_norms else None,
         )
 
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        # Gemma stores weights centred on zero and scales by (1 + weight), computed in float32 as Hugging Face does
+        return 1.0 + w.float() if self.cfg.gemma_norms else w
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # fused; bit-identical to Hugging Face's RMSNorm in float32 (bf16 differs by one final rounding)
-        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.rms_norm_eps)
+        """RMSNorm over the last dim; ``w`` is ``[D]``, or ``[heads, D]`` for q's and k's heads side by side. Pure."""
+        eps = self.cfg.rms_norm_eps
+        if self.cfg.gemma_norms:  # Hugging Face's Gemma norms and scales in float32, then rounds once
+            return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * w).to(x.dtype)
+        if w.dim() == 1:
+            # fused; bit-identical to Hugging Face's RMSNorm in float32 (bf16 differs by one final rounding)
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps) * w
 
     def forward(
         self,
@@ -100,16 +140,21 @@ class DecoderModel:
         """
         cfg = self.cfg
         h = self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         T = h.shape[0]
-        cos_sin = self.rope.lookup(positions)
+        cos_sins = [rope.lookup(positions) for rope in self.ropes]
         # each decode group's gather ids and mask, once per step for all layers with the same sliding window
         plans = {w: [kernels.decode_plan(kv_caches[0][0], tables, lens, w) for _, _, tables, lens in meta.decode_groups]
                  for w in set(cfg.sliding_windows)}
         for i, lw in enumerate(self.layers):
             x = self._norm(h, lw.input_norm)
             qkv = lw.qkv(x)
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim)
+            if lw.qk_norm is not None:  # per head, before RoPE
+                qk = self._norm(qk, lw.qk_norm)
             # q's and k's heads rotated together: q and k are views of one new tensor
-            qk = self.rope.apply(qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim), cos_sin)
+            qk = self.rope.apply(qk, cos_sins[self.rope_ids[i]])
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
@@ -122,10 +167,12 @@ class DecoderModel:
                 after_kv_store(i)
             window = cfg.sliding_windows[i]
             attn = self._attention(q, k_cache, v_cache, meta, window, scales, plans[window])
-            h = h + lw.o(attn.reshape(T, self.q_size))
+            out = lw.o(attn.reshape(T, self.q_size))
+            h = h + (out if lw.attn_out_norm is None else self._norm(out, lw.attn_out_norm))
             x = self._norm(h, lw.post_norm)
             gate, up = lw.gate_up(x).chunk(2, dim=-1)
-            h = h + lw.down(F.silu(gate) * up)
+            out = lw.down(self.act(gate) * up)
+            h = h + (out if lw.mlp_out_norm is None else self._norm(out, lw.mlp_out_norm))
         return self._norm(h, self.final_norm)
 
     def _attention(
@@ -151,4 +198,6 @@ class DecoderModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the given final hidden states. Pure."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

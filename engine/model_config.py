@@ -7,7 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
+                           "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_GEMMA3 = "Gemma3ForCausalLM"
+RopeScaling = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of a rope_scaling dict; () for default
 
 
 @dataclass(frozen=True)
@@ -22,29 +27,34 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of the rope_scaling dict; () for default
+    rope_scaling: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry biases (Qwen2)
     sliding_windows: tuple[int | None, ...]  # per layer: window in tokens, or None for full attention
-    hidden_act: str
+    hidden_act: str  # the MLP's gate activation, one of ACTIVATIONS
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # --- Qwen3 / Gemma 3 (the defaults are what Llama, Qwen2 and Mistral do)
+    qk_norm: bool = False  # q and k are RMS-normed per head before RoPE
+    attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    # the RoPE of the "sliding_attention" layers when it is not the global one (Gemma 3's rope_local_base_freq);
+    # each of those layers rotates by it whether or not a window is set
+    local_rope: tuple[float, RopeScaling] | None = None
+    local_layers: tuple[bool, ...] = ()  # per layer: a "sliding_attention" layer (picks local_rope); () for none
+    # Gemma: RMSNorm scales by (1 + weight) in float32, attention and MLP outputs are normed again before their
+    # residual add, and embeddings are multiplied by sqrt(hidden) rounded to the weights' dtype
+    gemma_norms: bool = False
+    embedding_scale: float | None = None
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(theta, scaling) from either the classic keys or transformers 5's ``rope_parameters``."""
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        theta = float(params["rope_theta"])
-    else:
-        theta = float(cfg.get("rope_theta", 10000.0))
-        scaling = dict(cfg.get("rope_scaling") or {})
+def _scaling(theta: float, scaling: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
@@ -54,25 +64,65 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, scaling
 
 
-def _sliding_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types")
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        return (None,) * n_layers
-    if not window:
-        return (None,) * n_layers
-    if layer_types:
-        return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if arch == "Qwen2ForCausalLM":
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling) from either the classic keys or transformers 5's ``rope_parameters``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return _scaling(float(params["rope_theta"]), params)
+    return _scaling(float(cfg.get("rope_theta", 10000.0)), dict(cfg.get("rope_scaling") or {}))
+
+
+def _gemma3_ropes(cfg: dict[str, Any]) -> tuple[tuple[float, dict[str, Any]], tuple[float, dict[str, Any]]]:
+    """(global, local) RoPEs, from transformers 5's per-layer-type ``rope_parameters`` or the classic
+    ``rope_theta`` + ``rope_scaling`` (global) and ``rope_local_base_freq`` (local, unscaled); defaults as
+    ``Gemma3TextConfig``'s."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        return (_scaling(float(full.get("rope_theta", 1_000_000.0)), full),
+                _scaling(float(local.get("rope_theta", 10_000.0)), local))
+    return (_scaling(float(cfg.get("rope_theta", 1_000_000.0)), dict(cfg.get("rope_scaling") or {})),
+            _scaling(float(cfg.get("rope_local_base_freq", 10_000.0)), {}))
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[str, ...]:
+    """Each layer's "sliding_attention" / "full_attention", derived as each Hugging Face config class does when
+    ``config.json`` does not list them."""
+    listed = cfg.get("layer_types")
+    if listed:
+        if len(listed) != n_layers:
+            raise ValueError(f"layer_types: {len(listed)} entries for {n_layers} layers")
+        return tuple(listed)
+    if arch == _GEMMA3:  # every pattern-th layer is global
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers))
+    if arch in _QWEN:  # the layers from max_window_layers on
         first = int(cfg.get("max_window_layers", n_layers))
-        return tuple(window if i >= first else None for i in range(n_layers))
-    return (int(window),) * n_layers
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
+    return ("sliding_attention",) * n_layers  # Mistral: every layer, where a window is set
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, types: tuple[str, ...]) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if arch in _QWEN and not cfg.get("use_sliding_window", False):
+        window = None
+    return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
 
 
 def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def _refuse_unsupported(cfg: dict[str, Any]) -> None:
+    # the paged attention kernels have no soft-capping (tanh of the scores) and no bidirectional mask
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"model: attn_logit_softcapping {cfg['attn_logit_softcapping']!r} is not supported "
+                         "(the attention kernels do not soft-cap; only null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("model: use_bidirectional_attention is not supported (causal attention only)")
 
 
 def load_model_config(folder: Path) -> ModelConfig:
@@ -82,17 +132,28 @@ def load_model_config(folder: Path) -> ModelConfig:
     arch = archs[0] if archs else ""
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model: architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"model: hidden_act {act!r} is not supported (silu)")
-    theta, scaling = _rope(cfg)
+    gemma = arch == _GEMMA3
+    # Gemma3TextConfig reads hidden_activation only (gelu_pytorch_tanh by default)
+    act = (cfg.get("hidden_activation") or "gelu_pytorch_tanh") if gemma else cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"model: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    _refuse_unsupported(cfg)
+    local_rope = None
+    if gemma:
+        (theta, scaling), (local_theta, local_scaling) = _gemma3_ropes(cfg)
+        local_rope = (local_theta, tuple(sorted(local_scaling.items())))
+    else:
+        theta, scaling = _rope(cfg)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    types = _layer_types(cfg, arch, n_layers)
     eos = _ids(cfg.get("eos_token_id"))
     gen_path = folder / "generation_config.json"
     if gen_path.exists():
         eos = tuple(dict.fromkeys(eos + _ids(json.loads(gen_path.read_text()).get("eos_token_id"))))
+    softcap = cfg.get("final_logit_softcapping") if gemma else None
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -101,15 +162,23 @@ def load_model_config(folder: Path) -> ModelConfig:
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=tuple(sorted(scaling.items())),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Gemma 3 ties by default, and its released config.json files leave the key out
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        sliding_windows=_sliding_windows(cfg, arch, n_layers),
+        sliding_windows=_sliding_windows(cfg, arch, types),
         hidden_act=act,
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
+        qk_norm=arch == "Qwen3ForCausalLM" or gemma,
+        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        local_rope=local_rope,
+        local_layers=tuple(t == "sliding_attention" for t in types) if gemma else (),
+        gemma_norms=gemma,
+        embedding_scale=hidden**0.5 if gemma else None,
+        final_logit_softcapping=float(softcap) if softcap is not None else None,
     )

@@ -1,6 +1,7 @@
 """Moving KV blocks between prefill and decode actors.
 
-Modules: ``config`` (endpoint settings), ``header`` (wire header, ``verify``; torch-free), ``base`` (backend
+Modules: ``config`` (endpoint settings), ``header`` (wire header, its checks; torch-free), ``payload_mac`` (the
+payload's keyed tag, on its device), ``base`` (backend
 interface, transfer handles, receive buffers), ``layer_parts`` (pack / verify+install one layer's part, arrival
 tracking), and the backends ``torch_dist`` (gloo on CPU, NCCL on CUDA), ``ucx`` (ucxx), ``inplace`` (``shm`` / ``cuda_ipc``:
 same-node writes straight into the peer's cache, over ``inplace_channel``), ``auto`` (per peer: in place when it can,
@@ -20,8 +21,6 @@ from kv_transfer.header import (
     KVTransferError,
     KVTransferHeader,
     MalformedHeaderError,
-    payload_checksum,
-    verify,
 )
 
 if TYPE_CHECKING:
@@ -37,8 +36,6 @@ __all__ = [
     "KVTransferHeader",
     "MalformedHeaderError",
     "make_backend",
-    "payload_checksum",
-    "verify",
 ]
 
 

@@ -116,17 +116,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object | None = None, *,
                   secret: ClusterSecret | None) -> bytes:
-    """The header's wire bytes, with the payload's checksum filled in when the sender left it out (``checksum`` None)
-    and then its MAC under ``secret`` (None: authentication off): socket backends call this on their I/O thread, so
-    the CRC pass (and, for a device payload, its host copy) is off the compute thread. ``ready``: a CUDA event the
-    payload's producer recorded; waited for first. Pure apart from that wait."""
+    """The header's wire bytes, with the payload's tag filled in when the sender left it out (``checksum`` None; the
+    part's key under ``secret``: :mod:`kv_transfer.payload_mac`) and then its MAC under ``secret`` (None:
+    authentication off): socket backends call this on their I/O thread, so the tag's pass over the bytes (on their
+    device) and its small read back are off the compute thread. ``ready``: a CUDA event the payload's producer
+    recorded; waited for first. Pure apart from that wait."""
     if header.checksum is None:
-        from kv_transfer.header import payload_checksum
-        from kv_transfer.layer_parts import tensor_memoryview
+        from kv_transfer.payload_mac import part_key, payload_tag
 
         if ready is not None:
             ready.synchronize()  # type: ignore[attr-defined]
-        header = dataclasses.replace(header, checksum=payload_checksum(tensor_memoryview(payload)))
+        header = dataclasses.replace(header, checksum=payload_tag(payload, part_key(secret, header)))
     return sign_header(header, secret).encode()
 
 

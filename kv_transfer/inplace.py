@@ -39,6 +39,7 @@ from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeade
 from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, InPlaceUnavailable, export_cuda, import_cuda,
                                          node_id, recv_message, send_message)
 from kv_transfer.layer_parts import blocks_checksum, part_header
+from kv_transfer.payload_mac import part_key
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +340,10 @@ class InPlaceBackend(KVTransferBackend):
         into the peer's ``dst_block_ids`` (on a GPU: queued on the current stream), then announce the part. Returns
         a handle that is DONE once announced. ``corrupt`` flips one written byte after the checksum (fault
         injection: the peer must reject the part, which needs ``inplace_checksum``)."""
-        csum = blocks_checksum(k_cache, v_cache, src_block_ids, scales) if self.checksum else None
-        header = part_header(k_cache, dst_block_ids, csum, **header_fields)  # type: ignore[arg-type]
+        header = part_header(k_cache, dst_block_ids, None, **header_fields)  # type: ignore[arg-type]
+        if self.checksum:  # the tag of the source blocks, under the part's key; the peer checks its blocks against it
+            header = dataclasses.replace(header, checksum=blocks_checksum(
+                k_cache, v_cache, src_block_ids, scales, key=part_key(self.config.secret, header)))
         handle = self._new_send_handle(peer_address, header, k_cache[:0])
         handle.nbytes = header.payload_nbytes
 

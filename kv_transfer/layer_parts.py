@@ -19,21 +19,23 @@ bfloat16.
 
 from __future__ import annotations
 
-import zlib
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 import kernels
 from kv_transfer.base import as_bytes, dtype_name
-from kv_transfer.header import ExpectedTransfer, KVTransferHeader, payload_checksum, verify
+from cluster.wire.auth import ClusterSecret
+from kv_transfer.header import ExpectedTransfer, KVTransferHeader, verify_checksum, verify_fields, verify_length
+from kv_transfer.payload_mac import PartKey, PayloadMac, part_key, payload_tag
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous tensor: a zero-copy view on CPU, a host copy for device tensors. Pure."""
     flat = as_bytes(t)
     if flat.device.type != "cpu":
-        flat = flat.cpu()  # a GPU checksum kernel would avoid this copy; none exists yet
+        flat = flat.cpu()  # (the payload's tag needs no host copy: payload_mac runs on the device)
     return memoryview(flat.numpy())
 
 
@@ -53,11 +55,13 @@ def pack_layer_part(
     epoch: int = 0,
     nonce: str = "",
     checksum: bool = True,
+    secret: ClusterSecret | None = None,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
-    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its checksum
-    (``checksum=False``: left for the backend's I/O thread to compute, off the caller's thread); for a scaled cache
+    Pure: returns ``(header, payload)`` with payload ``[2, n, block_size, kv_heads, head_dim]`` and its tag under
+    ``secret``'s key for the part (``checksum=False``: left for the backend's I/O thread to compute, off the caller's
+    thread; a part that must carry a tag of its bytes before they change: fault injection); for a scaled cache
     (``scales`` given) the payload is flat bytes: the blocks, then their scales ``scales[:, ids]``.
     """
     if len(src_block_ids) != len(dst_block_ids):
@@ -67,19 +71,20 @@ def pack_layer_part(
     payload = blocks
     if scales is not None:
         payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids].contiguous())))
-    crc = payload_checksum(tensor_memoryview(payload)) if checksum else None
-    header = part_header(k_cache, dst_block_ids, crc, layer=layer,
+    header = part_header(k_cache, dst_block_ids, None, layer=layer,
                          token_start=token_start, token_end=token_end, request_id=request_id,
                          reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch,
                          nonce=nonce)
+    if checksum:
+        header = dataclasses.replace(header, checksum=payload_tag(payload, part_key(secret, header)))
     return header, payload
 
 
-def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: int | None, *, layer: int,
+def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: bytes | None, *, layer: int,
                 token_start: int, token_end: int, request_id: str, reservation_id: str, model_fingerprint: str,
                 epoch: int = 0, nonce: str = "") -> KVTransferHeader:
     """The header of one layer's part of ``dst_block_ids`` for a cache like ``k_cache`` (no MAC yet: the backend
-    signs it once its checksum is final). Pure."""
+    signs it once its tag is in). Pure."""
     return KVTransferHeader(
         request_id=request_id,
         reservation_id=reservation_id,
@@ -97,21 +102,32 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: i
 
 
 def blocks_checksum(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                    scales: torch.Tensor | None = None) -> int:
-    """The checksum the packed payload of these blocks would have (K blocks, then V blocks, then a scaled cache's
-    scales), computed where they lie: one CRC pass per run of consecutive ids, no packing. Pure (host copies for
-    device tensors)."""
+                    scales: torch.Tensor | None = None, *, key: PartKey) -> bytes:
+    """The tag under ``key`` that the packed payload of these blocks would have (K blocks, then V blocks, then a
+    scaled cache's scales), computed where they lie, on their device: one pass per run of consecutive ids, no
+    packing. Pure (one small read back)."""
     from kernels.copy_between import block_runs
 
     runs = block_runs(block_ids, block_ids)
-    crc = 0
+    mac = PayloadMac(key, k_cache.device)
     for cache in (k_cache, v_cache):
         for start, _, n in runs:
-            crc = zlib.crc32(tensor_memoryview(cache[start:start + n]), crc)
+            mac.update(cache[start:start + n])
     if scales is not None:
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=scales.device)
-        crc = zlib.crc32(tensor_memoryview(scales[:, ids].contiguous()), crc)
-    return crc & 0xFFFFFFFF
+        mac.update(scales[:, ids].contiguous())
+    return mac.tag()
+
+
+def verify_part(header: KVTransferHeader, raw: torch.Tensor, expected: ExpectedTransfer,
+                secret: ClusterSecret | None) -> None:
+    """Raise the :class:`~kv_transfer.header.HeaderMismatchError` of the first thing not as ``expected``: the header's
+    fields, the payload's length (``raw``: its bytes, uint8), then its tag under ``secret``'s key for the part (a pass
+    over the bytes on their device: last). Pure."""
+    verify_fields(header, expected)
+    verify_length(header, raw.numel() * raw.element_size())
+    if header.checksum is not None:
+        verify_checksum(header, payload_tag(raw, part_key(secret, header)))
 
 
 def install_layer_part(
@@ -121,9 +137,11 @@ def install_layer_part(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scales: torch.Tensor | None = None,
+    secret: ClusterSecret | None = None,
 ) -> None:
-    """Verify ``header`` and the payload bytes ``raw`` against ``expected``, then scatter them into the caches
-    (and a scaled payload's scales into ``scales``, the layer's ``[2, num_blocks, ...]``).
+    """Verify ``header`` and the payload bytes ``raw`` against ``expected`` (the tag under ``secret``'s key for the
+    part: :func:`verify_part`), then scatter them into the caches (and a scaled payload's scales into ``scales``, the
+    layer's ``[2, num_blocks, ...]``).
 
     Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
     :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
@@ -133,7 +151,7 @@ def install_layer_part(
     if (scales is not None) != (header.scales_nbytes > 0):
         raise ValueError(f"scales: a {header.dtype} payload into a {k_cache.dtype} cache "
                          f"{'without' if scales is None else 'with'} scales")
-    verify(header, tensor_memoryview(raw), expected)
+    verify_part(header, raw, expected, secret)
     split = raw.numel() - header.scales_nbytes
     payload = raw[:split].view(k_cache.dtype).view(header.shape)
     ids = torch.tensor(header.block_ids, dtype=torch.long, device=k_cache.device)

@@ -26,10 +26,12 @@ from kv_transfer.base import (
     TransferState,
     torch_dtype,
 )
+from cluster.wire.auth import ClusterSecret
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import (ExpectedTransfer, HeaderMismatchError, KVTransferHeader, verify_checksum,
                                verify_fields)
 from kv_transfer.layer_parts import blocks_checksum, install_layer_part
+from kv_transfer.payload_mac import part_key
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ def next_transfer(backend: KVTransferBackend, timeout_s: float = 30.0) -> Transf
     raise TimeoutError(f"no KV transfer arrived within {timeout_s}s")
 
 
-def _install(handle: TransferHandle, expected: dict[str, ExpectedTransfer], caches: list) -> tuple[str, str]:
-    """Verify and install one received part the way a decode actor does; ``("ok", ..)`` or ``(field, error)``."""
+def _install(handle: TransferHandle, expected: dict[str, ExpectedTransfer], caches: list,
+             secret: ClusterSecret | None = None) -> tuple[str, str]:
+    """Verify (tags under ``secret``'s part keys) and install one received part the way a decode actor does;
+    ``("ok", ..)`` or ``(field, error)``."""
     if handle.state is not TransferState.DONE or handle.header is None or (handle.raw is None
                                                                             and not handle.in_place):
         return ("failed", handle.error or "no payload")
@@ -83,9 +87,10 @@ def _install(handle: TransferHandle, expected: dict[str, ExpectedTransfer], cach
         if handle.in_place:  # the bytes are in the blocks already: verify, as a decode actor does
             verify_fields(handle.header, dataclasses.replace(want, require_checksum=False))
             if handle.header.checksum is not None:
-                verify_checksum(handle.header, blocks_checksum(k, v, handle.header.block_ids))
+                verify_checksum(handle.header, blocks_checksum(k, v, handle.header.block_ids,
+                                                               key=part_key(secret, handle.header)))
         else:
-            install_layer_part(handle.header, handle.raw, want, k, v)
+            install_layer_part(handle.header, handle.raw, want, k, v, secret=secret)
     except HeaderMismatchError as e:
         return (e.field, str(e))
     return ("ok", f"layer {handle.header.layer} tokens [{handle.header.token_start}, {handle.header.token_end})")
@@ -122,7 +127,7 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
                 outcomes = []
                 for _ in range(n):
                     handle = next_transfer(backend)
-                    outcomes.append(_install(handle, expected, caches))
+                    outcomes.append(_install(handle, expected, caches, config.secret))
                     backend.release(handle)
                 conn.send(outcomes)
             elif cmd == "caches":  # host copies: a shared-memory cache would travel as a descriptor
@@ -134,7 +139,8 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
                     ok = handle.state is TransferState.DONE
                     if ok and handle.in_place and handle.header is not None and handle.header.checksum is not None:
                         k, v = caches[handle.header.layer]
-                        ok = blocks_checksum(k, v, handle.header.block_ids) == handle.header.checksum
+                        key = part_key(config.secret, handle.header)
+                        ok = blocks_checksum(k, v, handle.header.block_ids, key=key) == handle.header.checksum
                     nbytes += handle.nbytes if ok else 0
                     backend.release(handle)
                 conn.send((arg, nbytes))
@@ -224,7 +230,7 @@ def bandwidth_payload(nbytes: int) -> tuple[KVTransferHeader, torch.Tensor]:
     blocks = max(1, nbytes // (2 * 16 * 8 * 128 * 2))
     payload = torch.randn(2, blocks, 16, 8, 128).to(torch.float16)
     header = KVTransferHeader("bench", "bench", 0, 0, blocks * 16, tuple(range(blocks)), "float16",
-                              tuple(payload.shape), 0, "bench")
+                              tuple(payload.shape), bytes(16), "bench")  # a placeholder tag: drain checks none
     return header, payload
 
 

@@ -201,7 +201,7 @@ class PrefillWorker(EngineLoop):
                 else:
                     # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it)
                     header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, checksum=corrupt,
-                                                      **fields)
+                                                      secret=self.backend.config.secret, **fields)
                     if corrupt:
                         payload.view(-1).view(torch.uint8)[0] ^= 0xFF
                     handle = self.backend.send(job.grant.kv_endpoint, header, payload)

@@ -6,13 +6,17 @@ int, bytes, None and tuple values used here) of a *purpose tag* and the values i
 message never passes for another:
 
 - ``kv-part``: every field of a K/V part's header (request and reservation id, the reservation's nonce and epoch,
-  layer, token range, block ids, dtype, shape, payload checksum, model fingerprint). The payload itself is bound only
-  through its CRC-32 checksum: MACing the bytes would cost more than copying them.
+  layer, token range, block ids, dtype, shape, payload tag, model fingerprint). The payload itself is bound through
+  its tag, a polynomial MAC computed on the payload's device under a one-time key (:mod:`kv_transfer.payload_mac`).
+- ``kv-part-key``: not a MAC but that one-time key: the HMAC of every header field but the tag and the MAC.
 - ``kv-hi``: an in-place writer's name and the decode actor's one-time challenge (no replay), before the decode actor
   hands over its KV cache's memory.
 - ``kv-open``: an in-place writer opening a reservation: writer, reservation id, nonce, epoch.
 - ``kv-join``: a torch_dist sender joining a decode actor's store: the store's address, its ticket, its name.
-- ``token-frame``: a token-stream frame: the proxy address it is for and the frame's bytes.
+- ``kv-store``: every value written to a torch_dist rendezvous store: the store's address, the key, the value
+  (:mod:`kv_transfer.store_auth`).
+- ``token-frame``: a token-stream frame: the proxy address it is for and the frame's bytes (which carry the
+  sending stream's id and the frame's sequence number: a replayed frame is dropped, ``token_stream``).
 
 The nonce is issued by the decode actor at reserve (``ReserveGrant.nonce``) and travels to the prefill actor with the
 grant; a part MACed for one reservation therefore fails for every other, even one that reuses its id.
@@ -31,7 +35,7 @@ import msgpack
 ENV_VAR = "PDCLUSTER_CLUSTER_SECRET"  # where serve and the proxies read the secret (the chart fills it from a Secret)
 MIN_SECRET_CHARS = 32  # serve generates 64 hex characters (256 bits); a shorter secret is refused
 MAC_BYTES = 32  # HMAC-SHA256
-PURPOSES = ("kv-part", "kv-hi", "kv-open", "kv-join", "token-frame")
+PURPOSES = ("kv-part", "kv-part-key", "kv-hi", "kv-open", "kv-join", "kv-store", "token-frame")
 
 Value = str | int | bytes | None | tuple[int, ...]
 

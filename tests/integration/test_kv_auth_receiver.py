@@ -59,11 +59,13 @@ def _reserve(decode: FlexWorker, rid: str) -> ReserveGrant:
 
 def _part(decode: FlexWorker, grant: ReserveGrant, src: torch.Tensor, **overrides: Any) -> tuple[KVTransferHeader,
                                                                                                    torch.Tensor]:
-    """The genuine part of layer 0's first block of ``grant`` (unsigned; ``overrides`` replace header fields)."""
+    """The genuine part of layer 0's first block of ``grant`` (its payload tagged under the part's key, the header
+    unsigned; ``overrides`` replace header fields)."""
     engine = decode.impl.engine
     header, payload = pack_layer_part(src[0], src[1], [1], [grant.block_ids[0]], layer=0, token_start=0, token_end=16,
                                       request_id=grant.request_id, reservation_id=grant.reservation_id,
-                                      model_fingerprint=engine.fingerprint, epoch=grant.epoch, nonce=grant.nonce)
+                                      model_fingerprint=engine.fingerprint, epoch=grant.epoch, nonce=grant.nonce,
+                                      secret=SECRET)
     return dataclasses.replace(header, **overrides), payload
 
 

@@ -24,12 +24,11 @@ from kv_transfer.header import (
     HeaderMismatchError,
     KVTransferHeader,
     MalformedHeaderError,
-    verify,
 )
 from kv_transfer.layer_parts import (
     install_layer_part,
     pack_layer_part,
-    tensor_memoryview,
+    verify_part,
 )
 from kv_transfer.loopback import (
     CacheSpec,
@@ -111,19 +110,19 @@ def test_verify_names_the_bad_field(field: str, changes: dict) -> None:
     expected = make_expected("r", "rsv", [1, 2, 3, 4])
     header, payload = part(SPEC.make(seed=0), [9, 8, 7], expected, 0, 0, 40, **changes)
     with pytest.raises(HeaderMismatchError) as err:
-        verify(header, tensor_memoryview(payload), expected)
+        verify_part(header, as_bytes(payload), expected, None)
     assert err.value.field == field and field in str(err.value)
 
 
 def test_verify_payload_length_and_checksum() -> None:
     expected = make_expected("r", "rsv", [1, 2, 3, 4])
     header, payload = part(SPEC.make(seed=0), [9, 8, 7], expected, 0, 0, 40)
-    verify(header, tensor_memoryview(payload), expected)
+    verify_part(header, as_bytes(payload), expected, None)
     with pytest.raises(HeaderMismatchError, match="payload length") as err:
-        verify(header, tensor_memoryview(payload)[:-2], expected)
+        verify_part(header, as_bytes(payload)[:-2], expected, None)
     assert err.value.field == "shape"
     with pytest.raises(ChecksumError) as err:
-        verify(header, tensor_memoryview(flip_byte(payload)), expected)
+        verify_part(header, as_bytes(flip_byte(payload)), expected, None)
     assert err.value.field == "checksum"
 
 

@@ -60,12 +60,18 @@ def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> 
 
 
 CASES = ["decode_bf16_split", "decode_fp8", "decode_int8", "decode_reduce", "prefill_bf16_window", "prefill_fp8",
-         "prefill_int8", "store_kv", "store_fp8", "store_int8", "copy_blocks", "copy_between", "fp8_quantize"]
+         "prefill_int8", "store_kv", "store_fp8", "store_int8", "copy_blocks", "copy_between", "fp8_quantize",
+         "payload_mac"]
 CACHE_TYPES = {"fp8": "*fp8e4nv", "int8": "*i8"}
 
 
 def compile_case(case: str, kv: ModuleType, pf: ModuleType, i8: ModuleType) -> None:
     """Compile the kernel(s) of one case; raises on any compiler error."""
+    if case == "payload_mac":  # the payload MAC's row sums (int8 bytes, int32 weight halves, int64 sums)
+        mac = _load("triton_mac")
+        _compile(mac._row_sums_kernel, dict(x_ptr="*i8", w_ptr="*i32", out_ptr="*i64", num_rows=I32, pad=I32,
+                                            ROW=2048, ROWS=mac.MAC_ROWS, TILE=mac.MAC_TILE), mac.MAC_WARPS, 2)
+        return
     attn = dict(bt_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", scale_log2=0.1, window=I32, stride_kb=I32_16,
                 stride_kt=I32_16, stride_kh=I32_16, stride_vb=I32_16, stride_vt=I32_16, stride_vh=I32_16,
                 stride_sb=I32, stride_st=I32, stride_sh=I32, stride_bts=I32, BLOCK_SIZE=16, HEAD_DIM=128,

@@ -21,7 +21,7 @@ OTHER = ClusterSecret("t" * 64)
 
 def _header(**overrides: object) -> KVTransferHeader:
     fields: dict[str, object] = dict(request_id="req", reservation_id="res-1", layer=2, token_start=16, token_end=40,
-                                     block_ids=(7, 8), dtype="float32", shape=(2, 2, 16, 2, 8), checksum=1234,
+                                     block_ids=(7, 8), dtype="float32", shape=(2, 2, 16, 2, 8), checksum=b"t" * 16,
                                      model_fingerprint="fp", epoch=3, nonce="n-1")
     return KVTransferHeader(**{**fields, **overrides})  # type: ignore[arg-type]
 
@@ -73,17 +73,17 @@ def test_a_signed_header_round_trips_and_any_changed_field_fails() -> None:
     assert sign_header(_header(), None) == _header()  # authentication off: no MAC
     assert not header_authentic(_header(), SECRET)  # no MAC at all
     changed = dict(reservation_id="res-2", nonce="n-2", epoch=4, layer=3, token_start=0, token_end=41,
-                   block_ids=(8, 7), checksum=1235, request_id="other", model_fingerprint="fp2", dtype="float16")
+                   block_ids=(8, 7), checksum=b"u" * 16, request_id="other", model_fingerprint="fp2", dtype="float16")
     for name, value in changed.items():
         forged = dataclasses.replace(signed, **{name: value})
         assert not header_authentic(forged, SECRET), name
     none_sum = sign_header(_header(checksum=None), SECRET)  # an in-place part without a checksum is still bound
-    assert header_authentic(none_sum, SECRET) and not header_authentic(dataclasses.replace(none_sum, checksum=0),
+    assert header_authentic(none_sum, SECRET) and not header_authentic(dataclasses.replace(none_sum, checksum=bytes(16)),
                                                                        SECRET)
 
 
 def test_the_header_wire_version_moved_and_a_bad_mac_field_is_malformed() -> None:
-    assert WIRE_VERSION == 5  # 5: int8 payloads with per-token scales
+    assert WIRE_VERSION == 6  # 6: the payload's 16-byte MAC tag replaces its CRC-32
     with pytest.raises(ValueError, match="mac"):
         _header(mac=b"\x00" * 5)
     import msgpack

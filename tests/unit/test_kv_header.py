@@ -12,7 +12,7 @@ from kv_transfer.header import KVTransferHeader
 def _header(dtype: str) -> KVTransferHeader:
     # 3 blocks of 16 tokens, 2 kv heads of 8
     return KVTransferHeader(request_id="r", reservation_id="res", layer=0, token_start=0, token_end=48,
-                            block_ids=(4, 5, 6), dtype=dtype, shape=(2, 3, 16, 2, 8), checksum=1,
+                            block_ids=(4, 5, 6), dtype=dtype, shape=(2, 3, 16, 2, 8), checksum=bytes(16),
                             model_fingerprint="fp")
 
 
