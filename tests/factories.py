@@ -59,17 +59,36 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": False},
     # a sliding window shorter than the longest prompts
     "mistral": {"sliding_window": 48, "tie_word_embeddings": False},
+    # q/k norms, head_dim (24) unlike hidden / heads, GQA 6:2, layers 1 and 2 sliding over 40 tokens
+    "qwen3": {"hidden_size": 56, "num_attention_heads": 6, "head_dim": 24, "num_hidden_layers": 3,
+              "intermediate_size": 96, "use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1,
+              "tie_word_embeddings": False, "rope_theta": 5000.0},
+    # local, local, global layers (window 24, RoPE bases 500 and 20000, the global one linearly scaled), GQA 4:1,
+    # head_dim 32 over hidden 40, query_pre_attn_scalar 24, tied embeddings, a final logit soft-cap
+    "gemma3": {"hidden_size": 40, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+               "num_hidden_layers": 3, "intermediate_size": 72, "sliding_window": 24, "sliding_window_pattern": 3,
+               "rope_local_base_freq": 500.0, "rope_theta": 20000.0,
+               "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "query_pre_attn_scalar": 24,
+               "final_logit_softcapping": 30.0, "pad_token_id": 0},
 }
+
+_NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+_NORMS_PERTURBED = ("qwen3", "gemma3")  # the older archs keep the weights their tests were written against
+# Gemma 3's scaled, tied embedding dominates the residual at the common std: greedy repeats the input token. A
+# smaller embedding, larger layers and a sharper final norm give varied text with top-2 logprob gaps above 4e-3.
+_GEMMA3_INIT = {"embed_std": 0.04, "layer_std": 0.2, "final_norm_add": 4.0}
 
 
 def build_checkpoint(folder: Path, arch: str, tokenizer_dir: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Save a random-weight fp32 ``arch`` checkpoint (2 layers, GQA 4:2) plus the tokenizer into ``folder``."""
+    """Save a random-weight fp32 ``arch`` checkpoint (2 layers, GQA 4:2, unless ARCH_OVERRIDES says otherwise) plus
+    the tokenizer into ``folder``."""
     import shutil
 
     import transformers as tf
 
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[arch]
     kwargs: dict[str, Any] = dict(
         vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
@@ -81,9 +100,16 @@ def build_checkpoint(folder: Path, arch: str, tokenizer_dir: Path, seed: int = 0
     torch.manual_seed(seed)
     model = cls[1](config).eval()
     with torch.no_grad():  # larger weights than the default init: peaked logits, so greedy has no near-ties
-        for p in model.parameters():
+        gemma = arch == "gemma3"
+        for name, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0.0, 0.15)
+                std = 0.15 if not gemma else _GEMMA3_INIT["embed_std" if "embed" in name else "layer_std"]
+                p.normal_(0.0, std)
+            elif arch in _NORMS_PERTURBED and name.endswith(_NORM_SUFFIXES):
+                # norms away from their init (1, or Gemma's 0), so that a misplaced or missing one shows
+                p.add_(torch.empty_like(p).uniform_(-0.3, 0.3))
+        if gemma:
+            model.model.norm.weight.add_(_GEMMA3_INIT["final_norm_add"])
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     for f in tokenizer_dir.iterdir():
@@ -93,6 +119,13 @@ def build_checkpoint(folder: Path, arch: str, tokenizer_dir: Path, seed: int = 0
 
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Hugging Face ``generate`` greedy continuations, one prompt at a time, EOS ignored."""
+    return [ids for ids, _ in hf_greedy_logprobs(folder, prompts, max_new_tokens)]
+
+
+def hf_greedy_logprobs(folder: Path, prompts: list[list[int]], max_new_tokens: int
+                       ) -> list[tuple[list[int], list[float]]]:
+    """Hugging Face ``generate`` greedy continuations in float32, one prompt at a time, EOS ignored, each with the
+    log-softmax of the model's raw logits at every chosen token."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -102,6 +135,8 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> li
         for p in prompts:
             ids = torch.tensor([p])
             g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                               do_sample=False, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
+                               do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+            toks = g.sequences[0, len(p):].tolist()
+            lps = [float(lg[0].float().log_softmax(-1)[t]) for lg, t in zip(g.logits, toks)]
+            outs.append((toks, lps))
     return outs

@@ -1,5 +1,6 @@
-"""Greedy identity with Hugging Face ``generate``: tiny random Llama / Qwen2 / Mistral checkpoints, batched together,
-with chunked prefill, prefix-cache hits and preemption each forced in turn."""
+"""Greedy identity with Hugging Face ``generate``: tiny random Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 checkpoints,
+batched together, with chunked prefill, prefix-cache hits, preemption and n = 2 each forced in turn; every token's
+logprob within 1e-3 of Hugging Face's (float32)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from factories import hf_greedy
+from factories import hf_greedy_logprobs
 
 MAX_NEW = 16
+LOGPROB_TOL = 1e-3
 
 
 def prompts_with_shared_prefixes(seed: int = 0) -> list[list[int]]:
@@ -21,11 +23,11 @@ def prompts_with_shared_prefixes(seed: int = 0) -> list[list[int]]:
     return base + shared
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma3"])
 def arch_case(request: pytest.FixtureRequest, tiny_checkpoint):  # type: ignore[no-untyped-def]
     folder = tiny_checkpoint(request.param)
     prompts = prompts_with_shared_prefixes()
-    return folder, prompts, hf_greedy(folder, prompts, MAX_NEW)
+    return folder, prompts, hf_greedy_logprobs(folder, prompts, MAX_NEW)
 
 
 SCENARIOS = {
@@ -35,23 +37,30 @@ SCENARIOS = {
     "prefix": dict(max_num_batched_tokens=512, block_size=8, enable_prefix_caching=True),
     # 48 blocks of 8 tokens cannot hold the batch: sequences are preempted and recomputed
     "preempt": dict(max_num_batched_tokens=256, block_size=8, num_kv_blocks=48, enable_prefix_caching=True),
+    # two completions per prompt, forked from one prefill: each is the greedy one
+    "n2": dict(max_num_batched_tokens=128, block_size=8, enable_prefix_caching=True),
 }
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_matches_hf(arch_case, scenario: str) -> None:  # type: ignore[no-untyped-def]
     folder, prompts, expected = arch_case
+    n = 2 if scenario == "n2" else 1
     llm = LLM(str(folder), dtype="float32", max_num_seqs=64, **SCENARIOS[scenario])
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=n, logprobs=0))
     stats = llm.engine.scheduler.stats
     if scenario == "chunked":
         assert stats.partial_prefills > 0
     elif scenario == "prefix":
         assert stats.prefix_cached_tokens >= 64 + 32 + 8 * (len(prompts[3]) // 8 - 1)
-    else:
+    elif scenario == "preempt":
         assert stats.preemptions > 0
-    for i, (out, ref) in enumerate(zip(outs, expected)):
-        assert out.token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens) diverged"
-        assert out.finish_reason == "length"
+    for i, (out, (ref, ref_lps)) in enumerate(zip(outs, expected)):
+        assert len(out.outputs) == n
+        for c in out.outputs:
+            assert c.token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens) completion {c.index} diverged"
+            assert c.finish_reason == "length"
+            lps = [step[t] for step, t in zip(c.logprobs, c.token_ids)]
+            assert lps == pytest.approx(ref_lps, abs=LOGPROB_TOL), f"prompt {i} completion {c.index} logprobs"
     llm.engine.check_integrity()
     assert llm.engine.kv.pool.counts()["used"] == 0
