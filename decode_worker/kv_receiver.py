@@ -54,6 +54,9 @@ class KVReceiver:
         self.backend.export_cache(*engine.kv_memory())
         self.backend.set_writer_hooks(self._writer_open, self._writer_end, self._writer_gone)
         self.address = self.backend.listen()
+        # the stream the engine forwards on: its loop thread's current one, the device's default stream (nothing in
+        # engine/ forwards on another); parts are installed there, queued with the decode steps (kv_transfer.streams)
+        self._compute_stream = self.backend.streams.current()
         k = engine.kv_layer(0)[0]
         self._block_shape, self._dtype = tuple(k.shape[1:]), dtype_name(k.dtype)
         self.parts_installed = 0
@@ -65,14 +68,17 @@ class KVReceiver:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            handle = self.backend.recv(0.2)
-            if handle is None:
-                continue
-            try:
-                self._install(handle)
-            finally:
-                self.backend.release(handle)
+        # recv, install and release on one stream: recv makes it wait for the comm stream's write, and release's fence
+        # (recorded there) covers the unpack, so the buffer's next transfer cannot overwrite it mid-install
+        with self.backend.streams.use(self._compute_stream):
+            while not self._stop.is_set():
+                handle = self.backend.recv(0.2)
+                if handle is None:
+                    continue
+                try:
+                    self._install(handle)
+                finally:
+                    self.backend.release(handle)
 
     def _install(self, handle: Any) -> None:
         header = handle.header

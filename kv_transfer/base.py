@@ -23,6 +23,7 @@ import torch
 from kv_transfer.config import KVTransferConfig
 from cluster.wire.auth import ClusterSecret
 from kv_transfer.header import DTYPE_ITEMSIZE, KVTransferHeader, sign_header
+from kv_transfer.streams import HOST_DONE, Event, FencedPool, HostStreams, Stream, streams_for
 
 
 class TransferState(str, enum.Enum):
@@ -45,6 +46,9 @@ class TransferHandle:
         self.raw: torch.Tensor | None = None  # recv: the payload bytes, a uint8 view into a receive buffer
         self.payload: torch.Tensor | None = None  # recv: ``raw`` viewed as header.dtype/shape when they fit its length
         self.buffer_index: int | None = None  # recv: which receive buffer holds it, for release
+        # recv: recorded on the stream that wrote the bytes, after the write; ``recv`` makes the consumer's stream
+        # wait for it (kv_transfer.streams)
+        self.ready: Event = None
         self.in_place = False  # recv: the payload was written straight into the receiver's blocks (shm, cuda_ipc)
         self.created_s = time.perf_counter()
         self.started_s: float | None = None
@@ -138,15 +142,19 @@ def as_bytes(payload: torch.Tensor) -> torch.Tensor:
 
 
 class RecvSide:
-    """Receive buffers, allocated once, and the queue of finished incoming transfers. Thread-safe."""
+    """Receive buffers, allocated once, and the queue of finished incoming transfers. Thread-safe.
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    A buffer's round trip follows :mod:`kv_transfer.streams`' rule: ``acquire`` (the writer's stream waits for the
+    buffer's fence) -> the backend writes -> ``finish`` (a *ready* event on the writer's stream) -> ``hand_over``
+    (the consumer's stream waits for it) -> install -> ``release`` (the fence, on the consumer's stream) -> pool."""
+
+    def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
         self.config = config
+        self.streams = streams if streams is not None else streams_for(config.device)
         self.buffers = [torch.empty(config.recv_buffer_bytes, dtype=torch.uint8, device=config.device)
                         for _ in range(config.num_recv_buffers)]
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(len(self.buffers)):
-            self._free.put(i)
+        self._pool = FencedPool(len(self.buffers), self.streams)
+        self._writers: dict[int, Stream] = {}  # buffer -> the stream writing it (None: the host), until finish
         self._finished: queue.Queue[TransferHandle] = queue.Queue()
         self._ids = itertools.count()
         self.closed = threading.Event()
@@ -158,24 +166,20 @@ class RecvSide:
         return handle
 
     def has_free_buffer(self) -> bool:
-        """Whether ``acquire`` would not block now. Pure."""
-        return not self._free.empty()
+        """Whether ``acquire`` would block neither for a buffer nor (a host writer) for its last reader. Pure."""
+        return self._pool.ready()
 
-    def acquire(self, handle: TransferHandle) -> torch.Tensor:
-        """Mutates: a place for ``handle``'s payload bytes, blocking while every buffer is in use.
+    def acquire(self, handle: TransferHandle, writer: Stream = None) -> torch.Tensor:
+        """Mutates: a place for ``handle``'s payload bytes, blocking while every buffer is in use. ``writer``: the
+        stream that will write it (it waits for the buffer's last reader here); None: the host writes (and waits).
 
         A payload larger than a buffer still gets a (temporary) place so the stream stays in step; ``finish`` then
         fails it. Raises ``RuntimeError`` if the endpoint closes while waiting.
         """
         if handle.nbytes > self.config.recv_buffer_bytes:
             return torch.empty(handle.nbytes, dtype=torch.uint8, device=self.config.device)
-        while True:
-            try:
-                index = self._free.get(timeout=0.1)
-                break
-            except queue.Empty:
-                if self.closed.is_set():
-                    raise RuntimeError("endpoint closed while waiting for a receive buffer") from None
+        index = self._pool.take(writer, 0.1, self.closed)
+        self._writers[index] = writer
         handle.buffer_index = index
         return self.buffers[index][: handle.nbytes]
 
@@ -190,6 +194,8 @@ class RecvSide:
             handle.mark_failed(error)
         else:
             assert raw is not None and handle.header is not None
+            writer = self._writers.get(handle.buffer_index)
+            handle.ready = HOST_DONE if writer is None else self.streams.record(writer, buffer=handle.buffer_index)
             handle.raw = raw
             if raw.numel() == handle.header.payload_nbytes and not handle.header.scales_nbytes:
                 handle.payload = raw.view(torch_dtype(handle.header.dtype)).view(handle.header.shape)
@@ -209,22 +215,39 @@ class RecvSide:
         except queue.Empty:
             return None
 
-    def release(self, handle: TransferHandle) -> None:
-        """Mutates: the consumer is done with ``handle``'s bytes; its buffer takes the next transfer."""
-        handle.raw = handle.payload = None
-        self._give_back(handle)
+    def hand_over(self, handle: TransferHandle) -> None:
+        """Mutates nothing here: the calling thread's current stream (the consumer's) waits for ``handle``'s bytes.
+        ``recv`` calls it; install and ``release`` must then run on that same stream."""
+        if handle.buffer_index is None:
+            return
+        if handle.ready is not None and handle.ready is not HOST_DONE:
+            self.streams.wait(None, handle.ready, buffer=handle.buffer_index)
+        self.streams.note("handoff", handle.buffer_index, None)
 
-    def _give_back(self, handle: TransferHandle) -> None:
+    def release(self, handle: TransferHandle) -> None:
+        """Mutates: the consumer is done with ``handle``'s bytes (enqueued on its current stream, the one it was
+        handed over on); its buffer takes the next transfer once that stream has passed the fence recorded here."""
+        handle.raw = handle.payload = None
+        if handle.buffer_index is not None:
+            self._give_back(handle, self.streams.record(None, buffer=handle.buffer_index))
+
+    def _give_back(self, handle: TransferHandle, fence: Event = None) -> None:
+        """Mutates: back to the pool. No ``fence``: a transfer that failed, fenced on its writer's stream."""
         if handle.buffer_index is not None:
             index, handle.buffer_index = handle.buffer_index, None
-            self._free.put(index)
+            writer = self._writers.pop(index, None)
+            if fence is None:
+                fence = HOST_DONE if writer is None else self.streams.record(writer, buffer=index)
+            self._pool.put(index, fence)
 
 
 class KVTransferBackend(ABC):
     """One endpoint of a KV transport. Both roles in one object: a decode actor listens, a prefill actor sends."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
+        """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
         self.config = config.resolved()  # host unset: this process's node address (made inside the actor)
+        self.streams = streams if streams is not None else streams_for(self.config.device)
         self.recv_side: RecvSide | None = None  # created by listen()
         self._send_ids = itertools.count()
         self.bytes_sent = 0  # payload bytes of DONE sends (for pdcluster_kv_transfer_bytes_total)
@@ -263,13 +286,15 @@ class KVTransferBackend(ABC):
     def recv(self, timeout_s: float = 0.0) -> TransferHandle | None:
         """Mutates: the next finished incoming transfer (DONE or FAILED) from any peer, or None after ``timeout_s``.
 
-        A DONE handle's ``raw``/``payload`` point into a receive buffer: ``release`` it once installed.
+        A DONE handle's ``raw``/``payload`` point into a receive buffer, ready for the calling thread's current
+        stream (which waits for the writer here): install and ``release`` it on that stream.
         """
         if self.recv_side is None:
             raise RuntimeError("recv: call listen() first")
         handle = self.recv_side.next(timeout_s)
         if handle is not None and handle.state is TransferState.DONE:
             self.bytes_received += handle.nbytes
+            self.recv_side.hand_over(handle)
         return handle
 
     # -- in-place writing (shm, cuda_ipc; see kv_transfer.inplace). Socket backends never write in place. --

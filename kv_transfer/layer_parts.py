@@ -12,6 +12,10 @@ Receiver, for each DONE handle from ``backend.recv()``::
     install_layer_part(handle.header, handle.raw, expected, k_caches[handle.header.layer], v_caches[...])
     backend.release(handle)
 
+Streams (:mod:`kv_transfer.streams`): both run on the calling thread's current stream. The sender's backend waits
+for that stream's event before it reads the payload; the receiver calls ``recv``, ``install_layer_part`` and
+``release`` on one stream (the engine's), so the buffer's fence covers the unpack.
+
 A scaled cache passes its layer's scales (``scales=``: FP8 ``[2, num_blocks, kv_heads]``, int8 ``[2, num_blocks,
 block_size, kv_heads]``) to both: the payload then carries the blocks' scales after the blocks, about half the bytes of
 bfloat16.
@@ -29,6 +33,7 @@ from kv_transfer.base import as_bytes, dtype_name
 from cluster.wire.auth import ClusterSecret
 from kv_transfer.header import ExpectedTransfer, KVTransferHeader, verify_checksum, verify_fields, verify_length
 from kv_transfer.payload_mac import PartKey, PayloadMac, part_key, payload_tag
+from kv_transfer.streams import block_index
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
@@ -56,6 +61,7 @@ def pack_layer_part(
     nonce: str = "",
     checksum: bool = True,
     secret: ClusterSecret | None = None,
+    src_index: torch.Tensor | None = None,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
@@ -63,10 +69,15 @@ def pack_layer_part(
     ``secret``'s key for the part (``checksum=False``: left for the backend's I/O thread to compute, off the caller's
     thread; a part that must carry a tag of its bytes before they change: fault injection); for a scaled cache
     (``scales`` given) the payload is flat bytes: the blocks, then their scales ``scales[:, ids]``.
+
+    ``src_index``: ``src_block_ids`` as an index tensor on the cache's device, built once per chunk
+    (:func:`~kv_transfer.streams.block_index`) and reused for every layer; None: built here.
     """
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
-    ids = torch.tensor(list(src_block_ids), dtype=torch.long, device=k_cache.device)
+    ids = src_index if src_index is not None else block_index(src_block_ids, k_cache.device)
+    if ids.numel() != len(src_block_ids):
+        raise ValueError(f"src_index: {ids.numel()} ids for {len(src_block_ids)} source blocks")
     blocks = kernels.pack_blocks(k_cache, v_cache, ids).contiguous()
     payload = blocks
     if scales is not None:
@@ -154,7 +165,7 @@ def install_layer_part(
     verify_part(header, raw, expected, secret)
     split = raw.numel() - header.scales_nbytes
     payload = raw[:split].view(k_cache.dtype).view(header.shape)
-    ids = torch.tensor(header.block_ids, dtype=torch.long, device=k_cache.device)
+    ids = block_index(header.block_ids, k_cache.device)
     kernels.unpack_blocks(payload, k_cache, v_cache, ids)
     if scales is not None:
         scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), *scales.shape[2:])

@@ -24,6 +24,7 @@ from cluster.wire import auth
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
+from kv_transfer.streams import HostStreams
 from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair, pair_groups
 
 _JOIN_COUNTER = "pdkv/joins"
@@ -39,8 +40,9 @@ def _split_address(address: str) -> tuple[str, int]:
 class TorchDistBackend(KVTransferBackend):
     """torch.distributed pair groups, one per peer, built on first use."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
+        """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
+        super().__init__(config, streams)
         self._store: dist.TCPStore | None = None
         self._address: str | None = None
         self._stop = threading.Event()
@@ -53,7 +55,7 @@ class TorchDistBackend(KVTransferBackend):
     def listen(self) -> str:
         """Mutates: start the store on a free port (or ``config.port``) and the acceptor; returns ``host:port``."""
         if self._address is None:
-            self.recv_side = RecvSide(self.config)
+            self.recv_side = RecvSide(self.config, self.streams)
             self._store = dist.TCPStore(self.config.host, self.config.port, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
             self._address = f"{self.config.host}:{self._store.port}"
@@ -124,7 +126,8 @@ class TorchDistBackend(KVTransferBackend):
                 _split_address(peer_address)  # a bad address raises here, not in the thread
                 if pair is not None:
                     pair.queue.put(None)  # let the broken pair's thread finish
-                pair = SendPair(self.config, peer_address, lambda: self._connect_pair(peer_address), self._send_done)
+                pair = SendPair(self.config, peer_address, lambda: self._connect_pair(peer_address), self._send_done,
+                                self.streams)
                 self._senders[peer_address] = pair
             return pair
 
@@ -137,10 +140,7 @@ class TorchDistBackend(KVTransferBackend):
     def send(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
         """Mutates: queue one message to ``peer_address`` (connecting on first use); returns a PENDING handle."""
         handle = self._new_send_handle(peer_address, header, payload)
-        event = None
-        if payload.is_cuda:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(payload.device))
+        event = self.streams.record()  # on the producer's (caller's) stream: the pair's send stream waits for it
         self._pair(peer_address).queue.put((handle, header, payload, event))
         return handle
 

@@ -10,6 +10,10 @@ Per message, in order on the pair (see :mod:`kv_transfer.torch_dist` for how pai
 
 Gloo moves a message only once its recv is posted, so the receiver posts the next envelope's recv before it waits
 for the current payload, and the sender keeps up to ``send_window`` messages posted.
+
+Streams (:mod:`kv_transfer.streams`): each end owns a comm stream. NCCL sends and receives run there, and their works
+are waited on there, never on the engine's stream. A send's stream waits for the producer's event before reading the
+payload; a receive's stream waits for the buffer's fence before writing it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from kv_transfer.base import RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
+from kv_transfer.streams import HostStreams
 
 TAG = 0
 RECEIVER, SENDER = 0, 1  # ranks in every pair group: the listening endpoint is 0
@@ -38,7 +43,7 @@ _ENVELOPE = 512
 _LENGTHS = struct.Struct("<qq")
 _INLINE = _ENVELOPE - _LENGTHS.size
 
-SendItem = tuple[TransferHandle, KVTransferHeader, torch.Tensor, Any]  # handle, header, payload, CUDA event or None
+SendItem = tuple[TransferHandle, KVTransferHeader, torch.Tensor, Any]  # handle, header, payload, producer's event
 
 
 def _envelope(header: bytes, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,8 +65,9 @@ class SendPair:
     """The sending end: a thread that connects (``connect_fn``), then posts queued messages in order."""
 
     def __init__(self, config: KVTransferConfig, peer: str, connect_fn: Callable[[], tuple[Any, ...]],
-                 on_done: Callable[[TransferHandle], None]) -> None:
+                 on_done: Callable[[TransferHandle], None], streams: HostStreams) -> None:
         self.config = config
+        self._streams = streams
         self.peer = peer
         self.queue: queue.Queue[SendItem | None] = queue.Queue()  # None: say goodbye and stop
         self.connected = threading.Event()  # set once connecting has succeeded or failed
@@ -69,7 +75,7 @@ class SendPair:
         self._connect_fn = connect_fn
         self._on_done = on_done
         self._groups: tuple[Any, ...] = ()  # (store, control group, data group)
-        self._stream: Any = None
+        self._stream: Any = None  # the send stream (None on the host)
         self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
         self.thread.start()
 
@@ -79,8 +85,8 @@ class SendPair:
         except Exception as e:
             self.error = f"connect to {self.peer} failed: {e}"
         self.connected.set()
-        if self.config.is_cuda and self.error is None:
-            self._stream = torch.cuda.Stream(self.config.device)
+        if self.error is None:
+            self._stream = self._streams.new_stream("kv-send")
         io = datetime.timedelta(seconds=self.config.io_timeout_s)
         in_flight: collections.deque[tuple[TransferHandle, list[Any]]] = collections.deque()
         while True:
@@ -116,12 +122,10 @@ class SendPair:
         works = [ctrl.send([env], RECEIVER, TAG)]
         if rest is not None:
             works.append(ctrl.send([rest], RECEIVER, TAG))
-        if nbytes and self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                self._stream.wait_event(event)  # the payload's producer (the caller's stream) has written it
+        if nbytes:
+            with self._streams.use(self._stream):
+                self._streams.wait(self._stream, event)  # the payload's producer (the caller's stream) has written it
                 works.append(data.send([as_bytes(payload)], RECEIVER, TAG))
-        elif nbytes:
-            works.append(data.send([as_bytes(payload)], RECEIVER, TAG))
         return [works, (env, rest, payload)]
 
     def _complete(self, handle: TransferHandle, posted: list[Any], io: datetime.timedelta) -> None:
@@ -129,10 +133,12 @@ class SendPair:
             handle.mark_failed(self.error)
             return
         try:
-            for w in posted[0]:
-                w.wait(io)
-            if self._stream is not None:
-                self._stream.synchronize()
+            with self._streams.use(self._stream):  # NCCL: the send stream, not the engine's, waits for the kernel
+                for w in posted[0]:
+                    w.wait(io)
+            # the payload goes back to the caching allocator once ``posted`` is dropped, after this: the host waits
+            # until the send stream has read it
+            self._streams.host_wait(self._streams.record(self._stream), self.config.io_timeout_s)
             self._on_done(handle)
         except Exception as e:
             self._fail(handle, e)
@@ -153,7 +159,8 @@ class RecvPair:
         self.groups = groups  # (store, control group, data group): held for the pair's lifetime
         self.side = side
         self.peer_errors = peer_errors
-        self._stream = torch.cuda.Stream(config.device) if config.is_cuda else None
+        self._streams = side.streams
+        self._stream = side.streams.new_stream("kv-recv")  # NCCL receives run here (None on the host)
         self._envelopes = [torch.empty(_ENVELOPE, dtype=torch.uint8) for _ in range(2)]
         self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
         self.thread.start()
@@ -195,18 +202,18 @@ class RecvPair:
             header, error = None, str(e)
         handle = self.side.new_handle(self.peer, header, nbytes)
         try:
-            raw = self.side.acquire(handle)  # blocks while every buffer is in use: back-pressure
+            # blocks while every buffer is in use (back-pressure); the recv stream waits for the buffer's last reader
+            raw = self.side.acquire(handle, self._stream)
             work = None
-            if nbytes and self._stream is not None:
-                with torch.cuda.stream(self._stream):
+            if nbytes:
+                with self._streams.use(self._stream):
                     work = data.recv([raw], SENDER, TAG)
-            elif nbytes:
-                work = data.recv([raw], SENDER, TAG)
             pending = ctrl.recv([next_envelope], SENDER, TAG)
             if work is not None:
-                work.wait(io)
-                if self._stream is not None:
-                    self._stream.synchronize()
+                with self._streams.use(self._stream):  # NCCL: the recv stream, not the engine's, waits for the kernel
+                    work.wait(io)
+                # DONE means the bytes are in: this I/O thread (never the engine's) waits, so a stalled peer times out
+                self._streams.host_wait(self._streams.record(self._stream), self.config.io_timeout_s)
         except Exception as e:
             self.side.finish(handle, None, f"receive from {self.peer} failed: {e}")
             raise

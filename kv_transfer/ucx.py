@@ -14,6 +14,10 @@ RDMA or NVLink where they exist. That endpoint runs without UCX error handling (
 peer failure shows on the listener's connection, and a payload that does not arrive within ``io_timeout_s`` fails.
 
 ucxx keeps one context per process, so use one UCX backend per process (the actors have one each).
+
+Streams (:mod:`kv_transfer.streams`): UCX reads and writes device memory outside any stream, so the host orders it:
+a send waits (polled, on the loop) for the producer's event; a receive buffer is taken only once its last reader's
+fence has passed; a sent payload is dropped (back to the caching allocator) only after UCX reports it sent.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
+from kv_transfer.streams import HostStreams
 
 _TAG_SHIFT = 40  # payload tag = (peer number << 40) + message number: distinct per peer, and from ucxx's own tags
 
@@ -50,8 +55,9 @@ def _ucx_buffer(t: torch.Tensor) -> Any:
 class UCXBackend(KVTransferBackend):
     """UCX endpoints driven by a private asyncio loop thread."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
+        """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
+        super().__init__(config, streams)
         reason = ucx_unavailable_reason()
         if reason is not None:
             raise RuntimeError(reason)
@@ -87,7 +93,7 @@ class UCXBackend(KVTransferBackend):
     def listen(self) -> str:
         """Mutates: start a UCX listener on a free port (or ``config.port``); returns ``host:port``."""
         if self._address is None:
-            self.recv_side = RecvSide(self.config)
+            self.recv_side = RecvSide(self.config, self.streams)
 
             async def start() -> int:
                 self._listener = self._ucxx.create_listener(self._serve_peer, port=self.config.port or None)
@@ -140,8 +146,10 @@ class UCXBackend(KVTransferBackend):
                 while nbytes <= self.config.recv_buffer_bytes and not side.has_free_buffer():
                     if side.closed.is_set():
                         return
-                    await asyncio.sleep(0.001)  # back-pressure; only this loop takes buffers, so no race after
-                raw = side.acquire(handle)
+                    # back-pressure, also until the buffer's last reader is done (so acquire's host wait is
+                    # instant); only this loop takes buffers, so no race after
+                    await asyncio.sleep(0.001)
+                raw = side.acquire(handle)  # None: the host (UCX) writes it
                 # post the payload's recv and, right behind it, the next message's: tasks start in creation order.
                 # The payload lands in its own task, so the next header is read (and its payload's recv posted)
                 # while this one is still arriving; handles still finish in arrival order.
@@ -234,18 +242,17 @@ class UCXBackend(KVTransferBackend):
         if self._closed:
             handle.mark_failed("endpoint is closed")
             return handle
-        ready = None
-        if payload.is_cuda:  # UCX reads device memory outside any stream: wait for the producer, off this thread
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(payload.device))
+        # UCX reads device memory outside any stream: the loop waits for the producer's event, off this thread
+        ready = self.streams.record()
         asyncio.run_coroutine_threadsafe(self._send(peer_address, handle, header, payload, ready), self._loop)
         return handle
 
     async def _send(self, peer: str, handle: TransferHandle, header: KVTransferHeader, payload: torch.Tensor,
                     ready: Any) -> None:
         async with self._lock(peer):  # held only while posting, so messages are posted in order
-            while ready is not None and not ready.query():
+            while not self.streams.query(ready):
                 await asyncio.sleep(0.0001)
+            self.streams.host_wait(ready)  # instant now; says so to a logging seam
             # a missing checksum (and the MAC over it) is computed here, off the caller
             header_bytes = sealed_header(header, payload, secret=self.config.secret)
             try:
