@@ -44,6 +44,18 @@ class _Job:
     computed_at: float = 0.0
 
 
+@dataclass
+class _Part:
+    """One job's part of a step: the same for every layer of the step, so worked out once (at its first layer)."""
+
+    job: _Job
+    src: list[int]  # this actor's blocks of the chunk
+    dst: list[int]  # the decode actor's blocks they go to
+    # ``src`` on the engine's device, sent there once per step without a host sync (None: written in place)
+    src_index: torch.Tensor | None
+    fields: dict[str, Any]  # the part header's fields but the layer
+
+
 class PrefillWorker(EngineLoop):
     role = "prefill"
 
@@ -69,6 +81,7 @@ class PrefillWorker(EngineLoop):
         self.transfer_busy_s = 0.0  # sum of every part's time on the wire
         self.cached_prompt_tokens = 0  # of prompt_tokens, served from the prefix cache (not computed)
         self._step_t0 = 0.0  # when the loop's current step began (loop thread)
+        self._parts: tuple[Any, list[_Part]] | None = None  # the current step's scheduler output and its parts
         self._stats: WorkerStats
         self._publish_stats()
         self._start_loop()
@@ -161,7 +174,9 @@ class PrefillWorker(EngineLoop):
         if not self.engine.has_unfinished_requests():
             return False
         self._step_t0 = time.monotonic()
-        for out in self.engine.step(after_kv_store=self._ship):
+        outputs = self.engine.step(after_kv_store=self._ship)
+        self._parts = None  # the step's index tensors go back to the allocator (on the stream that used them)
+        for out in outputs:
             job = self._jobs.pop(out.request_id, None) if out.finished else None
             if job is not None:
                 job.computed_at = time.monotonic()
@@ -171,13 +186,16 @@ class PrefillWorker(EngineLoop):
                 job.done.set()  # the caller's thread waits for the wire, not this loop
         return True
 
-    def _ship(self, layer: int, out: Any) -> None:
-        """Runs inside the forward, right after ``layer``'s K/V is stored: send it for every chunk of this step."""
-        from kv_transfer.layer_parts import pack_layer_part
+    def _step_parts(self, out: Any) -> list[_Part]:
+        """What every layer of the step ``out`` sends, worked out at its first layer and kept for the others. Mutates
+        that cache and each job's start (its first step). The block-index tensors go to the device here, once per
+        chunk, through pinned memory on the compute stream (no host sync): the layers' hooks build no tensor."""
+        from kv_transfer.streams import block_index
 
+        if self._parts is not None and self._parts[0] is out:
+            return self._parts[1]
         bs = self.engine.config.block_size
-        kv = self.engine.kv_layer(layer)
-        scales = self.engine.kv_layer_scales(layer)
+        parts = []
         for s in out.scheduled:
             job = self._jobs.get(s.seq.request_id)
             if job is None or s.seq.index != 0:
@@ -189,9 +207,25 @@ class PrefillWorker(EngineLoop):
                 continue
             logical = range(max(logical.start, job.grant.cached_blocks), logical.stop)
             src, dst = [s.seq.block_table[j] for j in logical], [job.grant.block_ids[j] for j in logical]
-            fields = dict(layer=layer, token_start=logical.start * bs, token_end=s.start + s.num_tokens,
+            fields = dict(token_start=logical.start * bs, token_end=s.start + s.num_tokens,
                           request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
                           model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch, nonce=job.grant.nonce)
+            index = None if job.in_place else block_index(src, self.engine.device)
+            parts.append(_Part(job, src, dst, index, fields))
+        self._parts = (out, parts)
+        return parts
+
+    def _ship(self, layer: int, out: Any) -> None:
+        """Runs inside the forward, right after ``layer``'s K/V is stored: send it for every chunk of this step.
+        Mutates the jobs' handles and the counters. The payload is packed on the compute stream; the backend's send
+        waits for it there (kv_transfer.streams) and holds it until sent."""
+        from kv_transfer.layer_parts import pack_layer_part
+
+        kv = self.engine.kv_layer(layer)
+        scales = self.engine.kv_layer_scales(layer)
+        for part in self._step_parts(out):
+            job, src, dst = part.job, part.src, part.dst
+            fields = dict(part.fields, layer=layer)
             self.parts_sent += 1
             corrupt = bool(self.corrupt_every and self.parts_sent % self.corrupt_every == 0)
             try:
@@ -201,7 +235,8 @@ class PrefillWorker(EngineLoop):
                 else:
                     # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it)
                     header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, checksum=corrupt,
-                                                      secret=self.backend.config.secret, **fields)
+                                                      secret=self.backend.config.secret, **fields,
+                                                      src_index=part.src_index)  # built once for the step
                     if corrupt:
                         payload.view(-1).view(torch.uint8)[0] ^= 0xFF
                     handle = self.backend.send(job.grant.kv_endpoint, header, payload)

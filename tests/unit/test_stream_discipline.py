@@ -200,3 +200,47 @@ def test_cuda_slow_reader_keeps_its_buffer() -> None:
     torch.cuda.synchronize()
     assert torch.equal(copies[0], first)
 
+
+# -- the prefill actor's per-layer hook -------------------------------------------------------------------------
+def test_prefill_hook_builds_no_tensor_per_layer(tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 70-token prompt in chunks of 32 tokens: each chunk's block-index tensor is built once, at its first layer
+    (``torch.tensor`` counted while the hook runs), and no later layer builds one."""
+    from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
+    from cluster.wire.worker_config import WorkerConfig
+    from engine import LLM
+    from prefill_worker.worker import PrefillWorker
+    from tests.factories import EXACT_DTYPE
+
+    folder = str(tiny_checkpoint("llama"))
+    engine = LLM(folder, dtype=EXACT_DTYPE, block_size=8, max_num_batched_tokens=32, num_kv_blocks=64).engine
+    worker = PrefillWorker("pf", WorkerConfig(model=folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=64),
+                           KVTransferConfig(backend="fake"), engine=engine)
+    built: list[int] = []  # the layer of each torch.tensor call made inside the hook
+    layers: list[int] = []
+    real_tensor, ship = torch.tensor, worker._ship
+
+    def counting_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if layers and layers[-1] >= 0:
+            built.append(layers[-1])
+        return real_tensor(*args, **kwargs)
+
+    def counted_ship(layer: int, out: Any) -> None:
+        layers.append(layer)
+        try:
+            ship(layer, out)
+        finally:
+            layers.append(-1)
+
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    worker._ship = counted_ship  # the loop looks the hook up at each step
+    try:
+        req = GenerateRequest("r1", tuple(range(40, 110)), max_tokens=4)
+        grant = ReserveGrant("rsv", "r1", "dc", tuple(range(100, 110)), "fake://nobody/1", 60.0)
+        result = PrefillResult.from_dict(worker.prefill(PrefillRequest(req, grant).to_dict()))
+    finally:
+        worker.shutdown()
+    num_layers = engine.model_config.num_layers
+    chunks = -(-70 // 32)
+    assert result.parts_sent == chunks * num_layers and num_layers > 1
+    assert [layer for layer in layers if layer >= 0] == list(range(num_layers)) * chunks
+    assert built == [0] * chunks, built  # one index tensor per chunk, at its first layer
