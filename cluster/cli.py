@@ -107,6 +107,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
             kv_host=args.kv_host,
             port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
+            share_node_gpus=not args.no_share_node_gpus,
             on_transfer_failure=args.on_transfer_failure,
             proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
             budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
@@ -296,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="what a decode actor does when a request's KV does not arrive intact")
     sv.add_argument("--cpus-per-actor", type=float, default=1.0)
     sv.add_argument("--gpus-per-actor", type=float, default=0.0)
+    sv.add_argument("--no-share-node-gpus", action="store_true",
+                    help="GPU actors see only their own GPUs (Ray's CUDA_VISIBLE_DEVICES) instead of every GPU of "
+                         "their node (each still runs on the one Ray assigned it); actors on different GPUs of one "
+                         "node then move K/V over --kv-fallback instead of writing it in place")
     sv.add_argument("--host", default="127.0.0.1", help="where the proxies serve HTTP (0.0.0.0: every interface)")
     sv.add_argument("--kv-host", default=None,
                     help="the address every actor's KV endpoint binds and advertises (default: each actor's own node "

@@ -2,7 +2,8 @@
 role's threads and sockets are rebuilt. :class:`cluster.pool_manager.PoolManager` flips a drained, idle actor this way
 instead of stopping it and loading a new one.
 
-Ray-agnostic like the roles it hosts (:mod:`cluster.launcher` wraps it in a threaded ``ray.remote``). Actors are named
+Ray-agnostic like the roles it hosts (:mod:`cluster.launcher` wraps it in a threaded ``ray.remote``), except that
+with ``WorkerConfig.share_node_gpus`` it asks Ray which GPU it was assigned (:func:`on_assigned_gpu`). Actors are named
 ``pdcluster-worker-<i>`` whatever their role; each reports its current role in ``info()`` and ``stats()``, which is
 how proxies and the manager sort them into pools.
 """
@@ -25,6 +26,25 @@ EVACUATE_GRACE_S = 30.0  # how long a SIGTERM'd worker waits for its requests to
 log = logging.getLogger(__name__)
 
 
+def on_assigned_gpu(config: WorkerConfig) -> WorkerConfig:
+    """With ``config.share_node_gpus`` (this actor sees every GPU of its node): make the GPU Ray assigned it (the N-th
+    for ``cuda:N``) this process's current CUDA device, before anything builds on CUDA, and return the config naming
+    it (``cuda:<local index>``). Without: the config unchanged. Mutates the process's current CUDA device; asks Ray."""
+    if not config.share_node_gpus:
+        return config
+    import ray
+    import torch
+
+    from cluster.wire.node_gpus import assigned_cuda_index
+
+    ordinal = int(config.device.split(":", 1)[1]) if config.device.startswith("cuda:") else 0
+    index = assigned_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), ordinal)
+    torch.cuda.set_device(index)  # bare "cuda" tensors, streams and NCCL use the current device
+    log.info("GPU(s) %s assigned by Ray: cuda:%d of CUDA_VISIBLE_DEVICES=%s", ray.get_gpu_ids(), index,
+             os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return dataclasses.replace(config, device=f"cuda:{index}")
+
+
 class FlexWorker:
     """Hosts a :class:`prefill_worker.worker.PrefillWorker` or a :class:`decode_worker.worker.DecodeWorker`."""
 
@@ -33,7 +53,7 @@ class FlexWorker:
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
         self.actor_id = actor_id
-        self.config, self.kv = config, kv
+        self.config, self.kv = on_assigned_gpu(config), kv
         self.on_transfer_failure, self.corrupt_every = on_transfer_failure, corrupt_every
         self._flip_lock = threading.Lock()
         self.node_ip = node_ip()  # this actor's node, wherever Ray placed it (what ops look at first)
@@ -110,9 +130,11 @@ class FlexWorker:
 
     # -- both roles ----------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        """Static facts of the role (block size, fingerprint, KV address...), its node, its process id and what its
-        prefix-cache block hashes bind besides tokens (hex; a router hashes prompts with it)."""
+        """Static facts of the role (block size, fingerprint, KV address...), its node, its engine's device (``cuda:N``
+        in this process's numbering), its process id and what its prefix-cache block hashes bind besides tokens (hex;
+        a router hashes prompts with it)."""
         return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid(),
+                "device": str(self.impl.engine.device),
                 "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
 
     def prefix_events(self, cursor: int) -> dict[str, Any]:

@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.wire import node_gpus
 from cluster.wire.auth import ENV_VAR, ClusterSecret
+from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
 from proxy.slo import SloConfig
@@ -57,6 +59,10 @@ class ServeConfig:
     ray_address: str | None = None
     cpus_per_actor: float = 1.0  # Ray CPUs per actor (CPU clusters)
     gpus_per_actor: float = 0.0  # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU)
+    # GPU actors see every GPU of their node and each runs on the one Ray assigned it (cluster.wire.node_gpus), so a
+    # prefill actor can write in place (cuda_ipc) into a decode actor's cache on another GPU of the node. Off: Ray
+    # gives each actor only its own GPUs (CUDA_VISIBLE_DEVICES), and such pairs fall back (device_not_visible)
+    share_node_gpus: bool = True
     on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
     queue_timeout_s: float = 10.0  # how long the proxy lets a request wait (FIFO) for KV blocks before a 429
@@ -112,6 +118,9 @@ class ServeConfig:
                              f"CPU cache, cuda_ipc a GPU one; auto picks for the device)")
         if self.kv_backend in ("shm", "auto") and not self.worker.shared_kv:  # CPU caches peers can map
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, shared_kv=True))
+        share = self.share_node_gpus and self.gpus_per_actor > 0 and self.worker.device != "cpu"  # GPU actors only
+        if self.worker.share_node_gpus != share:
+            object.__setattr__(self, "worker", dataclasses.replace(self.worker, share_node_gpus=share))
         if self.decode < 1:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
         if not self.queue_timeout_s > 0:
@@ -143,6 +152,17 @@ class ServeConfig:
                              "worker)")
         if not 0 <= self.port <= 65536 - self.proxies:
             raise ValueError(f"port: must be 0 (free ports) or leave room for {self.proxies} proxies, got {self.port}")
+
+
+def actor_options(cfg: ServeConfig, role: str) -> dict[str, Any]:
+    """The ``ray.remote`` options of a ``role`` worker actor (the pool manager starts later ones with them). Pure."""
+    # no Ray task events for the actors' calls: a serving cluster makes several per request and a few per second
+    # per actor (stats), and the GCS would keep each (up to Ray's 100k cap: its memory grew ~1.5 MB/min in a soak)
+    return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
+            "concurrency_groups": {CONTROL_GROUP: CONTROL_THREADS}, "enable_task_events": False,
+            **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {}),
+            # Ray leaves CUDA_VISIBLE_DEVICES as the node has it; the actor picks its GPU (flex_worker.on_assigned_gpu)
+            **({"runtime_env": node_gpus.runtime_env()} if cfg.worker.share_node_gpus else {})}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -180,7 +200,7 @@ class Cluster:
         from cluster.flex_worker import FlexWorker
         from cluster.wire.ray_address import wait_reachable
         from kv_transfer.config import KVTransferConfig
-        from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS, NAMESPACE, WORKER_PREFIX
+        from cluster.wire.names import NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg
         if ray.is_initialized():
@@ -199,12 +219,7 @@ class Cluster:
         local = None if cfg.ray_address else LOOPBACK  # None: each actor or proxy resolves its own node's address
         kv = KVTransferConfig(backend=cfg.kv_backend, host=cfg.kv_host or local, fallback_backend=cfg.kv_fallback,
                               inplace_checksum=cfg.kv_inplace_checksum) if disagg else None
-        # no Ray task events for the actors' calls: a serving cluster makes several per request and a few per second
-        # per actor (stats), and the GCS would keep each (up to Ray's 100k cap: its memory grew ~1.5 MB/min in a soak)
-        roles = {role: {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
-                        "concurrency_groups": {CONTROL_GROUP: CONTROL_THREADS}, "enable_task_events": False,
-                        **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {})}
-                 for role in ("prefill", "decode")}
+        roles = {role: actor_options(cfg, role) for role in ("prefill", "decode")}
         names = iter(f"{WORKER_PREFIX}{i}" for i in range(cfg.decode + cfg.prefill))
 
         def start(role: str) -> Any:

@@ -11,9 +11,11 @@
    equal the offline GPU engine's with an int8 cache.
 5. One actor per GPU (issue 27; "n/a: one GPU" below two): processes with their own ``CUDA_VISIBLE_DEVICES`` map the
    exporter's GPU by UUID (the same GPU under another index: in place; another visible GPU: in place with peer
-   access, else a counted fallback; a GPU the writer cannot see: fallback ``device_not_visible``), then ``serve
-   --gpus-per-actor 1 --kv-backend auto``: completions equal the offline engine's over the socket fallback, and
-   ``/metrics`` counts it (``pdcluster_kv_inplace_fallbacks_total{reason="device_not_visible"}``).
+   access, else a counted fallback; a GPU the writer cannot see: fallback ``device_not_visible``, what Ray's own
+   narrowing, ``--no-share-node-gpus``, gives), then ``serve --gpus-per-actor 1 --kv-backend auto``, whose actors see
+   their node's GPUs (``share_node_gpus``): the two engines on two GPUs, completions equal the offline engine's, and
+   K/V written in place where the prefill GPU has peer access to the decode GPU (no fallback in ``/metrics``), else
+   one ``pdcluster_kv_inplace_fallbacks_total{reason="no_peer_access"}``.
 
 Each stage appends its section to the report (``docs/gpu-results.md``; copied to ``$OUT`` when set) as it finishes.
 The serve stage needs Ray and pyzmq: on the lent machine, ``bash .devbundle/install.sh`` and its PYTHONPATH first.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,6 +123,12 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto", gpus: fl
                 kind: str | None = None) -> str:
     """Serve ``--prefill 1 --decode 1`` (``gpus`` per actor on CUDA; ``kind``: the KV backend, in place by default)
     and compare greedy completions with the offline engine's."""
+    return _serve(device, smoke, kv_cache_dtype, gpus, kind)[0]
+
+
+def _serve(device: str, smoke: bool, kv_cache_dtype: str, gpus: float, kind: str | None) -> tuple[str, dict[str, str]]:
+    """:func:`stage_serve`'s report, and each role's engine device (``cuda:N`` as that actor numbers its devices;
+    actors that share their node's GPUs number them alike)."""
     import statistics
 
     import torch
@@ -150,6 +159,11 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto", gpus: fl
     cluster.start(timeout_s=240)
     started = time.perf_counter() - t0
     try:
+        import ray
+
+        actors = [("decode", a) for a in cluster.decode_actors] + [("prefill", a) for a in cluster.prefill_actors]
+        infos = ray.get([a.info.remote() for _, a in actors], timeout=60)
+        devices = {role: info["device"] for (role, _), info in zip(actors, infos)}
         url = cluster.urls[0]
         got = [_post(f"{url}/v1/completions", {"model": "default", "prompt": p, "max_tokens": max_tokens,
                                                "temperature": 0, "ignore_eos": True})[0] for p in prompts]
@@ -171,7 +185,8 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto", gpus: fl
                 f"{started:.0f} s: {same}/{len(prompts)} greedy completions ({max_tokens} tokens) equal the offline "
                 f"engine's on the same device. Streamed TTFT p50 {statistics.median(ttfts) * 1e3:.0f} ms, max "
                 f"{max(ttfts) * 1e3:.0f} ms ({'prefill and decode time-slice one device' if gpus < 1 else 'a GPU each'}"
-                f"). KV bytes and in-place fallbacks: {'; '.join(kv_bytes) or 'none reported'}.")
+                f"; engines on {', '.join(f'{r} {d}' for r, d in devices.items())}"
+                f"). KV bytes and in-place fallbacks: {'; '.join(kv_bytes) or 'none reported'}."), devices
     finally:
         cluster.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -181,7 +196,8 @@ def stage_serve(device: str, smoke: bool, kv_cache_dtype: str = "auto", gpus: fl
 # "peer" (in place where the writer's cuda:0 has peer access to its cuda:1, else a no_peer_access fallback), or the
 # fallback reason), on a node's GPUs 0 and 1
 LAYOUTS = (("the same GPU under another index", "1,0", "cuda:0", "0,1", "cuda:1", "in place"),
-           ("one GPU each, as Ray gives num_gpus=1 actors", "1", "cuda:0", "0", "cuda:0", "device_not_visible"),
+           ("one GPU each, as Ray narrows num_gpus=1 actors (--no-share-node-gpus)", "1", "cuda:0", "0", "cuda:0",
+            "device_not_visible"),
            ("both visible, the cache on the other GPU", "0,1", "cuda:1", "0,1", "cuda:0", "peer"))
 PER_GPU_SPEC = (1, 64, 16, 8, 128, "float16")  # CacheSpec: one layer of 64 blocks
 
@@ -274,12 +290,21 @@ def stage_per_gpu(device: str) -> str:
             good, line = False, f"- {what}: FAIL ({e!r})"
         ok &= good
         lines.append(line)
-    serve = stage_serve(device, False, gpus=1.0, kind="auto")
-    counted = 'reason="device_not_visible"' in serve
-    ok &= serve.startswith("PASS") and counted
+    # serve shares the node's GPUs with its actors (the default): each sees both and runs on the one Ray assigned
+    # it, so the prefill actor maps the decode actor's cache on the other GPU: in place where it has peer access
+    serve, devices = _serve(device, False, "auto", 1.0, "auto")
+    reasons = re.findall(r'pdcluster_kv_inplace_fallbacks_total\{[^}]*reason="(\w+)"', serve)
+    used = {role: int(d.split(":", 1)[1]) for role, d in devices.items() if d.startswith("cuda:")}
+    apart = len(used) == 2 and used["prefill"] != used["decode"]  # else in place would prove nothing across GPUs
+    peer = apart and torch.cuda.can_device_access_peer(used["prefill"], used["decode"])
+    expect = "in place" if peer else "no_peer_access" if apart else "engines on two GPUs"
+    good = serve.startswith("PASS") and apart and reasons == ([] if peer else ["no_peer_access"])
+    ok &= good
     return (f"{'PASS' if ok else 'FAIL'}: cuda_ipc maps the exporter's GPU by UUID ({count} GPUs):\n\n"
-            + "\n".join(lines) + "\n\nServe, one actor per GPU, `--kv-backend auto` (the fallback "
-            f"{'counted' if counted else 'NOT counted'} as device_not_visible): {serve}")
+            + "\n".join(lines) + "\n\nServe, one actor per GPU (each sees the node's GPUs), `--kv-backend auto`: "
+            f"engines on {'two GPUs' if apart else 'NOT two GPUs'} ({devices}), prefill -> decode peer access: "
+            f"{peer}; expected {expect}, got {'fallbacks ' + ', '.join(reasons) if reasons else 'in place'}: "
+            f"{'PASS' if good else 'FAIL'}. {serve}")
 
 
 def main() -> int:

@@ -44,6 +44,9 @@ class WorkerConfig:
     # sharing one GPU (a fractional --gpus-per-actor) get their share of it
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # CUDA: decode steps without CUDA graphs
+    # the actor sees every GPU of its node (Ray left CUDA_VISIBLE_DEVICES as the node has it: cluster.wire.node_gpus)
+    # and runs on the one Ray assigned it, cuda:N naming the N-th of those; serve sets it (ServeConfig.share_node_gpus)
+    share_node_gpus: bool = False
     # CPU: the KV cache in shared memory same-node KV writers can map (set by serve for --kv-backend shm / auto)
     shared_kv: bool = False
     # a reservation with no KV and no start by then is released (orphan cleanup); each KV part that arrives renews it.
@@ -75,5 +78,6 @@ class WorkerConfig:
         d = asdict(self)
         d.pop("reservation_ttl_s")
         d.pop("kv_wait_s")
+        d.pop("share_node_gpus")
         d.pop("cluster_secret")
         return d

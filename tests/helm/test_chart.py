@@ -172,3 +172,9 @@ def test_cluster_secret_from_an_existing_secret_or_off() -> None:
     for c in containers.values():
         assert "--no-cluster-auth" in c["command"]
         assert not [e for e in c["env"] if e["name"] == "PDCLUSTER_CLUSTER_SECRET"]
+
+
+def test_share_node_gpus_is_on_unless_turned_off() -> None:
+    for vals, off in ((None, False), ({"engine": {"shareNodeGpus": False}}, True)):
+        (_, containers) = _cluster_auth(vals)
+        assert ("--no-share-node-gpus" in containers["serve"]["command"]) is off
