@@ -199,3 +199,12 @@ def test_a_prefill_engine_never_calls_enable_decode_graphs(tiny_checkpoint, monk
     assert calls == [8] and decode.config.decode_graphs
     prefill.enable_decode_graphs()  # what a flip to decode does with the prefill's engine
     assert calls == [8, 8]
+
+
+def test_the_profiling_step_runs_here(tiny_checkpoint) -> None:
+    """The forward plus sampling pass the CUDA sizing measures (what it runs is device-independent)."""
+    from engine.device import profile_forward
+
+    model = LLM(str(tiny_checkpoint("llama")), dtype="float32", num_kv_blocks=16).engine.runner.model
+    for kv_dtype in (torch.float32, torch.int8):
+        profile_forward(model, 40, 8, 16, kv_dtype)
