@@ -22,7 +22,9 @@ T = TypeVar("T", bound="_Wire")
 
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
-WIRE_VERSION = 4  # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce)
+# bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce; 5: token-stream
+# messages are TokenFrames, numbered per stream)
+WIRE_VERSION = 5
 
 
 class WireVersionError(ValueError):
@@ -370,3 +372,25 @@ class TokenDelta(_Wire):
             raise ValueError(f"TokenDelta.usage: must be a Usage or None, got {self.usage!r}")
         if self.error is not None and not isinstance(self.error, str):
             raise ValueError(f"TokenDelta.error: must be a string or None, got {self.error!r}")
+
+
+@dataclass(frozen=True)
+class TokenFrame(_Wire):
+    """One token-stream message (decode actor -> proxy): the deltas of one send, numbered within its stream so that
+    the proxy drops a frame it has seen, or one that arrives after a later one (``cluster.wire.token_stream``).
+
+    A *stream* is one connection of a decode actor's sender to one proxy; its frames' MAC covers ``stream`` and
+    ``seq``, so a replayed frame cannot be renumbered.
+    """
+
+    stream: str  # the sending link's random id, fresh each time a link to a proxy opens
+    seq: int  # 1, 2, 3, ... within the stream
+    deltas: tuple[TokenDelta, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stream, str):
+            raise ValueError(f"TokenFrame.stream: must be a string, got {self.stream!r}")
+        _check_int("TokenFrame", "seq", self.seq, lo=1)
+        if not isinstance(self.deltas, (list, tuple)):
+            raise ValueError("TokenFrame.deltas: must be a list")
+        _set(self, "deltas", tuple(d if isinstance(d, TokenDelta) else TokenDelta.from_dict(d) for d in self.deltas))

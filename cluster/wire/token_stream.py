@@ -3,10 +3,12 @@
 Each proxy binds one PULL socket (:class:`TokenStreamServer`); a request carries its proxy's address
 (``GenerateRequest.reply_to``), so a decode actor pushes each request's deltas to whichever proxy owns it.
 
-On the wire, one message is a msgpack list of ``TokenDelta.to_dict()`` (each tagged with the messages' wire
-version). The server decodes a whole message before delivering any of it: a message that does not decode, or holds a
-delta that ``TokenDelta.from_dict`` refuses (another wire version included), is counted, logged and dropped whole,
-and the receive loop goes on.
+On the wire, one message is a msgpack ``TokenFrame.to_dict()``: the sending stream's id, the frame's sequence number
+and its deltas (``TokenDelta``, each tagged with the messages' wire version). The server decodes a whole message before
+delivering any of it: a message that does not decode, or holds a delta that ``TokenDelta.from_dict`` refuses (another
+wire version included), is counted, logged and dropped whole, and the receive loop goes on. A frame whose sequence
+number is not above the last one the server accepted from its stream (a replay, or a frame overtaken by a later one)
+is dropped and counted too (``messages_replayed``), so a captured frame cannot be played into a live stream again.
 
 With a cluster secret (``cluster.wire.auth``) each message is the 32-byte MAC of (the proxy's address, the body)
 followed by the body; the server drops and counts (``messages_unauthenticated``) a message whose MAC is wrong or
@@ -29,9 +31,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +44,7 @@ import zmq.asyncio
 
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
-from cluster.wire.messages import TokenDelta, WireVersionError
+from cluster.wire.messages import TokenDelta, TokenFrame, WireVersionError
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,9 @@ _SNDHWM = 16  # messages zmq may buffer per proxy: small, so that a proxy that s
 _HEARTBEAT_IVL_MS = 1000  # ZMTP pings; a peer that has not answered for _HEARTBEAT_TIMEOUT_MS is disconnected
 _HEARTBEAT_TIMEOUT_MS = 3000
 _RCVHWM = 64  # messages a proxy's zmq buffers per decode actor while its loop is not reading; more wait at the sender
+# streams whose last sequence number a proxy remembers (least recently heard from forgotten first): links reopen after
+# idling, so streams come and go; only cluster members can start one when frames are MACed
+_MAX_STREAMS = 4096
 
 
 class MalformedTokenMessage(ValueError):
@@ -61,9 +67,14 @@ class MalformedTokenMessage(ValueError):
         self.wrong_version = wrong_version
 
 
-def encode_deltas(deltas: Sequence[TokenDelta]) -> bytes:
-    """One wire message for ``deltas``. Pure."""
-    return msgpack.packb([d.to_dict() for d in deltas], use_bin_type=True)
+def encode_frame(frame: TokenFrame) -> bytes:
+    """One wire message. Pure."""
+    return msgpack.packb(frame.to_dict(), use_bin_type=True)
+
+
+def encode_deltas(deltas: Sequence[TokenDelta], stream: str = "", seq: int = 1) -> bytes:
+    """One wire message for ``deltas``: frame ``seq`` of ``stream`` (a one-off frame by default: tests, tools). Pure."""
+    return encode_frame(TokenFrame(stream, seq, tuple(deltas)))
 
 
 def seal(secret: ClusterSecret | None, address: str, body: bytes) -> bytes:
@@ -80,26 +91,33 @@ def unseal(secret: ClusterSecret | None, address: str, raw: bytes) -> bytes | No
     return body if auth.verify(secret, mac, "token-frame", address, body) else None
 
 
-def decode_deltas(raw: bytes) -> list[TokenDelta]:
-    """The deltas in one wire message, all or none. Raises :class:`MalformedTokenMessage`. Pure."""
+def decode_frame(raw: bytes) -> TokenFrame:
+    """The frame in one wire message, all its deltas or none. Raises :class:`MalformedTokenMessage`. Pure."""
     try:
         body = msgpack.unpackb(raw, raw=False)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise MalformedTokenMessage(f"not msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(body, list):
-        raise MalformedTokenMessage(f"not a list of deltas: {type(body).__name__}")
-    out = []
-    for d in body:
-        try:
-            delta = TokenDelta.from_dict(d)
-        except WireVersionError as e:
-            raise MalformedTokenMessage(str(e), wrong_version=True) from None
-        except (ValueError, TypeError) as e:
-            raise MalformedTokenMessage(f"bad delta: {e}") from None
+    if isinstance(body, list):  # what wire version 4 sent: bare deltas, no sequence number
+        raise MalformedTokenMessage("a list of deltas without a frame: a peer of an older wire version",
+                                    wrong_version=True)
+    if not isinstance(body, dict):
+        raise MalformedTokenMessage(f"not a frame: {type(body).__name__}")
+    try:
+        frame = TokenFrame.from_dict(body)
+    except WireVersionError as e:
+        raise MalformedTokenMessage(str(e), wrong_version=True) from None
+    except (ValueError, TypeError) as e:
+        raise MalformedTokenMessage(f"bad frame: {e}") from None
+    for delta in frame.deltas:
         if not isinstance(delta.request_id, str):
             raise MalformedTokenMessage(f"bad delta: request_id {delta.request_id!r}")
-        out.append(delta)
-    return out
+    return frame
+
+
+def decode_deltas(raw: bytes) -> list[TokenDelta]:
+    """The deltas in one wire message, all or none (its stream and number unchecked). Raises
+    :class:`MalformedTokenMessage`. Pure."""
+    return list(decode_frame(raw).deltas)
 
 
 class TokenStreamServer:
@@ -109,7 +127,9 @@ class TokenStreamServer:
     (dropped whole: undecodable, or a delta ``TokenDelta`` refuses), ``messages_wrong_version`` (dropped whole: from a
     peer of another wire version, a rolling upgrade; these are not in ``messages_malformed``), ``deltas_dropped``
     (well-formed deltas of requests nobody waits for any more: aborted, disconnected, unknown),
-    ``messages_unauthenticated`` (dropped whole, undecoded: a wrong or missing MAC under ``secret``; None: no check).
+    ``messages_unauthenticated`` (dropped whole, undecoded: a wrong or missing MAC under ``secret``; None: no check),
+    ``messages_replayed`` (dropped whole: a sequence number not above the last accepted from its stream, i.e. a
+    replayed frame or one that arrived after a later one).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
@@ -128,6 +148,8 @@ class TokenStreamServer:
         self.messages_wrong_version = 0
         self.deltas_dropped = 0
         self.messages_unauthenticated = 0
+        self.messages_replayed = 0
+        self._last_seq: OrderedDict[str, int] = OrderedDict()  # stream -> last accepted seq, least recent first
 
     async def start(self) -> str:
         """Mutates: bind (a free port when ``port`` is 0) and start receiving. Returns the address actors push to."""
@@ -167,7 +189,7 @@ class TokenStreamServer:
                                 self.messages_unauthenticated)
                 continue
             try:
-                deltas = decode_deltas(body)
+                frame = decode_frame(body)
             except MalformedTokenMessage as e:
                 if e.wrong_version:
                     self.messages_wrong_version += 1
@@ -178,12 +200,30 @@ class TokenStreamServer:
                 if _worth_logging(count):
                     log.warning("token stream %s: dropped %s message (%d so far): %s", self.address, what, count, e)
                 continue
-            for delta in deltas:
+            if not self._in_sequence(frame):
+                self.messages_replayed += 1
+                if _worth_logging(self.messages_replayed):
+                    log.warning("token stream %s: dropped a replayed or reordered frame %d of stream %r (%d so far)",
+                                self.address, frame.seq, frame.stream, self.messages_replayed)
+                continue
+            for delta in frame.deltas:
                 q = self._queues.get(delta.request_id)
                 if q is None:
                     self.deltas_dropped += 1
                 else:
                     q.put_nowait(delta)
+
+    def _in_sequence(self, frame: TokenFrame) -> bool:
+        """Mutates the stream table: whether ``frame`` comes after every frame accepted from its stream (then it is
+        the stream's last)."""
+        last = self._last_seq.get(frame.stream)
+        if last is not None and frame.seq <= last:
+            return False
+        self._last_seq[frame.stream] = frame.seq
+        self._last_seq.move_to_end(frame.stream)
+        if len(self._last_seq) > _MAX_STREAMS:
+            self._last_seq.popitem(last=False)
+        return True
 
     async def close(self) -> None:
         """Mutates: stop receiving and release the socket."""
@@ -242,6 +282,8 @@ class _Link:
         self.wake = threading.Condition(lock)
         self.failed = False  # stall declared (by send() on a full queue, or by the thread on a send timeout)
         self.thread: threading.Thread | None = None  # set by TokenSender._open
+        self.stream = secrets.token_hex(8)  # this link's frames are numbered 1, 2, ... under this id
+        self.seq = 0  # the last frame's number (only the link's thread touches it)
 
 
 class TokenSender:
@@ -383,7 +425,9 @@ class TokenSender:
                     batches = list(link.pending)
                     link.pending.clear()
                 deltas = [d for b in batches for d in b]
-                if self._push(sock, link, seal(self._secret, link.address, encode_deltas(deltas))):
+                link.seq += 1
+                frame = encode_frame(TokenFrame(link.stream, link.seq, tuple(deltas)))
+                if self._push(sock, link, seal(self._secret, link.address, frame)):
                     with self._lock:
                         self._messages_sent += 1
                         self._deltas_sent += len(deltas)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import msgpack
+import pytest
 import zmq
 
 from cluster.wire.messages import WIRE_VERSION, TokenDelta, Usage
@@ -52,6 +53,7 @@ def test_deltas_arrive_typed_in_order_per_request_and_strays_are_dropped() -> No
         await asyncio.get_running_loop().run_in_executor(None, proc.join, 30)
         assert proc.exitcode == 0
         assert 1 <= server.messages_received <= 50 and server.deltas_dropped == 50 and server.messages_malformed == 0 == server.messages_wrong_version
+        assert server.messages_replayed == 0  # a normal stream: every frame numbered above the last
         await server.close()
 
     asyncio.run(main())
@@ -66,9 +68,13 @@ def test_malformed_messages_are_counted_and_dropped_and_receiving_goes_on() -> N
         push = ctx.socket(zmq.PUSH)
         push.connect(address)
         good = TokenDelta("r", 0, (1,), "a").to_dict()
-        for raw in (b"\xc1", msgpack.packb({"deltas": [good]}), msgpack.packb([{**good, "v": WIRE_VERSION + 1}]),
-                    msgpack.packb([good, {**good, "token_ids": "x"}]),
-                    msgpack.packb([{**good, "finish_reason": "stop"}])):
+
+        def frame(seq: int, *deltas: object) -> bytes:
+            return msgpack.packb({"stream": "t", "seq": seq, "deltas": list(deltas), "v": WIRE_VERSION})
+
+        for raw in (b"\xc1", msgpack.packb({"stream": "t", "seq": 1, "v": WIRE_VERSION}),
+                    frame(2, {**good, "v": WIRE_VERSION + 1}), frame(3, good, {**good, "token_ids": "x"}),
+                    frame(4, {**good, "finish_reason": "stop"})):
             push.send(raw)
         got = await _collect(q)
         assert [d.finish_reason for d in got] == ["stop"]  # the half-good message delivered nothing
@@ -131,6 +137,58 @@ def test_a_gone_proxy_is_reported_and_never_delays_another() -> None:
         sender.close(timeout_s=1.0)
         assert time.monotonic() - t < 1.2
         await live.close()
+
+    asyncio.run(main())
+
+
+def test_a_replayed_or_reordered_frame_is_dropped_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames captured off a real sender (the sealed bytes it hands to zmq) and pushed again, and two genuine frames of
+    another stream sent out of order: the proxy delivers each once, in order, and counts the rest."""
+    from cluster.wire import token_stream
+    from cluster.wire.auth import ClusterSecret
+    from cluster.wire.messages import TokenFrame
+
+    secret = ClusterSecret.generate()
+    captured: list[bytes] = []
+    real_seal = token_stream.seal
+
+    def capturing_seal(s: ClusterSecret | None, address: str, body: bytes) -> bytes:
+        captured.append(real_seal(s, address, body))
+        return captured[-1]
+
+    monkeypatch.setattr(token_stream, "seal", capturing_seal)
+
+    async def main() -> None:
+        server = TokenStreamServer(secret=secret)
+        address = await server.start()
+        q = server.subscribe("r")
+        sender = TokenSender(secret=secret)
+        for step in (0, 1):
+            sender.send(address, [TokenDelta("r", 0, (step,))])
+            assert (await asyncio.wait_for(q.get(), 10)).token_ids == (step,)
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(address)
+
+        def other(seq: int) -> bytes:  # genuine (MACed) frames of a second stream
+            body = token_stream.encode_frame(TokenFrame("x", seq, (TokenDelta("r", 0, (100 + seq,)),)))
+            return real_seal(secret, address, body)
+
+        for raw in (captured[0], captured[1], other(2), other(1)):  # two replays; then 2 before 1: 1 is late
+            push.send(raw)
+        assert (await asyncio.wait_for(q.get(), 10)).token_ids == (102,)
+        for _ in range(500):
+            if server.messages_replayed == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert server.messages_replayed == 3 and q.empty()
+        sender.send(address, [TokenDelta("r", 0, (2,), finish_reason="stop")])  # the live stream goes on
+        assert (await asyncio.wait_for(q.get(), 10)).token_ids == (2,)
+        assert server.messages_unauthenticated == 0 == server.messages_malformed and server.messages_replayed == 3
+        await asyncio.get_running_loop().run_in_executor(None, sender.close, 5.0)
+        push.close(0)
+        ctx.term()
+        await server.close()
 
     asyncio.run(main())
 

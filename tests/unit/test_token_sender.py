@@ -16,7 +16,9 @@ import pytest
 import zmq
 
 from cluster.wire.messages import WIRE_VERSION, TokenDelta, Usage
-from cluster.wire.token_stream import MalformedTokenMessage, TokenSender, TokenSenderConfig, decode_deltas, encode_deltas
+from cluster.wire.messages import TokenFrame
+from cluster.wire.token_stream import (MalformedTokenMessage, TokenSender, TokenSenderConfig, decode_deltas,
+                                       decode_frame, encode_deltas)
 
 
 # -- factories -------------------------------------------------------------------------------------------------------
@@ -58,6 +60,7 @@ class Proxy:
             self.sock.bind(address)
             self.address = address
         self.deltas: list[TokenDelta] = []
+        self.frames: list[TokenFrame] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, daemon=True) if reading else None
         if self._thread:
@@ -66,7 +69,9 @@ class Proxy:
     def _read(self) -> None:
         while not self._stop.is_set():
             if self.sock.poll(20):
-                self.deltas.extend(decode_deltas(self.sock.recv()))
+                frame = decode_frame(self.sock.recv())
+                self.frames.append(frame)
+                self.deltas.extend(frame.deltas)
 
     def wait_for(self, n: int, timeout_s: float = 5.0) -> list[TokenDelta]:
         deadline = time.monotonic() + timeout_s
@@ -134,15 +139,27 @@ def test_encode_decode_round_trip() -> None:
 GOOD = TokenDelta("r", 0, (1,)).to_dict()
 
 
+def frame(*deltas: object, **changes: object) -> bytes:
+    """A wire frame (stream "s", number 1) of raw delta dicts, with ``changes`` to the frame's own fields."""
+    return msgpack.packb({"stream": "s", "seq": 1, "deltas": list(deltas), "v": WIRE_VERSION, **changes})
+
+
+def test_a_frame_carries_its_stream_and_number() -> None:
+    got = decode_frame(encode_deltas([TokenDelta("r", 0, (1,))], stream="abc", seq=7))
+    assert (got.stream, got.seq, got.deltas) == ("abc", 7, (TokenDelta("r", 0, (1,)),))
+
+
 @pytest.mark.parametrize("raw", [
     b"\xc1",  # not msgpack
-    msgpack.packb({"deltas": [GOOD]}),  # not a list
-    msgpack.packb([GOOD, {**GOOD, "index": -1}]),  # one bad delta spoils the message
-    msgpack.packb([{k: v for k, v in GOOD.items() if k != "token_ids"}]),  # a missing field
-    msgpack.packb([{**GOOD, "token_ids": [-1]}]),
-    msgpack.packb([{**GOOD, "request_id": ["r"]}]),
-    msgpack.packb(["r"]),
-    msgpack.packb([{**GOOD, "logprobs": [[1, 2, 3]]}]),
+    msgpack.packb("deltas"),  # not a frame
+    frame(GOOD, {**GOOD, "index": -1}),  # one bad delta spoils the message
+    frame({k: v for k, v in GOOD.items() if k != "token_ids"}),  # a missing field
+    frame({**GOOD, "token_ids": [-1]}),
+    frame({**GOOD, "request_id": ["r"]}),
+    frame("r"),
+    frame({**GOOD, "logprobs": [[1, 2, 3]]}),
+    frame(GOOD, seq=0), frame(GOOD, seq="1"), frame(GOOD, stream=None), frame(GOOD, deltas=GOOD),  # the frame's own
+    msgpack.packb({"stream": "s", "deltas": [GOOD], "v": WIRE_VERSION}),  # no number
 ])
 def test_malformed_messages_are_refused_whole(raw: bytes) -> None:
     with pytest.raises(MalformedTokenMessage) as e:
@@ -150,11 +167,35 @@ def test_malformed_messages_are_refused_whole(raw: bytes) -> None:
     assert not e.value.wrong_version
 
 
-@pytest.mark.parametrize("version", [None, WIRE_VERSION - 1, WIRE_VERSION + 1])
-def test_another_wire_version_is_refused(version: int | None) -> None:
+@pytest.mark.parametrize("raw", [frame(GOOD, {**GOOD, "v": WIRE_VERSION + 1}), frame(GOOD, {**GOOD, "v": None}),
+                                 frame(GOOD, v=WIRE_VERSION - 1),
+                                 msgpack.packb([GOOD])])  # wire version 4: bare deltas, no frame
+def test_another_wire_version_is_refused(raw: bytes) -> None:
     with pytest.raises(MalformedTokenMessage) as e:
-        decode_deltas(msgpack.packb([GOOD, {**GOOD, "v": version}]))
+        decode_deltas(raw)
     assert e.value.wrong_version
+
+
+def test_frames_are_numbered_per_link_and_a_reopened_link_is_a_new_stream(
+        make_sender: Callable[..., TokenSender]) -> None:
+    proxy = Proxy()
+    try:
+        sender = make_sender(idle_close_s=0.2)
+        for step in range(3):
+            sender.send(proxy.address, [delta("r", step)])
+            proxy.wait_for(step + 1)
+        first = list(proxy.frames)
+        assert [f.seq for f in first] == list(range(1, len(first) + 1)) and len({f.stream for f in first}) == 1
+        deadline = time.monotonic() + 5
+        while sender_threads() and time.monotonic() < deadline:  # idle: the link closes
+            time.sleep(0.02)
+        sender.send(proxy.address, [delta("r", 3)])
+        proxy.wait_for(4)
+        last = proxy.frames[-1]
+        assert last.seq == 1 and last.stream != first[0].stream
+        assert [d.token_ids[0] for d in proxy.deltas] == [0, 1, 2, 3]
+    finally:
+        proxy.close()
 
 
 @pytest.mark.parametrize("kwargs", [{"queue_batches": 0}, {"queue_batches": 2.5}, {"stall_timeout_s": 0},
