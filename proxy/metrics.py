@@ -42,14 +42,15 @@ class UnauthenticatedCounts:
 
     token_frames: int  # token-stream messages this proxy dropped
     kv_parts: dict[str, int]  # decode actor -> K/V parts, in-place opens and handshakes it dropped (its last stats)
+    token_frames_replayed: int = 0  # authentic token-stream frames dropped as replays or reorders (their sequence)
 
 
 def unauthenticated_counts(stream: Any, pools: Any) -> UnauthenticatedCounts:
-    """Read ``stream.messages_unauthenticated`` (a ``TokenStreamServer``) and each known decode actor's last reported
-    ``kv_parts_unauthenticated`` (``pools.decode``: name -> ``ActorRef``). Pure."""
+    """Read ``stream.messages_unauthenticated`` and ``messages_replayed`` (a ``TokenStreamServer``) and each known
+    decode actor's last reported ``kv_parts_unauthenticated`` (``pools.decode``: name -> ``ActorRef``). Pure."""
     return UnauthenticatedCounts(stream.messages_unauthenticated,
                                  {a.name: a.stats.kv_parts_unauthenticated for a in pools.decode.values()
-                                  if a.stats is not None})
+                                  if a.stats is not None}, stream.messages_replayed)
 
 
 @dataclass
@@ -133,6 +134,8 @@ class Metrics:
             u = self.unauthenticated()
             lines += ["# TYPE pdcluster_token_frames_unauthenticated_total counter",
                       f"pdcluster_token_frames_unauthenticated_total {u.token_frames}",
+                      "# TYPE pdcluster_token_frames_replayed_total counter",
+                      f"pdcluster_token_frames_replayed_total {u.token_frames_replayed}",
                       "# TYPE pdcluster_kv_parts_unauthenticated_total counter"]
             lines += [f'pdcluster_kv_parts_unauthenticated_total{{actor="{a}"}} {n}'
                       for a, n in sorted(u.kv_parts.items())]

@@ -110,12 +110,13 @@ def test_metrics_show_both_unauthenticated_counts() -> None:
 
     from proxy.metrics import Metrics, unauthenticated_counts
 
-    stream = SimpleNamespace(messages_unauthenticated=3)  # what the proxy's TokenStreamServer counts
+    stream = SimpleNamespace(messages_unauthenticated=3, messages_replayed=2)  # the proxy's TokenStreamServer's
     reported = SimpleNamespace(kv_parts_unauthenticated=5)  # a decode actor's last WorkerStats
     pools = SimpleNamespace(decode={"dc-0": SimpleNamespace(name="dc-0", stats=reported),
                                     "dc-1": SimpleNamespace(name="dc-1", stats=None)})
     text = Metrics(unauthenticated=lambda: unauthenticated_counts(stream, pools)).render(0, {})
     assert "pdcluster_token_frames_unauthenticated_total 3" in text.splitlines()
+    assert "pdcluster_token_frames_replayed_total 2" in text.splitlines()
     assert 'pdcluster_kv_parts_unauthenticated_total{actor="dc-0"} 5' in text.splitlines()
     assert "dc-1" not in text and "unauthenticated" not in Metrics().render(0, {})
 
