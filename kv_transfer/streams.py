@@ -286,10 +286,6 @@ class FencedPool:
         self._free: list[tuple[int, Event]] = [(i, None) for i in range(size)]  # FIFO: the oldest fence first
         self._cond = threading.Condition()
 
-    def has_free(self) -> bool:
-        """Whether ``take`` would not block for a buffer now. Pure."""
-        return bool(self._free)
-
     def ready(self) -> bool:
         """Whether ``take`` would block neither for a buffer nor for a host wait on its fence (a writer on an event
         loop polls this). Pure."""
