@@ -4,6 +4,9 @@ No global ``init_process_group`` and no fixed world. A listening (decode) endpoi
 each sending (prefill) endpoint that connects takes a ticket ``n`` from it, and both sides build a two-rank process
 group from ``PrefixStore("pdkv/pair{n}/")``: one small group per prefill/decode pair, created on first use, so pools
 grow and shrink freely. The wire format and each side's I/O thread are in :mod:`kv_transfer.torch_dist_pairs`.
+With a cluster secret every value either side writes to the store carries a MAC and every value read is checked
+(:mod:`kv_transfer.store_auth`): a join, or a pair's rendezvous, that holds a value written without the secret is
+refused and counted (``unauthenticated``).
 
 Gloo behaviour this relies on (torch 2.13, measured): a recv ``Work`` never reports ``is_completed()`` until it is
 ``wait()``\\ ed, so each pair has an I/O thread that waits; a timed-out wait closes the pair; a blocked wait returns
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import msgpack
 import torch
@@ -24,6 +28,7 @@ from cluster.wire import auth
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
+from kv_transfer.store_auth import StoreValueRefused, authenticated
 from kv_transfer.streams import HostStreams
 from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair, pair_groups
 
@@ -44,6 +49,7 @@ class TorchDistBackend(KVTransferBackend):
         """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
         super().__init__(config, streams)
         self._store: dist.TCPStore | None = None
+        self._rendezvous: dist.Store | None = None  # the store as both ends read and write it (MACed values)
         self._address: str | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -59,23 +65,35 @@ class TorchDistBackend(KVTransferBackend):
             self._store = dist.TCPStore(self.config.host, self.config.port, is_master=True, wait_for_workers=False,
                                         timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
             self._address = f"{self.config.host}:{self._store.port}"
+            self._rendezvous = authenticated(self._store, self.config.secret, self._address, self._refused)
             self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
             self._acceptor.start()
         return self._address
 
     def _accept_loop(self) -> None:
-        """Build the receiving end of each pair a sender asks for, in ticket order."""
-        store, side = self._store, self.recv_side
+        """Build the receiving end of each pair a sender asks for, in ticket order. A ticket taken but never joined
+        (a sender that died in between, or someone who only took it) is passed over once later tickets are out and it
+        has waited ``connect_timeout_s``."""
+        store, side = self._rendezvous, self.recv_side
         assert store is not None and side is not None
-        ticket = 1
+        ticket, since = 1, time.monotonic()
         while not self._stop.is_set():
             key = f"pdkv/join/{ticket}"
             if not store.check([key]):  # polled: a timed-out store.wait logs a C++ warning each time
+                if time.monotonic() - since > self.config.connect_timeout_s and store.add(_JOIN_COUNTER, 0) > ticket:
+                    self.peer_errors[f"ticket{ticket}"] = "taken but never joined: passed over"
+                    ticket, since = ticket + 1, time.monotonic()
                 self._stop.wait(0.01)
                 continue
-            peer = self._joiner(store.get(key), ticket)
+            try:
+                value = store.get(key)
+            except StoreValueRefused as e:  # counted by _refused: not a cluster member's join
+                self.peer_errors[f"ticket{ticket}"] = f"join refused: {e}"
+                ticket, since = ticket + 1, time.monotonic()
+                continue
+            peer = self._joiner(value, ticket)
             if peer is None:  # not a cluster member: no pair group for it (its rendezvous times out on its side)
-                ticket += 1
+                ticket, since = ticket + 1, time.monotonic()
                 continue
             try:
                 groups = pair_groups(store, f"pair{ticket}", RECEIVER, self.config)
@@ -83,7 +101,7 @@ class TorchDistBackend(KVTransferBackend):
                 self.peer_errors[peer] = f"pair rendezvous failed: {e}"
             else:
                 self._receivers.append(RecvPair(self.config, peer, groups, side, self.peer_errors))
-            ticket += 1
+            ticket, since = ticket + 1, time.monotonic()
 
     def _joiner(self, value: bytes, ticket: int) -> str | None:
         """The joining sender's name, or None (counted) when its join is not authentic. Pure but for the counter."""
@@ -103,12 +121,17 @@ class TorchDistBackend(KVTransferBackend):
             return None
         return name
 
+    def _refused(self, key: str) -> None:
+        """Mutates the counter: a value read from a rendezvous store failed its MAC (store_auth)."""
+        self.unauthenticated += 1
+
     # -- sending --------------------------------------------------------------------------------------------
     def _connect_pair(self, peer_address: str) -> tuple:
         """Sender side of the rendezvous (runs on the pair's thread): take a ticket, build the groups."""
         host, port = _split_address(peer_address)
-        store = dist.TCPStore(host, port, is_master=False,
-                              timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
+        store = authenticated(dist.TCPStore(host, port, is_master=False,
+                                            timeout=datetime.timedelta(seconds=self.config.connect_timeout_s)),
+                              self.config.secret, peer_address, self._refused)
         ticket = store.add(_JOIN_COUNTER, 1)
         join: dict[str, object] = {"name": self.config.name}
         if self.config.secret is not None:  # the receiver builds no pair group for a sender that is not a member
