@@ -34,6 +34,11 @@ LIMB_BITS = 6  # the reference GEMM's weight limbs (see the module docstring for
 LIMBS = -(-61 // LIMB_BITS)  # 11 limbs cover a 61-bit weight
 _LO31 = (1 << 31) - 1
 _LO30 = (1 << 30) - 1
+# rows of GEMM output reduced at once: [1024, 2 * 11] stays under torch's parallel grain (32768 elements), so these
+# small ops run inline on the calling thread (a backend's I/O thread) and never wake the intra-op pool; only the GEMM
+# does
+_CHUNK_ROWS = 1024
+_SPLIT = 6  # limbs 0..5 and 6..10 are each combined exactly in int64 (< 2^25 * 2^31 = 2^56), then mod p
 
 
 # -- exact arithmetic mod p on int64 tensors (inputs in [0, p) unless said otherwise) -------------------------------
@@ -81,12 +86,20 @@ def powers(points: Sequence[int], count: int, device: torch.device | str) -> tor
     a = -(-count // c)
     small, big = [], []
     for r in points:
-        step = pow(r, c, P)
-        small.append([pow(r, i, P) for i in range(c)])
-        big.append([pow(step, i, P) for i in range(a)])
+        small.append(_ascending(r, c))
+        big.append(_ascending(pow(r, c, P), a))
     s = torch.tensor(small, dtype=torch.int64, device=device)
     b = torch.tensor(big, dtype=torch.int64, device=device)
     return mulmod(b[:, :, None], s[:, None, :]).reshape(len(points), a * c)[:, :count]
+
+
+def _ascending(r: int, count: int) -> list[int]:
+    """``[r^0, r^1, ..., r^(count-1)] mod p`` in Python ints. Pure."""
+    out, x = [], 1
+    for _ in range(count):
+        out.append(x)
+        x = x * r % P
+    return out
 
 
 class Points:
@@ -101,10 +114,13 @@ class Points:
 
     @functools.cached_property
     def limbs(self) -> torch.Tensor:
-        """The reference GEMM's right-hand side: int8 ``[ROW, K * LIMBS]``, 6-bit limbs of each weight. Pure."""
+        """The reference GEMM's right-hand side: int8 ``[ROW, K * LIMBS]``, column ``k * LIMBS + l`` the 6-bit limb
+        ``l`` of point ``k``'s weights. Pure. (Column by column: each op stays small, see ``_CHUNK_ROWS``.)"""
+        out = torch.empty((ROW, len(self.points) * LIMBS), dtype=torch.int8, device=self.device)
         shifts = torch.arange(LIMBS, device=self.device) * LIMB_BITS
-        limbs = (self.weights[:, :, None] >> shifts) & ((1 << LIMB_BITS) - 1)  # [K, ROW, LIMBS]
-        return limbs.permute(1, 0, 2).reshape(ROW, -1).to(torch.int8).contiguous()
+        for k in range(len(self.points)):
+            out[:, k * LIMBS:(k + 1) * LIMBS] = (self.weights[k][:, None] >> shifts) & ((1 << LIMB_BITS) - 1)
+        return out
 
     @functools.cached_property
     def halves(self) -> torch.Tensor:
@@ -136,11 +152,12 @@ def _int_mm_exact() -> bool:
 
 
 def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of int8 matrices, exact, as int64. Pure."""
+    """``a @ b`` of int8 matrices, exact: int32 from the int8 GEMM (widened later, a chunk at a time), else int64.
+    Pure."""
     if a.shape[0] == 0:
         return torch.zeros((0, b.shape[1]), dtype=torch.int64, device=a.device)
     if _int_mm_exact():
-        return torch._int_mm(a, b).long()
+        return torch._int_mm(a, b)
     return a.long() @ b.long()
 
 
@@ -159,11 +176,23 @@ def row_sums_reference(x: torch.Tensor, points: Points) -> torch.Tensor:
     first = torch.zeros((1, ROW), dtype=torch.int8)
     first[0, ROW - head:] = x[:head]
     limbs = points.limbs
-    c = torch.cat((_int8_mm(first, limbs), _int8_mm(x[head:].view(m - 1, ROW), limbs)))  # |c| < 2^25
-    c = c.view(m, len(points.points), LIMBS)
-    c = torch.where(c < 0, c + P, c)  # into [0, p)
-    parts = torch.stack([times_pow2(c[:, :, i], LIMB_BITS * i) for i in range(LIMBS)], dim=-1)
-    return summod(parts, dim=-1)
+    body = _int8_mm(x[head:].view(m - 1, ROW), limbs)  # [m - 1, K * LIMBS], |c| < 2^25
+    out = torch.empty((m, len(points.points)), dtype=torch.int64)
+    out[:1] = _from_limbs(_int8_mm(first, limbs))
+    for lo in range(0, m - 1, _CHUNK_ROWS):
+        out[1 + lo:1 + lo + _CHUNK_ROWS] = _from_limbs(body[lo:lo + _CHUNK_ROWS])
+    return out
+
+
+def _from_limbs(c: torch.Tensor) -> torch.Tensor:
+    """Row sums mod p ``[r, K]`` from the GEMM's limb sums ``[r, K * LIMBS]`` (|c| < 2^25): ``sum_l c_l 2^(6 l)``
+    as ``low + high 2^36``, where ``low`` (limbs 0..5, |low| < 2^56) and ``high`` (limbs 6..10, |high| < 2^50) are
+    exact int64 sums, each made non-negative by adding p. Pure."""
+    c = c.long().view(c.shape[0], -1, LIMBS)
+    weights = torch.tensor([1 << (LIMB_BITS * i) for i in range(_SPLIT)], dtype=torch.int64, device=c.device)
+    low = (c[:, :, :_SPLIT] * weights).sum(-1) + P
+    high = (c[:, :, _SPLIT:] * weights[:LIMBS - _SPLIT]).sum(-1) + P
+    return canonical(canonical(low) + times_pow2(canonical(high), LIMB_BITS * _SPLIT))
 
 
 def row_sums(x: torch.Tensor, points: Points) -> torch.Tensor:
