@@ -68,3 +68,10 @@ def test_bench_cpu_prefill_runs(tiny_checkpoint) -> None:
          "--lengths", "40", "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "engine prefill" in out.stdout and "chunked / flash" in out.stdout
+
+
+def test_bench_payload_mac_runs() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_payload_mac.py"), "--mib", "0.25",
+                          "--iters", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "zlib.crc32" in out.stdout and "payload tag" in out.stdout and "fixed cost per part" in out.stdout
