@@ -36,14 +36,6 @@ from kv_transfer.payload_mac import PartKey, PayloadMac, part_key, payload_tag
 from kv_transfer.streams import block_index
 
 
-def tensor_memoryview(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor: a zero-copy view on CPU, a host copy for device tensors. Pure."""
-    flat = as_bytes(t)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()  # (the payload's tag needs no host copy: payload_mac runs on the device)
-    return memoryview(flat.numpy())
-
-
 def pack_layer_part(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
