@@ -24,9 +24,9 @@ class KVTransferConfig:
     # succeeds, else fallback_backend), or fake (in-process)
     backend: str = "torch_dist"
     fallback_backend: str = "torch_dist"  # auto: the socket backend for peers on other nodes
-    # in-place backends: checksum each written part (CRC-32 over the source blocks, again over the destination on
-    # receipt). Off by default: the bytes never leave this node's memory, and the two passes cost more than the copy
-    # (docs/benchmarks.md); socket backends always checksum.
+    # in-place backends: tag each written part (the payload MAC, kv_transfer.payload_mac, over the source blocks,
+    # checked over the destination on receipt). Off by default: the bytes never leave this node's memory, and the two
+    # passes cost more than the copy (docs/cluster-benchmarks.md); socket backends always tag.
     inplace_checksum: bool = False
     name: str = "kv"  # this endpoint's name, told to peers on connect (logs, per-peer stats)
     # the address peers reach this endpoint at; also the interface gloo binds. None: this node's address
