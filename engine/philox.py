@@ -17,6 +17,8 @@ uses of one (seed, choice, position): 0 draws the token's uniform, 1 derives per
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -54,15 +56,12 @@ def philox4x32(counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     """:func:`philox4x32_int` elementwise over int64 tensors of 32-bit words (broadcast together), on their
     device. Pure. Both multiplications of a round run as one op on stacked words (c0, c2): ~15 ops per round."""
     c = torch.broadcast_tensors(*counter, *key)
-    dev = c[0].device
     shape = (2,) + (1,) * c[0].dim()
     mul = torch.stack([c[0], c[2]]) & _M32  # the multiplied words
     other = torch.stack([c[1], c[3]]) & _M32
     k = torch.stack([c[4], c[5]]) & _M32
-    m_lo = torch.tensor([m & 0xFFFF for m in _MUL], device=dev).view(shape)
-    m_hi = torch.tensor([m >> 16 for m in _MUL], device=dev).view(shape)
-    weyl = torch.tensor(_WEYL, device=dev).view(shape)
-    swap = torch.tensor([1, 0], device=dev)
+    consts, swap = _round_constants(c[0].device)
+    m_lo, m_hi, weyl = (t.view(shape) for t in consts.unbind(0))
     for r in range(rounds):
         if r:
             k = (k + weyl) & _M32
@@ -70,6 +69,15 @@ def philox4x32(counter: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
         # (c0, c1, c2, c3) <- (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0)
         mul, other = hi.index_select(0, swap) ^ other ^ k, lo.index_select(0, swap)
     return mul[0], other[0], mul[1], other[1]
+
+
+@functools.cache
+def _round_constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round constants on ``device`` as ``[3, 2]`` (multipliers' low and high 16 bits, key increments) and the
+    word swap ``[1, 0]``: built once per device, since a host -> device copy per draw would be one per sampling step.
+    Pure (the tensors are never written)."""
+    consts = torch.tensor([[m & 0xFFFF for m in _MUL], [m >> 16 for m in _MUL], list(_WEYL)], device=device)
+    return consts, torch.tensor([1, 0], device=device)
 
 
 def _to_double(w0: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
