@@ -5,8 +5,8 @@ slots ``[B]``, block tables ``[B, max blocks per sequence]``, context lengths ``
 the smallest bucket ``b >= n``; rows ``n..b`` are padding: slot -1 (the KV store skips it), context length 0 (the
 attention kernels return zeros for it, so no NaN reaches the logits). Each bucket's forward and logits are captured
 once (after a warm-up that compiles the Triton kernels for its shapes) with a split-K count fixed per bucket, and
-replayed; the step's inputs reach the buffers as non-blocking copies from pinned host memory, so the host never waits
-inside a step. With ``capture=False`` (the CPU, or ``enforce_eager``) the very same padded buffers run eagerly: that
+replayed; the step's inputs reach the device as one non-blocking copy from pinned host memory (then device copies
+into the buffers), so the host never waits inside a step. With ``capture=False`` (the CPU, or ``enforce_eager``) the very same padded buffers run eagerly: that
 is how the CPU tests check the padding and bucketing.
 """
 
@@ -107,29 +107,27 @@ class DecodeGraphRunner:
 
     def _stage(self, decodes: list[ScheduledSeq], batch: int) -> None:
         """Mutates the buffers: rows ``0..n`` from ``decodes``, rows ``n..batch`` padding. Only the block-table
-        columns this step reads are written; the kernel never reads past a row's length."""
+        columns this step reads are written; the kernel never reads past a row's length. One host -> device copy
+        (every value gathered into one int32 list), then copies on the device into the buffers."""
         n, bs = len(decodes), self.block_size
         width = cdiv(max(s.start for s in decodes) + 1, bs)
-        ids, pos, slots, lens = [], [], [], []
-        tables = torch.zeros(n, width, dtype=torch.int32)
-        for i, s in enumerate(decodes):
-            table = s.seq.block_table
-            ids.append(s.seq.token_at(s.start))
-            pos.append(s.start)
-            slots.append(table[s.start // bs] * bs + s.start % bs)
-            lens.append(s.start + 1)
-            used = min(width, len(table))
-            tables[i, :used] = torch.tensor(table[:used], dtype=torch.int32)
         pad = batch - n
-        cols = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        lens_t = torch.tensor(lens + [0] * pad, dtype=torch.int32)
+        flat = [s.seq.token_at(s.start) for s in decodes] + [0] * pad
+        flat += [s.start for s in decodes] + [0] * pad
+        flat += [s.seq.block_table[s.start // bs] * bs + s.start % bs for s in decodes] + [-1] * pad
+        flat += [s.start + 1 for s in decodes] + [0] * pad
+        for s in decodes:
+            table = s.seq.block_table[:width]
+            flat += table + [0] * (width - len(table))
+        staged = torch.tensor(flat, dtype=torch.int32)
         if self.device.type == "cuda":
-            cols, lens_t, tables = cols.pin_memory(), lens_t.pin_memory(), tables.pin_memory()
-        self.input_ids[:batch].copy_(cols[0], non_blocking=True)
-        self.positions[:batch].copy_(cols[1], non_blocking=True)
-        self.slots[:batch].copy_(cols[2], non_blocking=True)
-        self.seq_lens[:batch].copy_(lens_t, non_blocking=True)
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+            staged = staged.pin_memory().to(self.device, non_blocking=True)
+        cols = staged[: 4 * batch].view(4, batch)
+        self.input_ids[:batch].copy_(cols[0])
+        self.positions[:batch].copy_(cols[1])
+        self.slots[:batch].copy_(cols[2])
+        self.seq_lens[:batch].copy_(cols[3])
+        self.block_tables[:n, :width].copy_(staged[4 * batch :].view(n, width))
 
     def run(self, decodes: list[ScheduledSeq]) -> torch.Tensor:
         """Runs one decode-only step for ``decodes`` (in this order); returns float32 logits ``[n, vocab]`` (a view

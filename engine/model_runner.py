@@ -1,14 +1,19 @@
 """Executes a :class:`SchedulerOutput`: builds the flattened batch, runs the forward, samples.
 
-Owns the model weights, the KV cache tensor and the sampler, all on the model's device. The only state it mutates is
-the KV cache. A step's inputs are built on the host and copied to the device without waiting (pinned memory); the only
-wait is for the sampled ids (and logprobs) coming back, once per step.
+Owns the model weights, the KV cache tensor, the sampler and the persistent sampling state (``SamplingState``), all on
+the model's device. It mutates the KV cache and the sampling state. A step's integer inputs (token ids, positions,
+slots, block tables, lengths) are gathered on the host into one list and copied to the device in one non-blocking
+copy (pinned memory), then read as views: the number of copies per step does not grow with the batch or the layers.
+The sampling state adds one small copy (which slots the rows read), the sampler one (its row index). The only wait is
+for the sampled ids (and logprobs) coming back, once per step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable, Iterable, Sequence as Seq
+from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -18,8 +23,8 @@ from engine.kv_cache_manager import cdiv
 from engine.kv_memory import KVLayout, SharedKVMemory
 from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig
-from engine.philox import derive_seed
-from engine.sampler import Sampler, SamplingMetadata
+from engine.sampler import Sampler
+from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
 
@@ -52,6 +57,30 @@ def to_device(values: Seq[int] | Seq[float] | torch.Tensor, dtype: torch.dtype, 
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def send_sections(sections: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Int lists as int32 tensors on ``device``, in one host -> device copy: one list, one tensor, then a view per
+    section. Pure. int32 holds every token id, position, slot and block id an engine has."""
+    flat = to_device([v for section in sections for v in section], torch.int32, device)
+    return list(flat.split([len(section) for section in sections]))
+
+
+def padded_tables(tables: Iterable[list[int]], width: int) -> list[int]:
+    """Block tables cut or zero-padded to ``width`` entries each, concatenated. Pure."""
+    return [b for table in tables for b in (table[:width] + [0] * (width - min(width, len(table))))]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's flattened batch on the device (views of one copied tensor), and its order on the host."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attention: AttentionMetadata
+    order: list[ScheduledSeq]  # the scheduled sequences in batch order (decodes by length, then prefills)
+    sample_rows: list[int]  # the batch row (token) of each sequence that samples, in that order
+    sample_index: torch.Tensor  # int64: sample_rows on the device
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
                  kv_dtype: torch.dtype | None = None, shared_kv: bool = False) -> None:
@@ -81,6 +110,8 @@ class ModelRunner:
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)
         self.sampler = Sampler()
+        # the logits' width (a checkpoint may pad its head past vocab_size): every penalized token indexes a logit
+        self.sampling = SamplingState(model.lm_head.out_features, self.device, seed)
         self.decode_graphs: DecodeGraphRunner | None = None  # decode-only steps on padded buckets (see enable_...)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
@@ -93,8 +124,7 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Mutates the KV cache: copy every layer's K/V of block ``src`` into block ``dst``."""
         if pairs:
-            src = to_device([s for s, _ in pairs], torch.int64, self.device)
-            dst = to_device([d for _, d in pairs], torch.int64, self.device)
+            src, dst = to_device([s for s, _ in pairs] + [d for _, d in pairs], torch.int64, self.device).chunk(2)
             self.kv[:, :, dst] = self.kv[:, :, src]
             if self.kv_scales is not None:
                 self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
@@ -108,6 +138,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[ScheduledSeq], list[int]]:
         """Flattened token ids, positions, attention metadata (all on the device), the scheduled sequences in batch
         order, and the batch row of each sequence that samples (in that order). Pure."""
+        step = self.step_inputs(out)
+        return step.input_ids, step.positions, step.attention, step.order, step.sample_rows
+
+    def step_inputs(self, out: SchedulerOutput) -> StepInputs:
+        """The step's flattened batch (see :class:`StepInputs`), sent in one copy. Pure."""
         dev = self.device
         decodes = sorted(out.decodes, key=lambda s: s.start)  # similar lengths side by side
         order = decodes + out.prefills
@@ -121,50 +156,49 @@ class ModelRunner:
             ids.append(s.seq.token_at(s.start))
             pos.append(s.start)
             slots.extend(self._slots(s.seq.block_table, s.start, 1))
-        group_size = DECODE_GROUP if dev.type == "cpu" else max(1, len(decodes))
-        groups = []
-        for a in range(0, len(decodes), group_size):
-            group = decodes[a : a + group_size]
-            width = cdiv(max(s.start for s in group) + 1, self.block_size)
-            tables = to_device([s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table)))
-                                for s in group], torch.int32, dev)
-            lens = to_device([s.start + 1 for s in group], torch.int32, dev)
-            groups.append((a, a + len(group), tables, lens))
-        prefills = []
         for s in out.prefills:
             ids.extend(s.seq.token_slice(s.start, s.start + s.num_tokens))
             pos.extend(range(s.start, s.start + s.num_tokens))
             slots.extend(self._slots(s.seq.block_table, s.start, s.num_tokens))
-            if dev.type == "cpu":
-                prefills.append((s.num_tokens, s.start, torch.tensor(s.seq.block_table, dtype=torch.int32)))
-            else:
-                prefills.append((s.num_tokens, s.start, torch.empty(0)))  # read through prefill_varlen
             if s.sample:
                 sample_rows.append(len(ids) - 1)
+        sections = [ids, pos, slots, sample_rows]
+        # CPU: one attention call per group of similar lengths; a GPU kernel reads each row's own length
+        group_size = DECODE_GROUP if dev.type == "cpu" else max(1, len(decodes))
+        group_shapes = []
+        for a in range(0, len(decodes), group_size):
+            group = decodes[a : a + group_size]
+            width = cdiv(max(s.start for s in group) + 1, self.block_size)
+            sections += [padded_tables((s.seq.block_table for s in group), width), [s.start + 1 for s in group]]
+            group_shapes.append((a, a + len(group), width))
+        varlen_width = 0
+        if dev.type == "cpu":
+            sections += [s.seq.block_table for s in out.prefills]
+        elif out.prefills:  # one varlen call: tables, cu_seqlens, start positions
+            varlen_width = max(cdiv(s.start + s.num_tokens, self.block_size) for s in out.prefills)
+            sections += [padded_tables((s.seq.block_table for s in out.prefills), varlen_width),
+                         [0, *accumulate(s.num_tokens for s in out.prefills)], [s.start for s in out.prefills]]
+        views = iter(send_sections(sections, dev))
+        ids_t, pos_t, slots_t, rows_t = (next(views).long() for _ in range(4))
+        groups = [(a, b, next(views).view(b - a, width), next(views)) for a, b, width in group_shapes]
+        prefills: list[tuple[int, int, torch.Tensor]] = []
         varlen = None
-        if dev.type != "cpu" and out.prefills:
-            width = max(cdiv(s.start + s.num_tokens, self.block_size) for s in out.prefills)
-            cu = [0]
-            for s in out.prefills:
-                cu.append(cu[-1] + s.num_tokens)
-            varlen = (to_device([s.seq.block_table[:width] + [0] * (width - min(width, len(s.seq.block_table)))
-                                 for s in out.prefills], torch.int32, dev),
-                      to_device(cu, torch.int32, dev), to_device([s.start for s in out.prefills], torch.int32, dev),
+        if dev.type == "cpu":
+            prefills = [(s.num_tokens, s.start, next(views)) for s in out.prefills]
+        elif out.prefills:
+            prefills = [(s.num_tokens, s.start, torch.empty(0)) for s in out.prefills]  # read through the varlen
+            varlen = (next(views).view(len(out.prefills), varlen_width), next(views), next(views),
                       max(s.num_tokens for s in out.prefills))
-        meta = AttentionMetadata(
-            slot_mapping=to_device(slots, torch.int64, dev),
-            num_decodes=len(decodes),
-            decode_groups=groups,
-            prefills=prefills,
-            prefill_varlen=varlen,
-        )
-        return to_device(ids, torch.int64, dev), to_device(pos, torch.int64, dev), meta, order, sample_rows
+        meta = AttentionMetadata(slot_mapping=slots_t, num_decodes=len(decodes), decode_groups=groups,
+                                 prefills=prefills, prefill_varlen=varlen)
+        return StepInputs(ids_t, pos_t, meta, order, sample_rows, rows_t)
 
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, after_kv_store: Callable[[int], None] | None = None
     ) -> dict[int, list[SampledToken]]:
-        """Run one step. Mutates the KV cache. Returns seq id -> sampled tokens (one per completion to sample).
+        """Run one step. Mutates the KV cache and the sampling state. Returns seq id -> sampled tokens (one per
+        completion to sample).
 
         ``after_kv_store(layer)``: see :meth:`DecoderModel.forward`.
         """
@@ -174,55 +208,44 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and after_kv_store is None and graphs.fits(out):
             order = sorted(out.decodes, key=lambda s: s.start)
-            to_sample = [s for s in order if s.sample]
-            meta = self._sampling_metadata(to_sample)  # built (and sent) before the step is launched
+            # built (and sent) before the step is launched; the rows read the graph's logits row of their sequence
+            sampling = self._sampling_batch([(i, s) for i, s in enumerate(order) if s.sample])
             logits = graphs.run(order)
-            if len(to_sample) != len(order):
-                logits = logits[to_device([i for i, s in enumerate(order) if s.sample], torch.int64, self.device)]
-            return self._sample(logits, to_sample, meta)
-        ids, pos, meta, order, rows = self.prepare(out)
-        to_sample = [s for s in order if s.sample]
-        sampling = self._sampling_metadata(to_sample) if to_sample else None
-        row_index = to_device(rows, torch.int64, self.device) if to_sample else None
-        hidden = self.model.forward(ids, pos, meta, self.kv_caches, after_kv_store, self.kv_scale_layers)
-        if sampling is None or row_index is None:
+            return self._sample(logits, sampling)
+        step = self.step_inputs(out)
+        sampling = self._sampling_batch(list(enumerate(s for s in step.order if s.sample)))
+        hidden = self.model.forward(step.input_ids, step.positions, step.attention, self.kv_caches, after_kv_store,
+                                    self.kv_scale_layers)
+        if sampling[0] is None:
             return {}
-        logits = self.model.logits(hidden[row_index])
-        return self._sample(logits, to_sample, sampling)
+        logits = self.model.logits(hidden.index_select(0, step.sample_index))
+        return self._sample(logits, sampling)
 
-    def _sampling_rows(self, scheduled: list[ScheduledSeq]) -> tuple[list[Sequence], list[int]]:
-        """The sequences that sample and the logits row each reads. Pure. A parent sampling its first token also
-        samples for its not-yet-forked children, from the same logits row."""
+    def _sampling_batch(self, scheduled: list[tuple[int, ScheduledSeq]]) -> tuple[SamplingBatch | None, list[int]]:
+        """The sampling rows of the sequences that sample, each reading logits row ``r`` of its ``(r, scheduled)``,
+        and the scheduled seq id each row's token goes to. Mutates the sampling state (joins and leaves). A parent
+        sampling its first token also samples for its not-yet-forked children, from the same logits row."""
         seqs: list[Sequence] = []
         rows: list[int] = []
-        for r, s in enumerate(scheduled):
+        owners: list[int] = []
+        for r, s in scheduled:
             for seq in (s.seq, *s.seq.pending_children):
                 seqs.append(seq)
                 rows.append(r)
-        return seqs, rows
+                owners.append(s.seq.seq_id)
+        return self.sampling.batch(seqs, rows), owners
 
-    def _sampling_metadata(self, scheduled: list[ScheduledSeq]) -> tuple[SamplingMetadata, list[int]]:
-        seqs, rows = self._sampling_rows(scheduled)
-        meta = SamplingMetadata.build(
-            [q.params for q in seqs],
-            [q.prompt_token_ids for q in seqs],
-            [q.output_token_ids for q in seqs],
-            seeds=[q.seed if q.seed is not None else derive_seed(self.seed, q.seq_id) for q in seqs],
-            choices=[q.index for q in seqs],
-            positions=[q.num_tokens for q in seqs],  # a forked child's first token sits where its parent's does
-            device=self.device,
-        )
-        return meta, rows
-
-    def _sample(self, logits: torch.Tensor, scheduled: list[ScheduledSeq],
-                sampling: tuple[SamplingMetadata, list[int]]) -> dict[int, list[SampledToken]]:
-        meta, rows = sampling
-        if len(rows) != logits.shape[0]:
-            logits = logits[to_device(rows, torch.int64, self.device)]
-        result = self.sampler(logits, meta)
+    def _sample(self, logits: torch.Tensor, sampling: tuple[SamplingBatch | None, list[int]]
+                ) -> dict[int, list[SampledToken]]:
+        """Samples the batch's rows and records them in the sampling state (mutates it)."""
+        batch, owners = sampling
+        if batch is None:
+            return {}
+        if batch.logit_rows is not None:
+            logits = logits.index_select(0, batch.logit_rows)
+        result = self.sampler(logits, batch.meta)
+        self.sampling.record(batch, result)
         sampled: dict[int, list[SampledToken]] = {}
-        for i, r in enumerate(rows):
-            sampled.setdefault(scheduled[r].seq.seq_id, []).append(
-                SampledToken(result.token_ids[i], result.logprobs[i])
-            )
+        for i, owner in enumerate(owners):
+            sampled.setdefault(owner, []).append(SampledToken(result.token_ids[i], result.logprobs[i]))
         return sampled

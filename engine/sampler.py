@@ -1,44 +1,36 @@
 """Turns a batch of next-token logits into sampled token ids, one independent request per row.
 
-Pure tensor code with no engine imports: the scheduler packs per-request settings into a
-`SamplingMetadata`, the model runner calls `Sampler(...)(logits, meta)`.
+Pure tensor code with no engine imports: the runner's persistent sampling state (``engine/sampling_state.py``) hands
+it a `SamplingMetadata` per step, and ``Sampler()(logits, meta)`` samples.
 
-Per row (vLLM's order): raw logits -> logprobs (if asked) -> repetition penalty -> frequency and
-presence penalties -> argmax if greedy, else divide by temperature -> top-k -> top-p -> min-p ->
-sample. Stages that no row uses are skipped.
+Per row (vLLM's order): raw logits -> logprobs (if asked) -> repetition penalty -> frequency and presence penalties ->
+argmax if greedy, else divide by temperature -> top-k -> top-p -> min-p -> sample. Stages that no row uses are
+skipped.
+
+No row's path is decided by reading the device: which rows are greedy or use top-k, top-p, min-p, penalties or
+logprobs are host facts (``engine/sampling_plan.py``), so each branch is taken on the host and each row selection is
+a view of one index tensor sent per step. The device is read once per step, in `_to_host`: the sampled ids with
+their logprobs and the top-p rows' nucleus sizes, packed into one tensor. A second read happens only in a step where
+a top-p row's nucleus outgrew its candidates: those rows are redone over the whole sorted vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from itertools import chain
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import torch
 
 from engine.philox import sample_uniforms, seed_as_int64
+from engine.sampling_plan import CandidateGroup, FilterParams, RowFacts, RowPlan, plan_rows
 
-# Temperatures below this are greedy: dividing by ~0 would overflow to inf/nan.
-_GREEDY_EPS = 1e-5
-# top-k/top-p rows look for their survivors among the 64, then the 1024 highest logits; only rows
-# whose nucleus is wider still (very flat distributions) pay for a full sort, ~4 ms per 49k CPU row.
-# topk(64) costs ~6 ms per 64 x 49152 batch, topk(1024) ~29 ms, a full sort ~240 ms.
-_CANDIDATE_WIDTHS = (64, 1024)
 # Block width of the two-level inverse-CDF search used for wide rows.
 _ICDF_BLOCK = 256
 
 
-class SamplingParamsLike(Protocol):
+class SamplingParamsLike(FilterParams, Protocol):
     """The per-request fields `SamplingMetadata.build` reads (read-only, so frozen dataclasses fit)."""
 
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def min_p(self) -> float: ...
     @property
     def presence_penalty(self) -> float: ...
     @property
@@ -47,6 +39,63 @@ class SamplingParamsLike(Protocol):
     def repetition_penalty(self) -> float: ...
     @property
     def logprobs(self) -> int | None: ...
+
+
+def has_penalty(p: SamplingParamsLike) -> bool:
+    """Whether a request needs its token history (a repetition, presence or frequency penalty). Pure."""
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host values on ``device``: pinned and non-blocking on CUDA, so the host never waits."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The penalized rows' tokens on the device, prompt then output in the order generated, padded to one width:
+    the repetition penalty reads both, presence and frequency the output. Held by the engine's sampling state and
+    appended to on the device from each step's sampled ids (no list is rebuilt per step)."""
+
+    rows: torch.Tensor  # int64 [P]: the batch rows these histories belong to, in increasing order
+    tokens: torch.Tensor  # int32 or int64 [P, L]: each row's prompt then output tokens; past its length, any value
+    prompt_lens: torch.Tensor  # int64 [P]
+    lengths: torch.Tensor  # int64 [P]: prompt + output tokens held
+    max_output: int  # host fact: the longest output among the rows (the width of the output pass)
+    repetition: bool = True  # host fact: some row has a repetition penalty (else that pass is skipped)
+    presence_frequency: bool = True  # host fact: some row has a presence or frequency penalty
+
+    @staticmethod
+    def from_lists(rows: Sequence[int], prompt_token_ids: Sequence[Sequence[int]],
+                   output_token_ids: Sequence[Sequence[int]], vocab_size: int,
+                   device: torch.device | str = "cpu") -> TokenHistory:
+        """Histories of batch rows ``rows`` from their token lists (``prompt_token_ids[j]`` is row ``rows[j]``'s).
+        Pure; raises ``ValueError`` for a token outside ``[0, vocab_size)``. For callers that hold lists (tests,
+        tools); the engine keeps its histories on the device (``engine/sampling_state.py``)."""
+        device = torch.device(device)
+        lengths = [len(p) + len(o) for p, o in zip(prompt_token_ids, output_token_ids, strict=True)]
+        tokens = torch.zeros(len(rows), max(lengths, default=0), dtype=torch.int64, device=device)
+        write_histories(tokens, list(range(len(rows))), [[*p, *o] for p, o in zip(prompt_token_ids, output_token_ids)],
+                        vocab_size)
+        flat = host_to_device([*rows, *(len(p) for p in prompt_token_ids), *lengths], device)
+        r, prompt_lens, lens = flat.split(len(rows))
+        return TokenHistory(r, tokens, prompt_lens, lens, max((len(o) for o in output_token_ids), default=0))
+
+
+def write_histories(tokens: torch.Tensor, rows: Sequence[int], histories: Sequence[Sequence[int]],
+                    vocab_size: int) -> None:
+    """Mutates ``tokens`` (``[R, L]``, L at least each history's length): row ``rows[j]`` starts with
+    ``histories[j]``. One host -> device copy. Raises ``ValueError`` (changing nothing) for a token outside the
+    vocabulary: checked on the host, where the lists are (on the device it would be an out-of-bounds write)."""
+    for toks in histories:
+        if toks and (min(toks) < 0 or max(toks) >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size})")
+    flat = host_to_device([*(r for r, toks in zip(rows, histories) for _ in toks),
+                           *(i for toks in histories for i in range(len(toks))),
+                           *(t for toks in histories for t in toks)], tokens.device)
+    r, pos, values = flat.view(3, -1)
+    tokens.index_put_((r, pos), values.to(tokens.dtype))
 
 
 @dataclass(frozen=True)
@@ -64,19 +113,17 @@ class SamplingMetadata:
     seeds: torch.Tensor  # int64 [N]; the request's seed (low 64 bits, as a signed value)
     choices: torch.Tensor  # int64 [N]; which of the request's n completions the row samples for
     positions: torch.Tensor  # int64 [N]; absolute position of the token being sampled (prompt + output so far)
-    prompt_token_ids: list[list[int]]  # read only by the repetition penalty
-    output_token_ids: list[list[int]]  # tokens generated so far, read by all three penalties
     num_logprobs: list[int | None]  # how many top logprobs to return per row; None -> none
-    # host-side facts about the rows, known when the metadata is built from Python values: they spare the sampler a
-    # device -> host sync to find out (None: read from the tensors)
-    all_greedy: bool | None = None  # every row is greedy
-    any_penalty: bool | None = None  # some row has a repetition, presence or frequency penalty
+    # the filter settings as host values (from the requests' parameters): the sampler routes rows by these and never
+    # reads the device to do so. None: read from the tensors above (one host read, for callers without them)
+    facts: RowFacts | None = None
+    # the penalized rows' tokens; None: no row has a penalty (the penalty tensors are then not read)
+    penalties: TokenHistory | None = None
 
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
-        for name in ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty", "seeds", "choices", "positions", "prompt_token_ids",
-                     "output_token_ids", "num_logprobs"):
+        for name in ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "seeds", "choices", "positions", "num_logprobs"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"SamplingMetadata.{name} has {len(getattr(self, name))} rows, "
                                  f"temperature has {n}")
@@ -85,6 +132,8 @@ class SamplingMetadata:
                 raise ValueError(f"SamplingMetadata.{name} must be int64, got {getattr(self, name).dtype}")
         if any(k is not None and k < 0 for k in self.num_logprobs):
             raise ValueError(f"num_logprobs must be None or >= 0, got {self.num_logprobs}")
+        if self.facts is not None and self.facts.num_rows != n:
+            raise ValueError(f"SamplingMetadata.facts has {self.facts.num_rows} rows, temperature has {n}")
 
     @property
     def num_rows(self) -> int:
@@ -92,41 +141,36 @@ class SamplingMetadata:
         return self.temperature.shape[0]
 
     @staticmethod
-    def build(params: Sequence[SamplingParamsLike], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], seeds: Sequence[int], choices: Sequence[int],
-              positions: Sequence[int], device: torch.device | str = "cpu") -> SamplingMetadata:
-        """Packs per-request parameters into batch tensors on `device`. Pure.
+    def build(params: Sequence[SamplingParamsLike], prompt_token_ids: Sequence[Sequence[int]],
+              output_token_ids: Sequence[Sequence[int]], seeds: Sequence[int], choices: Sequence[int],
+              positions: Sequence[int], device: torch.device | str = "cpu",
+              vocab_size: int | None = None) -> SamplingMetadata:
+        """Packs per-request parameters and token lists into batch tensors on `device`. Pure.
 
-        The seeds are passed in, not read from `params`: an unseeded request still samples with
-        a seed, the one its engine gave it when it was added (see `LLMEngine.add_request`).
-        Seeds may be any non-negative int; the draw uses their low 64 bits.
+        The seeds are passed in, not read from `params`: an unseeded request still samples with a seed, the one its
+        engine gave it when it was added (see `LLMEngine.add_request`). Seeds may be any non-negative int; the draw
+        uses their low 64 bits. `vocab_size` is needed when a request has a penalty (its tokens are checked against
+        it). For callers holding lists; the engine's rows come from its persistent state.
         """
         device = torch.device(device)
-
-        def on_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            t = torch.tensor(values, dtype=dtype)
-            # pinned + non-blocking: building the batch never waits for the device
-            return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
-
-        def col(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return on_device([getattr(p, name) for p in params], dtype)
-
-        def ints(values: Sequence[int]) -> torch.Tensor:
-            return on_device(list(values), torch.int64)
-
+        floats = torch.tensor([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                                p.repetition_penalty] for p in params], dtype=torch.float32).view(-1, 6)
+        ints = torch.tensor([[p.top_k, seed_as_int64(s), c, q] for p, s, c, q in
+                             zip(params, seeds, choices, positions, strict=True)], dtype=torch.int64).view(-1, 4)
+        if device.type != "cpu":
+            floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
+        rows = [i for i, p in enumerate(params) if has_penalty(p)]
+        penalties = None
+        if rows:
+            if vocab_size is None:
+                raise ValueError("vocab_size: needed to check the token history of a penalty")
+            penalties = TokenHistory.from_lists(rows, [prompt_token_ids[i] for i in rows],
+                                                [output_token_ids[i] for i in rows], vocab_size, device)
         return SamplingMetadata(
-            temperature=col("temperature", torch.float32), top_k=col("top_k", torch.int64),
-            top_p=col("top_p", torch.float32), min_p=col("min_p", torch.float32),
-            presence_penalty=col("presence_penalty", torch.float32),
-            frequency_penalty=col("frequency_penalty", torch.float32),
-            repetition_penalty=col("repetition_penalty", torch.float32),
-            seeds=ints([seed_as_int64(x) for x in seeds]), choices=ints(choices),
-            positions=ints(positions),
-            prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids,
-            num_logprobs=[p.logprobs for p in params],
-            all_greedy=all(p.temperature < _GREEDY_EPS for p in params),
-            any_penalty=any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-                            or p.frequency_penalty != 0.0 for p in params))
+            temperature=floats[:, 0], top_k=ints[:, 0], top_p=floats[:, 1], min_p=floats[:, 2],
+            presence_penalty=floats[:, 3], frequency_penalty=floats[:, 4], repetition_penalty=floats[:, 5],
+            seeds=ints[:, 1], choices=ints[:, 2], positions=ints[:, 3], num_logprobs=[p.logprobs for p in params],
+            facts=RowFacts.of(params), penalties=penalties)
 
 
 @dataclass
@@ -135,164 +179,67 @@ class SamplerOutput:
 
     token_ids: list[int]  # sampled token per row
     logprobs: list[dict[int, float] | None]  # raw-logit logprobs of sampled + top-k; None if unasked
-
-
-def _flat_positions(token_lists: list[list[int]], rows: list[int], vocab_size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (row * vocab + token, row) for every token of token_lists[j], which belongs to
-    batch row rows[j]. Pure.
-    """
-    tokens = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.int64, device=device)
-    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, {vocab_size})")
-    row_ids = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device),
-                                      torch.tensor([len(t) for t in token_lists], device=device))
-    return row_ids * vocab_size + tokens, row_ids
+    sampled: torch.Tensor | None = None  # the same ids on the device (int64 [N]): what token histories append
+    # per row, the nucleus size of a top-p row without top-k (0 for other rows): picks its candidates next step
+    nucleus_sizes: list[int] = field(default_factory=list)
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Returns a new tensor: `logits` [N, V] with the repetition, then the presence and frequency
-    penalties applied. Pure: `logits` is not modified.
+    """Returns a new tensor: `logits` [N, V] with the repetition, then the presence and frequency penalties applied
+    to the rows of `meta.penalties`. Pure: `logits` is not modified.
 
-    Works on the (row, token) entries that occur, never on dense [N, V] count tensors: measured
-    4 ms against 42 ms dense for 64 x 49152 with 256 output tokens per row. A token seen twice is
-    written twice with the same value, so duplicates need no deduplication.
+    Works on the (row, token) entries of the rows' histories, never on dense [N, V] count tensors: measured 4 ms
+    against 42 ms dense for 64 x 49152 with 256 output tokens per row. A token seen twice is written twice with the
+    same value, so duplicates need no deduplication; the frequency penalty is added once per occurrence. Entries
+    past a row's length are sent to one scratch element past the logits, so no shape depends on the values.
     """
-    out = torch.empty_like(logits, memory_format=torch.contiguous_format).copy_(logits)
-    flat, vocab_size = out.view(-1), logits.shape[1]
-    rep = meta.repetition_penalty.to(out.dtype)
-    rep_rows = (rep != 1.0).nonzero().squeeze(1).tolist()
-    if rep_rows:
-        seen, row_ids = _flat_positions(
-            [meta.prompt_token_ids[i] + meta.output_token_ids[i] for i in rep_rows],
-            rep_rows, vocab_size, out.device)
-        vals, r = flat[seen], rep[row_ids]
-        flat[seen] = torch.where(vals > 0, vals / r, vals * r)
-    presence, frequency = meta.presence_penalty.to(out.dtype), meta.frequency_penalty.to(out.dtype)
-    fp_rows = ((presence != 0.0) | (frequency != 0.0)).nonzero().squeeze(1).tolist()
-    if fp_rows:
-        seen, row_ids = _flat_positions([meta.output_token_ids[i] for i in fp_rows], fp_rows,
-                                        vocab_size, out.device)
-        flat[seen] = flat[seen] - presence[row_ids]  # once per distinct token
-        flat.index_add_(0, seen, -frequency[row_ids])  # once per occurrence
+    n, vocab_size = logits.shape
+    buf = torch.empty(n * vocab_size + 1, dtype=logits.dtype, device=logits.device)  # the last element: scratch
+    out = buf[:-1].view(n, vocab_size)
+    out.copy_(logits)
+    pen = meta.penalties
+    if pen is None:
+        return out
+    scratch = n * vocab_size
+    base = (pen.rows * vocab_size).unsqueeze(1)
+    if pen.repetition:
+        width = pen.tokens.shape[1]
+        held = torch.arange(width, device=buf.device).unsqueeze(0) < pen.lengths.unsqueeze(1)
+        seen = torch.where(held, base + pen.tokens, scratch)
+        rep = meta.repetition_penalty.index_select(0, pen.rows).to(buf.dtype).unsqueeze(1)
+        vals = buf[seen]
+        buf[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+    if pen.presence_frequency and pen.max_output:
+        at = pen.prompt_lens.unsqueeze(1) + torch.arange(pen.max_output, device=buf.device).unsqueeze(0)
+        held = at < pen.lengths.unsqueeze(1)
+        toks = pen.tokens.gather(1, at.clamp(max=pen.tokens.shape[1] - 1))
+        seen = torch.where(held, base + toks, scratch)
+        presence = meta.presence_penalty.index_select(0, pen.rows).to(buf.dtype).unsqueeze(1)
+        frequency = meta.frequency_penalty.index_select(0, pen.rows).to(buf.dtype).unsqueeze(1)
+        buf[seen] = buf[seen] - presence  # once per distinct token
+        buf.index_add_(0, seen.flatten(), (-frequency).expand(seen.shape).flatten())  # once per occurrence
     return out
 
 
-def _candidate_sets(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor, widths: Sequence[int]
-                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """For rows that use top-k and/or top-p, returns groups of (rows, candidate token ids sorted by
-    descending logit, keep mask, candidate weights = exp(logit - max logit)). Pure.
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Returns, per row of non-negative `weights` [n, w], the position whose cumulative-weight interval holds
+    uniforms[i] * row total. Pure. Weights need not be normalized.
 
-    top-p is measured on the distribution renormalized after top-k; min-p compares with the top
-    weight (1.0), a ratio that renormalization does not change. Rows whose nucleus does not close
-    within widths[0] candidates are redone with widths[1:], and the last resort is a full sort.
-    """
-    n, vocab_size = logits.shape
-    k_on, p_on = (top_k > 0) & (top_k < vocab_size), top_p < 1.0
-    k_cap = torch.where(k_on, top_k, vocab_size)
-    width = widths[0] if widths else vocab_size
-    w = min(vocab_size, max(width, int(k_cap[k_on].max()) if bool(k_on.any()) else 0))
-    if w == vocab_size:
-        vals, idx = torch.sort(logits, dim=-1, descending=True)
-    else:
-        vals, idx = logits.topk(w, dim=-1, sorted=True)
-    weights = (vals - vals[:, :1]).exp_()
-    keep = torch.arange(w, device=logits.device).unsqueeze(0) < k_cap.unsqueeze(1)
-    unresolved = torch.zeros(n, dtype=torch.bool, device=logits.device)
-    if bool(p_on.any()):
-        cum = (weights * keep).cumsum(dim=-1)
-        total = cum[:, -1].clone()
-        full = (p_on & ~k_on).nonzero().squeeze(1)  # these renormalize over the whole vocab
-        if full.numel():
-            total[full] = (_take(logits, full) - vals[full, :1]).exp_().sum(dim=-1)
-        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-        # The smallest prefix reaching top_p: keep a token while the mass before it falls short.
-        in_nucleus = before < (top_p * total).unsqueeze(1)
-        in_nucleus[:, 0] = True
-        keep &= in_nucleus | ~p_on.unsqueeze(1)
-        if w < vocab_size:
-            unresolved = p_on & ~k_on & (cum[:, -1] < top_p * total)
-    if bool((min_p > 0).any()):
-        keep &= weights >= min_p.unsqueeze(1)
-    rows = torch.arange(n, device=logits.device)
-    done = ~unresolved
-    groups = [(rows[done], idx[done], keep[done], weights[done])]
-    redo = unresolved.nonzero().squeeze(1)
-    if redo.numel():
-        for sub, i, k, wt in _candidate_sets(logits[redo], top_k[redo], top_p[redo],
-                                             min_p[redo], widths[1:]):
-            groups.append((redo[sub], i, k, wt))
-    return groups
-
-
-def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Returns t[rows]; t itself (no copy) when `rows` is every row in order. Pure."""
-    return t if rows.numel() == t.shape[0] else t[rows]
-
-
-_Group = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]
-
-
-def _filter_groups(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> list[_Group]:
-    """Returns groups of (rows, token ids of the weight columns or None for the whole vocab in
-    order, keep mask or None for all, weights = exp(logit - max logit)) covering every row. Pure.
-    """
-    vocab_size = logits.shape[1]
-    uses_kp = ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0)
-    groups: list[_Group] = []
-    kp_rows = uses_kp.nonzero().squeeze(1)
-    if kp_rows.numel():
-        groups += [(kp_rows[sub], idx, keep, weights) for sub, idx, keep, weights in
-                   _candidate_sets(_take(logits, kp_rows), top_k[kp_rows], top_p[kp_rows],
-                                   min_p[kp_rows], _CANDIDATE_WIDTHS)]
-    rows = (~uses_kp).nonzero().squeeze(1)
-    if rows.numel():
-        x = _take(logits, rows)
-        weights = (x - x.amax(dim=-1, keepdim=True)).exp_()
-        m = min_p[rows]
-        groups.append((rows, None, weights >= m.unsqueeze(1) if bool((m > 0).any()) else None,
-                       weights))
-    return groups
-
-
-def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                            min_p: torch.Tensor) -> torch.Tensor:
-    """Returns a new tensor of `logits` [N, V] with filtered-out entries set to -inf. Pure.
-
-    top-k keeps exactly k tokens (ties at the boundary broken arbitrarily); top-p keeps the
-    smallest set of most probable tokens whose probability (renormalized after top-k) is >= top_p,
-    at least one; min-p keeps tokens with prob >= min_p * max prob. Off: k <= 0, p == 1, min_p 0.
-    """
-    keep = torch.ones_like(logits, dtype=torch.bool)
-    for rows, idx, kept, _ in _filter_groups(logits, top_k, top_p, min_p):
-        if kept is not None:
-            keep[rows] = kept if idx is None else torch.zeros(
-                len(rows), logits.shape[1], dtype=torch.bool, device=logits.device
-            ).scatter_(1, idx, kept)
-    return logits.masked_fill(~keep, float("-inf"))
-
-
-def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Returns, per row of non-negative `weights` [n, w], the position whose cumulative-weight
-    interval holds uniforms[i] * row total. Pure. Weights need not be normalized.
-
-    Two levels, so no full-width cumsum is needed: float32 sums of 256-wide blocks, a float64
-    cumsum over the blocks, then a float64 cumsum inside the one chosen block per row. Measured
-    ~1 ms against ~12-25 ms for a float64 cumsum over 64 x 49152. The block width is fixed, so
-    trailing zero weights (a wider candidate list) never change the result.
+    Two levels, so no full-width cumsum is needed: float32 sums of 256-wide blocks, a float64 cumsum over the
+    blocks, then a float64 cumsum inside the one chosen block per row. Measured ~1 ms against ~12-25 ms for a
+    float64 cumsum over 64 x 49152. The block width is fixed, so trailing zero weights (a wider candidate list)
+    never change the result.
     """
     n, w = weights.shape
     block = _ICDF_BLOCK
     num_blocks = -(-w // block)
-    padded = weights if num_blocks * block == w else torch.nn.functional.pad(
-        weights, (0, num_blocks * block - w))
+    padded = weights if num_blocks * block == w else torch.nn.functional.pad(weights, (0, num_blocks * block - w))
     blocks = padded.view(n, num_blocks, block)
     cum_blocks = blocks.sum(dim=-1).double().cumsum(dim=-1)
     targets = (uniforms * cum_blocks[:, -1]).unsqueeze(1)
-    # right=True picks the first block/position whose cumulative weight exceeds the target, which
-    # has non-zero weight; the clamps and the argmax fallback only guard float rounding.
+    # right=True picks the first block/position whose cumulative weight exceeds the target, which has non-zero
+    # weight; the clamps and the argmax fallback only guard float rounding (taken without asking the device whether
+    # it is needed)
     b = torch.searchsorted(cum_blocks, targets, right=True).clamp_(max=num_blocks - 1)
     before = torch.where(b > 0, cum_blocks.gather(1, (b - 1).clamp_(min=0)), 0.0)
     rows = torch.arange(n, device=weights.device)
@@ -300,82 +247,246 @@ def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     pos = torch.searchsorted(inner, targets, right=True).clamp_(max=block - 1)
     pos = (b * block + pos).squeeze(1).clamp_(max=w - 1)
     impossible = weights.gather(1, pos.unsqueeze(1)).squeeze(1) <= 0
-    if bool(impossible.any()):
-        pos = torch.where(impossible, weights.argmax(dim=-1), pos)
-    return pos
+    return torch.where(impossible, weights.argmax(dim=-1), pos)
 
 
-def _to_host(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
-             ) -> tuple[list[int], list[dict[int, float] | None]]:
-    """The sampled ids and per-row {token: logprob} (sampled + top-k, from the raw logits), brought to the host in
-    one transfer (ids and logprobs packed into one float64 tensor: ids < 2**53 stay exact). Pure."""
-    result: list[dict[int, float] | None] = [None] * len(num_logprobs)
-    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
-    if not rows:
-        return token_ids.tolist(), result
-    row_index = torch.tensor(rows, device=logits.device) if len(rows) < len(num_logprobs) else None
-    lp = (logits if row_index is None else logits[row_index]).float().log_softmax(dim=-1)
-    sampled_ids = token_ids if row_index is None else token_ids[row_index]
-    sampled = lp.gather(1, sampled_ids.unsqueeze(1))
-    max_k = min(logits.shape[1], max(num_logprobs[i] or 0 for i in rows))
-    top_vals, top_idx = lp.topk(max_k, dim=-1)
-    n, m = len(num_logprobs), len(rows)
-    packed = torch.cat([token_ids.double(), sampled.double().flatten(), top_vals.double().flatten(),
-                        top_idx.double().flatten()]).tolist()
-    ids = [int(t) for t in packed[:n]]
-    sampled_l = packed[n : n + m]
-    vals_l, idx_l = packed[n + m : n + m + m * max_k], packed[n + m + m * max_k :]
-    for j, i in enumerate(rows):
-        k = num_logprobs[i] or 0
-        entry = {int(idx_l[j * max_k + c]): vals_l[j * max_k + c] for c in range(k)}
-        entry[ids[i]] = sampled_l[j]
-        result[i] = entry
-    return ids, result
+_inverse_cdf = inverse_cdf  # the name tests and tools used
+
+
+def candidates(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+               group: CandidateGroup, p_only: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For rows `x` [n, V] of one candidate group, returns (candidate token ids sorted by descending logit, keep
+    mask, candidate weights = exp(logit - max logit), nucleus sizes of the top-p-only rows `p_only` or None). Pure.
+
+    top-p is measured on the distribution renormalized after top-k; min-p compares with the top weight (1.0), a
+    ratio that renormalization does not change. A top-p-only row's nucleus size is -1 where the nucleus did not
+    close within the group's width (its keep mask is then short of the nucleus).
+    """
+    vocab_size = x.shape[1]
+    if group.width >= vocab_size:
+        vals, idx = torch.sort(x, dim=-1, descending=True)
+    else:
+        vals, idx = x.topk(group.width, dim=-1, sorted=True)
+    weights = (vals - vals[:, :1]).exp_()
+    k_on = (top_k > 0) & (top_k < vocab_size)
+    keep = torch.arange(vals.shape[1], device=x.device).unsqueeze(0) < torch.where(k_on, top_k, vocab_size).unsqueeze(1)
+    nucleus = None
+    if group.any_top_p:
+        p_on = top_p < 1.0
+        cum = (weights * keep).cumsum(dim=-1)
+        total = cum[:, -1].clone()
+        if p_only is not None:  # these renormalize over the whole vocabulary
+            total.index_copy_(0, p_only, (x.index_select(0, p_only) - vals.index_select(0, p_only)[:, :1])
+                              .exp_().sum(dim=-1))
+        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+        # The smallest prefix reaching top_p: keep a token while the mass before it falls short.
+        threshold = (top_p * total).unsqueeze(1)
+        in_nucleus = before < threshold
+        in_nucleus[:, 0] = True
+        keep &= in_nucleus | ~p_on.unsqueeze(1)
+        if p_only is not None:
+            nucleus = in_nucleus.index_select(0, p_only).sum(dim=-1)
+            if group.width < vocab_size:
+                open_ = cum.index_select(0, p_only)[:, -1:] < threshold.index_select(0, p_only)
+                nucleus = torch.where(open_.squeeze(1), -1, nucleus)
+    if group.any_min_p:
+        keep &= weights >= min_p.unsqueeze(1)
+    return idx, keep, weights, nucleus
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            min_p: torch.Tensor) -> torch.Tensor:
+    """Returns a new tensor of `logits` [N, V] with filtered-out entries set to -inf. Pure.
+
+    top-k keeps exactly k tokens (ties at the boundary broken arbitrarily); top-p keeps the smallest set of most
+    probable tokens whose probability (renormalized after top-k) is >= top_p, at least one; min-p keeps tokens with
+    prob >= min_p * max prob. Off: k <= 0, p == 1, min_p 0. Reads the settings and the nucleus sizes on the host: a
+    tool for tests, not the engine's path.
+    """
+    n, vocab_size = logits.shape
+    facts = RowFacts([1.0] * n, top_k.tolist(), top_p.tolist(), min_p.tolist())
+    plan = plan_rows(facts, vocab_size, [None] * n)
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    dev = logits.device
+    if plan.vocab_order_min_p:
+        rows = torch.tensor(plan.vocab_order, device=dev)
+        x = logits[rows]
+        keep[rows] = (x - x.amax(dim=-1, keepdim=True)).exp_() >= min_p[rows].unsqueeze(1)
+    for group in plan.groups:
+        rows = torch.tensor(group.rows, device=dev)
+        p_only = torch.tensor(group.p_only, device=dev) if group.p_only else None
+        idx, kept, _, nucleus = candidates(logits[rows], top_k[rows], top_p[rows], min_p[rows], group, p_only)
+        keep[rows] = torch.zeros(len(group.rows), vocab_size, dtype=torch.bool, device=dev).scatter_(1, idx, kept)
+        if nucleus is not None and group.width < vocab_size:
+            assert p_only is not None
+            wide = rows[p_only[nucleus < 0]]  # nuclei wider than the candidates: over the whole sorted vocabulary
+            if wide.numel():
+                whole = CandidateGroup(vocab_size, list(range(wide.numel())), list(range(wide.numel())), True,
+                                       group.any_min_p)
+                idx, kept, _, _ = candidates(logits[wide], top_k[wide], top_p[wide], min_p[wide], whole,
+                                             torch.arange(wide.numel(), device=dev))
+                keep[wide] = torch.zeros_like(kept).scatter_(1, idx, kept)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+@dataclass(frozen=True)
+class _StepIndex:
+    """Device views of the one index tensor a step sends: the rows of each path of a plan."""
+
+    greedy: torch.Tensor
+    vocab_order: torch.Tensor
+    groups: list[tuple[torch.Tensor, torch.Tensor | None]]  # per candidate group: its rows, its top-p-only rows
+    logprob_rows: torch.Tensor
+
+    @staticmethod
+    def of(plan: RowPlan, device: torch.device) -> _StepIndex:
+        """One host -> device copy for the whole plan. Pure."""
+        parts = [plan.greedy, plan.vocab_order]
+        for g in plan.groups:
+            parts += [g.rows, g.p_only]
+        parts.append(plan.logprob_rows)
+        views = host_to_device([i for part in parts for i in part], device).split([len(p) for p in parts])
+        groups = [(views[2 + 2 * j], views[3 + 2 * j] if g.p_only else None) for j, g in enumerate(plan.groups)]
+        return _StepIndex(views[0], views[1], groups, views[-1])
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    """t's rows ``index`` (``count`` increasing rows); t itself when that is every row. Pure."""
+    return t if count == t.shape[0] else t.index_select(0, index)
+
+
+def _scatter(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out`` with rows ``index`` set to ``values`` (mutated in place), or ``values`` when they are every row."""
+    return values if values.shape[0] == out.shape[0] else out.index_copy_(0, index, values)
+
+
+def _to_host(packed: torch.Tensor) -> list[float]:
+    """The step's device read: ``packed`` (float64) as host floats. On CUDA through pinned memory: a non-blocking
+    copy, then a wait on an event recorded after it, and the host reads its own memory."""
+    if packed.device.type != "cuda":
+        return packed.tolist()
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)  # queued on the current stream of packed's device
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(packed.device))
+    done.synchronize()
+    return host.tolist()
+
+
+def _rows_tokens(x: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor, rows: torch.Tensor, count: int,
+                 group: CandidateGroup | None, p_only: torch.Tensor | None, min_p_on: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draws the random rows ``rows`` of penalized logits ``x``: over their candidate ``group``, or over the
+    vocabulary in id order when ``group`` is None. Returns (tokens, nucleus sizes of ``p_only`` or None). Pure.
+
+    Inverse-CDF sampling with one counter-based uniform per row, keyed by (seed, choice, position): a row's token
+    depends only on its logits and its key, never on its batch neighbours, their order or the device. An
+    Exponential(1) race would need V draws per row: ~60 ms per 64 x 49152 batch on this CPU.
+    """
+    scaled = _rows(x, rows, count) / _rows(meta.temperature, rows, count).unsqueeze(1)
+    u = _rows(uniforms, rows, count)
+    if group is None:
+        weights = (scaled - scaled.amax(dim=-1, keepdim=True)).exp_()
+        if min_p_on:
+            weights = weights * (weights >= _rows(meta.min_p, rows, count).unsqueeze(1))
+        return inverse_cdf(weights, u), None
+    idx, keep, weights, nucleus = candidates(scaled, _rows(meta.top_k, rows, count), _rows(meta.top_p, rows, count),
+                                             _rows(meta.min_p, rows, count), group, p_only)
+    pos = inverse_cdf(weights * keep, u)
+    return idx.gather(1, pos.unsqueeze(1)).squeeze(1), nucleus
 
 
 class Sampler:
     """Samples one token per row. Stateless: every random draw comes from the row's key."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Samples a token per row of `logits` [N, V]. Pure: the same logits and metadata give
-        the same tokens, whatever the device or the other rows.
+        """Samples a token per row of `logits` [N, V]. Pure: the same logits and metadata give the same tokens,
+        whatever the device or the other rows. Reads the device once (twice in a step that redoes a wide nucleus).
         """
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"logits must be [{meta.num_rows}, vocab], got {tuple(logits.shape)}")
+        n, vocab_size = logits.shape
+        facts = meta.facts if meta.facts is not None else RowFacts(
+            meta.temperature.tolist(), meta.top_k.tolist(), meta.top_p.tolist(), meta.min_p.tolist())
+        plan = plan_rows(facts, vocab_size, meta.num_logprobs)
+        index = _StepIndex.of(plan, logits.device)
         x = logits.float()
-        any_penalty = meta.any_penalty
-        if any_penalty is None:
-            any_penalty = bool(((meta.repetition_penalty != 1.0) | (meta.frequency_penalty != 0.0)
-                                | (meta.presence_penalty != 0.0)).any())
-        if any_penalty:
+        if meta.penalties is not None:
             x = apply_penalties(x, meta)
-        greedy = meta.temperature < _GREEDY_EPS
-        if meta.all_greedy if meta.all_greedy is not None else bool(greedy.all()):
-            token_ids = x.argmax(dim=-1)
-        else:
-            token_ids = torch.empty(meta.num_rows, dtype=torch.int64, device=x.device)
-            greedy_rows = greedy.nonzero().squeeze(1)
-            if greedy_rows.numel():
-                token_ids[greedy_rows] = x[greedy_rows].argmax(dim=-1)
-            random_rows = (~greedy).nonzero().squeeze(1)
-            token_ids[random_rows] = self._sample(_take(x, random_rows), meta, random_rows)
-        ids, logprobs = _to_host(logits, token_ids, meta.num_logprobs)
-        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+        uniforms = (sample_uniforms(meta.seeds, meta.choices, meta.positions).to(x.device)
+                    if len(plan.greedy) < n else x.new_zeros(0, dtype=torch.float64))
+        token_ids, nuclei = self._draw(x, meta, uniforms, plan, index)
+        parts = [token_ids.double(), *(nu.double() for nu in nuclei)]
+        lp = None
+        num_lp = len(plan.logprob_rows)
+        if num_lp:  # from the raw logits
+            lp = _rows(logits, index.logprob_rows, num_lp).float().log_softmax(dim=-1)
+            sampled = lp.gather(1, _rows(token_ids, index.logprob_rows, num_lp).unsqueeze(1))
+            top_vals, top_idx = lp.topk(plan.max_logprobs, dim=-1)
+            parts += [sampled.double().flatten(), top_vals.double().flatten(), top_idx.double().flatten()]
+        # the one read: float64 holds every id (< 2**53) and logprob exactly
+        host = iter(_to_host(torch.cat(parts)))
+        ids = [int(next(host)) for _ in range(n)]
+        sizes = {row: int(next(host)) for row in plan.p_only_rows}
+        sampled_lp = {row: next(host) for row in plan.logprob_rows}
+        k = plan.max_logprobs
+        top = [[next(host) for _ in range(k)] for _ in range(num_lp)]
+        top_ids = [[int(next(host)) for _ in range(k)] for _ in range(num_lp)]
+        redo = sorted(row for row, size in sizes.items() if size < 0)
+        if redo:
+            self._redo(x, meta, uniforms, plan, redo, token_ids, lp, ids, sizes, sampled_lp)
+        logprobs: list[dict[int, float] | None] = [None] * n
+        for j, row in enumerate(plan.logprob_rows):
+            entry = {top_ids[j][c]: top[j][c] for c in range(meta.num_logprobs[row] or 0)}
+            entry[ids[row]] = sampled_lp[row]
+            logprobs[row] = entry
+        nucleus_sizes = [sizes.get(row, 0) for row in range(n)]
+        return SamplerOutput(token_ids=ids, logprobs=logprobs, sampled=token_ids, nucleus_sizes=nucleus_sizes)
 
-    def _sample(self, x: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-        """Returns a token for each row of penalized logits `x` [n, V] (batch rows `rows`). Pure.
+    @staticmethod
+    def _draw(x: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor, plan: RowPlan, index: _StepIndex
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every row's token on the device (int64 [N]), and the nucleus sizes of each candidate group's top-p-only
+        rows (in plan order). Pure."""
+        token_ids = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        if plan.greedy:
+            token_ids = _scatter(token_ids, index.greedy, _rows(x, index.greedy, len(plan.greedy)).argmax(dim=-1))
+        if plan.vocab_order:
+            tokens, _ = _rows_tokens(x, meta, uniforms, index.vocab_order, len(plan.vocab_order), None, None,
+                                     plan.vocab_order_min_p)
+            token_ids = _scatter(token_ids, index.vocab_order, tokens)
+        nuclei = []
+        for group, (rows, p_only) in zip(plan.groups, index.groups):
+            tokens, nucleus = _rows_tokens(x, meta, uniforms, rows, len(group.rows), group, p_only, group.any_min_p)
+            token_ids = _scatter(token_ids, rows, tokens)
+            if nucleus is not None:
+                nuclei.append(nucleus)
+        return token_ids, nuclei
 
-        Inverse-CDF sampling with one counter-based uniform per row, keyed by (seed, choice,
-        position): a row's token depends only on its logits and its key, never on its batch
-        neighbours, their order or the device. An Exponential(1) race would need V draws per row:
-        ~60 ms per 64 x 49152 batch on this CPU.
-        """
-        uniforms = sample_uniforms(_take(meta.seeds, rows), _take(meta.choices, rows),
-                                   _take(meta.positions, rows)).to(x.device)
-        scaled = x / meta.temperature[rows].unsqueeze(1)
-        token_ids = torch.empty(len(rows), dtype=torch.int64, device=x.device)
-        for sub, idx, keep, weights in _filter_groups(scaled, meta.top_k[rows], meta.top_p[rows],
-                                                      meta.min_p[rows]):
-            pos = _inverse_cdf(weights if keep is None else weights * keep, uniforms[sub])
-            token_ids[sub] = pos if idx is None else idx.gather(1, pos.unsqueeze(1)).squeeze(1)
-        return token_ids
+    def _redo(self, x: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor, plan: RowPlan,
+              redo: list[int], token_ids: torch.Tensor, lp: torch.Tensor | None, ids: list[int],
+              sizes: dict[int, int], sampled_lp: dict[int, float]) -> None:
+        """Resamples the top-p rows ``redo`` whose nucleus outgrew their candidates over the whole sorted
+        vocabulary, and reads their ids, nucleus sizes and new sampled logprobs: the step's second and last read.
+        Mutates ``token_ids`` and the host values. Gives the token a wide enough list would have given: the inverse
+        CDF ignores candidates past the nucleus."""
+        vocab_size, m = x.shape[1], len(redo)
+        lp_pos = {r: j for j, r in enumerate(plan.logprob_rows)}
+        with_lp = [j for j, r in enumerate(redo) if r in lp_pos]
+        flat = host_to_device([*redo, *range(m), *with_lp, *(lp_pos[redo[j]] for j in with_lp)], x.device)
+        rows, p_only, local, lp_rows = flat.split([m, m, len(with_lp), len(with_lp)])
+        group = CandidateGroup(width=vocab_size, rows=redo, p_only=list(range(m)), any_top_p=True,
+                               any_min_p=any(plan.min_p_on[r] for r in redo))
+        tokens, nucleus = _rows_tokens(x, meta, uniforms, rows, m, group, p_only, group.any_min_p)
+        assert nucleus is not None
+        token_ids.index_copy_(0, rows, tokens)
+        parts = [tokens.double(), nucleus.double()]
+        if with_lp and lp is not None:
+            new = lp.index_select(0, lp_rows).gather(1, tokens.index_select(0, local).unsqueeze(1))
+            parts.append(new.double().flatten())
+        host = _to_host(torch.cat(parts))
+        for j, row in enumerate(redo):
+            ids[row], sizes[row] = int(host[j]), int(host[m + j])
+        for value, j in zip(host[2 * m :], with_lp):
+            sampled_lp[redo[j]] = value

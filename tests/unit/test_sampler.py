@@ -4,6 +4,7 @@ against softmax probabilities."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -12,14 +13,17 @@ import torch
 
 from engine.philox import (derive_seed, philox4x32, philox4x32_int, sample_uniform_int,
                            sample_uniforms, seed_as_int64)
-from engine.sampler import (Sampler, SamplingMetadata, _inverse_cdf, apply_penalties,
+from engine.sampler import (Sampler, SamplingMetadata, TokenHistory, _inverse_cdf, apply_penalties,
                             apply_top_k_top_p_min_p)
+from engine.sampling_plan import RowFacts
 
 NEG_INF = float("-inf")
 
 
-def make_meta(n: int, **fields: Any) -> SamplingMetadata:
-    """Builds metadata for n rows; each field is a scalar (broadcast) or a per-row list."""
+def make_meta(n: int, vocab_size: int | None = None, **fields: Any) -> SamplingMetadata:
+    """Builds metadata for n rows; each field is a scalar (broadcast) or a per-row list. Rows with a penalty get
+    their token history from ``prompt_token_ids``/``output_token_ids`` (checked against ``vocab_size``). No host facts: the
+    sampler reads the settings from the tensors (the engine passes them: see test_host_facts_change_nothing)."""
     defaults: dict[str, Any] = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
                                     presence_penalty=0.0, frequency_penalty=0.0,
                                     repetition_penalty=1.0)
@@ -34,11 +38,17 @@ def make_meta(n: int, **fields: Any) -> SamplingMetadata:
         # by default every row is its own key: row i samples position i of seed 0
         rows = list(range(n)) if value is None else value if isinstance(value, list) else [value] * n
         keys[name] = torch.tensor([seed_as_int64(v) for v in rows], dtype=torch.int64)
-    meta = SamplingMetadata(
-        **tensors, **keys,
-        prompt_token_ids=fields.pop("prompt_token_ids", [[] for _ in range(n)]),
-        output_token_ids=fields.pop("output_token_ids", [[] for _ in range(n)]),
-        num_logprobs=fields.pop("num_logprobs", [None] * n))
+    prompts = fields.pop("prompt_token_ids", [[] for _ in range(n)])
+    outputs = fields.pop("output_token_ids", [[] for _ in range(n)])
+    penalized = [i for i in range(n) if float(tensors["repetition_penalty"][i]) != 1.0
+                 or float(tensors["presence_penalty"][i]) != 0.0 or float(tensors["frequency_penalty"][i]) != 0.0]
+    penalties = None
+    if penalized:
+        assert vocab_size is not None, "a penalty needs vocab_size"
+        penalties = TokenHistory.from_lists(penalized, [prompts[i] for i in penalized],
+                                           [outputs[i] for i in penalized], vocab_size)
+    meta = SamplingMetadata(**tensors, **keys, num_logprobs=fields.pop("num_logprobs", [None] * n),
+                            penalties=penalties)
     assert not fields, f"unknown fields {fields}"
     return meta
 
@@ -151,7 +161,7 @@ PROMPT, OUTPUT = [[0]], [[1, 1, 3]]
 ])
 def test_penalties_change_logits_exactly(fields: dict[str, float],
                                          expected: list[float]) -> None:
-    meta = make_meta(1, prompt_token_ids=PROMPT, output_token_ids=OUTPUT, **fields)
+    meta = make_meta(1, 5, prompt_token_ids=PROMPT, output_token_ids=OUTPUT, **fields)
     before = LOGITS.clone()
     out = apply_penalties(LOGITS, meta)
     assert torch.equal(out, torch.tensor([expected]))
@@ -160,7 +170,7 @@ def test_penalties_change_logits_exactly(fields: dict[str, float],
 
 def test_penalties_only_touch_their_rows() -> None:
     logits = LOGITS.repeat(3, 1)
-    meta = make_meta(3, repetition_penalty=[1.0, 2.0, 1.0], presence_penalty=[0.0, 0.0, 0.5],
+    meta = make_meta(3, 5, repetition_penalty=[1.0, 2.0, 1.0], presence_penalty=[0.0, 0.0, 0.5],
                      prompt_token_ids=PROMPT * 3, output_token_ids=OUTPUT * 3)
     out = apply_penalties(logits, meta)
     assert torch.equal(out[0], LOGITS[0])
@@ -169,16 +179,15 @@ def test_penalties_only_touch_their_rows() -> None:
 
 
 def test_penalties_reject_out_of_vocab_tokens() -> None:
-    meta = make_meta(1, presence_penalty=0.5, output_token_ids=[[5]])
-    with pytest.raises(ValueError):
-        apply_penalties(LOGITS, meta)
+    with pytest.raises(ValueError, match="token ids"):
+        make_meta(1, 5, presence_penalty=0.5, output_token_ids=[[5]])
 
 
 def test_greedy_is_argmax_of_penalized_logits() -> None:
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(3))
     assert Sampler()(logits, make_meta(8)).token_ids == logits.argmax(-1).tolist()
     top = logits.argmax(-1).tolist()
-    meta = make_meta(8, presence_penalty=100.0, output_token_ids=[[t] for t in top])
+    meta = make_meta(8, 100, presence_penalty=100.0, output_token_ids=[[t] for t in top])
     second = logits.topk(2).indices[:, 1].tolist()
     assert Sampler()(logits, meta).token_ids == second
 
@@ -333,7 +342,7 @@ def test_inverse_cdf_never_picks_a_zero_weight(width: int) -> None:
 
 def test_logprobs_come_from_raw_logits() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(9))
-    meta = make_meta(4, temperature=[0.0, 0.5, 2.0, 1.0], top_k=[0, 3, 0, 0],
+    meta = make_meta(4, 50, temperature=[0.0, 0.5, 2.0, 1.0], top_k=[0, 3, 0, 0],
                      repetition_penalty=1.5, presence_penalty=1.0,
                      prompt_token_ids=[[1, 2]] * 4, output_token_ids=[[3, 4, 4]] * 4,
                      num_logprobs=[3, 0, None, 5], seeds=[1, 2, 3, 4])
@@ -353,6 +362,119 @@ def test_metadata_rejects_mismatched_rows() -> None:
     with pytest.raises(ValueError):
         SamplingMetadata(*(torch.zeros(2) for _ in range(7)), seeds=torch.zeros(1, dtype=torch.int64),
                          choices=torch.zeros(2, dtype=torch.int64),
-                         positions=torch.zeros(2, dtype=torch.int64),
-                         prompt_token_ids=[[], []], output_token_ids=[[], []],
-                         num_logprobs=[None, None])
+                         positions=torch.zeros(2, dtype=torch.int64), num_logprobs=[None, None])
+
+
+# ---------------------------------------------------------------- host facts, one read
+
+def test_host_facts_and_widths_change_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tokens and logprobs whether the sampler reads the settings from the tensors or gets them as host
+    facts, and whatever candidate width a top-p row starts from (its last nucleus size): a nucleus wider than the
+    candidates costs one more read, never another token."""
+    import engine.sampler as sampler_mod
+
+    n, vocab = 12, 3000
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(4)) * 0.6  # flat: wide nuclei
+    settings = dict(temperature=[0.0, 1.0, 1.2, 0.9] * 3, top_p=[1.0, 0.9, 0.95, 0.5] * 3,
+                    top_k=[0, 0, 0, 0] * 2 + [100, 0, 7, 0], min_p=[0.0] * 10 + [0.05, 0.0],
+                    num_logprobs=[None, 2, None, 0] * 3, seeds=list(range(n)))
+    reads: list[int] = []
+    real = sampler_mod._to_host
+    monkeypatch.setattr(sampler_mod, "_to_host", lambda packed: reads.append(packed.numel()) or real(packed))
+    base = Sampler()(logits, make_meta(n, **settings))
+    assert len(reads) == 2  # the flat top-p rows outgrew 64 candidates: redone over the sorted vocabulary
+    meta = make_meta(n, **settings)
+    facts = RowFacts(meta.temperature.tolist(), meta.top_k.tolist(), meta.top_p.tolist(), meta.min_p.tolist())
+    sizes = [s for s in base.nucleus_sizes if s]
+    assert len(sizes) == 8 and min(sizes) > 64  # the eight random top-p rows without top-k report their nucleus
+    for hint in (0, 20, 100, 600, vocab):
+        reads.clear()
+        hinted = dataclasses.replace(meta, facts=dataclasses.replace(facts, nucleus_hint=[hint] * n))
+        out = Sampler()(logits, hinted)
+        assert out.token_ids == base.token_ids and out.logprobs == base.logprobs
+        assert out.nucleus_sizes == base.nucleus_sizes
+        # nuclei of 700-2700 tokens: only the whole sorted vocabulary (a hint past 1024 / 2) holds them all at once
+        assert len(reads) == (1 if 2 * hint > 1024 else 2)
+
+
+def reference_penalties(logits: torch.Tensor, prompts: list[list[int]], outputs: list[list[int]],
+                        rep: list[float], presence: list[float], frequency: list[float]) -> torch.Tensor:
+    """The penalties token by token on Python floats (vLLM's definitions)."""
+    out = logits.clone()
+    for row in range(logits.shape[0]):
+        for t in set(prompts[row]) | set(outputs[row]):
+            v = float(out[row, t])
+            out[row, t] = v / rep[row] if v > 0 else v * rep[row]
+        for t in set(outputs[row]):
+            out[row, t] -= presence[row] + frequency[row] * outputs[row].count(t)
+    return out
+
+
+def test_penalties_match_the_token_by_token_reference() -> None:
+    rng = torch.Generator().manual_seed(8)
+    n, vocab = 7, 60
+    logits = torch.randn(n, vocab, generator=rng) * 3
+    prompts = [torch.randint(0, vocab, (int(k),), generator=rng).tolist() for k in torch.randint(0, 20, (n,))]
+    outputs = [torch.randint(0, 12, (int(k),), generator=rng).tolist() for k in torch.randint(0, 40, (n,))]
+    rep, presence, frequency = [1.3, 1.0, 0.7, 1.0, 2.0, 1.0, 1.1], [0.5, 0.0, -0.4, 0.0, 1.0, 0.0, 0.3], \
+        [0.3, 0.0, 0.2, -0.5, 0.0, 0.0, 0.7]
+    meta = make_meta(n, vocab, repetition_penalty=rep, presence_penalty=presence, frequency_penalty=frequency,
+                     prompt_token_ids=prompts, output_token_ids=outputs)
+    assert meta.penalties is not None and meta.penalties.rows.tolist() == [0, 2, 3, 4, 6]  # row 1 and 5: none
+    out = apply_penalties(logits, meta)
+    assert torch.allclose(out, reference_penalties(logits, prompts, outputs, rep, presence, frequency), atol=1e-5)
+    assert torch.equal(out[[1, 5]], logits[[1, 5]])
+    # rows whose history is padded (shorter than the longest) are unchanged by the padding
+    alone = apply_penalties(logits[2:3], make_meta(1, vocab, repetition_penalty=0.7, presence_penalty=-0.4,
+                                                   frequency_penalty=0.2, prompt_token_ids=prompts[2:3],
+                                                   output_token_ids=outputs[2:3]))
+    assert torch.equal(alone[0], out[2])
+
+
+# ---------------------------------------------------------------- the persistent sampling state
+
+def test_sampling_state_keeps_histories_on_the_device_across_joins_and_leaves() -> None:
+    """Sequences join, sample, leave and come back; a penalized one's history always holds its prompt and output
+    (appended on the device from the sampled ids, rebuilt from lists only when it rejoins or its output changed
+    behind the state's back); parameters, seeds and positions reach the rows; slots are reused and grow."""
+    from engine.sampler import SamplerOutput
+    from engine.sampling_params import SamplingParams
+    from engine.sampling_state import SamplingState
+    from engine.sequence import Sequence
+
+    vocab = 50
+    state = SamplingState(vocab, torch.device("cpu"), base_seed=3, capacity=2)
+    params = [SamplingParams(temperature=0.5, top_k=5, seed=11), SamplingParams(repetition_penalty=1.5),
+              SamplingParams(presence_penalty=0.5, frequency_penalty=0.2, top_p=0.8), SamplingParams(min_p=0.1)]
+    seqs = [Sequence(seq_id=i, request_id=f"r{i}", index=i % 2, prompt_token_ids=[i, i + 1, 7],
+                     params=params[i % 4], arrival=0.0, seed=None if i % 4 == 1 else 100 + i) for i in range(9)]
+    rng = torch.Generator().manual_seed(0)
+    for step in range(80):  # outputs past the histories' first width (64): they widen
+        live = [q for q in seqs if (q.seq_id + step) % 5 != 0]  # each sequence skips some steps: leaves, rejoins
+        if step == 6:
+            seqs[1].output_token_ids.append(3)  # a token the state did not see: rebuilt from the lists
+        batch = state.batch(live, list(range(len(live))))
+        assert batch is not None and batch.logit_rows is None and len(state.slots) == len(live)
+        meta = batch.meta
+        assert meta.temperature.tolist() == [float(torch.tensor(q.params.temperature)) for q in live]
+        assert meta.top_k.tolist() == [q.params.top_k for q in live]
+        assert meta.positions.tolist() == [q.num_tokens for q in live]
+        assert meta.seeds.tolist() == [q.seed if q.seed is not None else derive_seed(3, q.seq_id) for q in live]
+        assert meta.choices.tolist() == [q.index for q in live]
+        penalized = [i for i, q in enumerate(live) if q.params.repetition_penalty != 1.0
+                     or q.params.presence_penalty or q.params.frequency_penalty]
+        assert meta.penalties is not None and meta.penalties.rows.tolist() == penalized
+        assert meta.penalties.lengths.tolist() == [live[i].num_tokens for i in penalized]
+        assert meta.penalties.prompt_lens.tolist() == [3] * len(penalized)
+        assert meta.penalties.max_output == max(len(live[i].output_token_ids) for i in penalized)
+        for j, i in enumerate(penalized):
+            q = live[i]
+            assert meta.penalties.tokens[j, : q.num_tokens].tolist() == q.prompt_token_ids + q.output_token_ids
+        sampled = torch.randint(0, vocab, (len(live),), generator=rng)
+        state.record(batch, SamplerOutput(sampled.tolist(), [None] * len(live), sampled, [0] * len(live)))
+        for q, t in zip(live, sampled.tolist()):
+            q.output_token_ids.append(t)
+    assert state.history is not None and state.history.shape[1] > 64
+    assert state.floats.shape[0] >= 8 and len(state.free) + len(state.slots) == state.floats.shape[0]
+    assert state.batch([]) is None and not state.slots  # a step without sampling rows frees every slot
+    assert sorted(state.free_penalty_rows) == list(range(state.num_penalty_rows))
