@@ -33,6 +33,9 @@ from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 from kv_transfer.payload_mac import part_key
 
 log = logging.getLogger(__name__)
+# chunks whose block-index tensor is kept: a chunk's parts (one per layer) share their block ids, and the parts of a
+# few writers interleave
+_KEEP_INDICES = 32
 
 
 class KVReceiver:
@@ -59,6 +62,8 @@ class KVReceiver:
         self._compute_stream = self.backend.streams.current()
         k = engine.kv_layer(0)[0]
         self._block_shape, self._dtype = tuple(k.shape[1:]), dtype_name(k.dtype)
+        self._device = k.device
+        self._indices: dict[tuple[int, ...], Any] = {}  # block ids -> their index tensor (receiver thread)
         self.parts_installed = 0
         self.parts_rejected = 0
         self.parts_unauthenticated = 0  # dropped before anything was touched: no MAC, a wrong one, or another nonce
@@ -115,10 +120,12 @@ class KVReceiver:
                         raise ValueError(f"in-place part from {handle.peer}, which did not open this reservation")
                     verify_fields(header, exp)
                     if header.checksum is not None:  # the tag of the blocks as they landed, under the part's key
+                        index = None if scales is None else self._index(header.block_ids)
                         verify_checksum(header, blocks_checksum(layer[0], layer[1], header.block_ids, scales,
-                                                                key=part_key(self._secret, header)))
+                                                                key=part_key(self._secret, header), index=index))
                 else:
-                    install_layer_part(header, handle.raw, exp, layer[0], layer[1], scales, secret=self._secret)
+                    install_layer_part(header, handle.raw, exp, layer[0], layer[1], scales, secret=self._secret,
+                                       index=self._index(header.block_ids))
             except (KVTransferError, ValueError, IndexError) as e:
                 self.parts_rejected += 1
                 log.warning("KV part for %s rejected: %s", header.request_id, e)
@@ -128,6 +135,18 @@ class KVReceiver:
             self.parts_installed += 1
             self.bytes_received += handle.nbytes
             self._on_part(rec)
+
+    def _index(self, block_ids: tuple[int, ...]) -> Any:
+        """``block_ids`` as an index tensor on the cache's device: built at a chunk's first part (on the engine's
+        stream, no host sync) and reused by its other layers' parts. Mutates the small cache of recent chunks."""
+        from kv_transfer.streams import block_index
+
+        index = self._indices.get(block_ids)
+        if index is None:
+            if len(self._indices) >= _KEEP_INDICES:
+                del self._indices[next(iter(self._indices))]  # the oldest chunk
+            index = self._indices[block_ids] = block_index(block_ids, self._device)
+        return index
 
     def _unauthenticated(self, header: KVTransferHeader, why: str) -> None:
         """Mutates the counter only: drop a part that is not the cluster's (logged 1, 2, 4, 8, ... times)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -88,9 +89,16 @@ def powers(points: Sequence[int], count: int, device: torch.device | str) -> tor
     for r in points:
         small.append(_ascending(r, c))
         big.append(_ascending(pow(r, c, P), a))
-    s = torch.tensor(small, dtype=torch.int64, device=device)
-    b = torch.tensor(big, dtype=torch.int64, device=device)
+    s, b = int64_on(small, device), int64_on(big, device)
     return mulmod(b[:, :, None], s[:, None, :]).reshape(len(points), a * c)[:, :count]
+
+
+def int64_on(values: Sequence[Any], device: torch.device | str) -> torch.Tensor:
+    """``values`` (ints, or lists of ints of one length) as an int64 tensor on ``device``; to CUDA through pinned
+    memory, non-blocking: ordered on the current stream, so the calling thread never waits for the device (a tag's
+    key powers are made on a copy stream, behind its copy). Pure."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t if torch.device(device).type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _ascending(r: int, count: int) -> list[int]:

@@ -119,10 +119,14 @@ class AutoBackend(KVTransferBackend):
 
     def write_part(self, peer_address: str, k_cache: torch.Tensor, v_cache: torch.Tensor, src_block_ids: list[int],
                    dst_block_ids: list[int], scales: torch.Tensor | None, *, corrupt: bool = False,
+                   src_index: torch.Tensor | None = None, dst_index: torch.Tensor | None = None,
                    **header_fields: Any) -> TransferHandle:
         backend, address = self.route(peer_address)
         return backend.write_part(address, k_cache, v_cache, src_block_ids, dst_block_ids, scales, corrupt=corrupt,
-                                  **header_fields)
+                                  src_index=src_index, dst_index=dst_index, **header_fields)
+
+    def order_after_writes(self, stream: Any = None) -> None:
+        self.inplace.order_after_writes(stream)
 
     @property
     def unauthenticated(self) -> int:  # type: ignore[override]

@@ -320,10 +320,16 @@ class KVTransferBackend(ABC):
 
     def write_part(self, peer_address: str, k_cache: torch.Tensor, v_cache: torch.Tensor, src_block_ids: list[int],
                    dst_block_ids: list[int], scales: torch.Tensor | None, *, corrupt: bool = False,
+                   src_index: torch.Tensor | None = None, dst_index: torch.Tensor | None = None,
                    **header_fields: object) -> TransferHandle:
-        """Mutates the peer's cache: write one layer's blocks in place and announce the part. In-place backends
-        only."""
+        """Mutates the peer's cache: write one layer's blocks in place and announce the part (``src_index`` /
+        ``dst_index``: the ids on the device, built once per chunk). In-place backends only."""
         raise NotImplementedError(f"{type(self).__name__} does not write in place")
+
+    def order_after_writes(self, stream: Stream = None) -> None:
+        """Mutates nothing here: an in-place backend makes ``stream`` (None: the calling thread's current one) wait
+        for the copies it has queued, which read the caller's blocks on their own stream. Socket backends pack on
+        the caller's stream: nothing to order."""
 
     def poll(self, handle: TransferHandle) -> TransferState:
         """The handle's current state. Pure."""

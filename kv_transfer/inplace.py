@@ -12,6 +12,14 @@ process is gone), so a late write never lands in blocks given to someone else.
 
 A writer that sees its peer's channel close stops writing to that mapping at once (checked before every write): a
 dead decode actor takes down nobody.
+
+Streams (:mod:`kv_transfer.streams`): a writer copies on its own *copy stream*, which first waits for an event
+recorded on the caller's stream after what it queued (the layer's K/V store), so the next layer's compute is not
+queued behind the copy. With ``inplace_checksum`` the tag of the source blocks is computed there too, after the copy.
+The copy stream's *done* event is waited on by the peer's I/O thread, never the caller's: it reads the tag back (on
+a read stream of its own), signs the header and only then announces the part, so the decode actor never reads blocks
+still being written. The copies read the writer's source blocks (and the caller's index tensors): the caller's stream
+waits for them (``order_after_writes``) before its later work may overwrite those blocks or reuse that memory.
 """
 
 from __future__ import annotations
@@ -38,8 +46,9 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferError, KVTransferHeader, MalformedHeaderError, sign_header
 from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, InPlaceUnavailable, export_cuda, import_cuda,
                                          node_id, recv_message, send_message)
-from kv_transfer.layer_parts import blocks_checksum, part_header
-from kv_transfer.payload_mac import part_key
+from kv_transfer.layer_parts import blocks_mac, part_header
+from kv_transfer.payload_mac import PayloadMac, part_key
+from kv_transfer.streams import Event, HostStreams, Stream, block_index
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,21 @@ log = logging.getLogger(__name__)
 OnOpen = Callable[[str, str, int, str], "tuple[int, ...] | str"]
 OnEnd = Callable[[str, str], None]  # (writer, reservation id)
 OnGone = Callable[[str], None]  # (writer)
+
+
+# writes one layer into the peer's [2, blocks, ...] cache (and its scales or None); returns why it refused (writing
+# nothing), or the tag of what it wrote still on the device (read back on the I/O thread), or None
+Copy = Callable[[torch.Tensor, "torch.Tensor | None"], "str | PayloadMac | None"]
+
+
+@dataclass(frozen=True)
+class _Outgoing:
+    """One message for a peer's I/O thread, which sends them in order: a written part's announce, or an ``end``."""
+
+    handle: TransferHandle | None  # the written part's (its header not yet signed); None: ``msg`` is an ``end``
+    done: Event = None  # recorded on the copy stream after the part's copy (and its tag's device work): waited first
+    mac: PayloadMac | None = None  # the source blocks' tag, its host read still to do (``inplace_checksum``)
+    msg: dict[str, Any] | None = None  # an ``end``
 
 
 @dataclass
@@ -61,7 +85,7 @@ class _Peer:
     lock: threading.Lock = field(default_factory=threading.Lock)  # writes into the mapping, and ``broken``
     send_lock: threading.Lock = field(default_factory=threading.Lock)  # whole frames on the socket
     rpc_lock: threading.Lock = field(default_factory=threading.Lock)  # one open (request + reply) at a time
-    queue: queue.Queue[Any] = field(default_factory=queue.Queue)  # (handle | None, message, cuda event | None)
+    queue: queue.Queue[_Outgoing | None] = field(default_factory=queue.Queue)  # None: stop
     grants: dict[str, frozenset[int]] = field(default_factory=dict)  # opened reservation -> its blocks
     broken: str | None = None
     thread: threading.Thread | None = None
@@ -71,8 +95,9 @@ class InPlaceBackend(KVTransferBackend):
     """Both roles: a decode actor ``export_cache`` + ``listen``; a prefill actor ``open`` / ``write_part`` / ``end``
     (or ``send`` of a packed part, which is scattered into the mapping: the loopback benchmark and generic tests)."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
+        """``streams``: the stream seam (None: the one for ``config.device``; tests pass ``FakeStreams``)."""
+        super().__init__(config, streams)
         self.kind = config.backend if config.backend in ("shm", "cuda_ipc") else (
             "cuda_ipc" if config.is_cuda else "shm")
         self.node = node_id()
@@ -90,6 +115,12 @@ class InPlaceBackend(KVTransferBackend):
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._copy_stream: Stream = None  # where this writer's copies run, made at its first write
+        # where the I/O threads read tags back (after the copy's done event): not the thread's default stream, which
+        # is the engine's and busy with later layers, nor the copy stream, queued behind their copies
+        self._read_stream: Stream = None
+        self._copy_stream_made = False
+        self._copied: Event = None  # the copy stream's latest write, until the caller's stream waits for it
 
     # -- the decode actor's side ----------------------------------------------------------------------------------
     def export_cache(self, kv: torch.Tensor, scales: torch.Tensor | None, shared: Any | None) -> None:
@@ -331,42 +362,53 @@ class InPlaceBackend(KVTransferBackend):
         if peer is not None and peer.broken is None:
             with peer.lock:
                 peer.grants.pop(reservation_id, None)
-            peer.queue.put((None, {"t": "end", "rid": reservation_id}, None))
+            peer.queue.put(_Outgoing(None, msg={"t": "end", "rid": reservation_id}))
 
     def write_part(self, peer_address: str, k_cache: torch.Tensor, v_cache: torch.Tensor, src_block_ids: list[int],
                    dst_block_ids: list[int], scales: torch.Tensor | None, *, corrupt: bool = False,
+                   src_index: torch.Tensor | None = None, dst_index: torch.Tensor | None = None,
                    **header_fields: Any) -> TransferHandle:
         """Mutates the peer's cache: copy layer ``header_fields["layer"]``'s blocks ``src_block_ids`` of this cache
-        into the peer's ``dst_block_ids`` (on a GPU: queued on the current stream), then announce the part. Returns
-        a handle that is DONE once announced. ``corrupt`` flips one written byte after the checksum (fault
-        injection: the peer must reject the part, which needs ``inplace_checksum``)."""
+        into the peer's ``dst_block_ids`` (on a GPU: queued on the copy stream, behind the caller's: ``_write``), then
+        announce the part. Returns a handle that is DONE once announced.
+
+        ``src_index`` / ``dst_index``: the two id lists as index tensors on this endpoint's device, built once per
+        chunk by the caller (:func:`~kv_transfer.streams.block_index`, on its stream) and reused by every layer;
+        None: built here, on the copy stream, when the copy needs them (a GPU, or a scaled cache). With
+        ``inplace_checksum`` the source blocks' tag is computed on the copy stream and read back on the I/O thread.
+        ``corrupt`` flips one written byte after the copy (fault injection: the peer must reject the part, which
+        needs ``inplace_checksum``)."""
         header = part_header(k_cache, dst_block_ids, None, **header_fields)  # type: ignore[arg-type]
-        if self.checksum:  # the tag of the source blocks, under the part's key; the peer checks its blocks against it
-            header = dataclasses.replace(header, checksum=blocks_checksum(
-                k_cache, v_cache, src_block_ids, scales, key=part_key(self.config.secret, header)))
         handle = self._new_send_handle(peer_address, header, k_cache[:0])
         handle.nbytes = header.payload_nbytes
 
-        def copy(dst: torch.Tensor, dst_scales: torch.Tensor | None) -> str | None:
+        def copy(dst: torch.Tensor, dst_scales: torch.Tensor | None) -> str | PayloadMac | None:
             if (k_cache.shape[1:] != dst.shape[2:] or k_cache.dtype != dst.dtype or v_cache.shape != k_cache.shape
                     or not src_block_ids or min(src_block_ids) < 0 or max(src_block_ids) >= k_cache.shape[0]
                     or len(src_block_ids) != len(dst_block_ids)):  # the memmoves below trust these
                 return (f"source blocks {tuple(k_cache.shape[1:])} {k_cache.dtype} (ids {src_block_ids[:4]}...) do "
                         f"not fit the peer's {tuple(dst.shape[2:])} {dst.dtype}")
             device = dst.device
-            if device.type == "cpu" and k_cache.device.type == "cpu":  # memmove runs of whole blocks
+            on_host = device.type == "cpu" and k_cache.device.type == "cpu"
+            src_ids = dst_ids = None
+            if not on_host or scales is not None:
+                src_ids, dst_ids = _index(src_index, src_block_ids, device), _index(dst_index, dst_block_ids, device)
+                if src_ids.numel() != len(src_block_ids) or dst_ids.numel() != len(dst_block_ids):
+                    return f"index tensors of {src_ids.numel()}, {dst_ids.numel()} ids for {len(dst_block_ids)}"
+            if on_host:  # memmove runs of whole blocks
                 copy_between.copy_blocks_between(k_cache, v_cache, src_block_ids, dst[0], dst[1], dst_block_ids)
             else:
-                src_ids = torch.tensor(src_block_ids, dtype=torch.long).to(device, non_blocking=True)
-                dst_ids = torch.tensor(dst_block_ids, dtype=torch.long).to(device, non_blocking=True)
                 kernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
             if scales is not None and dst_scales is not None:
-                src_ids, dst_ids = (torch.tensor(i, dtype=torch.long, device=device) for i in (src_block_ids,
-                                                                                                dst_block_ids))
+                assert src_ids is not None and dst_ids is not None
                 dst_scales[:, dst_ids] = scales[:, src_ids.to(scales.device)]
+            mac = None
+            if self.checksum:  # the source blocks' tag under the part's key: the peer checks its blocks against it
+                mac = blocks_mac(k_cache, v_cache, src_block_ids, scales, key=part_key(self.config.secret, header),
+                                 index=src_ids)
             if corrupt:
                 dst[0, dst_block_ids[0]].view(-1).view(torch.uint8)[0] ^= 0xFF
-            return None
+            return mac
 
         return self._write(peer_address, handle, copy)
 
@@ -382,7 +424,7 @@ class InPlaceBackend(KVTransferBackend):
                     raise ValueError(f"payload of {payload.numel() * payload.element_size()} bytes, header says "
                                      f"{header.payload_nbytes}")
                 blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
-                ids = torch.tensor(header.block_ids, dtype=torch.long).to(dst.device)
+                ids = block_index(header.block_ids, dst.device)
                 kernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
                 if header.scales_nbytes and dst_scales is not None:  # a scaled part: its scales follow the blocks
                     raw = payload.reshape(-1).view(torch.uint8)[n:]
@@ -394,11 +436,12 @@ class InPlaceBackend(KVTransferBackend):
 
         return self._write(peer_address, handle, copy)
 
-    def _write(self, peer_address: str, handle: TransferHandle,
-               copy: Callable[[torch.Tensor, torch.Tensor | None], str | None]) -> TransferHandle:
+    def _write(self, peer_address: str, handle: TransferHandle, copy: Copy) -> TransferHandle:
         """The one write path: under the peer's lock, if it may be written (alive, the reservation opened, the
-        blocks its own), ``copy(layer's [2, blocks, ...] cache, its scales or None)`` writes (None, or why it
-        refused, writing nothing); then the part is announced once the copy has run (a CUDA event orders it)."""
+        blocks its own), ``copy`` writes the layer (see :data:`Copy`) on the copy stream, which first waits for an
+        event recorded on the caller's stream (after what the caller queued: the layer's K/V store, a packed
+        payload); then the part goes to the peer's I/O thread, which waits for the copy's *done* event before it
+        announces it."""
         peer = self._peer_or_fail(peer_address, handle)
         if peer is None:
             return handle
@@ -408,18 +451,36 @@ class InPlaceBackend(KVTransferBackend):
             if not self._may_write(peer, handle):
                 return handle
             assert peer.kv is not None
-            dst = peer.kv[layer]
-            why = copy(dst, None if peer.scales is None else peer.scales[layer])
-            if why is not None:
-                handle.mark_failed(f"refused here: {why}")
-                return handle
-            event = None
-            if dst.is_cuda:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(dst.device))
-        signed = sign_header(handle.header, self.config.secret)
-        peer.queue.put((handle, {"t": "part", "h": signed.encode()}, event))
+            stored = self.streams.record(None)  # the caller's stream, after the K/V it stored
+            stream = self._writer_stream()
+            with self.streams.use(stream):
+                self.streams.wait(stream, stored)
+                got = copy(peer.kv[layer], None if peer.scales is None else peer.scales[layer])
+                done = self.streams.record(stream)
+            self._copied = done
+        if isinstance(got, str):
+            handle.mark_failed(f"refused here: {got}")
+            return handle
+        peer.queue.put(_Outgoing(handle, done, got))
         return handle
+
+    def _writer_stream(self) -> Stream:
+        """The stream this endpoint's copies run on, made at its first write (a decode actor never needs one).
+        Writing thread."""
+        if not self._copy_stream_made:
+            self._copy_stream = self.streams.new_stream("kv-inplace-copy")
+            self._read_stream = self.streams.new_stream("kv-inplace-read")
+            self._copy_stream_made = True
+        return self._copy_stream
+
+    def order_after_writes(self, stream: Stream = None) -> None:
+        """Mutates the pending event only: ``stream`` (None: the calling thread's current one) waits for every copy
+        queued so far, with no host sync. The copies read this process's source blocks and the caller's index
+        tensors on the copy stream: the prefill actor calls this after each step, before a later step may overwrite
+        blocks it freed or reuse the memory of its index tensors."""
+        done, self._copied = self._copied, None
+        if done is not None:
+            self.streams.wait(stream, done)
 
     def _peer_or_fail(self, address: str, handle: TransferHandle) -> _Peer | None:
         """The live peer, or None with ``handle`` failed (sends never raise for an unreachable peer)."""
@@ -462,19 +523,27 @@ class InPlaceBackend(KVTransferBackend):
         return True
 
     def _notify_loop(self, peer: _Peer) -> None:
-        """Announce written parts (and ends) in order, each once its copy has run."""
+        """Announce written parts (and ends) in order, each once its copy has run: the host waits for the copy's
+        *done* event here, on the I/O thread (never the writer's), then reads the source's tag back (a part with
+        ``inplace_checksum``) and signs the header, so the peer never reads blocks still being written."""
         while True:
             item = peer.queue.get()
             if item is None:
                 return
-            handle, msg, event = item
+            handle = item.handle
             if peer.broken is not None:
                 if handle is not None:
                     handle.mark_failed(peer.broken)
                 continue
             try:
-                if event is not None:
-                    event.synchronize()
+                if item.done is not None:
+                    self.streams.host_wait(item.done)
+                msg = item.msg if handle is None else {"t": "part", "h": self._sealed(handle, item.mac)}
+            except RuntimeError as e:  # the copy (or its tag) failed on the device: this part is not written
+                if handle is not None:
+                    handle.mark_failed(f"in-place copy failed: {e}")
+                continue
+            try:
                 with peer.send_lock:
                     send_message(peer.sock, msg)
             except OSError as e:
@@ -484,6 +553,15 @@ class InPlaceBackend(KVTransferBackend):
                 continue
             if handle is not None:
                 self._send_done(handle)
+
+    def _sealed(self, handle: TransferHandle, mac: PayloadMac | None) -> bytes:
+        """Mutates ``handle.header``: its tag filled in from ``mac`` (one small read back), then its wire bytes,
+        signed. I/O thread, after the copy's *done* event."""
+        assert handle.header is not None
+        if mac is not None:
+            with self.streams.use(self._read_stream):
+                handle.header = dataclasses.replace(handle.header, checksum=mac.tag())
+        return sign_header(handle.header, self.config.secret).encode()
 
     def _break(self, peer: _Peer, why: str) -> None:
         """Mutates: this peer is unusable from now on; its mapping is dropped (a broken peer is redialed on next
@@ -518,3 +596,8 @@ class InPlaceBackend(KVTransferBackend):
         if self.recv_side is not None:
             self.recv_side.closed.set()
 
+
+def _index(given: torch.Tensor | None, block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """``block_ids`` as an index tensor on ``device``: the caller's, built once per chunk, or one built now (no host
+    sync). Pure."""
+    return block_index(block_ids, device) if given is None else given.to(device, non_blocking=True)

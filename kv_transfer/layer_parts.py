@@ -105,10 +105,19 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: b
 
 
 def blocks_checksum(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
-                    scales: torch.Tensor | None = None, *, key: PartKey) -> bytes:
-    """The tag under ``key`` that the packed payload of these blocks would have (K blocks, then V blocks, then a
-    scaled cache's scales), computed where they lie, on their device: one pass per run of consecutive ids, no
-    packing. Pure (one small read back)."""
+                    scales: torch.Tensor | None = None, *, key: PartKey, index: torch.Tensor | None = None) -> bytes:
+    """The tag under ``key`` that the packed payload of these blocks would have (:func:`blocks_mac`). Pure (one small
+    read back)."""
+    return blocks_mac(k_cache, v_cache, block_ids, scales, key=key, index=index).tag()
+
+
+def blocks_mac(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
+               scales: torch.Tensor | None = None, *, key: PartKey, index: torch.Tensor | None = None) -> PayloadMac:
+    """The MAC under ``key`` of the packed payload these blocks would have (K blocks, then V blocks, then a scaled
+    cache's scales), fed where they lie, on the current stream of their device: one pass per run of consecutive ids,
+    no packing. Reads nothing back (``tag()`` does, wherever the caller wants the host to wait). ``index``:
+    ``block_ids`` on the scales' device, built once per chunk (only a scaled cache needs it; None: built here).
+    Pure."""
     from kernels.copy_between import block_runs
 
     runs = block_runs(block_ids, block_ids)
@@ -117,9 +126,9 @@ def blocks_checksum(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Seq
         for start, _, n in runs:
             mac.update(cache[start:start + n])
     if scales is not None:
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=scales.device)
-        mac.update(scales[:, ids].contiguous())
-    return mac.tag()
+        ids = index if index is not None else block_index(block_ids, scales.device)
+        mac.update(scales[:, ids.to(scales.device)].contiguous())
+    return mac
 
 
 def verify_part(header: KVTransferHeader, raw: torch.Tensor, expected: ExpectedTransfer,
@@ -141,10 +150,12 @@ def install_layer_part(
     v_cache: torch.Tensor,
     scales: torch.Tensor | None = None,
     secret: ClusterSecret | None = None,
+    index: torch.Tensor | None = None,
 ) -> None:
     """Verify ``header`` and the payload bytes ``raw`` against ``expected`` (the tag under ``secret``'s key for the
     part: :func:`verify_part`), then scatter them into the caches (and a scaled payload's scales into ``scales``, the
-    layer's ``[2, num_blocks, ...]``).
+    layer's ``[2, num_blocks, ...]``). ``index``: ``header.block_ids`` on the caches' device, built once for a chunk's
+    parts (None: built here).
 
     Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
     :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
@@ -157,7 +168,9 @@ def install_layer_part(
     verify_part(header, raw, expected, secret)
     split = raw.numel() - header.scales_nbytes
     payload = raw[:split].view(k_cache.dtype).view(header.shape)
-    ids = block_index(header.block_ids, k_cache.device)
+    ids = index if index is not None else block_index(header.block_ids, k_cache.device)
+    if ids.numel() != len(header.block_ids):
+        raise ValueError(f"index: {ids.numel()} ids for the part's {len(header.block_ids)} blocks")
     kernels.unpack_blocks(payload, k_cache, v_cache, ids)
     if scales is not None:
         scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), *scales.shape[2:])

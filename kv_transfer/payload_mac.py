@@ -26,8 +26,9 @@ string: the same code is then an error-detecting code (random corruption passes 
 it replaces, and forgeable, like the CRC was.
 
 **Where it runs.** On the payload's device: :mod:`kernels.poly_mac` (its Triton kernel on a GPU, the torch reference
-on the CPU); the host reads back two int64s per part, on the backend's I/O thread for socket sends and on the
-receiving thread for installs.
+on the CPU; its key's powers reach the device without a host sync); the host reads back two int64s per part
+(``PayloadMac.tag``): on the backend's I/O thread for socket sends and for in-place writes (whose device work is queued
+on the writer's copy stream), on the receiving thread for installs and in-place checks.
 """
 
 from __future__ import annotations
@@ -98,8 +99,7 @@ class PayloadMac:
         if self._acc is None:
             self._acc = g
         else:
-            shift = torch.tensor([pow(r, flat.numel(), P) for r in self._key.points], dtype=torch.int64,
-                                 device=g.device)
+            shift = poly_mac.int64_on([pow(r, flat.numel(), P) for r in self._key.points], g.device)
             self._acc = poly_mac.canonical(poly_mac.mulmod(self._acc, shift) + g)
         self._n += flat.numel()
 

@@ -51,8 +51,9 @@ class _Part:
     job: _Job
     src: list[int]  # this actor's blocks of the chunk
     dst: list[int]  # the decode actor's blocks they go to
-    # ``src`` on the engine's device, sent there once per step without a host sync (None: written in place)
-    src_index: torch.Tensor | None
+    # ``src`` (and, written in place, ``dst``) on the engine's device, sent there once per step without a host sync
+    src_index: torch.Tensor
+    dst_index: torch.Tensor | None
     fields: dict[str, Any]  # the part header's fields but the layer
 
 
@@ -174,8 +175,13 @@ class PrefillWorker(EngineLoop):
         if not self.engine.has_unfinished_requests():
             return False
         self._step_t0 = time.monotonic()
-        outputs = self.engine.step(after_kv_store=self._ship)
-        self._parts = None  # the step's index tensors go back to the allocator (on the stream that used them)
+        try:
+            outputs = self.engine.step(after_kv_store=self._ship)
+        finally:
+            # in-place copies read this step's blocks and index tensors on their own stream: the compute stream waits
+            # for them (no host sync) before a later step may overwrite blocks freed here or reuse the tensors' memory
+            self.backend.order_after_writes()
+            self._parts = None  # the step's index tensors go back to the allocator (on the stream that used them)
         for out in outputs:
             job = self._jobs.pop(out.request_id, None) if out.finished else None
             if job is not None:
@@ -210,15 +216,17 @@ class PrefillWorker(EngineLoop):
             fields = dict(token_start=logical.start * bs, token_end=s.start + s.num_tokens,
                           request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
                           model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch, nonce=job.grant.nonce)
-            index = None if job.in_place else block_index(src, self.engine.device)
-            parts.append(_Part(job, src, dst, index, fields))
+            device = self.engine.device
+            parts.append(_Part(job, src, dst, block_index(src, device),
+                               block_index(dst, device) if job.in_place else None, fields))
         self._parts = (out, parts)
         return parts
 
     def _ship(self, layer: int, out: Any) -> None:
         """Runs inside the forward, right after ``layer``'s K/V is stored: send it for every chunk of this step.
         Mutates the jobs' handles and the counters. The payload is packed on the compute stream; the backend's send
-        waits for it there (kv_transfer.streams) and holds it until sent."""
+        waits for it there (kv_transfer.streams) and holds it until sent. Written in place, the copy waits for the
+        compute stream on the backend's copy stream, and ``_step`` orders the next step after it."""
         from kv_transfer.layer_parts import pack_layer_part
 
         kv = self.engine.kv_layer(layer)
@@ -231,7 +239,8 @@ class PrefillWorker(EngineLoop):
             try:
                 if job.in_place:  # straight into the decode actor's blocks: no packing, no socket for the bytes
                     handle = self.backend.write_part(job.grant.kv_endpoint, kv[0], kv[1], src, dst, scales,
-                                                     corrupt=corrupt, **fields)
+                                                     corrupt=corrupt, src_index=part.src_index,
+                                                     dst_index=part.dst_index, **fields)  # built once for the step
                 else:
                     # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it)
                     header, payload = pack_layer_part(kv[0], kv[1], src, dst, scales=scales, checksum=corrupt,
