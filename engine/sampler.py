@@ -221,9 +221,10 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     return out
 
 
-def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor, first_is_max: bool = False) -> torch.Tensor:
     """Returns, per row of non-negative `weights` [n, w], the position whose cumulative-weight interval holds
-    uniforms[i] * row total. Pure. Weights need not be normalized.
+    uniforms[i] * row total. Pure. Weights need not be normalized. `first_is_max`: every row's largest weight is
+    its first (a candidate list, sorted), which spares the argmax of the rounding fallback.
 
     Two levels, so no full-width cumsum is needed: float32 sums of 256-wide blocks, a float64 cumsum over the
     blocks, then a float64 cumsum inside the one chosen block per row. Measured ~1 ms against ~12-25 ms for a
@@ -247,7 +248,7 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     pos = torch.searchsorted(inner, targets, right=True).clamp_(max=block - 1)
     pos = (b * block + pos).squeeze(1).clamp_(max=w - 1)
     impossible = weights.gather(1, pos.unsqueeze(1)).squeeze(1) <= 0
-    return torch.where(impossible, weights.argmax(dim=-1), pos)
+    return torch.where(impossible, 0 if first_is_max else weights.argmax(dim=-1), pos)
 
 
 _inverse_cdf = inverse_cdf  # the name tests and tools used
@@ -393,7 +394,8 @@ def _rows_tokens(x: torch.Tensor, meta: SamplingMetadata, uniforms: torch.Tensor
         return inverse_cdf(weights, u), None
     idx, keep, weights, nucleus = candidates(scaled, _rows(meta.top_k, rows, count), _rows(meta.top_p, rows, count),
                                              _rows(meta.min_p, rows, count), group, p_only)
-    pos = inverse_cdf(weights * keep, u)
+    # the first candidate (weight 1) is always kept: k >= 1, it opens the nucleus, and min_p <= 1
+    pos = inverse_cdf(weights * keep, u, first_is_max=True)
     return idx.gather(1, pos.unsqueeze(1)).squeeze(1), nucleus
 
 

@@ -103,9 +103,9 @@ class SamplingState:
         penalties = None
         if pen:
             assert self.history is not None
-            width = max(seqs[i].num_tokens for i in pen)
+            width = max(seqs[i].num_tokens for i in pen)  # the held tokens only, not the room grown for more
             penalties = TokenHistory(
-                pen_rows, self.history.index_select(0, pen_slots)[:, :width], prompt_lens, lengths,
+                pen_rows, self.history[:, :width].index_select(0, pen_slots), prompt_lens, lengths,
                 max_output=max(len(seqs[i].output_token_ids) for i in pen),
                 repetition=any(slots[i].params.repetition_penalty != 1.0 for i in pen),
                 presence_frequency=any(slots[i].params.presence_penalty != 0.0
