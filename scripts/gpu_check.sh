@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# GPU check (issues 4 and 12), one prepared run on a CUDA machine, at most ~8 minutes:
+# GPU check (issues 4, 12 and 27), one prepared run on a CUDA machine, at most ~8.5 minutes:
 #   1. the kernel tests on the device (the full grid, bfloat16 included; no Triton interpreter),
 #   2. the kernel micro-benchmarks against the device's copy bandwidth measured in the same run,
 #   3. engine vs Hugging Face identity on the device (float32 greedy ids + logprobs, bfloat16 teacher-forced),
 #   4. the engine benchmark: engine vs HF generate, random-weight Llama-3.2-1B shape, 256 mixed requests, and the
-#      decode step at batch 256 against its roofline.
+#      decode step at batch 256 against its roofline,
+#   5. host syncs per decode step (scripts/gpu_sync_check.py): a mixed batch at 8 and 32 under torch's sync debug
+#      mode, budget 2 reads per step, the host reaching its read while queued GPU work still runs; then the stream
+#      discipline's CUDA test and the sync-budget tests on the device.
 # Each stage appends its result to the report as soon as it finishes (docs/gpu-results.md, also copied to $OUT when
 # that is set, as on the lent device machine); a failing or timed-out stage does not stop the later ones.
 # Needs torch with CUDA, triton and transformers; no Ray, no pyzmq. pytest is installed if missing.
@@ -31,14 +34,14 @@ if [ "$smoke" = 1 ]; then
   unset TRITON_INTERPRET
   test_env=(env TRITON_INTERPRET=1)
   test_args=(tests/kernel_checks/test_triton_kernels.py -k "store_kv_matches_reference")
-  kernels_args=(--smoke); identity_args=(--smoke); engine_args=(--smoke)
-  budget=(300 300 300 300)  # generous: a loaded 2-core CI machine
+  kernels_args=(--smoke); identity_args=(--smoke); engine_args=(--smoke); sync_args=(--smoke)
+  budget=(300 300 300 300 300)  # generous: a loaded 2-core CI machine
 else
   unset TRITON_INTERPRET
   test_env=(env)
   test_args=(tests/kernel_checks -m "slow or not slow")
-  kernels_args=(); identity_args=(--device cuda); engine_args=(--device cuda)
-  budget=(150 60 75 210)  # seconds per stage: 495 s of the 8 minutes, the rest for start-up
+  kernels_args=(); identity_args=(--device cuda); engine_args=(--device cuda); sync_args=()
+  budget=(135 55 65 165 80)  # seconds per stage: 500 s of the ~8.5 minutes, the rest for start-up
 fi
 python - "$smoke" <<'PY'
 import sys, torch
@@ -109,6 +112,18 @@ if [ "$engine_rc" != 0 ]; then
   rc=1
   { echo; echo "## Engine benchmark: exit $engine_rc$([ "$engine_rc" = 124 ] && echo ', timed out')"; echo
     echo '```'; tail -n 25 "$logs/engine.log"; echo '```'; } >> "$report"
+fi
+publish
+
+# 5. host syncs per decode step (appends its own section, also when it fails)
+set +e
+timeout "${budget[4]}" python scripts/gpu_sync_check.py "${sync_args[@]}" --out "$report" > "$logs/sync.log" 2>&1
+sync_rc=$?
+set -e
+if [ "$sync_rc" != 0 ]; then
+  rc=1
+  { echo; echo "## Host syncs per decode step: exit $sync_rc$([ "$sync_rc" = 124 ] && echo ', timed out')"; echo
+    echo '```'; tail -n 25 "$logs/sync.log"; echo '```'; } >> "$report"
 fi
 { echo; echo "Finished $(date -u +%Y-%m-%dT%H:%MZ) by scripts/gpu_check.sh (exit $rc)."; } >> "$report"
 publish
