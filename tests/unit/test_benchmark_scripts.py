@@ -22,10 +22,33 @@ def test_bench_engine_runs() -> None:
 def test_bench_fp8_kv_runs(tiny_checkpoint) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_fp8_kv.py"), "--model", str(tiny_checkpoint("llama")),
-         "--max-tokens", "4"], capture_output=True, text=True, timeout=600)
+         "--smoke", "--text", str(ROOT / "README.md")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "identical completions:" in out.stdout and "x of bfloat16" in out.stdout
-    assert "int8 KV (one batch)" in out.stdout and "int8  K " in out.stdout
+    assert "teacher-forced over 48 tokens" in out.stdout and "int8 KV " in out.stdout and "(floor)" in out.stdout
+    assert "agreement >= 99%:" in out.stdout and "perplexity <= +3%:" in out.stdout
+    assert "identical completions:" in out.stdout and "x of bfloat16" in out.stdout and "int8  K " in out.stdout
+    assert "window 2/2" in out.stderr
+
+
+def test_bench_fp8_kv_measure() -> None:
+    """Windows, the teacher-forced tally and the PASS/FAIL decision, on hand-made log-probabilities."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_fp8_kv import Target, tally, verdict, windows
+
+    assert windows([list(range(10)), list(range(100, 104))], 4, 7) == [[0, 1, 2, 3], [100, 101, 102, 103], [4, 5]]
+    assert windows([[1]], 4, 10) == []
+    # positions: the same; a flip away from a clear favourite; a flip between two tokens 0.05 nats apart
+    ref = torch.tensor([[0.0, -1.0, -5.0], [-0.1, -3.0, -3.0], [0.0, -0.05, -5.0]]).log_softmax(-1)
+    other = torch.tensor([[0.0, -1.0, -5.0], [-3.0, -0.1, -3.0], [-0.05, 0.0, -5.0]]).log_softmax(-1)
+    targets = torch.tensor([0, 0, 0])
+    base, t = tally(ref, ref, targets), tally(ref, other, targets)
+    assert (base.positions, base.agree, base.kl) == (3, 3, 0.0) and (t.agree, t.near_ties) == (1, 1)
+    assert t.perplexity > base.perplexity and t.kl > 0
+    assert verdict(t, base, Target(0.3, 10.0)) == (True, True)
+    assert verdict(t, base, Target(0.99, 0.01)) == (False, False)
+    assert (t + t).positions == 6 and (t + t).agreement == t.agreement
 
 
 def test_bench_kernels_runs_on_cpu_for_the_script_itself(tmp_path: Path) -> None:
