@@ -98,3 +98,13 @@ def test_bench_payload_mac_runs() -> None:
                           "--iters", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "zlib.crc32" in out.stdout and "payload tag" in out.stdout and "fixed cost per part" in out.stdout
+
+
+def test_bench_hot_path_prints_both_sides() -> None:
+    import re
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_hot_path.py"), "--smoke"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"counts\(\) at 4096 blocks: walk [\d.]+ ms, kept [\d.]+ us", out.stdout), out.stdout
+    assert re.search(r"last 100 events, ring of 1024: [\d.]+ us; a reset .* [\d.]+ us", out.stdout), out.stdout
