@@ -91,40 +91,32 @@ set -e
 } >> "$report"
 publish
 
-# 3. identity (appends its own section)
-set +e
-timeout "${budget[2]}" python benchmarks/check_identity.py "${identity_args[@]}" --out "$report" > "$logs/identity.log" 2>&1
-identity_rc=$?
-set -e
-if [ "$identity_rc" != 0 ]; then
-  rc=1
-  { echo; echo "## Identity check: exit $identity_rc$([ "$identity_rc" = 124 ] && echo ', timed out')"; echo
-    echo '```'; tail -n 20 "$logs/identity.log"; echo '```'; } >> "$report"
-fi
-publish
+# a stage whose script appends its own section to the report: on a non-zero exit, add the exit status (124: timed
+# out) and the log's last lines under TITLE instead. Usage: appending_stage TITLE BUDGET LOG TAIL_LINES CMD...
+appending_stage() {
+  local title=$1 seconds=$2 log=$3 lines=$4 stage_rc
+  shift 4
+  set +e
+  timeout "$seconds" "$@" --out "$report" > "$log" 2>&1
+  stage_rc=$?
+  set -e
+  if [ "$stage_rc" != 0 ]; then
+    rc=1
+    { echo; echo "## $title: exit $stage_rc$([ "$stage_rc" = 124 ] && echo ', timed out')"; echo
+      echo '```'; tail -n "$lines" "$log"; echo '```'; } >> "$report"
+  fi
+  publish
+}
 
-# 4. engine benchmark (appends its own section)
-set +e
-timeout "${budget[3]}" python benchmarks/bench_engine.py "${engine_args[@]}" --out "$report" > "$logs/engine.log" 2>&1
-engine_rc=$?
-set -e
-if [ "$engine_rc" != 0 ]; then
-  rc=1
-  { echo; echo "## Engine benchmark: exit $engine_rc$([ "$engine_rc" = 124 ] && echo ', timed out')"; echo
-    echo '```'; tail -n 25 "$logs/engine.log"; echo '```'; } >> "$report"
-fi
-publish
-
-# 5. host syncs per decode step (appends its own section, also when it fails)
-set +e
-timeout "${budget[4]}" python scripts/gpu_sync_check.py "${sync_args[@]}" --out "$report" > "$logs/sync.log" 2>&1
-sync_rc=$?
-set -e
-if [ "$sync_rc" != 0 ]; then
-  rc=1
-  { echo; echo "## Host syncs per decode step: exit $sync_rc$([ "$sync_rc" = 124 ] && echo ', timed out')"; echo
-    echo '```'; tail -n 25 "$logs/sync.log"; echo '```'; } >> "$report"
-fi
+# 3. identity
+appending_stage "Identity check" "${budget[2]}" "$logs/identity.log" 20 \
+  python benchmarks/check_identity.py "${identity_args[@]}"
+# 4. engine benchmark
+appending_stage "Engine benchmark" "${budget[3]}" "$logs/engine.log" 25 \
+  python benchmarks/bench_engine.py "${engine_args[@]}"
+# 5. host syncs per decode step (its section is written also when it fails)
+appending_stage "Host syncs per decode step" "${budget[4]}" "$logs/sync.log" 25 \
+  python scripts/gpu_sync_check.py "${sync_args[@]}"
 { echo; echo "Finished $(date -u +%Y-%m-%dT%H:%MZ) by scripts/gpu_check.sh (exit $rc)."; } >> "$report"
 publish
 if [ -n "${OUT:-}" ]; then cp "$logs"/*.log "$OUT/" 2>/dev/null || true; fi
