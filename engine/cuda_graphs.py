@@ -20,6 +20,7 @@ import kernels
 from engine.kv_cache_manager import cdiv
 from engine.model import AttentionMetadata, DecoderModel
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from kernels.host_copy import to_device
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -119,9 +120,7 @@ class DecodeGraphRunner:
         for s in decodes:
             table = s.seq.block_table[:width]
             flat += table + [0] * (width - len(table))
-        staged = torch.tensor(flat, dtype=torch.int32)
-        if self.device.type == "cuda":
-            staged = staged.pin_memory().to(self.device, non_blocking=True)
+        staged = to_device(flat, torch.int32, self.device)
         cols = staged[: 4 * batch].view(4, batch)
         self.input_ids[:batch].copy_(cols[0])
         self.positions[:batch].copy_(cols[1])

@@ -11,7 +11,7 @@ for the sampled ids (and logprobs) coming back, once per step.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence as Seq
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -27,6 +27,7 @@ from engine.sampler import Sampler
 from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from kernels.host_copy import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # CPU: decodes per attention call: sorted by length, groups of 8 gather ~7x less padding than one call over the batch
@@ -47,14 +48,6 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     if dtype not in SCALED_DTYPES:
         return values
     return values + 2 * cfg.num_layers * math.prod(scale_dims(dtype, 1, block_size, cfg.num_kv_heads)) * 4
-
-
-def to_device(values: Seq[int] | Seq[float] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list (or CPU tensor) as a tensor on ``device``; to CUDA through pinned memory without waiting. Pure."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def send_sections(sections: list[list[int]], device: torch.device) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ import torch
 
 from engine.philox import sample_uniforms, seed_as_int64
 from engine.sampling_plan import CandidateGroup, FilterParams, RowFacts, RowPlan, plan_rows
+from kernels.host_copy import to_device
 
 # Block width of the two-level inverse-CDF search used for wide rows.
 _ICDF_BLOCK = 256
@@ -47,9 +48,8 @@ def has_penalty(p: SamplingParamsLike) -> bool:
 
 
 def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of host values on ``device``: pinned and non-blocking on CUDA, so the host never waits."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    """An int64 tensor of host values on ``device``, the host never waiting (:func:`kernels.host_copy.to_device`)."""
+    return to_device(values, torch.int64, device)
 
 
 @dataclass(frozen=True)
@@ -157,8 +157,7 @@ class SamplingMetadata:
                                 p.repetition_penalty] for p in params], dtype=torch.float32).view(-1, 6)
         ints = torch.tensor([[p.top_k, seed_as_int64(s), c, q] for p, s, c, q in
                              zip(params, seeds, choices, positions, strict=True)], dtype=torch.int64).view(-1, 4)
-        if device.type != "cpu":
-            floats, ints = (t.pin_memory().to(device, non_blocking=True) for t in (floats, ints))
+        floats, ints = to_device(floats, torch.float32, device), to_device(ints, torch.int64, device)
         rows = [i for i, p in enumerate(params) if has_penalty(p)]
         penalties = None
         if rows:

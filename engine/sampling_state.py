@@ -26,6 +26,7 @@ from engine.sampler import (SamplerOutput, SamplingMetadata, TokenHistory, has_p
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import RowFacts, as_float32
 from engine.sequence import Sequence
+from kernels.host_copy import to_device
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -167,8 +168,7 @@ class SamplingState:
                               self.device)
         index, values = ints.split([len(seqs), 3 * len(seqs)])
         self.ints.index_copy_(0, index, values.view(-1, 3))
-        self.floats.index_copy_(0, index, floats if self.device.type == "cpu" else
-                                floats.pin_memory().to(self.device, non_blocking=True))
+        self.floats.index_copy_(0, index, to_device(floats, torch.float32, self.device))
         if penalized:
             self._widen(max(q.num_tokens for q in penalized) + 1)
             assert self.history is not None

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kernels.host_copy import to_device
+
 P = (1 << 61) - 1  # the field's prime
 ROW = 2048  # bytes per row sum; a multiple of the kernel's tile
 LIMB_BITS = 6  # the reference GEMM's weight limbs (see the module docstring for why 6)
@@ -97,8 +99,7 @@ def int64_on(values: Sequence[Any], device: torch.device | str) -> torch.Tensor:
     """``values`` (ints, or lists of ints of one length) as an int64 tensor on ``device``; to CUDA through pinned
     memory, non-blocking: ordered on the current stream, so the calling thread never waits for the device (a tag's
     key powers are made on a copy stream, behind its copy). Pure."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return t if torch.device(device).type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    return to_device(values, torch.int64, device)
 
 
 def _ascending(r: int, count: int) -> list[int]:

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kernels.host_copy import to_device
+
 Stream = Any  # torch.cuda.Stream, FakeStream, or None: the host
 Event = Any  # torch.cuda.Event, FakeEvent, or HOST_DONE
 
@@ -130,9 +132,7 @@ def streams_for(device: str | torch.device) -> HostStreams:
 def block_index(block_ids: Sequence[int], device: str | torch.device) -> torch.Tensor:
     """Block ids as an int64 index tensor on ``device``; to CUDA through pinned memory without a host sync (the copy
     is ordered on the current stream, and the pinned allocator keeps the host side until it has run). Pure."""
-    t = torch.tensor(list(block_ids), dtype=torch.long)
-    device = torch.device(device)
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    return to_device(list(block_ids), torch.long, device)
 
 
 # -- the fake, for tests --------------------------------------------------------------------------------------------
