@@ -25,13 +25,14 @@ import os
 
 import torch
 
-from kernels import cpu_decode, cpu_prefill, reference
+from kernels import cpu_decode, cpu_prefill, grouped_moe, reference
 
 __all__ = [
     "copy_blocks_between",
     "decode_num_splits",
     "decode_plan",
     "dequantize_kv_fp8",
+    "fused_moe",
     "pack_blocks",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -386,3 +387,31 @@ def copy_blocks_between(k_src: torch.Tensor, v_src: torch.Tensor, src_ids: torch
         from kernels import copy_between
 
         copy_between.copy_blocks_between(k_src, v_src, src_ids.tolist(), k_dst, v_dst, dst_ids.tolist())
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, activation: str) -> torch.Tensor:
+    """Mixture-of-experts MLP over routed tokens: ``out[t] = sum_k topk_weights[t, k] * down_e(act(gate_e(x[t])) *
+    up_e(x[t]))`` with ``e = topk_ids[t, k]``. Pure.
+
+    x ``[T, H]`` (float32 / float16 / bfloat16); gate_up ``[E, 2I, H]`` (each expert's gate rows, then its up rows)
+    and down ``[E, H, I]`` in x's dtype; topk_ids integer ``[T, K]`` (each in ``[0, E)``, distinct per row);
+    topk_weights float ``[T, K]``; ``activation`` a key of :data:`grouped_moe.ACTIVATIONS`. The torch path
+    (:mod:`kernels.grouped_moe`: one matmul per expert that got tokens) reads the per-expert counts on the host; the
+    expert ids themselves are never checked on the host."""
+    _check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), "x", f"unsupported dtype {x.dtype}")
+    _check(x.dim() == 2, "x", f"expected [num_tokens, hidden], got {tuple(x.shape)}")
+    _check(gate_up.dim() == 3 and gate_up.shape[2] == x.shape[1] and gate_up.shape[1] % 2 == 0, "gate_up",
+           f"expected [experts, 2 * intermediate, {x.shape[1]}], got {tuple(gate_up.shape)}")
+    e, i2, h = gate_up.shape
+    _check(tuple(down.shape) == (e, h, i2 // 2), "down", f"expected {(e, h, i2 // 2)}, got {tuple(down.shape)}")
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        _check(w.dtype == x.dtype and w.device == x.device, name, f"{w.dtype} on {w.device}, x is {x.dtype} on {x.device}")
+    _check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0] and not topk_ids.is_floating_point(), "topk_ids",
+           f"expected an integer [{x.shape[0]}, top_k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    _check(topk_ids.shape[1] <= e, "topk_ids", f"top_k {topk_ids.shape[1]} > {e} experts")
+    _check(topk_weights.shape == topk_ids.shape and topk_weights.is_floating_point(), "topk_weights",
+           f"expected a float {tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
+    _check(activation in grouped_moe.ACTIVATIONS, "activation",
+           f"{activation!r} is not one of {', '.join(grouped_moe.ACTIVATIONS)}")
+    return grouped_moe.grouped_moe(x, gate_up, down, topk_ids, topk_weights, activation)
