@@ -37,6 +37,13 @@ class KVLayout:
     # a scaled cache: float32 scales follow the values, [layers, 2, num_blocks, kv_heads] for FP8 (one per block and
     # head), [layers, 2, num_blocks, block_size, kv_heads] for int8 (one per token and head)
     scaled: bool = False
+    # what the two planes hold: "kv" (K, then V) or "mla" (each token's latent, first half then second half, with
+    # kv_heads 1 and head_dim half the latent: kernels/mla.py)
+    kind: str = "kv"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("kv", "mla"):
+            raise ValueError(f"kind: must be 'kv' or 'mla', got {self.kind!r}")
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -61,7 +68,8 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, object]:
         return {"num_layers": self.num_layers, "num_blocks": self.num_blocks, "block_size": self.block_size,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype, "scaled": self.scaled}
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype, "scaled": self.scaled,
+                "kind": self.kind}
 
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(kv, scales)`` viewing a flat uint8 region of :attr:`nbytes` (no copy). Pure."""

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (default, linear and llama3 scaling), matching Hugging Face's formulas."""
+"""Rotary position embeddings (default, linear, llama3 and yarn scaling), matching Hugging Face's formulas."""
 
 from __future__ import annotations
 
@@ -25,7 +25,50 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> tor
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        inv = _yarn_frequencies(inv, head_dim, theta, scaling)
     return inv
+
+
+def _yarn_frequencies(extrapolated: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: the frequencies above the ``beta_fast`` rotations kept, those below ``beta_slow`` divided by
+    ``factor``, a linear ramp between (as ``transformers``' ``_compute_yarn_parameters``). Pure."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the unscaled frequency
+    interpolated = 1.0 / (factor * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+def attention_factor(scaling: dict[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other types): ``attention_factor`` if set, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else ``mscale(factor)``, with
+    ``mscale(s, m) = 0.1 * m * ln(s) + 1`` (1 for s <= 1). Pure."""
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(s: float, m: float = 1.0) -> float:
+        return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+    factor = float(scaling["factor"])
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return float(mscale(factor, float(m)) / mscale(factor, float(m_all)))
+    return mscale(factor)
 
 
 class RotaryEmbedding:
@@ -43,8 +86,11 @@ class RotaryEmbedding:
         freqs = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         half = head_dim // 2
-        sin = emb.sin()
-        self.cos = emb.cos().to(device=device, dtype=dtype)
+        cos, sin = emb.cos(), emb.sin()
+        factor = attention_factor(scaling)
+        if factor != 1.0:  # YaRN scales the rotated vectors' magnitude (Hugging Face multiplies cos and sin)
+            cos, sin = cos * factor, sin * factor
+        self.cos = cos.to(device=device, dtype=dtype)
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
