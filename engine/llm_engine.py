@@ -16,6 +16,7 @@ from engine.default_model import resolve_model
 from engine.completion_progress import CompletionProgress
 from engine.detokenizer import IncrementalDetokenizer
 from engine.device import num_kv_blocks, resolve_device, resolve_dtype
+from engine.grammar import GrammarCompiler, GrammarError
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
@@ -24,6 +25,7 @@ from engine.model_runner import DTYPES, KV_DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
 from engine.philox import derive_seed
 from engine.prefix_events import PrefixEventLog
+from engine.sampling_grammar import GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
@@ -89,6 +91,7 @@ class LLMEngine:
         self._num_unseeded = 0  # unseeded requests so far: the counter derive_seed mixes with config.seed
         self._requests: dict[str, _Request] = {}
         self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
+        self._grammars: GrammarCompiler | None = None  # see grammar_compiler()
 
     def enable_decode_graphs(self) -> bool:
         """Mutates: capture the decode CUDA graphs now, if this engine decodes with graphs (CUDA, not
@@ -141,6 +144,20 @@ class LLMEngine:
             raise ValueError(f"prompt: needs {need} KV blocks, the cache has {self.kv.pool.num_blocks}")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n: {params.n} exceeds max_num_seqs {self.config.max_num_seqs}")
+        if params.grammar is not None:
+            try:
+                self.grammar_compiler().grammar(params.grammar)
+            except GrammarError as e:
+                raise ValueError(f"grammar: {params.grammar.kind} does not compile: {e}") from None
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (built at the first constrained request: ~1 s for a large vocabulary), its
+        matchers installed in the runner's sampling state. Mutates on first call."""
+        if self._grammars is None:
+            compiler = GrammarCompiler(self.tokenizer, self.runner.sampling.vocab_size, self.eos_token_ids)
+            self.runner.sampling.grammars = GrammarMasks(compiler)
+            self._grammars = compiler
+        return self._grammars
 
     def effective_seed(self, params: SamplingParams) -> int:
         """The seed a request samples with: ``params.seed``, or for an unseeded request one derived from

@@ -236,6 +236,7 @@ class ModelRunner:
             return {}
         if batch.logit_rows is not None:
             logits = logits.index_select(0, batch.logit_rows)
+        batch = self.sampling.masked(batch)  # the grammar masks, built while the forward runs
         result = self.sampler(logits, batch.meta)
         self.sampling.record(batch, result)
         sampled: dict[int, list[SampledToken]] = {}

@@ -3,7 +3,7 @@
 Pure tensor code with no engine imports: the runner's persistent sampling state (``engine/sampling_state.py``) hands
 it a `SamplingMetadata` per step, and ``Sampler()(logits, meta)`` samples.
 
-Per row (vLLM's order): raw logits -> logprobs (if asked) -> repetition penalty -> frequency and presence penalties ->
+Per row (vLLM's order): raw logits -> logprobs (if asked) -> grammar mask -> repetition penalty -> frequency and presence penalties ->
 argmax if greedy, else divide by temperature -> top-k -> top-p -> min-p -> sample. Stages that no row uses are
 skipped.
 
@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 import torch
 
 from engine.philox import sample_uniforms, seed_as_int64
+from engine.sampling_bitmask import apply_token_bitmask
 from engine.sampling_plan import CandidateGroup, FilterParams, RowFacts, RowPlan, plan_rows
 from kernels.host_copy import to_device
 
@@ -119,6 +120,9 @@ class SamplingMetadata:
     facts: RowFacts | None = None
     # the penalized rows' tokens; None: no row has a penalty (the penalty tensors are then not read)
     penalties: TokenHistory | None = None
+    # int32 [N, ceil(V / 32)]: the tokens each row's grammar allows (engine/sampling_grammar.py), applied before any
+    # other stage; logprobs stay the model's (raw logits). None: no row is constrained
+    token_bitmask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
@@ -413,6 +417,8 @@ class Sampler:
         plan = plan_rows(facts, vocab_size, meta.num_logprobs)
         index = _StepIndex.of(plan, logits.device)
         x = logits.float()
+        if meta.token_bitmask is not None:
+            x = apply_token_bitmask(x, meta.token_bitmask)
         if meta.penalties is not None:
             x = apply_penalties(x, meta)
         uniforms = (sample_uniforms(meta.seeds, meta.choices, meta.positions).to(x.device)

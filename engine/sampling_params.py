@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from engine.grammar_spec import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # what the output must match (constrained decoding); a (kind, text) pair is accepted and normalized
+    grammar: GrammarSpec | tuple[str, str] | Any = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,7 @@ class SamplingParams:
         ids = tuple(self.stop_token_ids or ())
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        object.__setattr__(self, "grammar", GrammarSpec.of(self.grammar))
         object.__setattr__(self, "stop_strings", stop)
         object.__setattr__(self, "stop_token_ids", ids)
 

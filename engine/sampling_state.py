@@ -16,6 +16,7 @@ Host copies of the parameters stay beside the slots: they are the facts the samp
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from engine.philox import derive_seed, seed_as_int64
 from engine.sampler import (SamplerOutput, SamplingMetadata, TokenHistory, has_penalty, host_to_device,
                             write_histories)
+from engine.sampling_grammar import GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import RowFacts, as_float32
 from engine.sequence import Sequence
@@ -51,6 +53,7 @@ class SamplingBatch:
     seq_ids: list[int]  # the sequence each row samples for
     logit_rows: torch.Tensor | None  # int64 [N]: the logits row each sampling row reads; None: row i reads row i
     penalty_slots: torch.Tensor | None  # int64 [P]: the history rows of the penalized batch rows (meta's order)
+    seqs: list[Sequence] | None = None  # the sequences when some row has a grammar (its mask is built from them)
 
 
 class SamplingState:
@@ -69,6 +72,8 @@ class SamplingState:
         self.history: torch.Tensor | None = None
         self.free_penalty_rows: list[int] = []
         self.slots: dict[int, _Slot] = {}
+        # the constrained sequences' matchers: set by the engine when its first constrained request comes
+        self.grammars: GrammarMasks | None = None
 
     @property
     def num_penalty_rows(self) -> int:
@@ -118,8 +123,23 @@ class SamplingState:
             presence_penalty=floats[:, 3], frequency_penalty=floats[:, 4], repetition_penalty=floats[:, 5],
             seeds=ints[:, 1], choices=ints[:, 2], positions=positions,
             num_logprobs=[s.params.logprobs for s in slots], facts=facts, penalties=penalties)
+        constrained = self.grammars is not None and any(q.params.grammar is not None for q in seqs)
         return SamplingBatch(meta, [q.seq_id for q in seqs], logits if rows else None,
-                             pen_slots if pen else None)
+                             pen_slots if pen else None, seqs if constrained else None)
+
+    def masked(self, batch: SamplingBatch) -> SamplingBatch:
+        """``batch`` with its rows' grammar bitmask (``engine/sampling_grammar.py``): called after the step's forward
+        is launched, so the host builds the masks while the device computes. Mutates the matchers (they consume the
+        sequences' new tokens; those of sequences not in the batch are dropped). ``batch`` itself when no row is
+        constrained: nothing is built or sent."""
+        if self.grammars is None:
+            return batch
+        if batch.seqs is None:
+            if self.grammars.tracked:
+                self.grammars.forget_except(batch.seq_ids)
+            return batch
+        bitmask = self.grammars.bitmask(batch.seqs, self.device)
+        return dataclasses.replace(batch, meta=dataclasses.replace(batch.meta, token_bitmask=bitmask))
 
     def record(self, batch: SamplingBatch, out: SamplerOutput) -> None:
         """Mutates: the penalized rows' histories append their sampled tokens (on the device, from ``out.sampled``),

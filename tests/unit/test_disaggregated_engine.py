@@ -11,6 +11,7 @@ import torch
 
 import kernels
 from engine import LLM, SamplingParams
+from engine.grammar_spec import GrammarSpec
 from engine.kv_cache_manager import cdiv
 from engine.scheduler import SchedulerOutput
 from tests.factories import EXACT_DTYPE
@@ -28,7 +29,10 @@ def prompts(seed: int = 3) -> list[list[int]]:
     SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.9, seed=7),
     # n completions from one prefill: each first token drawn from the same logits with its own key, then forked
     SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, seed=7, n=3, logprobs=2),
-], ids=["greedy", "seeded", "seeded-n3"])
+    # the prefill engine masks the first tokens; the decode engine's matchers consume them before its first step
+    SamplingParams(max_tokens=12, temperature=0.9, seed=7, n=2,
+                   grammar=GrammarSpec.json_schema({"type": "array", "items": {"enum": ["ab", "c", 7]}})),
+], ids=["greedy", "seeded", "seeded-n3", "grammar-n2"])
 def test_prefill_here_decode_there_equals_colocated(tiny_checkpoint, params: SamplingParams) -> None:
     folder = str(tiny_checkpoint("llama"))
     common = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, enable_prefix_caching=True)
