@@ -1,10 +1,12 @@
-"""Decoder-only transformer forward (Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 text) over a paged KV cache.
+"""Decoder-only transformer forward (Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 text / Qwen3-MoE / Mixtral) over a
+paged KV cache.
 
 Matmul weights are :class:`engine.linear.Linear` (q/k/v and gate/up fused into one matmul each; pre-packed for
 oneDNN in bfloat16 on the CPU); attention and KV writes go through ``kernels``, so the Triton kernels replace the
 torch reference without touching this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
 attention and MLP outputs, (1 + weight) norms in float32, a scaled embedding, a GELU gate, two RoPEs (local and
-global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward.
+global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward. A
+layer's MLP is dense or a mixture of experts (:class:`engine.moe.SparseMoE`, loaded by engine/moe.py) per config.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 import kernels
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.moe import SparseMoE, load_sparse_moe
 from engine.rope import RotaryEmbedding
 
 
@@ -28,11 +31,12 @@ class LayerWeights:
     qkv: Linear  # [(Hq + 2 Hk) * D, hidden], with the q/k/v biases when the model has them
     o: Linear
     post_norm: torch.Tensor  # the MLP's input norm (Gemma's pre_feedforward_layernorm)
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: Linear | None  # [2 * intermediate, hidden]; None where the layer's MLP is sparse (moe)
+    down: Linear | None
     qk_norm: torch.Tensor | None = None  # [Hq + Hk, D]: q_norm's weight per q head, then k_norm's per k head
     attn_out_norm: torch.Tensor | None = None  # Gemma's post_attention_layernorm, on the attention output
     mlp_out_norm: torch.Tensor | None = None  # Gemma's post_feedforward_layernorm, on the MLP output
+    moe: SparseMoE | None = None  # the layer's MLP when it is a mixture of experts (engine/moe.py)
 
 
 @dataclass
@@ -94,18 +98,20 @@ class DecoderModel:
                                  norm(state.pop(f"{p}self_attn.k_norm.weight")).expand(cfg.num_kv_heads, -1)])
         # Gemma's MLP input norm is pre_feedforward_layernorm; its post_attention_layernorm norms the attention output
         mlp_norm = "pre_feedforward_layernorm" if cfg.gemma_norms else "post_attention_layernorm"
+        moe = load_sparse_moe(state, cfg, i) if cfg.moe_layers and cfg.moe_layers[i] else None
         return LayerWeights(
             input_norm=norm(state.pop(f"{p}input_layernorm.weight")),
             qkv=Linear(torch.cat([q, k, v]).contiguous(), bias),
             # Llama-style configs with attention_bias (not Qwen2) bias o_proj too
             o=Linear(state.pop(f"{p}self_attn.o_proj.weight"), state.pop(f"{p}self_attn.o_proj.bias", None)),
             post_norm=norm(state.pop(f"{p}{mlp_norm}.weight")),
-            gate_up=Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
-                                      state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
-            down=Linear(state.pop(f"{p}mlp.down_proj.weight")),
+            gate_up=None if moe is not None else Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
+                                                       state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
+            down=None if moe is not None else Linear(state.pop(f"{p}mlp.down_proj.weight")),
             qk_norm=qk_norm,
             attn_out_norm=norm(state.pop(f"{p}post_attention_layernorm.weight")) if cfg.gemma_norms else None,
             mlp_out_norm=norm(state.pop(f"{p}post_feedforward_layernorm.weight")) if cfg.gemma_norms else None,
+            moe=moe,
         )
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -170,8 +176,11 @@ class DecoderModel:
             out = lw.o(attn.reshape(T, self.q_size))
             h = h + (out if lw.attn_out_norm is None else self._norm(out, lw.attn_out_norm))
             x = self._norm(h, lw.post_norm)
-            gate, up = lw.gate_up(x).chunk(2, dim=-1)
-            out = lw.down(self.act(gate) * up)
+            if lw.moe is not None:
+                out = lw.moe(x)
+            else:
+                gate, up = lw.gate_up(x).chunk(2, dim=-1)
+                out = lw.down(self.act(gate) * up)
             h = h + (out if lw.mlp_out_norm is None else self._norm(out, lw.mlp_out_norm))
         return self._norm(h, self.final_norm)
 

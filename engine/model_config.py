@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _GEMMA3 = "Gemma3ForCausalLM"
+_QWEN3_MOE = "Qwen3MoeForCausalLM"
+_MIXTRAL = "MixtralForCausalLM"
 RopeScaling = tuple[tuple[str, Any], ...]  # sorted (key, value) pairs of a rope_scaling dict; () for default
 
 
@@ -47,6 +49,12 @@ class ModelConfig:
     gemma_norms: bool = False
     embedding_scale: float | None = None
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # --- mixture of experts (Qwen3-MoE, Mixtral; see engine/moe.py); 0 experts: every layer's MLP is dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k experts per token
+    moe_intermediate_size: int = 0  # each expert's intermediate size (Mixtral's is intermediate_size)
+    norm_topk_prob: bool = False  # the top-k softmax weights renormalised to sum to 1 (Mixtral: always)
+    moe_layers: tuple[bool, ...] = ()  # per layer: a sparse MoE MLP, else the dense one of intermediate_size
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -105,7 +113,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, n_layers: int) -> tuple[str, ..
 
 def _sliding_windows(cfg: dict[str, Any], arch: str, types: tuple[str, ...]) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch in _QWEN and not cfg.get("use_sliding_window", False):
+    if arch in (*_QWEN, _QWEN3_MOE) and not cfg.get("use_sliding_window", False):
         window = None
     return tuple(int(window) if window and t == "sliding_attention" else None for t in types)
 
@@ -123,6 +131,41 @@ def _refuse_unsupported(cfg: dict[str, Any]) -> None:
                          "(the attention kernels do not soft-cap; only null)")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("model: use_bidirectional_attention is not supported (causal attention only)")
+
+
+# MoE config fields of other families that would change inference if set: refused on these two, never ignored
+_MOE_REFUSED = {"shared_expert_intermediate_size": 0, "n_shared_experts": 0, "num_shared_experts": 0,
+                "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "scoring_func": "softmax",
+                "topk_method": "greedy"}
+
+
+def _moe(cfg: dict[str, Any], arch: str, n_layers: int) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE or Mixtral config (``{}`` for a dense architecture), with the layers that are
+    sparse as each Hugging Face decoder layer decides. Raises ``ValueError`` naming a field we cannot honour."""
+    if arch not in (_QWEN3_MOE, _MIXTRAL):
+        return {}
+    for key, neutral in _MOE_REFUSED.items():
+        if cfg.get(key) not in (None, neutral):
+            raise ValueError(f"model: {key} {cfg[key]!r} is not supported for {arch} (only {neutral!r})")
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map); released configs do not
+    experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 128 if arch == _QWEN3_MOE else 8)) or 0)
+    top_k = int(cfg.get("num_experts_per_tok", 8 if arch == _QWEN3_MOE else 2))
+    if experts < (0 if arch == _QWEN3_MOE else 1):
+        raise ValueError(f"model: num_experts {experts} must be >= 1 for {arch}")
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(f"model: num_experts_per_tok {top_k} must be in [1, num_experts {experts}]")
+    if arch == _MIXTRAL:
+        return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg["intermediate_size"]),
+                    norm_topk_prob=True, moe_layers=(True,) * n_layers)
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"model: decoder_sparse_step {step} must be >= 1")
+    dense = set(cfg.get("mlp_only_layers") or ())
+    if not dense <= set(range(n_layers)):
+        raise ValueError(f"model: mlp_only_layers {sorted(dense)} names layers outside [0, {n_layers})")
+    layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=int(cfg.get(
+        "moe_intermediate_size", 768)), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 def load_model_config(folder: Path) -> ModelConfig:
@@ -174,11 +217,12 @@ def load_model_config(folder: Path) -> ModelConfig:
         hidden_act=act,
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
-        qk_norm=arch == "Qwen3ForCausalLM" or gemma,
+        qk_norm=arch in ("Qwen3ForCausalLM", _QWEN3_MOE) or gemma,
         attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         local_rope=local_rope,
         local_layers=tuple(t == "sliding_attention" for t in types) if gemma else (),
         gemma_norms=gemma,
         embedding_scale=hidden**0.5 if gemma else None,
         final_logit_softcapping=float(softcap) if softcap is not None else None,
+        **_moe(cfg, arch, n_layers),
     )

@@ -16,6 +16,8 @@ The API other routers build on (DeepSeek's grouped top-k with shared experts reu
   :func:`kernels.fused_moe`.
 - :func:`softmax_topk`: Qwen3-MoE's and Mixtral's router (softmax over all experts in float32, top-k, optionally
   renormalised to sum to 1), on the device.
+- :class:`SparseMoE` (router + experts, called on a layer's normed hidden states) and :func:`load_sparse_moe`, which
+  builds one from a checkpoint's tensors: what engine/model.py holds for a layer whose MLP is sparse.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine.linear import Linear
+from engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -80,3 +84,55 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+@dataclass(frozen=True)
+class SparseMoE:
+    """One layer's sparse MLP as Qwen3-MoE and Mixtral run it: router logits, :func:`softmax_topk`, the experts."""
+
+    router: Linear  # [E, H]
+    experts: ExpertWeights
+    top_k: int
+    renormalize: bool
+    act: str
+    # Mixtral scales each expert's output row by its float32 weight; Qwen3-MoE rounds the weights to the model's
+    # dtype first (the same in float32)
+    float32_weights: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, H]``. Pure."""
+        ids, weights = softmax_topk(self.router(x), self.top_k, self.renormalize)
+        if not self.float32_weights:
+            weights = weights.to(x.dtype)
+        return experts_forward(x, ids, weights, self.experts, self.act)
+
+
+def _expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, tuple[str, str, str]]:
+    """(router weight, experts prefix, per-expert gate / up / down names) of a layer in a Hugging Face checkpoint."""
+    if cfg.architecture == "MixtralForCausalLM":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        return f"{p}gate.weight", f"{p}experts.", ("w1.weight", "w3.weight", "w2.weight")
+    p = f"model.layers.{layer}.mlp."
+    return f"{p}gate.weight", f"{p}experts.", ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+
+
+def load_sparse_moe(state: dict[str, torch.Tensor], cfg: ModelConfig, layer: int) -> SparseMoE:
+    """Pop layer ``layer``'s router and experts from ``state`` (a checkpoint's per-expert tensors, or the stacked
+    ``experts.gate_up_proj`` / ``experts.down_proj`` that transformers 5 holds in memory). Mutates ``state``. Raises
+    ``ValueError`` if the checkpoint lacks an expert or its shapes disagree with the config."""
+    router, prefix, (g, u, d) = _expert_names(cfg, layer)
+    if f"{prefix}gate_up_proj" in state:
+        experts = ExpertWeights(state.pop(f"{prefix}gate_up_proj"), state.pop(f"{prefix}down_proj"))
+    else:
+        try:
+            names = [[f"{prefix}{e}.{n}" for e in range(cfg.num_experts)] for n in (g, u, d)]
+            gates, ups, downs = ([state.pop(name) for name in group] for group in names)
+        except KeyError as missing:
+            raise ValueError(f"model: layer {layer}'s experts: no tensor {missing} in the checkpoint") from None
+        experts = ExpertWeights.stack(gates, ups, downs)
+    want = (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    if tuple(experts.gate_up.shape) != want:
+        raise ValueError(f"model: layer {layer}'s experts are {tuple(experts.gate_up.shape)}, the config says {want}")
+    return SparseMoE(router=Linear(state.pop(router)), experts=experts, top_k=cfg.num_experts_per_tok,
+                     renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
+                     float32_weights=cfg.architecture == "MixtralForCausalLM")

@@ -23,7 +23,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
     made: dict[tuple, Path] = {}
 
     def make(arch: str, **overrides) -> Path:
-        key = (arch, tuple(sorted(overrides.items(), key=str)))
+        key = (arch, repr(sorted(overrides.items(), key=str)))  # repr: list-valued overrides (mlp_only_layers)
         if key not in made:
             made[key] = build_checkpoint(tmp_path_factory.mktemp(arch), arch, tiny_tokenizer_dir, **overrides)
         return made[key]

@@ -70,10 +70,45 @@ ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
                "rope_local_base_freq": 500.0, "rope_theta": 20000.0,
                "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "query_pre_attn_scalar": 24,
                "final_logit_softcapping": 30.0, "pad_token_id": 0},
+    # 7 experts of 28, top-3 without renormalising; layer 2 dense by mlp_only_layers (88 wide); q/k norms, head_dim
+    # 20 over hidden 48, GQA 6:2; every layer sliding over 56 tokens
+    "qwen3_moe": {"hidden_size": 48, "num_attention_heads": 6, "head_dim": 20, "num_hidden_layers": 4,
+                  "intermediate_size": 88, "moe_intermediate_size": 28, "num_experts": 7, "num_experts_per_tok": 3,
+                  "norm_topk_prob": False, "mlp_only_layers": [2], "decoder_sparse_step": 1,
+                  "use_sliding_window": True, "sliding_window": 56, "tie_word_embeddings": False},
+    # 5 experts of 52, top-2 (renormalised), GQA 5:1, head_dim 12 over hidden 40, every layer sliding over 48 tokens
+    "mixtral": {"hidden_size": 40, "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 12,
+                "intermediate_size": 52, "num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 48,
+                "tie_word_embeddings": False},
 }
+# the other MoE layouts of Qwen3-MoE, as overrides of "qwen3_moe": sparse every second layer (1 and 3, 3 dense by
+# mlp_only_layers: layer 1 alone), top-2 of 5 renormalised (norm_topk_prob)
+QWEN3_MOE_STEP2 = {"decoder_sparse_step": 2, "mlp_only_layers": [3], "num_experts": 5, "num_experts_per_tok": 2,
+                   "norm_topk_prob": True}
+# DeepSeek-V3: q through a q_lora_rank of 28, an odd latent (kv_lora_rank 21 + rope 8: the cache pads one value), 3
+# heads of nope 12 + rope 8 and v 10, YaRN with mscale_all_dim (cos/sin and the softmax scale both scaled); layer 0
+# dense, layers 1-2 routed: 8 experts in 4 groups, the best 2 groups kept, top-3 + one shared expert, sigmoid scores
+# with a correction bias. DeepSeek-V2 in V2-Lite's shape: q as one projection (q_lora_rank null), complex-pair RoPE,
+# a softmax router over 6 experts in 3 groups (group_limited_greedy keeping 2), top-2 + two shared; layers 0-1 dense.
+ARCH_OVERRIDES.update({
+    "deepseek_v3": {"hidden_size": 40, "num_attention_heads": 3, "num_key_value_heads": 3, "num_hidden_layers": 3,
+                    "intermediate_size": 56, "moe_intermediate_size": 24, "kv_lora_rank": 21, "q_lora_rank": 28,
+                    "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "n_routed_experts": 8,
+                    "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+                    "first_k_dense_replace": 1, "routed_scaling_factor": 1.7, "tie_word_embeddings": False,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                                     "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}},
+    "deepseek_v2": {"hidden_size": 36, "num_attention_heads": 2, "num_key_value_heads": 2, "num_hidden_layers": 3,
+                    "intermediate_size": 48, "moe_intermediate_size": 20, "kv_lora_rank": 16, "q_lora_rank": None,
+                    "qk_nope_head_dim": 10, "qk_rope_head_dim": 6, "v_head_dim": 14, "n_routed_experts": 6,
+                    "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 3, "topk_group": 2,
+                    "topk_method": "group_limited_greedy", "first_k_dense_replace": 2, "routed_scaling_factor": 1.3,
+                    "tie_word_embeddings": False},
+})
 
 _NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
-_NORMS_PERTURBED = ("qwen3", "gemma3")  # the older archs keep the weights their tests were written against
+_NORMS_PERTURBED = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3",
+                    "deepseek_v2")  # the older archs keep the weights their tests were written against
 # Gemma 3's scaled, tied embedding dominates the residual at the common std: greedy repeats the input token. A
 # smaller embedding, larger layers and a sharper final norm give varied text with top-2 logprob gaps above 4e-3.
 _GEMMA3_INIT = {"embed_std": 0.04, "layer_std": 0.2, "final_norm_add": 4.0}
@@ -88,7 +123,11 @@ def build_checkpoint(folder: Path, arch: str, tokenizer_dir: Path, seed: int = 0
 
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "mistral": (tf.MistralConfig, tf.MistralForCausalLM), "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM)}[arch]
+           "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+           "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+           "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+           "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM),
+           "deepseek_v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM)}[arch]
     kwargs: dict[str, Any] = dict(
         vocab_size=400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
@@ -110,6 +149,9 @@ def build_checkpoint(folder: Path, arch: str, tokenizer_dir: Path, seed: int = 0
                 p.add_(torch.empty_like(p).uniform_(-0.3, 0.3))
         if gemma:
             model.model.norm.weight.add_(_GEMMA3_INIT["final_norm_add"])
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: a zero bias would not show a lost one
+                buf.uniform_(0.0, 0.3)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder), safe_serialization=True)
     for f in tokenizer_dir.iterdir():

@@ -1,4 +1,6 @@
-"""Greedy identity with Hugging Face ``generate``: tiny random Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 checkpoints,
+"""Greedy identity with Hugging Face ``generate``: tiny random Llama / Qwen2 / Mistral / Qwen3 / Gemma 3 / Qwen3-MoE
+(two layouts: mlp_only_layers, decoder_sparse_step 2 with norm_topk_prob) / Mixtral / DeepSeek-V3 / DeepSeek-V2
+checkpoints,
 batched together, with chunked prefill, prefix-cache hits, preemption and n = 2 each forced in turn; every token's
 logprob within 1e-3 of Hugging Face's (float32)."""
 
@@ -9,7 +11,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from factories import hf_greedy_logprobs
+from factories import QWEN3_MOE_STEP2, hf_greedy_logprobs
 
 MAX_NEW = 16
 LOGPROB_TOL = 1e-3
@@ -23,9 +25,18 @@ def prompts_with_shared_prefixes(seed: int = 0) -> list[list[int]]:
     return base + shared
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral", "qwen3", "gemma3"])
+# a case's name -> (factory arch, overrides)
+CASES = {name: (name, {}) for name in ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral")}
+CASES["qwen3_moe_step2"] = ("qwen3_moe", QWEN3_MOE_STEP2)
+# DeepSeek's latent attention (MLA) over the latent cache: V3 with q_lora_rank, YaRN and the noaux_tc router; V2 with
+# q as one projection and the softmax group-limited router (factories.ARCH_OVERRIDES)
+CASES.update({name: (name, {}) for name in ("deepseek_v3", "deepseek_v2")})
+
+
+@pytest.fixture(scope="module", params=list(CASES))
 def arch_case(request: pytest.FixtureRequest, tiny_checkpoint):  # type: ignore[no-untyped-def]
-    folder = tiny_checkpoint(request.param)
+    arch, overrides = CASES[request.param]
+    folder = tiny_checkpoint(arch, **overrides)
     prompts = prompts_with_shared_prefixes()
     return folder, prompts, hf_greedy_logprobs(folder, prompts, MAX_NEW)
 

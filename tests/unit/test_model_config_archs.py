@@ -77,3 +77,84 @@ def test_gemma3_refuses_what_the_forward_lacks(tmp_path: Path, field: str, value
     folder = _write(tmp_path, {**GEMMA3_RELEASED, field: value})
     with pytest.raises(ValueError, match=field.replace("hidden_activation", "hidden_act")):
         load_model_config(folder)
+
+
+# Qwen3-30B-A3B's config.json, shrunk (transformers 4 keys: num_experts, max_window_layers that Qwen3-MoE ignores)
+QWEN3_MOE_RELEASED: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False, "head_dim": 16,
+    "decoder_sparse_step": 1, "hidden_act": "silu", "hidden_size": 40, "intermediate_size": 96,
+    "max_position_embeddings": 512, "max_window_layers": 2, "mlp_only_layers": [], "moe_intermediate_size": 24,
+    "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 16, "num_experts_per_tok": 4,
+    "num_hidden_layers": 6, "num_key_value_heads": 2, "output_router_logits": False, "rms_norm_eps": 1e-6,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 300,
+}
+# Mixtral-8x7B's config.json, shrunk
+MIXTRAL_RELEASED: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 32, "intermediate_size": 56, "max_position_embeddings": 512,
+    "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2,
+    "num_local_experts": 8, "output_router_logits": False, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 300,
+}
+
+
+def _hf_sparse_layers(folder: Path) -> tuple[bool, ...]:
+    """Which decoder layers Hugging Face builds with a sparse MoE block (as ``Qwen3MoeDecoderLayer`` decides)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(folder))
+    if hf.model_type == "mixtral":
+        return (True,) * hf.num_hidden_layers
+    return tuple(i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
+                 for i in range(hf.num_hidden_layers))
+
+
+@pytest.mark.parametrize("changes", [{}, {"decoder_sparse_step": 2, "mlp_only_layers": [3], "norm_topk_prob": False},
+                                     {"mlp_only_layers": [0, 5], "use_sliding_window": True, "sliding_window": 24},
+                                     {"num_experts": 0}])
+def test_qwen3_moe_released_config(tmp_path: Path, changes: dict[str, Any]) -> None:
+    from transformers import AutoConfig
+
+    folder = _write(tmp_path, {**QWEN3_MOE_RELEASED, **changes})
+    mc = load_model_config(folder)
+    hf = AutoConfig.from_pretrained(str(folder))
+    assert mc.moe_layers == _hf_sparse_layers(folder)
+    assert mc.sliding_windows == (hf.sliding_window,) * 6  # every layer, where use_sliding_window sets one
+    assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size, mc.norm_topk_prob) == (
+        hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, hf.norm_topk_prob)
+    assert mc.qk_norm and mc.intermediate_size == 96
+
+
+def test_qwen3_moe_config_written_by_transformers5(tmp_path: Path) -> None:
+    """transformers 5 saves Qwen3-MoE's num_experts under its attribute map's name, num_local_experts."""
+    cfg = {k: v for k, v in QWEN3_MOE_RELEASED.items() if k != "num_experts"}
+    mc = load_model_config(_write(tmp_path, {**cfg, "num_local_experts": 6}))
+    assert mc.num_experts == 6 and all(mc.moe_layers)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40])
+def test_mixtral_released_config(tmp_path: Path, sliding_window: int | None) -> None:
+    folder = _write(tmp_path, {**MIXTRAL_RELEASED, "sliding_window": sliding_window})
+    mc = load_model_config(folder)
+    assert mc.moe_layers == _hf_sparse_layers(folder) == (True,) * 3
+    assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size) == (8, 2, 56)
+    assert mc.norm_topk_prob and not mc.qk_norm  # Mixtral always renormalises its top-k
+    assert mc.sliding_windows == (sliding_window,) * 3
+
+
+@pytest.mark.parametrize(("base", "field", "value"), [
+    (QWEN3_MOE_RELEASED, "shared_expert_intermediate_size", 64),  # Qwen2-MoE's shared expert
+    (QWEN3_MOE_RELEASED, "routed_scaling_factor", 2.5),
+    (MIXTRAL_RELEASED, "n_shared_experts", 1),
+    (MIXTRAL_RELEASED, "scoring_func", "sigmoid"),
+    (QWEN3_MOE_RELEASED, "num_experts_per_tok", 17),
+    (MIXTRAL_RELEASED, "num_local_experts", 0),
+    (QWEN3_MOE_RELEASED, "decoder_sparse_step", 0),
+    (QWEN3_MOE_RELEASED, "mlp_only_layers", [6]),
+    (MIXTRAL_RELEASED, "hidden_act", "relu"),
+])
+def test_moe_refuses_what_the_forward_lacks(tmp_path: Path, base: dict[str, Any], field: str, value: Any) -> None:
+    folder = _write(tmp_path, {**base, field: value})
+    with pytest.raises(ValueError, match=field.replace("num_local_experts", "num_experts")):
+        load_model_config(folder)
