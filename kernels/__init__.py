@@ -396,9 +396,10 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_i
 
     x ``[T, H]`` (float32 / float16 / bfloat16); gate_up ``[E, 2I, H]`` (each expert's gate rows, then its up rows)
     and down ``[E, H, I]`` in x's dtype; topk_ids integer ``[T, K]`` (each in ``[0, E)``, distinct per row);
-    topk_weights float ``[T, K]``; ``activation`` a key of :data:`grouped_moe.ACTIVATIONS`. The torch path
-    (:mod:`kernels.grouped_moe`: one matmul per expert that got tokens) reads the per-expert counts on the host; the
-    expert ids themselves are never checked on the host."""
+    topk_weights float ``[T, K]``; ``activation`` a key of :data:`grouped_moe.ACTIVATIONS`. Where :func:`uses_triton`,
+    the fused Triton kernel (:mod:`kernels.triton_moe`: no host read, graph-capturable); else the torch path
+    (:mod:`kernels.grouped_moe`: one matmul per expert that got tokens), which reads the per-expert counts on the
+    host. The expert ids themselves are never checked on the host."""
     _check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), "x", f"unsupported dtype {x.dtype}")
     _check(x.dim() == 2, "x", f"expected [num_tokens, hidden], got {tuple(x.shape)}")
     _check(gate_up.dim() == 3 and gate_up.shape[2] == x.shape[1] and gate_up.shape[1] % 2 == 0, "gate_up",
@@ -414,4 +415,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_i
            f"expected a float {tuple(topk_ids.shape)}, got {topk_weights.dtype} {tuple(topk_weights.shape)}")
     _check(activation in grouped_moe.ACTIVATIONS, "activation",
            f"{activation!r} is not one of {', '.join(grouped_moe.ACTIVATIONS)}")
+    if uses_triton(x):
+        from kernels import triton_moe
+
+        return triton_moe.fused_moe(x, gate_up, down, topk_ids, topk_weights, activation)
     return grouped_moe.grouped_moe(x, gate_up, down, topk_ids, topk_weights, activation)

@@ -61,7 +61,7 @@ def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> 
 
 CASES = ["decode_bf16_split", "decode_fp8", "decode_int8", "decode_reduce", "prefill_bf16_window", "prefill_fp8",
          "prefill_int8", "store_kv", "store_fp8", "store_int8", "copy_blocks", "copy_between", "fp8_quantize",
-         "payload_mac"]
+         "payload_mac", "moe_gate_up", "moe_down"]
 CACHE_TYPES = {"fp8": "*fp8e4nv", "int8": "*i8"}
 
 
@@ -71,6 +71,19 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType, i8: ModuleType) -> N
         mac = _load("triton_mac")
         _compile(mac._row_sums_kernel, dict(x_ptr="*i8", w_ptr="*i32", out_ptr="*i64", num_rows=I32, pad=I32,
                                             ROW=2048, ROWS=mac.MAC_ROWS, TILE=mac.MAC_TILE), mac.MAC_WARPS, 2)
+        return
+    if case.startswith("moe_"):  # the fused MoE's two kernels, bfloat16, the tall (prefill) blocks
+        moe = _load("triton_moe")
+        args = dict(w_ptr="*bf16", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", num_assign=I32,
+                    hidden=I32_16, inter=I32_16, stride_we=I32_16, stride_wn=I32_16, stride_ot=I32_16,
+                    NUM_EXPERTS=128, PRECISION=triton.language.constexpr("tf32"), BLOCK_M=moe.BLOCK_M_LARGE,
+                    BLOCK_N=moe.BLOCK_N, BLOCK_K=moe.BLOCK_K)
+        if case == "moe_gate_up":
+            _compile(moe._gate_up_kernel, dict(args, x_ptr="*bf16", top_k=I32, stride_xt=I32_16, ACT=0),
+                     moe.MOE_WARPS, moe.MOE_STAGES)
+        else:
+            _compile(moe._down_kernel, dict(args, h_ptr="*bf16", wt_ptr="*fp32", stride_ht=I32_16), moe.MOE_WARPS,
+                     moe.MOE_STAGES)
         return
     attn = dict(bt_ptr="*i32", ks_ptr="*fp32", vs_ptr="*fp32", scale_log2=0.1, window=I32, stride_kb=I32_16,
                 stride_kt=I32_16, stride_kh=I32_16, stride_vb=I32_16, stride_vt=I32_16, stride_vh=I32_16,
