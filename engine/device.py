@@ -154,9 +154,9 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
 
     cfg, dev = model.cfg, model.device
     num_blocks = -(-num_tokens // block_size)
-    kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype,
+    kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.cache_heads, cfg.cache_head_dim, dtype=kv_dtype,
                      device=dev)
-    scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, num_blocks, block_size, cfg.num_kv_heads),
+    scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, num_blocks, block_size, cfg.cache_heads),
                                device=dev).unbind(0))
               if kv_dtype in SCALED_DTYPES else None)
     table = torch.arange(num_blocks, dtype=torch.int32, device=dev)
@@ -182,8 +182,8 @@ def profile_decode_graphs(model: DecoderModel, max_num_seqs: int, max_model_len:
     from kernels.reference import SCALED_DTYPES, scale_dims
 
     cfg, dev = model.cfg, model.device
-    kv = torch.zeros(cfg.num_layers, 2, 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype, device=dev)
-    scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, 1, block_size, cfg.num_kv_heads),
+    kv = torch.zeros(cfg.num_layers, 2, 1, block_size, cfg.cache_heads, cfg.cache_head_dim, dtype=kv_dtype, device=dev)
+    scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, 1, block_size, cfg.cache_heads),
                                device=dev).unbind(0))
               if kv_dtype in SCALED_DTYPES else None)
     torch.cuda.synchronize(dev)

@@ -22,14 +22,16 @@ import kernels
 from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.moe import SparseMoE, load_sparse_moe
+from engine.mla import MLAttention
+from engine.moe_deepseek import load_deepseek_moe
 from engine.rope import RotaryEmbedding
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear  # [(Hq + 2 Hk) * D, hidden], with the q/k/v biases when the model has them
-    o: Linear
+    qkv: Linear | None  # [(Hq + 2 Hk) * D, hidden], with the q/k/v biases when the model has them; None: MLA
+    o: Linear | None  # None in an MLA model (engine/mla.py holds its attention weights)
     post_norm: torch.Tensor  # the MLP's input norm (Gemma's pre_feedforward_layernorm)
     gate_up: Linear | None  # [2 * intermediate, hidden]; None where the layer's MLP is sparse (moe)
     down: Linear | None
@@ -68,10 +70,11 @@ class DecoderModel:
         # a tied head is the embedding table read as a matmul: packed, it is a second copy (the table stays a table)
         self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else state.pop("lm_head.weight"))
         self.final_norm = self._norm_weight(state.pop("model.norm.weight"))
-        self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
-        self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.act: Callable[[torch.Tensor], torch.Tensor] = (
             F.silu if cfg.hidden_act == "silu" else functools.partial(F.gelu, approximate="tanh"))
+        self.mla = MLAttention(cfg, state, cfg.rms_norm_eps) if cfg.mla is not None else None
+        self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
+        self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.device = self.embed.device
         self.rope = RotaryEmbedding(cfg.head_dim, max_len, cfg.rope_theta, cfg.rope_scaling_dict, dtype, self.device)
         # per layer: index into the step's cos/sin tables (0: the global RoPE, 1: Gemma 3's local one)
@@ -87,6 +90,8 @@ class DecoderModel:
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         cfg = self.cfg
+        if cfg.mla is not None:
+            return self._deepseek_layer(state, i)
         q, k, v = (state.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
         bias = None
         if cfg.attention_bias:
@@ -112,6 +117,22 @@ class DecoderModel:
             attn_out_norm=norm(state.pop(f"{p}post_attention_layernorm.weight")) if cfg.gemma_norms else None,
             mlp_out_norm=norm(state.pop(f"{p}post_feedforward_layernorm.weight")) if cfg.gemma_norms else None,
             moe=moe,
+        )
+
+    def _deepseek_layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        """A DeepSeek layer's norms and MLP (dense before first_k_dense_replace, else routed + shared experts); its
+        attention's weights are ``self.mla``'s."""
+        p, moe_cfg = f"model.layers.{i}.", self.cfg.deepseek_moe
+        moe = None
+        if moe_cfg is not None and moe_cfg.is_moe_layer(i):
+            moe = load_deepseek_moe(state, moe_cfg, i, self.cfg.hidden_size, self.cfg.hidden_act, self.act)
+        return LayerWeights(
+            input_norm=state.pop(f"{p}input_layernorm.weight"), qkv=None, o=None,
+            post_norm=state.pop(f"{p}post_attention_layernorm.weight"),
+            gate_up=None if moe is not None else Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
+                                                                   state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
+            down=None if moe is not None else Linear(state.pop(f"{p}mlp.down_proj.weight")),
+            moe=moe,  # type: ignore[arg-type]  # called as SparseMoE is: [T, H] -> [T, H]
         )
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
@@ -148,32 +169,18 @@ class DecoderModel:
         h = self.embed[input_ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        T = h.shape[0]
         cos_sins = [rope.lookup(positions) for rope in self.ropes]
         # each decode group's gather ids and mask, once per step for all layers with the same sliding window
         plans = {w: [kernels.decode_plan(kv_caches[0][0], tables, lens, w) for _, _, tables, lens in meta.decode_groups]
                  for w in set(cfg.sliding_windows)}
         for i, lw in enumerate(self.layers):
             x = self._norm(h, lw.input_norm)
-            qkv = lw.qkv(x)
-            qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim)
-            if lw.qk_norm is not None:  # per head, before RoPE
-                qk = self._norm(qk, lw.qk_norm)
-            # q's and k's heads rotated together: q and k are views of one new tensor
-            qk = self.rope.apply(qk, cos_sins[self.rope_ids[i]])
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
-            k_cache, v_cache = kv_caches[i][0], kv_caches[i][1]
             scales = (kv_scales[i][0], kv_scales[i][1]) if kv_scales is not None else (None, None)
-            if scales[0] is None:
-                kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            stored = None if after_kv_store is None else functools.partial(after_kv_store, i)
+            if self.mla is not None:  # latent attention: engine/mla.py
+                out = self.mla.forward(i, x, cos_sins[0], meta, kv_caches[i], scales, self.scale, plans[None], stored)
             else:
-                kernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
-            if after_kv_store is not None:
-                after_kv_store(i)
-            window = cfg.sliding_windows[i]
-            attn = self._attention(q, k_cache, v_cache, meta, window, scales, plans[window])
-            out = lw.o(attn.reshape(T, self.q_size))
+                out = self._kv_attention(i, lw, x, cos_sins, meta, kv_caches[i], scales, plans, stored)
             h = h + (out if lw.attn_out_norm is None else self._norm(out, lw.attn_out_norm))
             x = self._norm(h, lw.post_norm)
             if lw.moe is not None:
@@ -183,6 +190,33 @@ class DecoderModel:
                 out = lw.down(self.act(gate) * up)
             h = h + (out if lw.mlp_out_norm is None else self._norm(out, lw.mlp_out_norm))
         return self._norm(h, self.final_norm)
+
+    def _kv_attention(
+        self, i: int, lw: LayerWeights, x: torch.Tensor, cos_sins: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata, kv: torch.Tensor, scales: tuple[torch.Tensor | None, torch.Tensor | None],
+        plans: dict[int | None, list[kernels.reference.DecodeSpan | None]], stored: Callable[[], None] | None,
+    ) -> torch.Tensor:
+        """Layer ``i``'s per-head K/V attention output ``[T, hidden]`` for the normed ``x``; writes the tokens' K/V
+        into ``kv`` (the layer's ``[2, ...]`` cache), then calls ``stored``."""
+        cfg, T = self.cfg, x.shape[0]
+        qkv = lw.qkv(x)
+        qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim)
+        if lw.qk_norm is not None:  # per head, before RoPE
+            qk = self._norm(qk, lw.qk_norm)
+        # q's and k's heads rotated together: q and k are views of one new tensor
+        qk = self.rope.apply(qk, cos_sins[self.rope_ids[i]])
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
+        k_cache, v_cache = kv[0], kv[1]
+        if scales[0] is None:
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            kernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
+        if stored is not None:
+            stored()
+        window = cfg.sliding_windows[i]
+        attn = self._attention(q, k_cache, v_cache, meta, window, scales, plans[window])
+        return lw.o(attn.reshape(T, self.q_size))
 
     def _attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None,

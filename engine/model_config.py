@@ -7,8 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekMoEConfig, MLAConfig, mla_softmax_scale, read_mla, \
+    read_moe
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                           *DEEPSEEK_ARCHITECTURES)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _GEMMA3 = "Gemma3ForCausalLM"
@@ -56,9 +60,29 @@ class ModelConfig:
     norm_topk_prob: bool = False  # the top-k softmax weights renormalised to sum to 1 (Mixtral: always)
     moe_layers: tuple[bool, ...] = ()  # per layer: a sparse MoE MLP, else the dense one of intermediate_size
 
+    # --- DeepSeek-V2 / V3 (engine/deepseek_config.py): latent attention, and its grouped-router experts
+    mla: MLAConfig | None = None  # None: per-head K/V attention
+    deepseek_moe: DeepseekMoEConfig | None = None  # None: every layer's MLP is dense
+
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
         return dict(self.rope_scaling)
+
+    @property
+    def kv_layout(self) -> str:
+        """What the KV cache's two planes hold: "kv" (K and V per kv head) or "mla" (a token's latent, split in
+        two halves; see :attr:`MLAConfig.plane_dim`)."""
+        return "kv" if self.mla is None else "mla"
+
+    @property
+    def cache_heads(self) -> int:
+        """Heads per token in each cache plane: the kv heads, or 1 (the latent)."""
+        return self.num_kv_heads if self.mla is None else 1
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Values per head in each cache plane: head_dim, or half the latent (rounded up)."""
+        return self.head_dim if self.mla is None else self.mla.plane_dim
 
 
 def _scaling(theta: float, scaling: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -67,8 +91,13 @@ def _scaling(theta: float, scaling: dict[str, Any]) -> tuple[float, dict[str, An
         scaling["rope_type"] = scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         scaling = {}
-    elif scaling["rope_type"] not in ("linear", "llama3"):
-        raise ValueError(f"rope_scaling: type {scaling['rope_type']!r} is not supported (default, linear, llama3)")
+    elif scaling["rope_type"] not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"rope_scaling: type {scaling['rope_type']!r} is not supported (default, linear, llama3, "
+                         "yarn)")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"rope_scaling: partial_rotary_factor {scaling['partial_rotary_factor']!r} is not supported")
+    if scaling.get("rope_type") == "yarn" and scaling.get("factor") is None:
+        raise ValueError("rope_scaling: yarn without a factor is not supported")
     return theta, scaling
 
 
@@ -191,6 +220,9 @@ def load_model_config(folder: Path) -> ModelConfig:
     hidden = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
+    deepseek = _deepseek(cfg, arch, n_layers, scaling)
+    if deepseek:  # the RoPE rotates the rope part of q and k only
+        head_dim = deepseek["mla"].qk_rope_head_dim
     types = _layer_types(cfg, arch, n_layers)
     eos = _ids(cfg.get("eos_token_id"))
     gen_path = folder / "generation_config.json"
@@ -218,11 +250,22 @@ def load_model_config(folder: Path) -> ModelConfig:
         eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"),
         qk_norm=arch in ("Qwen3ForCausalLM", _QWEN3_MOE) or gemma,
-        attention_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attention_scale=(float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma
+                         else deepseek.pop("attention_scale", None)),  # (popped before **deepseek below)
         local_rope=local_rope,
         local_layers=tuple(t == "sliding_attention" for t in types) if gemma else (),
         gemma_norms=gemma,
         embedding_scale=hidden**0.5 if gemma else None,
         final_logit_softcapping=float(softcap) if softcap is not None else None,
         **_moe(cfg, arch, n_layers),
+        **deepseek,
     )
+
+
+def _deepseek(cfg: dict[str, Any], arch: str, n_layers: int, scaling: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek config's MLA and MoE fields and its softmax scale (``{}`` for another architecture)."""
+    if arch not in DEEPSEEK_ARCHITECTURES:
+        return {}
+    mla = read_mla(cfg, arch)
+    return dict(mla=mla, deepseek_moe=read_moe(cfg, arch, n_layers),
+                attention_scale=mla_softmax_scale(mla.qk_head_dim, scaling))

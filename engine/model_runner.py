@@ -43,11 +43,12 @@ KV_DTYPES = {"fp8": FP8, "int8": INT8}  # EngineConfig.kv_cache_dtype -> the cac
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V, and their float32 scales for a scaled cache: one per kv
-    head for FP8, one per token and kv head for int8)."""
-    values = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+    head for FP8, one per token and kv head for int8; an MLA model's latent halves in the two planes)."""
+    heads, dim = cfg.cache_heads, cfg.cache_head_dim
+    values = 2 * cfg.num_layers * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
     if dtype not in SCALED_DTYPES:
         return values
-    return values + 2 * cfg.num_layers * math.prod(scale_dims(dtype, 1, block_size, cfg.num_kv_heads)) * 4
+    return values + 2 * cfg.num_layers * math.prod(scale_dims(dtype, 1, block_size, heads)) * 4
 
 
 def send_sections(sections: list[list[int]], device: torch.device) -> list[torch.Tensor]:
@@ -86,17 +87,18 @@ class ModelRunner:
         dtype = kv_dtype or model.dtype
         self.shared_kv: SharedKVMemory | None = None
         if shared_kv and self.device.type == "cpu":
-            self.shared_kv = SharedKVMemory(KVLayout(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
-                                                     cfg.head_dim, str(dtype).removeprefix("torch."),
-                                                     dtype in SCALED_DTYPES))
-        # [layers, 2, num_blocks, block_size, kv_heads, head_dim]; layer i's view is the contract's per-layer layout
+            self.shared_kv = SharedKVMemory(KVLayout(cfg.num_layers, num_blocks, block_size, cfg.cache_heads,
+                                                     cfg.cache_head_dim, str(dtype).removeprefix("torch."),
+                                                     dtype in SCALED_DTYPES, cfg.kv_layout))
+        # [layers, 2, num_blocks, block_size, kv_heads, head_dim] (MLA: [..., 1, half the latent]); layer i's view
+        # is the contract's per-layer layout
         self.kv = (self.shared_kv.kv if self.shared_kv is not None else
-                   torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                   torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.cache_heads, cfg.cache_head_dim,
                                dtype=dtype, device=self.device))
         self.kv_caches = list(self.kv.unbind(0))
         # a scaled cache's float32 scales (zero where never written): FP8 [layers, 2, num_blocks, kv_heads], int8
         # [layers, 2, num_blocks, block_size, kv_heads]
-        dims = scale_dims(dtype, num_blocks, block_size, cfg.num_kv_heads)
+        dims = scale_dims(dtype, num_blocks, block_size, cfg.cache_heads)
         self.kv_scales = (torch.zeros(cfg.num_layers, 2, *dims, device=self.device)
                           if dtype in SCALED_DTYPES and self.shared_kv is None else
                           self.shared_kv.scales if self.shared_kv is not None else None)

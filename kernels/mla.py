@@ -32,6 +32,9 @@ def _check_planes(k_cache: torch.Tensor, v_cache: torch.Tensor, latent_dim: int,
     _check(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, "v_cache",
            f"{v_cache.dtype} {tuple(v_cache.shape)} differs from k_cache's {k_cache.dtype} {tuple(k_cache.shape)}")
     plane = k_cache.shape[3]
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(cache.stride(3) == 1 and cache.stride(1) == plane, name,
+               f"each token's half must be contiguous (strides [*, {plane}, *, 1]), got {tuple(cache.stride())}")
     _check(plane == -(-latent_dim // 2), "q", f"latent dim {latent_dim} does not fill two planes of {plane}")
     _check(0 < kv_lora_rank < latent_dim, "kv_lora_rank", f"must be in (0, {latent_dim}), got {kv_lora_rank}")
 

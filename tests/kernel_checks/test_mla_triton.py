@@ -1,0 +1,138 @@
+"""The Triton MLA decode kernel (:mod:`kernels.triton_mla`) against the torch reference (:mod:`kernels.mla`), over
+plain, FP8 and int8 latent caches: odd and even latents (an odd one pads a value in the second plane), head counts
+below and above a program's head tile, block sizes, lengths 0 (a padded row), 1, and across tiles and blocks.
+Also the public wrapper's dispatch and argument checks, and the reference against a direct expanded computation.
+
+On a CUDA machine they run on the device (bfloat16 included); here under ``TRITON_INTERPRET=1`` (bfloat16 skipped:
+the interpreter computes it wrongly). ~10 s here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+import kernels
+from kernels import mla, reference
+
+pytest.importorskip("triton")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TRITON_MODULES = ("kernels.triton_int8", "kernels.triton_kv", "kernels.triton_mla")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_path() -> Iterator[None]:
+    """Route the Triton modules to the device when there is one, else to the interpreter."""
+    with pytest.MonkeyPatch.context() as mp:
+        if not CUDA:
+            mp.setenv("TRITON_INTERPRET", "1")
+            for name in TRITON_MODULES:
+                if name in sys.modules:  # decorated without the interpreter: decorate again
+                    importlib.reload(sys.modules[name])
+        assert kernels.uses_triton(torch.empty(1, device=DEVICE)), "the tests would compare the reference with itself"
+        yield
+
+
+def _triton() -> ModuleType:
+    return importlib.import_module("kernels.triton_mla")
+
+
+def _latent_cache(nb: int, bs: int, rank: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype | None,
+                  seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Planes ``[k, v]`` (views of one ``[2, ...]`` tensor, as the engine's) with every slot written by
+    :func:`kernels.mla.store_latent` (the torch store), and their scales for a scaled ``kv_dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    plane = -(-(rank + rope) // 2)
+    cache_dtype = kv_dtype or dtype
+    kv = torch.zeros(2, nb, bs, 1, plane, dtype=cache_dtype)
+    scales: list[torch.Tensor | None] = [None, None]
+    if kv_dtype is not None:
+        sc = torch.zeros(2, *reference.scale_dims(kv_dtype, nb, bs, 1))
+        scales = [sc[0], sc[1]]
+    # rows of different magnitudes: a scale read from the wrong token or plane shows
+    lat = (torch.randn(nb * bs, rank + rope, generator=g) * torch.exp(torch.randn(nb * bs, 1, generator=g))).to(dtype)
+    slots = torch.arange(nb * bs)
+    if kv_dtype == reference.FP8_DTYPE:  # an FP8 block's scale is fixed by its opening write: write block by block
+        for b in range(nb):
+            mla.store_latent(lat[b * bs:(b + 1) * bs], kv[0], kv[1], slots[b * bs:(b + 1) * bs], *scales)
+    else:
+        mla.store_latent(lat, kv[0], kv[1], slots, *scales)
+    return [kv[0].to(DEVICE), kv[1].to(DEVICE)], [s.to(DEVICE) if s is not None else None for s in scales]
+
+
+def _case(rank: int, rope: int, heads: int, bs: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+          lens: tuple[int, ...] = (1, 0, 7, 40, 71)) -> None:
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    width = -(-max(lens) // bs)
+    nb = len(lens) * width + 5
+    planes, scales = _latent_cache(nb, bs, rank, rope, dtype, kv_dtype, seed=rank + bs + heads)
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(2))
+    tables = perm[: len(lens) * width].view(len(lens), width).int().to(DEVICE)
+    q = torch.randn(len(lens), heads, rank + rope, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
+    scale = (rank + rope) ** -0.5
+    got = _triton().mla_decode_attention(q, planes[0], planes[1], tables, lens_t, scale, rank, *scales)
+    deq = [reference.gather_blocks(p, torch.arange(nb, device=DEVICE), s, torch.float32).float()
+           for p, s in zip(planes, scales)]
+    want = mla.decode_attention_reference(q.float(), deq[0], deq[1], tables, lens_t, scale, rank)
+    assert got.dtype == dtype and got.shape == (len(lens), heads, rank)
+    assert not got[1].any(), "a row of length 0 must be zeros"
+    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+GRID = list(itertools.product([(21, 8), (32, 16), (48, 6)], [3, 20], [8, 16]))  # (rank, rope), heads, block size
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("latent,heads,bs", GRID)
+def test_mla_decode_matches_reference(latent: tuple[int, int], heads: int, bs: int, dtype: torch.dtype) -> None:
+    _case(*latent, heads, bs, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [reference.FP8_DTYPE, reference.INT8_DTYPE], ids=str)
+@pytest.mark.parametrize("latent", [(21, 8), (32, 16)])
+def test_mla_decode_scaled_cache_matches_dequantized_reference(latent: tuple[int, int],
+                                                               kv_dtype: torch.dtype) -> None:
+    _case(*latent, 5, 8, torch.float32, kv_dtype)
+
+
+def test_public_wrapper_dispatches_to_triton_and_checks_arguments() -> None:
+    planes, _ = _latent_cache(6, 8, 21, 8, torch.float32, None, seed=1)
+    q = torch.randn(2, 3, 29, device=DEVICE)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([9, 16], dtype=torch.int32, device=DEVICE)
+    got = mla.mla_decode_attention(q, planes[0], planes[1], tables, lens, 0.2, 21)
+    want = mla.decode_attention_reference(q, planes[0], planes[1], tables, lens, 0.2, 21)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="q: latent dim 31"):
+        mla.mla_decode_attention(torch.randn(2, 3, 31, device=DEVICE), planes[0], planes[1], tables, lens, 0.2, 21)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        mla.mla_decode_attention(q, planes[0], planes[1], tables, lens, 0.2, 29)
+    with pytest.raises(ValueError, match="k_scales"):
+        mla.mla_decode_attention(q, planes[0], planes[1], tables, lens, 0.2, 21, torch.ones(6, 1), torch.ones(6, 1))
+
+
+def test_reference_equals_expanded_attention() -> None:
+    """The absorbed form over the latent equals attention with per-head keys [W_UK c | k_pe] and values W_UV c."""
+    g = torch.Generator().manual_seed(5)
+    rank, rope, nope, vdim, heads, n = 12, 6, 5, 7, 3, 11
+    w_uk, w_uv = torch.randn(heads, nope, rank, generator=g), torch.randn(heads, vdim, rank, generator=g)
+    lat = torch.randn(n, rank + rope, generator=g)
+    kv = torch.zeros(2, 2, 8, 1, (rank + rope) // 2)
+    mla.store_latent(lat, kv[0], kv[1], torch.arange(n))
+    q_nope, q_pe = torch.randn(heads, nope, generator=g), torch.randn(heads, rope, generator=g)
+    q_lat = torch.cat((torch.einsum("hn,hnr->hr", q_nope, w_uk), q_pe), dim=-1)[None]
+    out = mla.decode_attention_reference(q_lat, kv[0], kv[1], torch.tensor([[0, 1]]), torch.tensor([n]), 0.3, rank)
+    got = torch.einsum("hr,hvr->hv", out[0], w_uv)
+    keys = torch.cat((torch.einsum("hnr,sr->hsn", w_uk, lat[:, :rank]), lat[None, :, rank:].expand(heads, -1, -1)), -1)
+    values = torch.einsum("hvr,sr->hsv", w_uv, lat[:, :rank])
+    probs = torch.softmax(torch.einsum("hd,hsd->hs", torch.cat((q_nope, q_pe), -1), keys) * 0.3, dim=-1)
+    torch.testing.assert_close(got, torch.einsum("hs,hsv->hv", probs, values), rtol=1e-5, atol=1e-5)
