@@ -106,7 +106,8 @@ class KVReceiver:
                 return
             exp = ExpectedTransfer(rec.request_id, rec.reservation_id, rec.block_ids, self._block_shape, self._dtype,
                                    rec.num_layers, self.engine.fingerprint, rec.epoch,
-                                   require_checksum=not handle.in_place)
+                                   require_checksum=not handle.in_place,
+                                   kv_layout=self.engine.model_config.kv_layout)
             try:
                 if not 0 <= header.layer < rec.num_layers:
                     raise ValueError(f"layer {header.layer} outside [0, {rec.num_layers})")

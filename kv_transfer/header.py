@@ -1,7 +1,9 @@
 """The KV transfer wire header (msgpack) and the receiver's check of every field. Torch-free.
 
 One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
-``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``. A scaled payload carries its float32
+``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``; for an MLA model (``kv_layout``
+"mla") the two planes hold each token's latent in two halves instead (``kv_heads`` 1, ``head_dim`` half the latent:
+:mod:`kernels.mla`). A scaled payload carries its float32
 scales right after the blocks: ``[2, len(block_ids), kv_heads]`` for FP8 (``float8_e4m3fn``), ``[2, len(block_ids),
 block_size, kv_heads]`` for int8 (one per token). The payload is bound by a keyed tag in the header (``checksum``:
 :mod:`kv_transfer.payload_mac`), which the header's MAC covers in turn.
@@ -23,8 +25,9 @@ from cluster.wire.auth import ClusterSecret
 # bump WIRE_VERSION when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
 # 3: the reservation's epoch, and an optional checksum for parts written in place; 4: the reservation's nonce and
 # the header's MAC; 5: int8 payloads, followed by their per-token scales; 6: the checksum is the payload's 16-byte
-# polynomial MAC tag, no longer a CRC-32)
-WIRE_VERSION = 6
+# polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold)
+WIRE_VERSION = 7
+KV_LAYOUTS = ("kv", "mla")  # the two planes hold K then V per kv head; or each token's MLA latent, in two halves
 TAG_BYTES = 16  # the payload tag (kv_transfer.payload_mac): two 61-bit values, 8 bytes each
 # payload dtypes followed by float32 scales: FP8 one per (K/V, block, kv head), int8 one per (K/V, block, token, head)
 SCALED_DTYPES = ("float8_e4m3fn", "int8")
@@ -80,11 +83,14 @@ class KVTransferHeader:
     epoch: int = 0  # the reservation's epoch on the decode actor (ReserveGrant.epoch): a stale writer never matches
     nonce: str = ""  # the reservation's nonce (ReserveGrant.nonce): a part authenticated for one reservation fits no
     # other
+    kv_layout: str = "kv"  # what the payload's planes hold (KV_LAYOUTS): a receiver of another layout refuses it
     mac: bytes = b""  # HMAC-SHA256 of every other field under the cluster secret (sign_header); empty: unauthenticated
 
     def __post_init__(self) -> None:
         if not isinstance(self.nonce, str):
             raise ValueError(f"nonce: must be a string, got {self.nonce!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if not isinstance(self.mac, bytes) or len(self.mac) not in (0, auth.MAC_BYTES):
             raise ValueError(f"mac: must be empty or {auth.MAC_BYTES} bytes, got {self.mac!r}")
         for name in ("request_id", "reservation_id", "model_fingerprint", "dtype"):
@@ -182,8 +188,11 @@ class ExpectedTransfer:
     model_fingerprint: str  # the receiver's model fingerprint
     epoch: int = 0  # the reservation's epoch: a header with another one is from a stale writer
     require_checksum: bool = True  # False only for parts written in place (their checksum is optional)
+    kv_layout: str = "kv"  # the receiver's cache layout (KV_LAYOUTS); a part of another layout is refused
 
     def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if not self.block_ids or len(set(self.block_ids)) != len(self.block_ids):
             raise ValueError(f"block_ids: must be non-empty and distinct, got {self.block_ids!r}")
         if len(self.block_shape) != 3 or not all(_is_int(x) and x > 0 for x in self.block_shape):
@@ -209,6 +218,9 @@ def verify_fields(header: KVTransferHeader, expected: ExpectedTransfer) -> None:
         if not ok:
             raise HeaderMismatchError(field, want, got, detail)
 
+    # first: a part of another layout would be read as the wrong values even where every shape happens to fit
+    need("kv_layout", header.kv_layout == expected.kv_layout, expected.kv_layout, header.kv_layout,
+         "the payload's planes hold another KV layout")
     need("model_fingerprint", header.model_fingerprint == expected.model_fingerprint,
          expected.model_fingerprint, header.model_fingerprint)
     need("reservation_id", header.reservation_id == expected.reservation_id,

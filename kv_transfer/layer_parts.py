@@ -54,6 +54,7 @@ def pack_layer_part(
     checksum: bool = True,
     secret: ClusterSecret | None = None,
     src_index: torch.Tensor | None = None,
+    kv_layout: str = "kv",
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
@@ -63,7 +64,8 @@ def pack_layer_part(
     (``scales`` given) the payload is flat bytes: the blocks, then their scales ``scales[:, ids]``.
 
     ``src_index``: ``src_block_ids`` as an index tensor on the cache's device, built once per chunk
-    (:func:`~kv_transfer.streams.block_index`) and reused for every layer; None: built here.
+    (:func:`~kv_transfer.streams.block_index`) and reused for every layer; None: built here. ``kv_layout``: what the
+    cache's planes hold (the engine's ``kv_layout``), said in the header.
     """
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
@@ -77,7 +79,7 @@ def pack_layer_part(
     header = part_header(k_cache, dst_block_ids, None, layer=layer,
                          token_start=token_start, token_end=token_end, request_id=request_id,
                          reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch,
-                         nonce=nonce)
+                         nonce=nonce, kv_layout=kv_layout)
     if checksum:
         header = dataclasses.replace(header, checksum=payload_tag(payload, part_key(secret, header)))
     return header, payload
@@ -85,7 +87,7 @@ def pack_layer_part(
 
 def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: bytes | None, *, layer: int,
                 token_start: int, token_end: int, request_id: str, reservation_id: str, model_fingerprint: str,
-                epoch: int = 0, nonce: str = "") -> KVTransferHeader:
+                epoch: int = 0, nonce: str = "", kv_layout: str = "kv") -> KVTransferHeader:
     """The header of one layer's part of ``dst_block_ids`` for a cache like ``k_cache`` (no MAC yet: the backend
     signs it once its tag is in). Pure."""
     return KVTransferHeader(
@@ -101,6 +103,7 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: b
         model_fingerprint=model_fingerprint,
         epoch=epoch,
         nonce=nonce,
+        kv_layout=kv_layout,
     )
 
 

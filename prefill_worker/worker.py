@@ -215,7 +215,8 @@ class PrefillWorker(EngineLoop):
             src, dst = [s.seq.block_table[j] for j in logical], [job.grant.block_ids[j] for j in logical]
             fields = dict(token_start=logical.start * bs, token_end=s.start + s.num_tokens,
                           request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
-                          model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch, nonce=job.grant.nonce)
+                          model_fingerprint=self.engine.fingerprint, epoch=job.grant.epoch, nonce=job.grant.nonce,
+                          kv_layout=self.engine.model_config.kv_layout)
             device = self.engine.device
             parts.append(_Part(job, src, dst, block_index(src, device),
                                block_index(dst, device) if job.in_place else None, fields))

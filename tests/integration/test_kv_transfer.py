@@ -104,6 +104,7 @@ def test_header_round_trip_and_malformed_bytes() -> None:
         ("block_ids", {"block_ids": (2, 1, 3)}),  # reserved, but not the blocks of tokens [0, 40)
         ("dtype", {"dtype": "float16"}),
         ("shape", {"shape": (2, 3, 16, 2, 32)}),
+        ("kv_layout", {"kv_layout": "mla"}),  # an MLA model's latent planes, to a per-head K/V receiver
     ],
 )
 def test_verify_names_the_bad_field(field: str, changes: dict) -> None:
