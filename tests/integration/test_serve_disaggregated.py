@@ -268,3 +268,33 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
         c.prefill_actors = [survivor]
     finally:
         c.stop()
+
+
+def test_an_mla_model_handed_off_in_place_equals_offline(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """DeepSeek-V3's latent cache (tests/factories.py: MLA with an odd latent, grouped-router experts) through the
+    one-node path: the prefill actor writes each layer's latent blocks in place into the decode actor's (shm), the
+    parts say "mla" and are accepted, and the text equals the offline engine's."""
+    model = str(tiny_checkpoint("deepseek_v3"))
+    prompts = ["the cat sat on the mat and the dog " * 5, "one two three four five six", "a"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.text for o in LLM(model, dtype=EXACT_DTYPE, num_kv_blocks=128).generate(prompts, params)]
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128,
+                                                max_num_batched_tokens=32),
+                            decode=1, prefill=1, port=0, kv_backend="shm"))
+    c.start()
+    try:
+        client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def ask(p: str) -> str:
+            return client.completions.create(model="default", prompt=p, max_tokens=16, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            assert list(ex.map(ask, prompts)) == want
+        stats = ray.get(c.decode_actors[0].stats.remote())
+        assert stats["kv_parts_installed"] > 0 and stats["kv_parts_rejected"] == 0
+        assert ray.get(c.prefill_actors[0].stats.remote())["kv_bytes_sent"] > 0
+        counts = ray.get(c.decode_actors[0].check_integrity.remote())
+        assert counts["used"] == 0 and counts["reserved"] == 0
+    finally:
+        c.stop()
