@@ -147,8 +147,10 @@ def read_moe(cfg: dict[str, Any], arch: str, num_layers: int) -> DeepseekMoEConf
                          f"({'sigmoid' if v3 else 'softmax'}, as transformers computes it)")
     if not v3 and cfg.get("mlp_bias"):
         raise ValueError("model: mlp_bias true is not supported (MLPs without biases only)")
-    if v3 and cfg.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ValueError(f"model: topk_method {cfg['topk_method']!r} is not supported for {arch} (noaux_tc)")
+    allowed = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")  # what each transformers router runs
+    if cfg.get("topk_method", allowed[0]) not in allowed:
+        raise ValueError(f"model: topk_method {cfg['topk_method']!r} is not supported for {arch} "
+                         f"({', '.join(allowed)})")
     if not v3 and cfg.get("norm_topk_prob"):
         # transformers' DeepseekV2TopkRouter never normalizes; DeepSeek's own code would: ambiguous, refused
         raise ValueError("model: norm_topk_prob true is not supported for DeepseekV2ForCausalLM")

@@ -158,3 +158,112 @@ def test_moe_refuses_what_the_forward_lacks(tmp_path: Path, base: dict[str, Any]
     folder = _write(tmp_path, {**base, field: value})
     with pytest.raises(ValueError, match=field.replace("num_local_experts", "num_experts")):
         load_model_config(folder)
+
+
+# DeepSeek-V3's config.json as released (transformers 4 keys: rope_scaling with YaRN), shrunk
+DEEPSEEK_V3_RELEASED: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96,
+    "kv_lora_rank": 32, "max_position_embeddings": 16384, "moe_intermediate_size": 16, "moe_layer_freq": 1,
+    "n_group": 4, "n_routed_experts": 16, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 4,
+    "num_experts_per_tok": 4, "num_hidden_layers": 5, "num_key_value_heads": 4, "q_lora_rank": 24,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_group": 2, "topk_method": "noaux_tc",
+    "v_head_dim": 16, "vocab_size": 300, "tie_word_embeddings": False,
+}
+DEEPSEEK_V2_LITE_RELEASED: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "first_k_dense_replace": 1,
+    "hidden_size": 48, "intermediate_size": 80, "kv_lora_rank": 24, "moe_intermediate_size": 12, "n_group": 1,
+    "n_routed_experts": 8, "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 3,
+    "num_experts_per_tok": 3, "num_hidden_layers": 3, "q_lora_rank": None, "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4, "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax",
+    "topk_group": 1, "topk_method": "greedy", "v_head_dim": 8, "vocab_size": 300,
+}
+
+
+def test_deepseek_v3_released_config(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    folder = _write(tmp_path, DEEPSEEK_V3_RELEASED)
+    mc = load_model_config(folder)
+    hf = AutoConfig.from_pretrained(str(folder))
+    assert mc.mla is not None and mc.deepseek_moe is not None
+    assert (mc.mla.kv_lora_rank, mc.mla.q_lora_rank, mc.mla.qk_nope_head_dim, mc.mla.qk_rope_head_dim,
+            mc.mla.v_head_dim) == (hf.kv_lora_rank, hf.q_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim,
+                                   hf.v_head_dim)
+    assert mc.mla.rope_interleave and mc.head_dim == 8 and mc.kv_layout == "mla"
+    assert (mc.cache_heads, mc.cache_head_dim) == (1, 20)  # (32 + 8) / 2
+    # the softmax scale of transformers' DeepseekV3Attention (YaRN's mscale_all_dim squared)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    assert mc.attention_scale == pytest.approx(DeepseekV3Attention(hf, 0).scaling, rel=1e-12)
+    assert dict(mc.rope_scaling)["rope_type"] == "yarn"
+    moe = mc.deepseek_moe
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.n_group, moe.topk_group, moe.topk_method,
+            moe.routed_scaling_factor, moe.norm_topk_prob) == (16, 4, 4, 2, "noaux_tc", 2.5, True)
+    assert [moe.is_moe_layer(i) for i in range(5)] == [False] * 3 + [True] * 2
+    assert mc.num_experts == 0  # the Qwen3-MoE / Mixtral router is not used
+
+
+def test_deepseek_v2_lite_released_config(tmp_path: Path) -> None:
+    mc = load_model_config(_write(tmp_path, DEEPSEEK_V2_LITE_RELEASED))
+    assert mc.mla is not None and mc.mla.q_lora_rank is None and mc.mla.rope_interleave
+    assert mc.attention_scale == pytest.approx((8 + 4) ** -0.5)
+    assert mc.deepseek_moe is not None and mc.deepseek_moe.topk_method == "greedy"
+    assert mc.deepseek_moe.n_group == mc.deepseek_moe.topk_group == 1
+
+
+def test_deepseek_every_layer_dense(tmp_path: Path) -> None:
+    mc = load_model_config(_write(tmp_path, {**DEEPSEEK_V3_RELEASED, "first_k_dense_replace": 5}))
+    assert mc.deepseek_moe is None
+
+
+@pytest.mark.parametrize(("base", "field", "value"), [
+    (DEEPSEEK_V3_RELEASED, "moe_layer_freq", 2),
+    (DEEPSEEK_V3_RELEASED, "scoring_func", "softmax"),
+    (DEEPSEEK_V3_RELEASED, "topk_method", "greedy"),
+    (DEEPSEEK_V3_RELEASED, "num_key_value_heads", 2),
+    (DEEPSEEK_V3_RELEASED, "n_group", 3),  # does not divide 16 experts
+    (DEEPSEEK_V3_RELEASED, "topk_group", 5),
+    (DEEPSEEK_V3_RELEASED, "qk_rope_head_dim", 7),
+    (DEEPSEEK_V3_RELEASED, "pretraining_tp", 2),
+    (DEEPSEEK_V2_LITE_RELEASED, "norm_topk_prob", True),  # transformers' V2 router ignores it: refused, not guessed
+    (DEEPSEEK_V2_LITE_RELEASED, "topk_method", "noaux_tc"),
+    (DEEPSEEK_V2_LITE_RELEASED, "mlp_bias", True),
+])
+def test_deepseek_refuses_what_the_forward_lacks(tmp_path: Path, base: dict[str, Any], field: str,
+                                                 value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        load_model_config(_write(tmp_path, {**base, field: value}))
+
+
+@pytest.mark.parametrize("rope", [{"type": "longrope", "factor": 2.0}, {"type": "yarn", "factor": 4.0,
+                                                                       "original_max_position_embeddings": 64,
+                                                                       "partial_rotary_factor": 0.5}])
+def test_a_rope_we_do_not_implement_is_refused(tmp_path: Path, rope: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="rope_scaling"):
+        load_model_config(_write(tmp_path, {**DEEPSEEK_V3_RELEASED, "rope_scaling": rope}))
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+     "mscale_all_dim": 0.707},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 100, "truncate": False,
+     "attention_factor": 0.9},
+])
+def test_yarn_tables_equal_transformers(scaling: dict[str, Any]) -> None:
+    """YaRN's inverse frequencies bit-equal to transformers', and its cos/sin factor equal."""
+    import torch
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.rope import attention_factor, inv_frequencies
+
+    hf = DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16, max_position_embeddings=4096,
+                          rope_parameters={**scaling, "rope_theta": 10000.0})
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    assert torch.equal(inv_frequencies(16, 10000.0, scaling), inv)
+    assert attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
