@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels import kv_rotation
 from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.moe import SparseMoE, load_sparse_moe
@@ -86,6 +87,8 @@ class DecoderModel:
             self.rope_ids = [int(local) for local in cfg.local_layers]
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # an 8-bit cache holds each head's K/V rotated by this (kernels/kv_rotation.py); MLA's latent is not rotated
+        self.kv_rotation = kv_rotation.rotation(cfg.head_dim, self.device) if cfg.mla is None else None
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -210,12 +213,15 @@ class DecoderModel:
         k_cache, v_cache = kv[0], kv[1]
         if scales[0] is None:
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
+        else:  # 8-bit: K/V stored rotated, q rotated alike, the output rotated back (exact: R is orthonormal)
+            q, k, v = (kv_rotation.rotate(t, self.kv_rotation) for t in (q, k, v))
             kernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
         if stored is not None:
             stored()
         window = cfg.sliding_windows[i]
         attn = self._attention(q, k_cache, v_cache, meta, window, scales, plans[window])
+        if scales[0] is not None:
+            attn = kv_rotation.rotate(attn, self.kv_rotation)
         return lw.o(attn.reshape(T, self.q_size))
 
     def _attention(
