@@ -25,8 +25,9 @@ from cluster.wire.auth import ClusterSecret
 # bump WIRE_VERSION when the fields, the payload layout or the checksum algorithm change (2: FP8 scales;
 # 3: the reservation's epoch, and an optional checksum for parts written in place; 4: the reservation's nonce and
 # the header's MAC; 5: int8 payloads, followed by their per-token scales; 6: the checksum is the payload's 16-byte
-# polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold)
-WIRE_VERSION = 7
+# polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold;
+# 8: 8-bit payloads hold each head's K/V rotated, kernels/kv_rotation.py)
+WIRE_VERSION = 8
 KV_LAYOUTS = ("kv", "mla")  # the two planes hold K then V per kv head; or each token's MLA latent, in two halves
 TAG_BYTES = 16  # the payload tag (kv_transfer.payload_mac): two 61-bit values, 8 bytes each
 # payload dtypes followed by float32 scales: FP8 one per (K/V, block, kv head), int8 one per (K/V, block, token, head)
