@@ -114,7 +114,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             controller_profile=args.controller_profile or "",
             slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
             max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
-            max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
+            max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret,
+            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser or "",
+            chat_template=args.chat_template or "")
         if not args.threads:
             cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, num_threads=serve_threads(cfg)))
     except ValueError as e:
@@ -322,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-resumes", type=int, default=3,
                     help="times a prompt's completions may be resumed on another actor (a decode actor died or hung, "
                          "a prefill actor died) before the request fails")
+    sv.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="serve tool_choice 'auto' (the default with tools): completions read by --tool-call-parser")
+    sv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                    help="how 'auto' tool calls are read from the text (needs --enable-auto-tool-choice)")
+    sv.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="a Jinja chat template replacing the model's (e.g. one that renders tools)")
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--controller-profile", default=None,
                     help="a pdcluster profile cost profile (JSON): autoscale's per-actor capacity until measured")

@@ -71,6 +71,10 @@ class ServeConfig:
     reserve_headroom_tokens: int = 256
     max_resumes: int = 3  # times a prompt's completions may be resumed elsewhere (dead actors) before it fails
     max_waiting: int = 256  # requests each proxy lets wait for KV blocks at once; more get a 429 at once
+    # tool calling (proxy/tools.py): "auto" tool choice, read by this parser (hermes, llama3_json); "": refused
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = ""
+    chat_template: str = ""  # a Jinja chat template file replacing the model's ("": the model's)
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
@@ -264,6 +268,9 @@ class Cluster:
                  "--slo-window", repr(cfg.slo_window_s)]
                 + (["--stream-host", local] if local else [])
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else [])
+                + (["--enable-auto-tool-choice"] if cfg.enable_auto_tool_choice else [])
+                + (["--tool-call-parser", cfg.tool_call_parser] if cfg.tool_call_parser else [])
+                + (["--chat-template", cfg.chat_template] if cfg.chat_template else [])
                 + ([] if self.secret is not None else ["--no-cluster-auth"]), env=env))
         deadline = time.monotonic() + timeout_s
         for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound

@@ -21,7 +21,6 @@ from collections import OrderedDict
 from typing import Any, Iterable
 
 import llguidance
-import llguidance.hf
 
 from engine.grammar_spec import GrammarSpec
 
@@ -73,6 +72,8 @@ class GrammarCompiler:
         if cache_size < 1:
             raise ValueError(f"cache_size: must be >= 1, got {cache_size}")
         self.vocab_size = vocab_size
+        import llguidance.hf  # imports transformers: only where a tokenizer is wrapped (not in the proxy)
+
         eos = sorted(set(eos_token_ids))
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos or None)
         self.cache_size = cache_size

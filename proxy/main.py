@@ -15,6 +15,7 @@ from aiohttp import web
 from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.node import advertised, is_wildcard, node_ip
 from cluster.wire.ray_address import wait_reachable
+from proxy.tools import PARSERS
 from proxy.openai_protocol import ProtocolConfig
 from cluster.wire.names import NAMESPACE
 from proxy.pools import Pools
@@ -74,7 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cluster-auth", action="store_true",
                     help="accept token-stream messages without a MAC (only for a cluster served with "
                          "--no-cluster-auth); otherwise the secret comes from PDCLUSTER_CLUSTER_SECRET")
+    ap.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help="serve tool_choice 'auto': completions read for calls by --tool-call-parser")
+    ap.add_argument("--tool-call-parser", default=None, choices=PARSERS,
+                    help="how 'auto' tool calls are read from the text (needs --enable-auto-tool-choice)")
+    ap.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template replacing the model's")
     args = ap.parse_args(argv)
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        ap.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    chat_template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
+        except OSError as e:
+            ap.error(f"--chat-template: {e}")
     try:
         slo = SloConfig(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, window_s=args.slo_window)
     except ValueError as e:
@@ -91,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     pools = Pools()
     info = asyncio.run(_wait_for_decode(pools, 300))
     proto = ProtocolConfig(served_models=(args.model_name,), max_model_len=int(info["max_model_len"]),
-                           vocab_size=int(info["vocab_size"]))
-    proxy = Proxy(pools, PromptTokenizer(info["model_path"]), proto, int(info["block_size"]),
+                           vocab_size=int(info["vocab_size"]), tool_parser=args.tool_call_parser)
+    proxy = Proxy(pools, PromptTokenizer(info["model_path"], chat_template), proto, int(info["block_size"]),
                   ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
                               max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
                               max_resumes=args.max_resumes, slo=slo,

@@ -10,14 +10,18 @@ Every field is implemented, ignored or refused; nothing that would change the ou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cluster.wire.messages import GenerateRequest
+from engine.grammar_spec import GrammarSpec
 from proxy.errors import (body_too_large, context_length_exceeded, invalid_json, invalid_request, json_type_name,
                           model_not_found, read_bool, read_float, read_int, read_str, type_error)
+from proxy.structured import grammar_param, parse_grammar
+from proxy.tools import PARSERS, ToolPlan, parse_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**63 - 1
@@ -30,31 +34,30 @@ _IMPLEMENTED = frozenset({
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
     "stop", "presence_penalty", "frequency_penalty", "logprobs",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",  # vLLM's
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 _IGNORED: dict[str, type] = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str,
-                             "prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict,
-                             "parallel_tool_calls": bool}  # tools are always empty here, so nothing runs in parallel
+                             "prompt_cache_key": str, "prompt_cache_retention": str, "prompt_cache_options": dict}
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "service_tier": (None, "auto", "default"),
     # vLLM's extensions, at their defaults
     "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
     "prompt_logprobs": (None,), "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,),
-    "bad_words": (None, []), "truncate_prompt_tokens": (None,), "structured_outputs": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "bad_words": (None, []), "truncate_prompt_tokens": (None,),
 }
 _COMPLETION_IMPLEMENTED = _IMPLEMENTED | {"prompt", "echo"}
-_CHAT_IMPLEMENTED = _IMPLEMENTED | {"messages", "top_logprobs"}
+_CHAT_IMPLEMENTED = _IMPLEMENTED | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                                    "chat_template_kwargs"}
 _COMPLETION_NEUTRAL = {**_NEUTRAL, "best_of": (None, 1), "suffix": (None,), "add_special_tokens": (None, True)}
 _CHAT_NEUTRAL = {
-    **_NEUTRAL, "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    **_NEUTRAL, "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "audio": (None,), "reasoning_effort": (None,), "verbosity": (None,),
     "web_search_options": (None,), "prediction": (None,), "moderation": (None,),
     "add_special_tokens": (None, False), "add_generation_prompt": (None, True), "continue_final_message": (None, False),
-    "echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "echo": (None, False), "chat_template": (None,),
 }
-_MESSAGE_IMPLEMENTED = frozenset({"role", "content", "name", "tool_call_id"})
-_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"tool_calls": (None, []), "function_call": (None,), "audio": (None,),
+_MESSAGE_IMPLEMENTED = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+_MESSAGE_NEUTRAL: dict[str, tuple[Any, ...]] = {"function_call": (None,), "audio": (None,),
                                                 "refusal": (None,), "annotations": (None, [])}
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")  # the last one: ignored
 
@@ -79,6 +82,7 @@ class ProtocolConfig:
     max_logprobs: int = 20  # the engine's limit (OpenAI allows 5 for completions, 20 for chat)
     max_stop: int = 16  # the engine's limit
     vocab_size: int | None = None  # when known, token-id prompts are checked against it
+    tool_parser: str | None = None  # --tool-call-parser when --enable-auto-tool-choice: reads "auto" tool calls
 
     def __post_init__(self) -> None:
         if not self.served_models or any(not isinstance(m, str) or not m for m in self.served_models):
@@ -93,6 +97,8 @@ class ProtocolConfig:
             raise ValueError(f"default_temperature: must be in [0, 2], got {self.default_temperature!r}")
         if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
             raise ValueError(f"vocab_size: must be None or an integer >= 1, got {self.vocab_size!r}")
+        if self.tool_parser is not None and self.tool_parser not in PARSERS:
+            raise ValueError(f"tool_parser: must be one of {', '.join(PARSERS)}, got {self.tool_parser!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True  # vLLM's extension: special tokens left out of the text
+    grammar: tuple[str, str] | None = None  # what the output must match: a GrammarSpec's (kind, text)
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,7 @@ class ChatMessage:
     content: str  # text parts joined with "\n" (as vLLM does); null assistant content becomes ""
     name: str | None = None
     tool_call_id: str | None = None  # a "tool" message's answer-to id, handed to the chat template as vLLM does
+    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant turn's calls (arguments parsed), for the template
 
 
 @dataclass(frozen=True)
@@ -175,6 +183,8 @@ class ChatCompletionRequest:
     stream: bool = False
     stream_options: StreamOptions = StreamOptions()
     user: str | None = None
+    tools: ToolPlan | None = None  # tools, tool_choice, parallel_tool_calls (None: no tools)
+    template_kwargs: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs: extra variables for the template
 
     def __post_init__(self) -> None:
         if not self.messages:
@@ -183,7 +193,8 @@ class ChatCompletionRequest:
     def template_messages(self) -> list[dict[str, str]]:
         """The messages in the form ``tokenizer.apply_chat_template`` takes. Pure."""
         return [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {}),
-                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in self.messages]
+                 **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+                 **({"tool_calls": list(m.tool_calls)} if m.tool_calls else {})} for m in self.messages]
 
 
 def decode_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
@@ -219,7 +230,7 @@ def parse_completion_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> Co
     if echo and logprobs is not None:  # vLLM would add the prompt's logprobs; the engine computes none
         raise invalid_request("'echo' together with 'logprobs' is not supported: this server does not compute the "
                               "prompt's logprobs.", "echo", "unsupported_parameter")
-    sampling = _sampling(body, cfg, cfg.default_completion_max_tokens, logprobs)
+    sampling = _with_grammar(_sampling(body, cfg, cfg.default_completion_max_tokens, logprobs), parse_grammar(body))
     stream, options = _stream(body)
     return CompletionRequest(model, prompts, sampling, stream, options, read_str(body, "user"), echo)
 
@@ -233,9 +244,28 @@ def parse_chat_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> ChatComp
     top = read_int(body, "top_logprobs", 0, cfg.max_logprobs)
     if top is not None and not want:
         raise invalid_request("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
-    sampling = _sampling(body, cfg, None, (top or 0) if want else None)
+    grammar = parse_grammar(body)
+    tools = parse_tools(body, cfg.tool_parser)
+    if tools is not None and tools.grammar() is not None:
+        if grammar is not None:
+            raise invalid_request(f"'tool_choice' {tools.choice} constrains the output: it cannot be combined "
+                                  f"with '{grammar_param(body)}'.", "tool_choice")
+        grammar = tools.grammar()
+    sampling = _with_grammar(_sampling(body, cfg, None, (top or 0) if want else None), grammar)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise type_error("chat_template_kwargs", "an object", kwargs)
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(kwargs or {})
+    if reserved:
+        raise invalid_request(f"'chat_template_kwargs.{sorted(reserved)[0]}' is set by the server.",
+                              f"chat_template_kwargs.{sorted(reserved)[0]}")
     stream, options = _stream(body)
-    return ChatCompletionRequest(model, messages, sampling, stream, options, read_str(body, "user"))
+    return ChatCompletionRequest(model, messages, sampling, stream, options, read_str(body, "user"), tools,
+                                 tuple(sorted((kwargs or {}).items())))
+
+
+def _with_grammar(sampling: SamplingOptions, grammar: GrammarSpec | None) -> SamplingOptions:
+    return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar.wire())
 
 
 def to_generate_request(request_id: str, prompt_token_ids: list[int] | tuple[int, ...], sampling: SamplingOptions,
@@ -380,7 +410,32 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         if role not in CHAT_ROLES:
             raise invalid_request(f"'{at}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}.", f"{at}.role")
         out.append(ChatMessage(role, _content(m.get("content"), role, f"{at}.content"),
-                               read_str(m, "name", f"{at}.name"), read_str(m, "tool_call_id", f"{at}.tool_call_id")))
+                               read_str(m, "name", f"{at}.name"), read_str(m, "tool_call_id", f"{at}.tool_call_id"),
+                               _tool_calls(m.get("tool_calls"), role, f"{at}.tool_calls")))
+    return tuple(out)
+
+
+def _tool_calls(value: Any, role: str, at: str) -> tuple[dict[str, Any], ...]:
+    """An assistant message's earlier calls, their arguments parsed (templates read them as objects). Pure."""
+    if value is None or value == []:
+        return ()
+    if role != "assistant":
+        raise invalid_request(f"'{at}' is only allowed on assistant messages.", at)
+    if not isinstance(value, list):
+        raise type_error(at, "an array", value)
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise type_error(f"{at}[{j}].function", "an object with a name", fn)
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise invalid_request(f"'{at}[{j}].function.arguments' is not valid JSON.",
+                                  f"{at}[{j}].function.arguments") from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": parsed}})
     return tuple(out)
 
 

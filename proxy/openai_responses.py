@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.wire.messages import Usage
+from proxy.tools import ToolCall
 
 SSE_DONE = b"data: [DONE]\n\n"
 MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf, which JSON cannot carry
@@ -35,10 +36,12 @@ class ChoiceOutput:
     finish_reason: str | None = None  # "stop" | "length"; None only in a chunk. Engine "abort" is the caller's call.
     logprobs: tuple[TokenLogprob, ...] | None = None
     text_offset: int = 0  # completions: the first token's text_offset (the tokens' texts before it, echo included)
+    tool_calls: tuple[ToolCall, ...] = ()  # chat: the calls read from the text (the content is then None or before)
+    content: str | None = None  # chat with tool calls: the text beside the calls (None: none)
 
     def __post_init__(self) -> None:
-        if self.finish_reason not in ("stop", "length", None):
-            raise ValueError(f"ChoiceOutput.finish_reason: must be 'stop', 'length' or None, "
+        if self.finish_reason not in ("stop", "length", "tool_calls", None):
+            raise ValueError(f"ChoiceOutput.finish_reason: must be 'stop', 'length', 'tool_calls' or None, "
                              f"got {self.finish_reason!r}")
 
 
@@ -156,9 +159,37 @@ def completion_body(response_id: str, model: str, created: int, choices: list[Ch
 def chat_completion_body(response_id: str, model: str, created: int, choices: list[ChoiceOutput],
                          usage: Usage) -> dict[str, Any]:
     """A non-streaming ``chat.completion`` object. Pure."""
-    out = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+    out = [{"index": c.index, "message": _message(c), "finish_reason": c.finish_reason,
             "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs)} for c in choices]
     return _envelope("chat.completion", response_id, model, created, out, usage, True)
+
+
+def _message(c: ChoiceOutput) -> dict[str, Any]:
+    if not c.tool_calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": c.content, "tool_calls": [t.body() for t in c.tool_calls]}
+
+
+def tool_call_deltas(c: ChoiceOutput, piece_chars: int = 16) -> list[dict[str, Any]]:
+    """The stream deltas of a choice's tool calls, as OpenAI sends them: the content (if any), then per call one
+    delta with its index, id, type and name, then its arguments in pieces of ``piece_chars``. Pure."""
+    deltas: list[dict[str, Any]] = [{"content": c.content}] if c.content else []
+    for i, call in enumerate(c.tool_calls):
+        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": ""}}]})
+        args = call.arguments
+        for a in range(0, len(args), piece_chars):
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": args[a:a + piece_chars]}}]})
+    return deltas
+
+
+def chat_delta_body(response_id: str, model: str, created: int, index: int, delta: dict[str, Any],
+                    finish_reason: str | None = None, logprobs: tuple[TokenLogprob, ...] | None = None,
+                    include_usage: bool = False) -> dict[str, Any]:
+    """A ``chat.completion.chunk`` of one choice carrying ``delta`` as given (a tool call's piece). Pure."""
+    out = [{"index": index, "delta": delta, "finish_reason": finish_reason,
+            "logprobs": None if logprobs is None else _chat_logprobs(logprobs)}]
+    return _envelope("chat.completion.chunk", response_id, model, created, out, None, include_usage)
 
 
 def chat_chunk_body(response_id: str, model: str, created: int, choices: list[ChoiceOutput],

@@ -57,6 +57,19 @@ def _fields(cfg: ProtocolConfig, chat: bool) -> dict[str, Any]:
         "frequency_penalty": _num("number", -2.0, 2.0),
         "repetition_penalty": _num("number", 0.0, 10.0, lo_open=True),
         "skip_special_tokens": {"type": ["boolean", "null"]},
+        # constrained decoding (proxy/structured.py): one of these at most
+        "response_format": {"type": ["object", "null"], "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                "name": {"type": "string"}, "description": {"type": "string"},
+                "schema": {"type": ["object", "boolean"]}, "strict": {"type": ["boolean", "null"]}}}}},
+        "structured_outputs": {"type": ["object", "null"], "description": "vLLM's: exactly one of json, regex, "
+                               "choice, grammar (Lark or GBNF), json_object"},
+        "guided_json": {"type": ["object", "string", "null"], "description": "vLLM's older name of "
+                        "structured_outputs.json"},
+        "guided_regex": {"type": ["string", "null"]},
+        "guided_choice": {"type": ["array", "null"], "items": {"type": "string"}},
+        "guided_grammar": {"type": ["string", "null"]},
     }
     if chat:
         message = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
@@ -65,9 +78,26 @@ def _fields(cfg: ProtocolConfig, chat: bool) -> dict[str, Any]:
                 "type": "object", "required": ["type", "text"],
                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
             "name": {"type": ["string", "null"]}, "tool_call_id": {"type": ["string", "null"]},
+            "tool_calls": {"type": ["array", "null"], "items": {"type": "object"},
+                           "description": "an assistant turn's earlier calls (arguments: JSON text)"},
             **{k: _neutral(v) for k, v in _MESSAGE_NEUTRAL.items()}}}
         props.update(messages={"type": "array", "minItems": 1, "items": message},
-                     logprobs={"type": ["boolean", "null"]}, top_logprobs=_num("integer", 0, cfg.max_logprobs))
+                     logprobs={"type": ["boolean", "null"]}, top_logprobs=_num("integer", 0, cfg.max_logprobs),
+                     tools={"type": ["array", "null"], "items": {
+                         "type": "object", "required": ["type", "function"], "properties": {
+                             "type": {"const": "function"}, "function": {
+                                 "type": "object", "required": ["name"], "additionalProperties": False,
+                                 "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                                                "description": {"type": "string"},
+                                                "parameters": {"type": "object"},
+                                                "strict": {"type": ["boolean", "null"]}}}}}},
+                     tool_choice={"oneOf": [{"enum": ["none", "auto", "required", None]}, {
+                         "type": "object", "required": ["type", "function"],
+                         "properties": {"type": {"const": "function"},
+                                        "function": {"type": "object", "required": ["name"]}}}]},
+                     parallel_tool_calls={"type": ["boolean", "null"]},
+                     chat_template_kwargs={"type": ["object", "null"], "description": "extra variables for the "
+                                           "chat template"})
         neutral = _CHAT_NEUTRAL
     else:
         props.update(prompt={"oneOf": [{"type": "string", "minLength": 1}, {**_token_ids(), "minItems": 1},

@@ -31,6 +31,9 @@ from proxy.dispatch import DispatchConfig, Dispatcher
 from proxy.errors import APIError, internal_error, unauthorized
 from proxy.gate import AdmissionGate
 from proxy.metrics import Metrics, unauthenticated_counts
+from engine.grammar_spec import GrammarSpec
+from proxy.structured import check_compiles_async, grammar_param
+from proxy.tool_stream import ToolCallBuffers, with_tool_calls
 from proxy.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -217,7 +220,7 @@ class Proxy:
         trace = request.headers.get("X-Request-Id", "")[:128] or uuid.uuid4().hex
         jobs: list[Job] = []
         try:
-            parsed, jobs = self._parse(await request.read(), chat, trace)
+            parsed, jobs = await self._parse(await request.read(), chat, trace)
             for j in jobs:  # demand, whether it is then admitted, queued or refused
                 self.report.arrived(len(j.req.prompt_token_ids), j.req.max_tokens, j.req.n)
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
@@ -242,13 +245,15 @@ class Proxy:
         finally:
             self.dispatch.close(jobs)
 
-    def _parse(self, raw: bytes, chat: bool, trace: str) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
+    async def _parse(self, raw: bytes, chat: bool, trace: str
+                     ) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
         parsed: ChatCompletionRequest | CompletionRequest
         if chat:
             parsed = parse_chat_request(body, self.proto)
             try:
-                prompts = [self.tok.encode_chat(parsed.template_messages())]
+                tools = list(parsed.tools.tools) if parsed.tools is not None else None
+                prompts = [self.tok.encode_chat(parsed.template_messages(), tools, **dict(parsed.template_kwargs))]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             param = "messages"
@@ -256,6 +261,8 @@ class Proxy:
             parsed = parse_completion_request(body, self.proto)
             prompts = [self.tok.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompts]
             param = "prompt"
+        if parsed.sampling.grammar is not None:  # compiled off the loop, bounded: a 400 naming the field
+            await check_compiles_async(GrammarSpec.of(parsed.sampling.grammar), grammar_param(body))  # type: ignore
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         jobs = []
         for i, ids in enumerate(prompts):  # one request per prompt, with all n completions: one reserve, one prefill
@@ -282,6 +289,9 @@ class Proxy:
         choices = [ChoiceOutput(j.choice_index(i), (echo(j.choice_index(i), self.tok.decode) if echo else "") + c.text,
                                 c.finish or "stop", tuple(c.logprobs) if j.req.logprobs is not None else None)
                    for j in jobs for i, c in enumerate(j.choices)]
+        plan = getattr(parsed, "tools", None)
+        if plan is not None and plan.reads_calls:
+            choices = [with_tool_calls(c, plan) for c in choices]
         usage = self._usage(jobs)
         body = (chat_completion_body(rid, parsed.model, created, choices, usage) if chat
                 else completion_body(rid, parsed.model, created, choices, usage))
@@ -305,8 +315,19 @@ class Proxy:
                 await resp.write(sse_event(chat_chunk_body(rid, parsed.model, created,
                                                            [ChoiceOutput(j.choice_index(i), "")], None, include,
                                                            first=True)))
+        plan = getattr(parsed, "tools", None)
+        calls = ToolCallBuffers() if plan is not None and plan.reads_calls else None
         try:
             async for j, d, lps in self.dispatch.deltas(jobs):
+                if calls is not None:  # the text is read for calls once the choice is whole
+                    whole = calls.add((id(j), d.index), d.text, lps, d.finish_reason)
+                    if whole is None:
+                        continue
+                    text, lps_all = whole
+                    for body in calls.chunks(streams[(id(j), d.index)], text, lps_all, d.finish_reason or "stop",
+                                             plan, rid, parsed.model, created, include):
+                        await resp.write(sse_event(body))
+                    continue
                 choice = streams[(id(j), d.index)].chunk(d.text, lps, d.finish_reason)
                 if choice is None:
                     continue

@@ -24,7 +24,8 @@ def _token_text(value: Any) -> str | None:
 class PromptTokenizer:
     """Loaded once per proxy from a Hugging Face model folder. Methods are pure."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: a Jinja template replacing the model's (``--chat-template FILE``)."""
         folder = Path(folder)
         if not (folder / "tokenizer.json").exists():
             raise ValueError(f"model: {folder} has no tokenizer.json")
@@ -34,6 +35,8 @@ class PromptTokenizer:
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()
+        if chat_template is not None:
+            template = chat_template
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -49,15 +52,20 @@ class PromptTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``. Raises ``ValueError`` if the model has none or rejects them."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The chat template applied to ``messages`` (and ``tools``, and ``kwargs``: chat_template_kwargs, as
+        transformers passes them). Raises ``ValueError`` if the model has none or rejects them."""
         if self._template is None:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return self._template.render(**kwargs, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except _TemplateError as e:
             raise ValueError(f"messages: {e}") from None
+        except Exception as e:  # a template reading a kwarg or a tool field of another shape
+            raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
 
     def decode_token(self, token_id: int) -> str:
         """One token's text on its own (for logprobs). Pure."""
@@ -67,9 +75,10 @@ class PromptTokenizer:
         """A token sequence's text, special tokens kept (an echoed token-id prompt). Pure."""
         return self._tok.decode(list(token_ids), skip_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    **kwargs: Any) -> list[int]:
         """Prompt ids of a conversation with a generation prompt (special tokens come from the template)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools, **kwargs), add_special_tokens=False)
 
 
 class _TemplateError(Exception):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.grammar_spec import GrammarSpec  # torch-free
 from engine.sampling_params import SamplingParams  # torch-free; the one place sampling ranges are defined
 
 T = TypeVar("T", bound="_Wire")
@@ -23,8 +24,8 @@ T = TypeVar("T", bound="_Wire")
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
 # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce; 5: token-stream
-# messages are TokenFrames, numbered per stream)
-WIRE_VERSION = 5
+# messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop)
+WIRE_VERSION = 6
 
 
 class WireVersionError(ValueError):
@@ -139,6 +140,8 @@ class GenerateRequest(_Wire):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # constrained decoding: [kind, text] of an engine.grammar_spec.GrammarSpec (data; each actor compiles it)
+    grammar: tuple[str, str] | None = None
     reply_to: str = ""  # the owning proxy's token-stream address: where TokenDeltas go (several proxies may serve)
     trace_id: str = ""  # the client's X-Request-Id (or one the proxy made): every hop logs it
     # A resumed completion (migrated off a dead decode actor, or retried): the tokens of it the client already has.
@@ -159,6 +162,11 @@ class GenerateRequest(_Wire):
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
                 raise ValueError(f"GenerateRequest.{name}: must be a list, got {type(value).__name__}")
             _set(self, name, tuple(value))
+        if self.grammar is not None:
+            try:
+                _set(self, "grammar", GrammarSpec.of(self.grammar).wire())  # type: ignore[union-attr]
+            except ValueError as e:
+                raise ValueError(f"GenerateRequest.{e}") from None
         if not self.prompt_token_ids:
             raise ValueError("GenerateRequest.prompt_token_ids: must not be empty")
         _check_ids("GenerateRequest", "prompt_token_ids", self.prompt_token_ids)
