@@ -223,7 +223,7 @@ def main() -> None:
                        "roofline_ms": t_roof * 1e3}, f, indent=2)
 
 
-# random-weight Llama-family shapes built on the device (nothing to download)
+# random-weight shapes built on the device (nothing to download): Llama unless "arch" names another family
 SHAPES: dict[str, dict] = {
     "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -235,7 +235,20 @@ SHAPES: dict[str, dict] = {
                          rope_theta=100000.0, tie_word_embeddings=True),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True),
+    # mixture-of-experts shapes small enough for a CPU run: 16 experts top-4 (Qwen3-30B-A3B's routing, 1/8 of its
+    # experts, its 64-wide heads), and 8 experts top-2 as Mixtral
+    "qwen3-moe-mini": dict(arch="qwen3_moe", vocab_size=32000, hidden_size=512, intermediate_size=1024,
+                           moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                           num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=False),
+    "mixtral-mini": dict(arch="mixtral", vocab_size=32000, hidden_size=512, intermediate_size=1024,
+                         num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0,
+                         tie_word_embeddings=False),
 }
+# a shape's "arch" -> (transformers config class, model class)
+SHAPE_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+               "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
 
 
 def write_tokenizer(folder: str, vocab_size: int) -> None:
@@ -252,15 +265,17 @@ def write_tokenizer(folder: str, vocab_size: int) -> None:
 
 def build_random_model(shape: str, folder: str, device: str, dtype: torch.dtype, std: float | None = None,
                        seed: int = 0):  # type: ignore[no-untyped-def]
-    """A random-weight ``LlamaForCausalLM`` of ``shape`` built on ``device`` in ``dtype`` and saved (safetensors +
-    tokenizer) to ``folder``; returns the model. ``std``: weight init scale (HF's 0.02 when None)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random-weight model of ``shape`` (``LlamaForCausalLM`` unless the shape names its arch) built on ``device``
+    in ``dtype`` and saved (safetensors + tokenizer) to ``folder``; returns the model. ``std``: weight init scale
+    (HF's 0.02 when None)."""
+    import transformers
 
-    cfg = LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
-                      initializer_range=std or 0.02)
+    fields = dict(SHAPES[shape])
+    config_cls, model_cls = (getattr(transformers, n) for n in SHAPE_ARCHS[fields.pop("arch", "llama")])
+    cfg = config_cls(**fields, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, initializer_range=std or 0.02)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        model = model_cls(cfg).to(dtype).eval()
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder, cfg.vocab_size)
@@ -468,7 +483,8 @@ def _params(e) -> int:  # type: ignore[no-untyped-def]
     m = e.runner.model
     n = m.embed.numel() + m.final_norm.numel() + (0 if m.cfg.tie_word_embeddings else m.lm_head.numel)
     for lw in m.layers:
-        n += lw.input_norm.numel() + lw.post_norm.numel() + lw.qkv.numel + lw.o.numel + lw.gate_up.numel + lw.down.numel
+        n += lw.input_norm.numel() + lw.post_norm.numel() + lw.qkv.numel + lw.o.numel
+        n += lw.gate_up.numel + lw.down.numel if lw.moe is None else lw.moe.router.numel + lw.moe.experts.numel
     return n
 
 
