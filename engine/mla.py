@@ -5,7 +5,8 @@ Per token, ``kv_a_proj_with_mqa`` makes the latent ``c_kv`` (normed by ``kv_a_la
 expands the latent into per-head keys and values through ``kv_b_proj = [W_UK; W_UV]`` per head; here the
 expansion is moved onto the query and the output instead (the same sums, in another order):
 
-- score(t, s) = q_nope_h(t) . (W_UK_h c(s)) + q_pe_h(t) . k_pe(s) = [W_UK_h^T q_nope_h(t) | q_pe_h(t)] . [c(s) | k_pe(s)]
+- score(t, s) = q_nope_h(t) . (W_UK_h c(s)) + q_pe_h(t) . k_pe(s)
+              = [W_UK_h^T q_nope_h(t) | q_pe_h(t)] . [c(s) | k_pe(s)]
 - out_h(t) = W_UV_h (sum_s p(t, s) c(s))
 
 so attention runs over the one latent "head" (K = the latent, V = its c_kv part) for prefill and decode alike. In

@@ -1,5 +1,6 @@
-"""DeepSeek-V2 / V3 mixture of experts: the grouped top-k router, the routed experts (:func:`engine.moe.experts_forward`)
-and the shared experts (a dense MLP whose output is added), as transformers' ``DeepseekV3MoE`` / ``DeepseekV2Moe``.
+"""DeepSeek-V2 / V3 mixture of experts: the grouped top-k router, the routed experts
+(:func:`engine.moe.experts_forward`) and the shared experts (a dense MLP whose output is added), as transformers'
+``DeepseekV3MoE`` / ``DeepseekV2Moe``.
 
 V3 (``noaux_tc``): scores are the sigmoid of the router logits; the choice adds ``e_score_correction_bias`` to them,
 ranks the ``n_group`` groups by the sum of their two best biased scores, keeps ``topk_group`` groups and takes the
