@@ -56,11 +56,16 @@ class Shapes:
     block_size: int = 16
     iters: int = 20
     copy_bytes: int = 1 << 30
+    # fused MoE: (experts, hidden, expert intermediate, top-k) as one Qwen3-30B-A3B layer, and the tokens routed
+    # (a decode batch, a prefill chunk)
+    moe_shape: tuple[int, int, int, int] = (128, 2048, 768, 8)
+    moe_tokens: tuple[int, ...] = (64, 4096)
 
 
 def shapes_for(args: argparse.Namespace) -> Shapes:
     if args.smoke:
-        return Shapes(2, 40, 1, 64, 2, 24, 8, (24,), kv_heads=2, group=2, head_dim=64, iters=1, copy_bytes=1 << 20)
+        return Shapes(2, 40, 1, 64, 2, 24, 8, (24,), kv_heads=2, group=2, head_dim=64, iters=1, copy_bytes=1 << 20,
+                      moe_shape=(6, 40, 24, 2), moe_tokens=(3, 70))
     if args.small:
         return Shapes(4, 64, 1, 256, 2, 64, 16, (64,), iters=3, copy_bytes=16 << 20)
     return Shapes(args.batch, args.context, 4, 8192, 8, 2048, 512, (1024, 16384))
@@ -162,6 +167,7 @@ class Bench:
         self.split_k(bf16)
         self.prefill(bf16)
         self.stores_and_copies(bf16)
+        self.moe(bf16)
 
     def _paged(self, dtype, seqs: int, ctx: int):  # type: ignore[no-untyped-def]
         """A cache holding ``seqs`` contexts of ``ctx`` tokens in shuffled blocks, and their block tables."""
@@ -284,6 +290,30 @@ class Bench:
         self.row(f"quantize_kv_fp8, {nb} blocks", lambda: k.quantize_kv_fp8(kc), kc.numel() * (kc.element_size() + 1))
         self.row(f"dequantize_kv_fp8, {nb} blocks", lambda: k.dequantize_kv_fp8(k8, ks, dtype),
                  kc.numel() * (kc.element_size() + 1))
+
+    def moe(self, dtype) -> None:  # type: ignore[no-untyped-def]
+        """The fused MoE kernel against the copy bandwidth of the expert weights it reads (each expert that got a
+        token, read once), and the torch grouped path beside it."""
+        from kernels import grouped_moe
+
+        torch, k = self.torch, self.kernels
+        e, h, i, top_k = self.s.moe_shape
+        gate_up = (torch.randn(e, 2 * i, h, device=self.device) * h**-0.5).to(dtype)
+        down = (torch.randn(e, h, i, device=self.device) * i**-0.5).to(dtype)
+        for t in self.s.moe_tokens:
+            x = torch.randn(t, h, device=self.device).to(dtype)
+            w, ids = torch.topk(torch.softmax(torch.randn(t, e, device=self.device), -1), top_k, dim=-1)
+            hit = int(torch.unique(ids).numel())  # the benchmark reads it once, outside the timed calls
+            weight_bytes = hit * 3 * i * h * gate_up.element_size()
+            io = weight_bytes + 2 * x.numel() * x.element_size()
+            at = len(self.rows)
+            t_fused = self.row(f"fused MoE, {dtype_name(dtype)}, {t} tokens, {e} experts top-{top_k} ({hit} hit)",
+                               lambda: k.fused_moe(x, gate_up, down, ids, w, "silu"), io)
+            flops = 2 * t * top_k * 3 * i * h
+            t_torch = self.row(f"torch grouped MoE, {t} tokens",
+                               lambda: grouped_moe.grouped_moe(x, gate_up, down, ids, w, "silu"), io)
+            self.rows[at] = (*self.rows[at][:3], f"{flops / t_fused / 1e12:.1f} TFLOP/s, "
+                                                 f"{t_torch / t_fused:.2f}x the torch path's speed")
 
     def sweep(self, smoke: bool) -> None:
         """Decode (bf16, FP8) and prefill under each launch setting of the sweeps; the module constants are

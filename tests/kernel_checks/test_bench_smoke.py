@@ -22,5 +22,5 @@ def test_bench_kernels_smoke_runs_every_row() -> None:
     assert "Triton path: True" in done.stdout
     for row in ("paged decode attention, fp8 cache", "paged decode attention, int8 cache", "2 splits",
                 "varlen prefill attention", "SDPA causal", "store_kv, ", "store_kv_quantized (fp8)",
-                "store_kv_quantized (int8)", "pack_blocks", "dequantize_kv_fp8"):
+                "store_kv_quantized (int8)", "pack_blocks", "dequantize_kv_fp8", "fused MoE", "torch grouped MoE"):
         assert row in done.stdout, row
