@@ -34,9 +34,10 @@ class KVCacheManager:
         """Longest run of cached full blocks matching the start of ``seq``'s tokens.
 
         Mutates only ``seq.block_hashes`` (a memo). At least the last token is always left to compute, since its
-        logits are needed.
+        logits are needed. A sequence that still needs prompt logprobs gets no hit: every prompt position's logits
+        are needed, and a cached block has none.
         """
-        if not self.enable_caching or seq.block_table:
+        if not self.enable_caching or seq.block_table or seq.needs_prompt_logprobs:
             return []
         self._hash_next_full_blocks(seq, seq.num_tokens)
         bs = self.block_size

@@ -37,6 +37,14 @@ def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
     return device.type == "cuda" and not config.enforce_eager and config.decode_graphs
 
 
+def _prompt_logprobs(seq: Sequence) -> list[dict[int, float] | None] | None:
+    """What an output says of the prompt's logprobs: all of them (the first None) once computed here, else None.
+    Pure (a new list each time: O(prompt), and only for requests that ask)."""
+    if seq.params.prompt_logprobs is None or seq.needs_prompt_logprobs:
+        return None
+    return [None, *seq.prompt_logprobs]
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -44,6 +52,7 @@ class _Request:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     progress: list[CompletionProgress] = field(default_factory=list)  # per completion: text, what outputs handed out
+    prompt_logprobs_out: bool = False  # an output has carried the prompt logprobs (later running ones do not)
 
     @property
     def finished(self) -> bool:
@@ -349,9 +358,13 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         """Mutates what ``req``'s outputs have handed out: each completion's output carries what is new since its
-        previous one (O(new tokens)), and the whole completion once finished."""
+        previous one (O(new tokens)), and the whole completion once finished; the prompt logprobs (when asked) come
+        with the first output after the prompt is computed and with the finished one."""
         outs = [req.progress[k].output(s) for k, s in enumerate(req.seqs)]
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens)
+        prompt_lps = None if req.prompt_logprobs_out and not req.finished else _prompt_logprobs(req.seqs[0])
+        req.prompt_logprobs_out = req.prompt_logprobs_out or prompt_lps is not None
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens,
+                             prompt_lps)
 
     def snapshot(self, request_id: str) -> RequestOutput | None:
         """The whole output so far of an unfinished request (its visible text), or None for an unknown or finished
@@ -360,7 +373,8 @@ class LLMEngine:
         if req is None:
             return None
         outs = [req.progress[k].snapshot(s) for k, s in enumerate(req.seqs)]
-        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens)
+        return RequestOutput(req.request_id, req.prompt_token_ids, outs, req.finished, req.seqs[0].num_cached_tokens,
+                             _prompt_logprobs(req.seqs[0]))
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if block accounting is inconsistent. Pure."""

@@ -23,6 +23,7 @@ from engine.kv_cache_manager import cdiv
 from engine.kv_memory import KVLayout, SharedKVMemory
 from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig
+from engine.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
 from engine.sampler import Sampler
 from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
@@ -192,7 +193,8 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, after_kv_store: Callable[[int], None] | None = None
     ) -> dict[int, list[SampledToken]]:
-        """Run one step. Mutates the KV cache and the sampling state. Returns seq id -> sampled tokens (one per
+        """Run one step. Mutates the KV cache, the sampling state and the ``prompt_logprobs`` of sequences that ask
+        for them (:mod:`engine.prompt_logprobs`). Returns seq id -> sampled tokens (one per
         completion to sample).
 
         ``after_kv_store(layer)``: see :meth:`DecoderModel.forward`.
@@ -211,6 +213,9 @@ class ModelRunner:
         sampling = self._sampling_batch(list(enumerate(s for s in step.order if s.sample)))
         hidden = self.model.forward(step.input_ids, step.positions, step.attention, self.kv_caches, after_kv_store,
                                     self.kv_scale_layers)
+        prompt_rows = plan_prompt_rows(len(out.decodes), out.prefills)
+        if prompt_rows:  # echo with logprobs: the prompt positions' logits too, for the sequences that ask
+            compute_prompt_logprobs(self.model.logits, hidden, prompt_rows)
         if sampling[0] is None:
             return {}
         logits = self.model.logits(hidden.index_select(0, step.sample_index))

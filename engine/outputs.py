@@ -60,6 +60,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs, once the prompt is computed: per prompt token {id: logprob} of that token and the
+    # top-k, the first None (nothing precedes it), as vLLM gives them. None: not asked, or computed elsewhere (a
+    # prefill actor's, which its PrefillResult carries)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     # the first completion's fields, for the common n == 1 case
     @property

@@ -23,6 +23,8 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per generated token
+    # top-k logprobs per prompt position (echo with logprobs): computed in prefill, which then skips the prefix cache
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -51,6 +53,10 @@ class SamplingParams:
             raise bad("n", "must be an integer in [1, 128]")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be None or an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "must be None or an integer in [0, 20]")
         if not -2.0 <= float(self.presence_penalty) <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= float(self.frequency_penalty) <= 2.0:

@@ -32,6 +32,9 @@ class Sequence:
     seed: int | None = None  # keys this sequence's sampling draws with (index, position): see engine/philox.py
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: entry i is prompt token i + 1's logprob (and the top-k) given the tokens before it;
+    # appended as prefill chunks compute them, kept across a preemption (the recompute fills in only what is missing)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in this sequence's blocks
     block_table: list[int] = field(default_factory=list)
@@ -64,6 +67,11 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : stop - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the request asks for prompt logprobs and some are still to compute. Pure."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids) - 1
 
     @property
     def is_finished(self) -> bool:
