@@ -12,10 +12,11 @@ taken back.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.wire.messages import TokenDelta, Usage
+from cluster.wire.messages import TokenDelta, Usage, prompt_logprob_pairs
 
 
 @dataclass
@@ -31,6 +32,7 @@ class DeltaTracker:
     finished: set[int] = field(default_factory=set)  # completions whose finish has been sent
     done: bool = False  # the request's last delta (with usage) has been built
     first_index: int = 0  # the client's index of this request's first completion (a resumed one keeps its own)
+    prompt_sent: bool = False  # the prompt logprobs (computed here: colocated) went out, on the request's first delta
 
     @classmethod
     def for_request(cls, req: Any) -> DeltaTracker:
@@ -75,10 +77,12 @@ class DeltaTracker:
         if out.finished and result:
             usage = Usage(self.prompt_tokens, sum(c.num_tokens for c in out.outputs),
                           max(self.cached_tokens, out.num_cached_tokens))
-            last = result[-1]
-            result[-1] = TokenDelta(last.request_id, last.index, last.token_ids, last.text, last.logprobs,
-                                    last.finish_reason, usage)
+            result[-1] = dataclasses.replace(result[-1], usage=usage)
             self.done = True
+        if result and not self.prompt_sent and getattr(out, "prompt_logprobs", None) is not None:
+            result[0] = dataclasses.replace(result[0], prompt_logprobs=prompt_logprob_pairs(
+                out.prompt_token_ids, out.prompt_logprobs))
+            self.prompt_sent = True
         return result
 
     def failure(self, error: str, n: int) -> list[TokenDelta]:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from cluster.engine_loop import EngineLoop, load_engine
-from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
+from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant,
+                                   prompt_logprob_pairs)
 from cluster.wire.reports import KVCounts, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.base import TransferHandle, TransferState
@@ -276,9 +277,13 @@ class PrefillWorker(EngineLoop):
         lps = None
         if job.request.logprobs is not None:
             lps = [sorted(c.logprobs[0].items()) if c.logprobs else [] for c in outs]
+        prompt_lps = None
+        if job.request.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_lps = prompt_logprob_pairs(job.request.prompt_token_ids, out.prompt_logprobs)
         return PrefillResult(
             request_id=job.request.request_id, reservation_id=job.grant.reservation_id,
             first_token_ids=tuple(c.token_ids[0] for c in outs), first_logprobs=lps, seed=job.seed,
+            prompt_logprobs=prompt_lps,
             cached_tokens=out.num_cached_tokens, parts_sent=len(job.handles), failed_parts=tuple(failed),
             bytes_sent=job.bytes_sent, transfer_s=busy, backend=self.backend.config.backend,
             queue_s=max(0.0, started - job.submitted_at), compute_s=max(0.0, job.computed_at - started),

@@ -108,7 +108,9 @@ class Dispatcher:
         if prefill is None:
             return
         try:
-            await self._prefill(leg, prefill)
+            result = await self._prefill(leg, prefill)
+            if job.prompt_logprobs is None:  # echo with logprobs: the prompt's, computed there
+                job.prompt_logprobs = result.prompt_logprobs
         except ActorGone as gone:  # the prefill actor died mid-prefill: the same prompt on another one
             self._give_up(leg, f"prefill actor {gone} is gone")
             await self._resume(job, leg, f"prefill actor {gone} died")
@@ -137,9 +139,10 @@ class Dispatcher:
         self.router.record_prefill(choice.actor_id, hashes)
         return live[choice.actor_id]
 
-    async def _prefill(self, leg: Leg, prefill: ActorRef) -> None:
-        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and hand its typed result to the
-        decode actor that owns the request. Raises :class:`ActorGone` if the prefill actor died or hung."""
+    async def _prefill(self, leg: Leg, prefill: ActorRef) -> PrefillResult:
+        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks), hand its typed result to the
+        decode actor that owns the request, and return it. Raises :class:`ActorGone` if the prefill actor died or
+        hung."""
         assert leg.grant is not None
         n = len(leg.req.prompt_token_ids)
         self.inflight[prefill.name] = self.inflight.get(prefill.name, 0) + n
@@ -160,6 +163,7 @@ class Dispatcher:
             result.send_wait_s
         self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
         await self.pools.prefilled(leg.actor, raw)
+        return result
 
     # -- resuming -----------------------------------------------------------------------------------------------------
     async def _resume(self, job: Job, leg: Leg, why: str) -> list[Leg]:

@@ -65,6 +65,9 @@ class Job:
     usage: Usage | None = None  # from the last delta carrying usage
     error: str | None = None  # a decode actor ended it with an error
     resumes: int = 0  # times one of its legs was given up and resumed elsewhere (dead owners, dead prefill actors)
+    # the prompt's (token id, logprob) pairs when asked (echo with logprobs): from the prefill actor's result or the
+    # colocated owner's first delta; the first that comes is kept (a resumed leg recomputes the same)
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.choices:
@@ -119,4 +122,6 @@ class Job:
             self.usage = d.usage
         if d.error is not None:
             self.error = d.error
+        if d.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = d.prompt_logprobs
         return c

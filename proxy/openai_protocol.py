@@ -105,7 +105,7 @@ class ProtocolConfig:
 class SamplingOptions:
     """Validated sampling fields of one request, as ``GenerateRequest`` carries them (max_tokens not yet resolved)."""
 
-    max_tokens: int | None  # None: whatever the context leaves after the prompt (chat's default)
+    max_tokens: int | None  # None: whatever the context leaves after the prompt (chat's default); 0: echo only
     temperature: float
     top_p: float = 1.0
     top_k: int = -1
@@ -116,6 +116,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per token (chat: top_logprobs when logprobs is true); None: off
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (completions' echo with logprobs)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -226,11 +227,11 @@ def parse_completion_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> Co
     _check_fields(body, _COMPLETION_IMPLEMENTED, _COMPLETION_NEUTRAL)
     prompts = _prompts(body.get("prompt"), cfg)
     logprobs = read_int(body, "logprobs", 0, cfg.max_logprobs)
-    echo = read_bool(body, "echo") or False
-    if echo and logprobs is not None:  # vLLM would add the prompt's logprobs; the engine computes none
-        raise invalid_request("'echo' together with 'logprobs' is not supported: this server does not compute the "
-                              "prompt's logprobs.", "echo", "unsupported_parameter")
-    sampling = _with_grammar(_sampling(body, cfg, cfg.default_completion_max_tokens, logprobs), parse_grammar(body))
+    echo = read_bool(body, "echo") or False  # with logprobs: the prompt's too (max_tokens 0: only the prompt's)
+    sampling = _with_grammar(_sampling(body, cfg, cfg.default_completion_max_tokens, logprobs, echo),
+                             parse_grammar(body))
+    if echo and logprobs is not None:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
     stream, options = _stream(body)
     return CompletionRequest(model, prompts, sampling, stream, options, read_str(body, "user"), echo)
 
@@ -275,6 +276,7 @@ def to_generate_request(request_id: str, prompt_token_ids: list[int] | tuple[int
     if not prompt:
         raise invalid_request("The prompt is empty after tokenization.", param)
     max_tokens = sampling.max_tokens if sampling.max_tokens is not None else max_model_len - prompt
+    max_tokens = max_tokens or 1  # echo only (0): the engine makes one token, which the response leaves out
     if max_tokens < 1 or prompt + max_tokens > max_model_len:
         raise context_length_exceeded(prompt, max(max_tokens, 1), max_model_len, param)
     fields = {k: getattr(sampling, k) for k in SamplingOptions.__dataclass_fields__}
@@ -317,10 +319,13 @@ def _model(body: Mapping[str, Any], cfg: ProtocolConfig) -> str:
 
 
 def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, default_max_tokens: int | None,
-              logprobs: int | None) -> SamplingOptions:
+              logprobs: int | None, echo: bool = False) -> SamplingOptions:
     max_tokens = read_int(body, "max_completion_tokens", 1, cfg.max_model_len)
-    if max_tokens is None:
-        max_tokens = read_int(body, "max_tokens", 1, cfg.max_model_len)
+    if max_tokens is None:  # 0 only with echo (a completion that is only its prompt, to score it: as vLLM)
+        max_tokens = read_int(body, "max_tokens", 0, cfg.max_model_len)
+        if max_tokens == 0 and not echo:
+            raise invalid_request("'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone).",
+                                  "max_tokens")
     temperature = read_float(body, "temperature", 0.0, 2.0)
 
     def opt(value: Any, default: Any) -> Any:

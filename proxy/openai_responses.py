@@ -23,8 +23,8 @@ MIN_LOGPROB = -9999.0  # what OpenAI (and vLLM) send for -inf, which JSON cannot
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str  # the sampled token, detokenized on its own
-    logprob: float
-    top: tuple[tuple[str, float], ...] = ()  # the top-k alternatives as (token text, logprob), best first
+    logprob: float | None  # None: an echoed prompt's first token (nothing precedes it)
+    top: tuple[tuple[str, float], ...] | None = ()  # the top-k alternatives as (token text, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,18 @@ class ChoiceStream:
     lags behind the tokens.
     """
 
-    def __init__(self, index: int, with_logprobs: bool, echo: str = "") -> None:
+    def __init__(self, index: int, with_logprobs: bool, echo: str = "",
+                 prompt: Callable[[], tuple[TokenLogprob, ...]] | None = None) -> None:
+        """``prompt``: the echoed prompt's logprob entries (``proxy.echo``), read at the first chunk (they may come
+        with the first delta) and sent first, the offsets then starting at 0."""
         self.index = index
         self.with_logprobs = with_logprobs
         self.text = ""  # all text sent, echo included
         self.num_logprobs = 0  # logprob entries sent
         self.finished = False
         self._echo = echo
-        self._token_chars = len(echo)  # where the next token starts, counted over the tokens' texts
+        self._prompt = prompt
+        self._token_chars = 0 if prompt is not None else len(echo)  # where the next token starts, over token texts
 
     def chunk(self, text: str, logprobs: Sequence[TokenLogprob] = (),
               finish_reason: str | None = None) -> ChoiceOutput | None:
@@ -96,6 +100,8 @@ class ChoiceStream:
             raise ValueError(f"choice {self.index}: a delta after the finish")
         text, self._echo = self._echo + text, ""
         lps = tuple(logprobs) if self.with_logprobs else ()
+        if self._prompt is not None:
+            lps, self._prompt = self._prompt() + lps, None
         if not text and not lps and finish_reason is None:
             return None
         out = ChoiceOutput(self.index, text, finish_reason, lps if self.with_logprobs else None, self._token_chars)
@@ -124,8 +130,10 @@ def _completion_logprobs(lps: tuple[TokenLogprob, ...], offset: int) -> dict[str
     for t in lps:
         offsets.append(offset)
         offset += len(t.token)
-    return {"tokens": [t.token for t in lps], "token_logprobs": [_lp(t.logprob) for t in lps],
-            "top_logprobs": [{tok: _lp(lp) for tok, lp in t.top} for t in lps], "text_offset": offsets}
+    return {"tokens": [t.token for t in lps],
+            "token_logprobs": [None if t.logprob is None else _lp(t.logprob) for t in lps],
+            "top_logprobs": [None if t.top is None else {tok: _lp(lp) for tok, lp in t.top} for t in lps],
+            "text_offset": offsets}
 
 
 def _chat_logprobs(lps: tuple[TokenLogprob, ...]) -> dict[str, Any]:

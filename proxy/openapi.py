@@ -103,7 +103,10 @@ def _fields(cfg: ProtocolConfig, chat: bool) -> dict[str, Any]:
         props.update(prompt={"oneOf": [{"type": "string", "minLength": 1}, {**_token_ids(), "minItems": 1},
                                        {"type": "array", "minItems": 1, "items": {"oneOf": [
                                            {"type": "string", "minLength": 1}, {**_token_ids(), "minItems": 1}]}}]},
-                     logprobs=_num("integer", 0, cfg.max_logprobs), echo={"type": ["boolean", "null"]})
+                     logprobs=_num("integer", 0, cfg.max_logprobs),
+                     max_tokens={**_num("integer", 0, cfg.max_model_len), "description": "0 only with echo"},
+                     echo={"type": ["boolean", "null"], "description": "the prompt first; with logprobs, the "
+                           "prompt's too (its first token's null)"})
         neutral = _COMPLETION_NEUTRAL
     props.update({k: {"type": [_JSON_TYPES[t], "null"], "description": "accepted and ignored: it changes nothing"}
                   for k, t in _IGNORED.items()})

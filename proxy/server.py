@@ -47,6 +47,7 @@ from proxy.openai_responses import (
     SSE_DONE,
     ChoiceOutput,
     ChoiceStream,
+    TokenLogprob,
     chat_chunk_body,
     chat_completion_body,
     completion_body,
@@ -54,6 +55,7 @@ from proxy.openai_responses import (
     total_usage,
     usage_chunk_body,
 )
+from proxy.echo import echo_only, prompt_entries
 from proxy.jobs import Job
 from proxy.openapi import openapi_spec
 from proxy.pools import Pools
@@ -274,11 +276,17 @@ class Proxy:
             jobs.append(job)
         return parsed, jobs
 
-    def _usage(self, jobs: list[Job]) -> Usage:
-        """Every prompt counted (duplicates too), every completion's tokens, the owners' cached-token counts."""
+    def _usage(self, jobs: list[Job], only_prompt: bool = False) -> Usage:
+        """Every prompt counted (duplicates too), every completion's tokens (none under echo with max_tokens 0), the
+        owners' cached-token counts."""
         return total_usage([len(j.req.prompt_token_ids) for j in jobs],
-                           sum(len(c.token_ids) for j in jobs for c in j.choices),
+                           0 if only_prompt else sum(len(c.token_ids) for j in jobs for c in j.choices),
                            sum(j.usage.cached_tokens for j in jobs if j.usage is not None))
+
+    def _prompt_entries(self, job: Job) -> tuple[TokenLogprob, ...]:
+        """The echoed prompt's logprob entries of ``job`` (echo with logprobs), first one null (``proxy.echo``)."""
+        return prompt_entries(job.req.prompt_token_ids, job.prompt_logprobs, job.req.logprobs or 0,
+                              self.dispatch.render_logprob)
 
     async def _collect(self, parsed: Any, jobs: list[Job], chat: bool, start: float, trace: str) -> web.Response:
         async for _ in self.dispatch.deltas(jobs):
@@ -286,13 +294,19 @@ class Proxy:
         latency = self._observe(jobs, start)
         rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
         echo = getattr(parsed, "echo_text", None)
-        choices = [ChoiceOutput(j.choice_index(i), (echo(j.choice_index(i), self.tok.decode) if echo else "") + c.text,
-                                c.finish or "stop", tuple(c.logprobs) if j.req.logprobs is not None else None)
-                   for j in jobs for i, c in enumerate(j.choices)]
+        only = echo_only(parsed)  # max_tokens 0: the prompt alone (the engine's one token left out)
+        choices = []
+        for j in jobs:
+            prompt_lps = self._prompt_entries(j) if j.req.prompt_logprobs is not None else ()
+            for i, c in enumerate(j.choices):
+                lps = None if j.req.logprobs is None else prompt_lps + (() if only else tuple(c.logprobs))
+                choices.append(ChoiceOutput(j.choice_index(i), (echo(j.choice_index(i), self.tok.decode) if echo
+                                                                else "") + ("" if only else c.text),
+                                            "length" if only else c.finish or "stop", lps))
         plan = getattr(parsed, "tools", None)
         if plan is not None and plan.reads_calls:
             choices = [with_tool_calls(c, plan) for c in choices]
-        usage = self._usage(jobs)
+        usage = self._usage(jobs, only)
         body = (chat_completion_body(rid, parsed.model, created, choices, usage) if chat
                 else completion_body(rid, parsed.model, created, choices, usage))
         resp = web.json_response(body, headers={"X-Request-Id": trace})
@@ -307,8 +321,11 @@ class Proxy:
         rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
         include = parsed.stream_options.include_usage
         echo = getattr(parsed, "echo_text", None)
+        only = echo_only(parsed)  # max_tokens 0: the prompt alone (the engine's one token left out)
         streams = {(id(j), i): ChoiceStream(j.choice_index(i), j.req.logprobs is not None,
-                                            echo(j.choice_index(i), self.tok.decode) if echo else "")
+                                            echo(j.choice_index(i), self.tok.decode) if echo else "",
+                                            (lambda j=j: self._prompt_entries(j))
+                                            if j.req.prompt_logprobs is not None else None)
                    for j in jobs for i in range(j.req.n)}
         for j in jobs if chat else []:  # OpenAI's first chat chunk carries the role
             for i in range(j.req.n):
@@ -328,7 +345,10 @@ class Proxy:
                                              plan, rid, parsed.model, created, include):
                         await resp.write(sse_event(body))
                     continue
-                choice = streams[(id(j), d.index)].chunk(d.text, lps, d.finish_reason)
+                if only:
+                    choice = streams[(id(j), d.index)].chunk("", (), d.finish_reason and "length")
+                else:
+                    choice = streams[(id(j), d.index)].chunk(d.text, lps, d.finish_reason)
                 if choice is None:
                     continue
                 body = (chat_chunk_body(rid, parsed.model, created, [choice], None, include) if chat
@@ -342,7 +362,7 @@ class Proxy:
             self._done(e.status)
             return resp
         if include:
-            await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs))))
+            await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs, only))))
         await resp.write(SSE_DONE)
         await resp.write_eof()
         self._done(200, self._observe(jobs, start))

@@ -24,8 +24,9 @@ T = TypeVar("T", bound="_Wire")
 ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
 # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce; 5: token-stream
-# messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop)
-WIRE_VERSION = 6
+# messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop; 7:
+# prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs)
+WIRE_VERSION = 7
 
 
 class WireVersionError(ValueError):
@@ -84,6 +85,23 @@ def _logprob_pairs(owner: str, values: Any, n: int) -> tuple[tuple[tuple[int, fl
     return lps
 
 
+def _prompt_pairs(owner: str, values: Any) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """Per prompt token after the first, ``(token_id, logprob)`` pairs: that token's first, then the top-k."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise ValueError(f"{owner}.prompt_logprobs: must be a list, got {type(values).__name__}")
+    lps = _logprob_pairs(owner, values, len(values))
+    if any(not pairs for pairs in lps):
+        raise ValueError(f"{owner}.prompt_logprobs: every position needs its own token's pair")
+    return lps
+
+
+def prompt_logprob_pairs(prompt_token_ids: Any, prompt_logprobs: Any) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """An engine output's prompt logprobs (per prompt token ``{id: logprob}``, the first None) in wire form: per token
+    after the first, its own pair, then the others by id. Pure."""
+    return tuple(((int(t), float(lps[t])), *sorted((int(o), float(lp)) for o, lp in lps.items() if o != t))
+                 for t, lps in zip(list(prompt_token_ids)[1:], list(prompt_logprobs)[1:]))
+
+
 def _check_seconds(owner: str, name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ValueError(f"{owner}.{name}: must be a finite number >= 0, got {value!r}")
@@ -136,6 +154,7 @@ class GenerateRequest(_Wire):
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per generated token; None means none
+    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (echo with logprobs); None means none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -295,6 +314,9 @@ class PrefillResult(_Wire):
     # per completion, the first token's (token_id, logprob) pairs (sampled first, then the top-k); None: not asked
     first_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     seed: int = 0  # the seed the draws were keyed with, so the decode actor continues with the same stream
+    # request.prompt_logprobs: per prompt token after the first, (token_id, logprob) pairs, its own first, then the
+    # top-k (the proxy reads them here: the decode actor never computes the prompt)
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     cached_tokens: int = 0  # prompt tokens the prefill actor served from its prefix cache
     parts_sent: int = 0  # (layer, chunk) parts handed to the transfer backend
     failed_parts: tuple[str, ...] = ()  # errors of parts that did not reach the decode actor
@@ -320,6 +342,8 @@ class PrefillResult(_Wire):
         _check_ids("PrefillResult", "first_token_ids", self.first_token_ids)
         if self.first_logprobs is not None:
             _set(self, "first_logprobs", _logprob_pairs("PrefillResult", self.first_logprobs, len(self.first_token_ids)))
+        if self.prompt_logprobs is not None:
+            _set(self, "prompt_logprobs", _prompt_pairs("PrefillResult", self.prompt_logprobs))
         for name in ("seed", "cached_tokens", "parts_sent", "bytes_sent"):
             _check_int("PrefillResult", name, getattr(self, name))
         for name in ("transfer_s", "queue_s", "compute_s", "send_wait_s"):
@@ -360,6 +384,9 @@ class TokenDelta(_Wire):
     finish_reason: str | None = None  # "stop" | "length" | "abort"; set only on the last delta of a completion
     usage: Usage | None = None  # set on the last delta of the request
     error: str | None = None  # the request failed on the actor (finish_reason "abort"): why, for the client
+    # request.prompt_logprobs, computed by this actor (colocated): as PrefillResult.prompt_logprobs, on the request's
+    # first delta only
+    prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     def __post_init__(self) -> None:
         _check_int("TokenDelta", "index", self.index)
@@ -380,6 +407,8 @@ class TokenDelta(_Wire):
             raise ValueError(f"TokenDelta.usage: must be a Usage or None, got {self.usage!r}")
         if self.error is not None and not isinstance(self.error, str):
             raise ValueError(f"TokenDelta.error: must be a string or None, got {self.error!r}")
+        if self.prompt_logprobs is not None:
+            _set(self, "prompt_logprobs", _prompt_pairs("TokenDelta", self.prompt_logprobs))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Structured outputs and tool calls through the official ``openai`` client against a real cluster, colocated and
 disaggregated (issue 30): 20 JSON schemas validate (integers, not free numbers: a sampled number may run on in
 digits past any budget, a model's habit rather than a grammar's fault), required and named tool calls validate against their
-parameters, streamed calls equal whole ones, a constrained greedy answer equals the offline engine's, and a schema
-that does not compile is a 400 naming the field."""
+parameters, streamed calls equal whole ones, a constrained greedy answer equals the offline engine's, echoed prompt
+logprobs equal the offline engine's, and a schema that does not compile is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -101,6 +101,27 @@ def test_constrained_greedy_equals_offline_and_completions_take_structured_outpu
     done = c.completions.create(model="default", prompt="The answer is", max_tokens=8, temperature=0,
                                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert done.choices[0].text in ("yes", "no")
+
+
+def test_echo_prompt_logprobs_equal_offline(url: str, offline: LLM) -> None:
+    """echo + logprobs (max_tokens 0: the prompt alone), whole and streamed: the prompt's logprobs are the offline
+    engine's, the first null; the prefill actor computes them when disaggregated, the decode actor when colocated."""
+    c = client(url)
+    ids = offline.engine.tokenize("Paris is the capital of France, and Madrid is the capital of")
+    want = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    r = c.completions.create(model="default", prompt=ids, echo=True, logprobs=2, max_tokens=0, temperature=0)
+    lp, choice = r.choices[0].logprobs, r.choices[0]
+    assert choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert choice.text == offline.tokenizer.decode(ids) and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    assert lp.token_logprobs[1:] == pytest.approx([want[i][t] for i, t in enumerate(ids) if i], abs=1e-4)
+    assert all(len(top) == 2 for top in lp.top_logprobs[1:])
+    streamed: list[float | None] = []
+    for chunk in c.completions.create(model="default", prompt=ids, echo=True, logprobs=2, max_tokens=2,
+                                      temperature=0, stream=True):
+        for ch in chunk.choices:
+            streamed += ch.logprobs.token_logprobs if ch.logprobs else []
+    assert len(streamed) == len(ids) + 2 and streamed[: len(ids)] == lp.token_logprobs
 
 
 def test_required_and_named_tool_calls_validate_streamed_or_not(url: str) -> None:

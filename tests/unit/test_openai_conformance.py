@@ -228,10 +228,7 @@ def test_echo_exposes_each_choices_prompt_text() -> None:
     assert parse_completion_request(completion(echo=False, logprobs=2), CFG).sampling.logprobs == 2
 
 
-@pytest.mark.parametrize("logprobs", [0, 1, 5])
-def test_echo_with_logprobs_is_refused_naming_echo(logprobs: int) -> None:
-    err = refused(parse_completion_request, completion(echo=True, logprobs=logprobs))
-    assert (err.param, err.code) == ("echo", "unsupported_parameter") and "prompt" in err.message
+def test_echo_must_be_a_bool() -> None:  # echo with logprobs: tests/unit/test_echo_logprobs.py
     assert refused(parse_completion_request, completion(echo="yes")).param == "echo"
 
 
