@@ -29,3 +29,64 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
         return made[key]
 
     return make
+
+
+# -- tiers -----------------------------------------------------------------------------------------------------------
+# Every test CI runs is in exactly one tier, decided here and nowhere else:
+#   fast:        pure code: no subprocess, no Ray, no server process, no model bigger than the tiny factory ones.
+#                tests/unit and tests/kernel_checks, less the tests listed in INTEGRATION below.
+#                `python3 -m pytest -m fast` (under 3 minutes on two cores).
+#   integration: the rest that CI runs: tests/integration, tests/helm, the unit tests listed in INTEGRATION, and any
+#                test marked @pytest.mark.integration (a test may also say @pytest.mark.fast itself).
+#   slow:        marked @pytest.mark.slow; neither CI nor a plain `pytest` runs it (pyproject's addopts).
+# A plain `python3 -m pytest` runs fast + integration, as CI does (.ci/run: one tier after the other).
+FOLDER_TIERS = {"unit": "fast", "kernel_checks": "fast", "integration": "integration", "helm": "integration"}
+TIERS = ("fast", "integration")
+# Tests in a fast folder that start a process, Ray, a server process or the default model: "file" for all its tests,
+# "file::test" (parameters left off) for one, with why.
+INTEGRATION = {
+    "tests/unit/test_benchmark_scripts.py": "runs the benchmark scripts as subprocesses",
+    "tests/unit/test_cli.py": "runs `pdcluster` as a subprocess, the default model included",
+    "tests/unit/test_evacuate.py::test_evacuate_waits_for_a_sigtermed_process_to_exit": "signals a child process",
+    "tests/unit/test_evacuate.py::test_evacuate_reports_what_outlived_the_timeout": "signals a child process",
+    "tests/unit/test_gpu_check_smoke.py": "runs scripts/gpu_check.sh --smoke",
+    "tests/unit/test_llm_api.py": "the default model (SmolLM2-135M) against Hugging Face",
+    "tests/unit/test_openai_protocol.py::test_proxy_modules_do_not_import_torch": "a fresh interpreter",
+    "tests/unit/test_prompt_tokenizer.py::test_no_torch_import": "a fresh interpreter",
+    "tests/unit/test_ray_address.py::test_cli_scale_on_dead_address_exits_fast": "runs `pdcluster` as a subprocess",
+    "tests/unit/test_reliability_scripts.py::test_descendants_and_rss_of_a_real_child": "a child process",
+    "tests/kernel_checks/test_bench_smoke.py": "runs benchmarks/bench_kernels.py as a subprocess",
+    "tests/kernel_checks/test_compile_sm90.py": "compiles every kernel in a subprocess",
+}
+
+
+def _tier_of(item: pytest.Item, rel: str) -> str | None:
+    """The tier of one collected test: None for slow and GPU-only tests (no tier: CI never runs them)."""
+    if item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+        return None
+    for tier in TIERS:
+        if item.get_closest_marker(tier):
+            return tier
+    if rel in INTEGRATION or item.nodeid.split("[")[0] in INTEGRATION:
+        return "integration"
+    parts = rel.split("/")
+    return FOLDER_TIERS.get(parts[1], "integration") if len(parts) > 2 and parts[0] == "tests" else "integration"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection, which then sees the tier markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(str(config.rootpath))
+    seen_files, seen_keys = set(), set()
+    for item in items:
+        rel = Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
+        seen_files.add(rel)
+        seen_keys.update((rel, item.nodeid.split("[")[0]))
+        tier = _tier_of(item, rel)
+        if tier is not None and not item.get_closest_marker(tier):
+            item.add_marker(tier)
+    # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
+    # (only when whole files were collected: not under -k or a `file::test` argument)
+    whole_files = not config.getoption("keyword") and not any("::" in str(a) for a in config.args)
+    stale = [k for k in INTEGRATION if k.split("::")[0] in seen_files and k not in seen_keys]
+    if stale and whole_files:
+        raise pytest.UsageError(f"tests/conftest.py INTEGRATION names tests that do not exist: {stale}")
