@@ -69,7 +69,8 @@ class DeltaTracker:
             if not new_ids and not text and c.finish_reason is None:
                 continue
             lps = None if new_lps is None else tuple(tuple(sorted(lp.items())) for lp in new_lps)
-            result.append(TokenDelta(self.request_id, i, tuple(new_ids), text, lps, c.finish_reason))
+            result.append(TokenDelta(self.request_id, i, tuple(new_ids), text, lps, c.finish_reason,
+                                     error=getattr(c, "error", None)))
             self.sent_tokens[i] = self.sent_tokens.get(i, 0) + len(new_ids)
             self.sent_chars[i] = self.sent_chars.get(i, 0) + len(text)
             if c.finish_reason is not None:

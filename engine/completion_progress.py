@@ -101,7 +101,7 @@ class CompletionProgress:
             self._whole = WholeCompletion(list(seq.output_token_ids), self.text(),
                                           list(seq.output_logprobs) if wants_lps else None)
         return CompletionOutput(seq.index, new_ids, new_text, seq.finish_reason, new_lps, len(seq.output_token_ids),
-                                self._whole if finished else None)
+                                self._whole if finished else None, seq.finish_error)
 
     def snapshot(self, seq: Sequence) -> CompletionOutput:
         """The whole completion so far (visible text only), with nothing new: for a caller that asks. O(length).
@@ -111,4 +111,4 @@ class CompletionProgress:
             list(seq.output_token_ids), self.text()[:self.visible_length(finished)],
             list(seq.output_logprobs) if seq.params.logprobs is not None else None)
         return CompletionOutput(seq.index, [], "", seq.finish_reason, None if whole.logprobs is None else [],
-                                len(seq.output_token_ids), whole)
+                                len(seq.output_token_ids), whole, seq.finish_error)

@@ -327,7 +327,11 @@ class LLMEngine:
         self.last_preempted = [s.request_id for s in out.preempted]
         hook = None if after_kv_store is None else (lambda layer: after_kv_store(layer, out))
         sampled = self.runner.execute(out, hook)
+        ends = self.runner.sampling.grammar_ends()  # their tokens of this step are dropped: they end here
+        for seq_id in ends:
+            sampled.pop(seq_id, None)
         updated, finished = self.scheduler.update_from_output(out, sampled)
+        finished += self._end_at_grammar(out, ends)
         touched: dict[str, _Request] = {}
         for seq in updated:
             req = self._requests[seq.request_id]
@@ -341,6 +345,20 @@ class LLMEngine:
             if req.finished:
                 del self._requests[req.request_id]
         return results
+
+    def _end_at_grammar(self, out: SchedulerOutput, ends: dict[int, Any]) -> list[Sequence]:
+        """Mutates: retire the scheduled sequences whose grammar let them go no further (``ends``: seq id ->
+        ``GrammarEnd``), with its finish reason and error (a parent's unforked children too). Returns them."""
+        done = []
+        for s in out.scheduled:
+            end = ends.get(s.seq.seq_id)
+            if end is None or s.seq.is_finished:
+                continue
+            for seq in (s.seq, *s.seq.pending_children):
+                seq.finish_error = end.error
+                done.append(seq)
+            self.scheduler.finish(s.seq, end.finish_reason)
+        return done
 
     def _detokenize(self, req: _Request, seq: Sequence) -> None:
         i = seq.index - req.seqs[0].index  # position in the request (a resumed completion keeps its client index)

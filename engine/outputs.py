@@ -26,10 +26,11 @@ class CompletionOutput:
     index: int  # which of the request's n completions
     new_token_ids: list[int]  # generated since this completion's previous output
     new_text: str  # visible text since the previous output (held back while it may begin a stop string)
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     new_logprobs: list[dict[int, float]] | None = None  # one per new token, when the request asked for logprobs
     num_tokens: int = 0  # generated so far, the new ones included
     whole: WholeCompletion | None = None  # set when finished (and in a snapshot)
+    error: str | None = None  # finish_reason "error": why (its grammar let the output go no further)
 
     def _whole(self) -> WholeCompletion:
         if self.whole is None:

@@ -40,6 +40,32 @@ class _Tracked:
     consumed: int
 
 
+@dataclass(frozen=True)
+class GrammarEnd:
+    """How a constrained completion ends when its grammar lets it go no further."""
+
+    finish_reason: str  # "error" (the matcher failed, or admits no token), "stop" (the structure is whole)
+    error: str | None = None  # why, for the client (finish "error")
+
+
+def dead_end(matcher: llguidance.LLMatcher, admits_nothing: bool, ignore_eos: bool) -> GrammarEnd | None:
+    """Whether a matcher (synced with its sequence's output, its mask just filled) ends the completion now. Pure.
+
+    A matcher in its error state (a token it refuses was consumed: a resumed prefix, a first token sampled
+    elsewhere, an engine fault) would allow only the end tokens, and the completion would end with a silent
+    "stop" on half a structure: it ends with "error" and the matcher's message. A mask with no token set (a
+    grammar whose next bytes no token spells) would leave the sampler nothing to draw: "error". A stopped matcher
+    (the structure is whole) under ``ignore_eos`` would allow only an end token the scheduler ignores, step after
+    step: the completion ends with "stop" (without it, the end token it allows ends it as usual)."""
+    if matcher.is_error():
+        return GrammarEnd("error", f"the output no longer matches its grammar: {matcher.get_error().splitlines()[0]}")
+    if matcher.is_stopped():
+        return GrammarEnd("stop") if ignore_eos else None
+    if admits_nothing:
+        return GrammarEnd("error", "the grammar admits no token to continue the output")
+    return None
+
+
 class GrammarMasks:
     """Owns the constrained sequences' matchers. :meth:`bitmask` mutates them; nothing else does."""
 
@@ -47,6 +73,7 @@ class GrammarMasks:
         self.compiler = compiler
         self.executor = llguidance.LLExecutor(num_threads or max(1, min(4, os.cpu_count() or 1)))
         self.tracked: dict[int, _Tracked] = {}
+        self.ended: dict[int, GrammarEnd] = {}  # found by the last bitmask, until take_ended
 
     def bitmask(self, seqs: Seq[Sequence], device: torch.device) -> torch.Tensor | None:
         """The step's bitmask on ``device`` (row i for ``seqs[i]``), or None when no row has a grammar (then
@@ -60,7 +87,18 @@ class GrammarMasks:
         host = torch.full((len(seqs), bitmask_width(self.compiler.vocab_size)), -1, dtype=torch.int32,
                           pin_memory=device.type == "cuda")
         llguidance.torch.fill_next_token_bitmask_par(self.executor, matchers, host)
+        empty = host.eq(0).all(dim=1).tolist()
+        for (m, i), (_, q) in zip(matchers, rows):
+            end = dead_end(m, empty[i], q.params.ignore_eos)
+            if end is not None:
+                self.ended[q.seq_id] = end
         return to_device(host, torch.int32, device)
+
+    def take_ended(self) -> dict[int, GrammarEnd]:
+        """Mutates: hands out (and forgets) the sequences the last masks found at a dead end: seq id -> how each
+        ends. Their tokens sampled this step are to be dropped."""
+        ended, self.ended = self.ended, {}
+        return ended
 
     def forget_except(self, seq_ids: Seq[int]) -> None:
         """Mutates: drops the matchers of sequences other than ``seq_ids``."""

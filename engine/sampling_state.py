@@ -24,7 +24,7 @@ import torch
 from engine.philox import derive_seed, seed_as_int64
 from engine.sampler import (SamplerOutput, SamplingMetadata, TokenHistory, has_penalty, host_to_device,
                             write_histories)
-from engine.sampling_grammar import GrammarMasks
+from engine.sampling_grammar import GrammarEnd, GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import RowFacts, as_float32
 from engine.sequence import Sequence
@@ -140,6 +140,11 @@ class SamplingState:
             return batch
         bitmask = self.grammars.bitmask(batch.seqs, self.device)
         return dataclasses.replace(batch, meta=dataclasses.replace(batch.meta, token_bitmask=bitmask))
+
+    def grammar_ends(self) -> dict[int, GrammarEnd]:
+        """Mutates: the constrained sequences the last step's masks found at a dead end (seq id -> how each ends),
+        handed out once (``engine/sampling_grammar.py``)."""
+        return {} if self.grammars is None else self.grammars.take_ended()
 
     def record(self, batch: SamplingBatch, out: SamplerOutput) -> None:
         """Mutates: the penalized rows' histories append their sampled tokens (on the device, from ``out.sampled``),

@@ -45,6 +45,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last (re)admission
     num_preemptions: int = 0
     finish_reason: str | None = None
+    finish_error: str | None = None  # finish_reason "error": why (a grammar that let the output go no further)
     # children created with the request and forked into the batch when the parent samples its first token
     pending_children: list[Sequence] = field(default_factory=list)
 

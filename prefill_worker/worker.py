@@ -123,6 +123,9 @@ class PrefillWorker(EngineLoop):
                 raise TimeoutError(f"prefill of {req.request_id} took over {timeout_s}s")
             if job.output is None:
                 raise RuntimeError(f"prefill of {req.request_id} was aborted")
+            ended = [c.error for c in job.output.outputs if c.finish_reason == "error"]
+            if ended:  # its grammar admitted no first token: no K/V is worth sending on
+                raise RuntimeError(f"prefill of {req.request_id}: {ended[0]}")
             return self._result(job).to_dict()
         finally:
             # after the last write (or none) the decode actor may reuse the blocks. No write of this job can come any

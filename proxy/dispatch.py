@@ -23,7 +23,7 @@ from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest,
 from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
 from proxy.admission import estimate_blocks
-from proxy.errors import APIError, service_unavailable
+from proxy.errors import APIError, generation_error, service_unavailable
 from proxy.gate import AdmissionGate
 from proxy.jobs import Job, Leg
 from proxy.metrics import Metrics
@@ -251,6 +251,8 @@ class Dispatcher:
         lps = [] if d.logprobs is None or k is None else [
             token_logprob(t, pairs, k, self.render_logprob) for t, pairs in zip(d.token_ids, d.logprobs)]
         job.apply(d, lps, time.monotonic())
+        if job.error is not None and d.finish_reason == "error":  # the engine ended it: nothing to resume
+            raise generation_error(f"Completion {job.choice_index(d.index)} ended before its end: {job.error}")
         if job.error is not None:
             name = leg.actor.name if leg.actor is not None else "?"
             raise service_unavailable(f"Decode actor {name}: {job.error}", 1)

@@ -133,6 +133,12 @@ def service_unavailable(message: str, retry_after_s: int | None = None) -> APIEr
     return APIError(503, message, SERVER_ERROR, None, "service_unavailable", retry_after_s)
 
 
+def generation_error(message: str) -> APIError:
+    """500: the engine ended a completion it could not continue (a grammar that admits no token). In a stream it is
+    the error event that ends it."""
+    return APIError(500, message, SERVER_ERROR, None, "generation_error")
+
+
 def internal_error(message: str = "Internal server error.") -> APIError:
     """500."""
     return APIError(500, message, SERVER_ERROR, None, "internal_error")

@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams  # torch-free; the one place s
 T = TypeVar("T", bound="_Wire")
 
 ROLES = ("prefill", "decode", "colocated")
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine ended the completion (its grammar's dead end)
 # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce; 5: token-stream
 # messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop; 7:
 # prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs)
@@ -381,9 +381,11 @@ class TokenDelta(_Wire):
     # per new token, (token_id, logprob) pairs: the sampled token first, then the top-k. Pairs rather than a dict
     # because msgpack refuses integer map keys by default.
     logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; set only on the last delta of a completion
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; only on a completion's last delta
     usage: Usage | None = None  # set on the last delta of the request
-    error: str | None = None  # the request failed on the actor (finish_reason "abort"): why, for the client
+    # the request failed on the actor (finish_reason "abort"), or the engine ended this completion ("error": a
+    # grammar that admits no token): why, for the client
+    error: str | None = None
     # request.prompt_logprobs, computed by this actor (colocated): as PrefillResult.prompt_logprobs, on the request's
     # first delta only
     prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
