@@ -15,7 +15,7 @@ from typing import Any
 
 from cluster.bench.arrivals import PROCESSES, arrival_offsets
 from cluster.bench.datasets import KINDS, Conversation, DatasetSpec, make_dataset
-from cluster.bench.openai_stream import ENDPOINTS, base_url
+from cluster.bench.openai_stream import ENDPOINTS, base_url, build_body
 from cluster.bench.stats import Slo, summarize
 from cluster.bench.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
 
@@ -85,6 +85,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--temperature", type=float, default=0.0)
     a.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, pdcluster): exact output lengths")
     a.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    a.add_argument("--extra-body", default=None, metavar="JSON|@FILE",
+                   help="a JSON object merged into every request (e.g. a response_format), or @FILE holding one")
     o = b.add_argument_group("results")
     o.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT SLO, seconds")
     o.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT SLO, seconds")
@@ -109,6 +111,7 @@ class _Plan:
     spec: DatasetSpec
     points: tuple[SweepPoint, ...]
     slo: Slo
+    extra_body: dict[str, Any]  # --extra-body: sent in every request
 
 
 def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Plan:
@@ -124,10 +127,29 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> _Plan:
                      DatasetSpec(kind=args.dataset, input_len=args.input_len, input_range=args.input_range,
                                  output_len=args.output_len, output_range=args.output_range,
                                  prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, turns=args.turns),
-                     plan_sweep(args.concurrency, args.rate, args.max_concurrency), Slo(args.slo_ttft, args.slo_tpot))
+                     plan_sweep(args.concurrency, args.rate, args.max_concurrency), Slo(args.slo_ttft, args.slo_tpot),
+                     extra_body(args.extra_body))
     except ValueError as e:
         field, sep, rest = str(e).partition(":")  # name the flag, not the config field
         parser.error(f"--{field.replace('_', '-')}{sep}{rest}" if field.isidentifier() else str(e))
+
+
+def extra_body(flag: str | None) -> dict[str, Any]:
+    """``--extra-body``: a JSON object, or ``@FILE`` holding one; checked against the fields the bench sets. Pure
+    apart from reading the file; raises ``ValueError`` naming the flag."""
+    if flag is None:
+        return {}
+    try:
+        if flag.startswith("@"):
+            with open(flag[1:]) as f:
+                flag = f.read()
+        value = json.loads(flag)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"extra_body: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("extra_body: must be a JSON object")
+    build_body("chat", "m", (), "", 1, 0.0, False, value)  # refuses a field the bench sets
+    return value
 
 
 def _document(args: argparse.Namespace, plan: _Plan, model: str, points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -137,7 +159,8 @@ def _document(args: argparse.Namespace, plan: _Plan, model: str, points: list[di
             "dataset": asdict(plan.spec) | {"num_requests": args.num_requests, "seed": args.seed,
                                             "tokenizer": args.tokenizer},
             "load": {"axis": axis, "arrival": args.arrival, "burstiness": args.burstiness, "warmup": args.warmup,
-                     "temperature": args.temperature, "ignore_eos": args.ignore_eos},
+                     "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+                     "extra_body": plan.extra_body},
             "points": points}
 
 
@@ -165,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {plan.url}/v1/models lists no model; pass --model", file=sys.stderr)
         return 1
     convs = point_dataset(plan.spec, args.num_requests, args.seed, 0, tok)
-    target = Target(plan.url, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos, args.timeout)
+    target = Target(plan.url, args.endpoint, model, args.api_key, args.temperature, args.ignore_eos, args.timeout,
+                    tuple(plan.extra_body.items()))
     counted = [t.text_tokens for c in convs for t in c.turns]  # the first point's; later points draw alike
     print(f"[bench] {plan.url} model {model!r}, {args.endpoint}; {args.dataset} dataset: {len(counted)} requests, "
           f"user text {min(counted)}-{max(counted)} tokens ({args.tokenizer} tokenizer); {len(plan.points)} point(s)",

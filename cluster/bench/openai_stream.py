@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -37,10 +38,17 @@ class Exchange:
 
 
 def build_body(endpoint: str, model: str, history: tuple[Exchange, ...], user: str, max_tokens: int,
-               temperature: float, ignore_eos: bool = False) -> dict[str, Any]:
-    """The streaming request body. Completions get the conversation as plain text, one turn after another."""
+               temperature: float, ignore_eos: bool = False,
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The streaming request body. Completions get the conversation as plain text, one turn after another. ``extra``
+    (``--extra-body``): more fields, e.g. a ``response_format``, sent as given (they may not replace the ones the
+    bench sets)."""
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
                             "stream_options": {"include_usage": True}}
+    clash = sorted(set(extra or {}) & {*body, "ignore_eos", "messages", "prompt"})
+    if clash:
+        raise ValueError(f"extra_body: {clash[0]!r} is set by the bench")
+    body.update(extra or {})
     if ignore_eos:  # vLLM's (and pdcluster's) extension: exact output lengths
         body["ignore_eos"] = True
     if endpoint == "chat":

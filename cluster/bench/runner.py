@@ -31,6 +31,7 @@ class Target:
     temperature: float = 0.0
     ignore_eos: bool = False
     timeout_s: float = 600.0
+    extra_body: tuple[tuple[str, Any], ...] = ()  # --extra-body: more fields in every request (a response_format)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -51,7 +52,7 @@ async def _conversation(session: aiohttp.ClientSession, target: Target, conv: Co
     history: tuple[Exchange, ...] = ()
     for i, turn in enumerate(conv.turns):
         body = build_body(target.endpoint, target.model, history, turn.text, turn.max_tokens, target.temperature,
-                          target.ignore_eos)
+                          target.ignore_eos, dict(target.extra_body))
         if slots is not None:
             async with slots:
                 rec = await stream_request(session, url, body, target.headers, conv.index, i)

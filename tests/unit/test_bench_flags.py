@@ -24,6 +24,10 @@ from cluster.cli import build_parser, main
     (["--num-requests", "0"], "--num-requests"),
     (["--url", "localhost:8000"], "--url"),
     (["--tokenizer", "/no/such/folder"], "--tokenizer"),
+    (["--extra-body", "{bad"], "--extra-body"),
+    (["--extra-body", "[1]"], "--extra-body"),
+    (["--extra-body", '{"max_tokens": 3}'], "--extra-body"),
+    (["--extra-body", "@/no/such/file.json"], "--extra-body"),
 ])
 def test_bad_flags(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     # every case fails before contacting a server

@@ -34,6 +34,11 @@ def test_chat_body_carries_the_history_and_asks_for_usage() -> None:
     assert comp["prompt"] == "q1\na1\nq2" and comp["ignore_eos"] is True and "messages" not in comp
     with pytest.raises(ValueError):
         build_body("embeddings", "m", (), "q", 1, 0.0)
+    schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}
+    constrained = build_body("chat", "m", (), "q", 4, 0.0, extra={"response_format": schema})
+    assert constrained["response_format"] == schema and constrained["max_tokens"] == 4
+    with pytest.raises(ValueError, match="stream"):
+        build_body("chat", "m", (), "q", 4, 0.0, extra={"stream": False})
 
 
 def test_parse_sse_lines() -> None:
