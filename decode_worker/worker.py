@@ -201,6 +201,8 @@ class DecodeWorker(EngineLoop):
         kwargs = req.sampling_kwargs()
         if result is not None:
             kwargs["seed"] = result.seed  # keep drawing from the stream the prefill actor started
+            if not recompute:  # its prompt logprobs came in the PrefillResult: a preempted recompute skips them
+                kwargs["prompt_logprobs"] = None
         params = SamplingParams(**kwargs)
         blocks = list(self.reservations.commit(rec.reservation_id))
         pinned = rec.cached
