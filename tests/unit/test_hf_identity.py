@@ -28,6 +28,9 @@ def prompts_with_shared_prefixes(seed: int = 0) -> list[list[int]]:
 # a case's name -> (factory arch, overrides)
 CASES = {name: (name, {}) for name in ("llama", "qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral")}
 CASES["qwen3_moe_step2"] = ("qwen3_moe", QWEN3_MOE_STEP2)
+# YaRN on a per-head K/V model (Qwen2.5's long-context setting), beside DeepSeek's YaRN over the latent
+CASES["qwen2_yarn"] = ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}})
 # DeepSeek's latent attention (MLA) over the latent cache: V3 with q_lora_rank, YaRN and the noaux_tc router; V2 with
 # q as one projection and the softmax group-limited router (factories.ARCH_OVERRIDES)
 CASES.update({name: (name, {}) for name in ("deepseek_v3", "deepseek_v2")})

@@ -44,7 +44,7 @@ def test_config_variants(tiny_checkpoint, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="architecture"):
         load_model_config(bad)
     cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}  # NTK-by-parts "dynamic": not implemented
     cfg.pop("rope_parameters", None)
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="rope_scaling"):
