@@ -36,7 +36,8 @@ def llama(tiny_checkpoint):  # type: ignore[no-untyped-def]
     return folder, prompts, _hf_prompt_logprobs(folder, prompts)
 
 
-def _run(folder, prompts, k: int | None, max_tokens: int = 2, **engine) -> tuple[list, LLM]:  # type: ignore[no-untyped-def]
+def _run(folder, prompts, k: int | None, max_tokens: int = 2,  # type: ignore[no-untyped-def]
+         **engine) -> tuple[list, LLM]:
     llm = LLM(str(folder), dtype="float32", max_num_seqs=8, **engine)
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=k))
     llm.engine.check_integrity()
@@ -44,9 +45,15 @@ def _run(folder, prompts, k: int | None, max_tokens: int = 2, **engine) -> tuple
     return outs, llm
 
 
-def test_prompt_logprobs_match_hf(llama) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def one_chunk(llama) -> list:  # type: ignore[no-untyped-def]
+    folder, prompts, _ = llama
+    return _run(folder, prompts, 3, max_num_batched_tokens=512, block_size=16)[0]
+
+
+def test_prompt_logprobs_match_hf(llama, one_chunk) -> None:  # type: ignore[no-untyped-def]
     folder, prompts, ref = llama
-    outs, _ = _run(folder, prompts, 3, max_num_batched_tokens=512, block_size=16)
+    outs = one_chunk
     for p, out, rows in zip(prompts, outs, ref):
         lps = out.prompt_logprobs
         assert lps is not None and len(lps) == len(p) and lps[0] is None
@@ -58,15 +65,15 @@ def test_prompt_logprobs_match_hf(llama) -> None:  # type: ignore[no-untyped-def
             assert [entry[t] for t in top] == pytest.approx([float(row[t]) for t in top], abs=TOL)
 
 
-def test_chunked_equals_one_chunk_and_prefix_cache_is_bypassed(llama) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_equals_one_chunk_and_prefix_cache_is_bypassed(llama, one_chunk) -> None:  # type: ignore
     folder, prompts, _ = llama
-    whole, _ = _run(folder, prompts, 2, max_num_batched_tokens=512, block_size=16)
+    whole = one_chunk
     # 24-token chunks beside other prompts' chunks; every prompt twice, the second time a prefix-cache hit but for
     # prompt_logprobs; a tiny cache preempts
     llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=24, block_size=8,
               enable_prefix_caching=True)
-    first = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
-    again = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    first = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3))
+    again = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3))
     assert llm.engine.scheduler.stats.partial_prefills > 0
     assert llm.engine.scheduler.stats.prefix_cached_tokens == 0  # asked: computed, not cached
     plain = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
