@@ -122,6 +122,13 @@ def test_echo_prompt_logprobs_equal_offline(url: str, offline: LLM) -> None:
         for ch in chunk.choices:
             streamed += ch.logprobs.token_logprobs if ch.logprobs else []
     assert len(streamed) == len(ids) + 2 and streamed[: len(ids)] == lp.token_logprobs
+    text, finish, only = "", None, []  # max_tokens 0 streamed: the prompt alone, then "length"
+    for chunk in c.completions.create(model="default", prompt=ids, echo=True, logprobs=2, max_tokens=0,
+                                      temperature=0, stream=True):
+        for ch in chunk.choices:
+            text, finish = text + ch.text, ch.finish_reason or finish
+            only += ch.logprobs.token_logprobs if ch.logprobs else []
+    assert (text, finish, only) == (choice.text, "length", lp.token_logprobs)
 
 
 def test_required_and_named_tool_calls_validate_streamed_or_not(url: str) -> None:
