@@ -34,7 +34,21 @@ def prompts(seed: int = 3) -> list[list[int]]:
                    grammar=GrammarSpec.json_schema({"type": "array", "items": {"enum": ["ab", "c", 7]}})),
 ], ids=["greedy", "seeded", "seeded-n3", "grammar-n2"])
 def test_prefill_here_decode_there_equals_colocated(tiny_checkpoint, params: SamplingParams) -> None:
-    folder = str(tiny_checkpoint("llama"))
+    hand_off_equals_colocated(str(tiny_checkpoint("llama")), params)
+
+
+# Mixtral and DeepSeek-V3 (MLA's latent planes) are handed off through a real cluster in tests/integration
+# (test_serve_moe.py, test_serve_disaggregated.py); these three only here
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3_moe"])
+def test_each_architecture_hands_off_equal_to_one_engine(tiny_checkpoint, arch: str) -> None:
+    """Issue 28's architectures (q/k norms, Gemma's local/global layers, experts) through the per-layer hand-off:
+    greedy text of the decode engine equals one engine's."""
+    hand_off_equals_colocated(str(tiny_checkpoint(arch)), SamplingParams(max_tokens=8, ignore_eos=True))
+
+
+def hand_off_equals_colocated(folder: str, params: SamplingParams) -> None:
+    """Prefill :func:`prompts` in one engine, ship each layer's K/V as it is stored into blocks a second engine
+    reserved, decode there; the outputs equal one engine's."""
     common = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, enable_prefix_caching=True)
     prefill = LLM(folder, num_kv_blocks=64, **common).engine
     decode = LLM(folder, num_kv_blocks=200, **common).engine
