@@ -10,6 +10,32 @@ sys.path.insert(0, str(Path(__file__).parent))
 from factories import build_checkpoint, build_tokenizer  # noqa: E402
 
 
+def _import_triton_for_its_interpreter() -> None:
+    """Triton's CPU interpreter works only if ``triton`` was first imported with ``TRITON_INTERPRET=1`` (its own
+    ``@jit`` helpers are decorated at import). Test modules collected before tests/kernel_checks import it without
+    (engine -> llguidance.torch -> torch._dynamo -> triton), so on a machine without CUDA it is imported here, before
+    any test module, under the variable, which is then removed again (tests/kernel_checks/conftest.py explains)."""
+    import importlib.util
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is None or "triton" in sys.modules:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_its_interpreter()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tokenizer")
@@ -43,16 +69,21 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
 FOLDER_TIERS = {"unit": "fast", "kernel_checks": "fast", "integration": "integration", "helm": "integration"}
 TIERS = ("fast", "integration")
 # Tests in a fast folder that start a process, Ray, a server process or the default model: "file" for all its tests,
-# "file::test" (parameters left off) for one, with why.
+# "file::test" for one (all its parameters), "file::test[params]" for one case; each with why.
 INTEGRATION = {
     "tests/unit/test_benchmark_scripts.py": "runs the benchmark scripts as subprocesses",
     "tests/unit/test_cli.py": "runs `pdcluster` as a subprocess, the default model included",
+    **{f"tests/unit/test_default_model.py::{t}": "converts the default model (135M) into a fresh cache, ~30 s"
+       for t in ("test_conversion_reports_progress", "test_converted_folder_contents",
+                 "test_chat_template_renders_chatml", "test_second_resolve_does_not_reconvert",
+                 "test_existing_hf_folder_is_returned")},
     "tests/unit/test_evacuate.py::test_evacuate_waits_for_a_sigtermed_process_to_exit": "signals a child process",
     "tests/unit/test_evacuate.py::test_evacuate_reports_what_outlived_the_timeout": "signals a child process",
     "tests/unit/test_gpu_check_smoke.py": "runs scripts/gpu_check.sh --smoke",
     "tests/unit/test_llm_api.py": "the default model (SmolLM2-135M) against Hugging Face",
     "tests/unit/test_openai_protocol.py::test_proxy_modules_do_not_import_torch": "a fresh interpreter",
     "tests/unit/test_prompt_tokenizer.py::test_no_torch_import": "a fresh interpreter",
+    "tests/unit/test_prompt_tokenizer.py::test_matches_transformers[default]": "the default model (converted once)",
     "tests/unit/test_ray_address.py::test_cli_scale_on_dead_address_exits_fast": "runs `pdcluster` as a subprocess",
     "tests/unit/test_reliability_scripts.py::test_descendants_and_rss_of_a_real_child": "a child process",
     "tests/kernel_checks/test_bench_smoke.py": "runs benchmarks/bench_kernels.py as a subprocess",
@@ -67,7 +98,7 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
     for tier in TIERS:
         if item.get_closest_marker(tier):
             return tier
-    if rel in INTEGRATION or item.nodeid.split("[")[0] in INTEGRATION:
+    if rel in INTEGRATION or item.nodeid.split("[")[0] in INTEGRATION or item.nodeid in INTEGRATION:
         return "integration"
     parts = rel.split("/")
     return FOLDER_TIERS.get(parts[1], "integration") if len(parts) > 2 and parts[0] == "tests" else "integration"
@@ -80,7 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         rel = Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
         seen_files.add(rel)
-        seen_keys.update((rel, item.nodeid.split("[")[0]))
+        seen_keys.update((rel, item.nodeid.split("[")[0], item.nodeid))
         tier = _tier_of(item, rel)
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
