@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 
 from aiohttp import web
 
@@ -117,9 +116,9 @@ def test_the_cap_holds_requests_in_flight_and_the_schedule_spaces_them() -> None
 
 
 def test_a_server_that_is_not_there_is_counted_not_fatal() -> None:
-    with socket.socket() as s:  # a port that was free a moment ago, and nothing listens on it now
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import refused_port
+
+    port = refused_port()  # bound and never listened on: refused, and no one else can take it meanwhile
 
     async def main() -> PointRun:
         target = Target(f"http://127.0.0.1:{port}", "chat", "x", timeout_s=5)

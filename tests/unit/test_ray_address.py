@@ -10,12 +10,11 @@ import time
 import pytest
 
 from cluster.wire.ray_address import host_port, wait_reachable
+from ports import refused_port
 
 
 def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return refused_port()  # bound and never listened on: refused, and no one else can take it meanwhile
 
 
 @pytest.mark.parametrize("address, expected", [

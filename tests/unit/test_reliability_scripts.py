@@ -262,6 +262,6 @@ def test_send_classifies_what_a_real_server_answers() -> None:
 
 
 def rel_free_port() -> int:
-    from cluster.launcher import free_port
+    from ports import refused_port
 
-    return free_port()
+    return refused_port()  # bound and never listened on: refused, and no one else can take it meanwhile
