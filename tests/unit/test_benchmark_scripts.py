@@ -51,6 +51,7 @@ def test_bench_fp8_kv_measure() -> None:
     assert (t + t).positions == 6 and (t + t).agreement == t.agreement
 
 
+@pytest.mark.slow  # ~160 s on two cores; the rows themselves run in tests/kernel_checks/test_bench_smoke.py
 def test_bench_kernels_runs_on_cpu_for_the_script_itself(tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--allow-cpu", "--small",
@@ -58,6 +59,9 @@ def test_bench_kernels_runs_on_cpu_for_the_script_itself(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr[-3000:]
     report = out.read_text()
     assert "Copy bandwidth" in report and "paged decode attention, fp8 cache" in report and "pack_blocks" in report
+
+
+def test_bench_kernels_refuses_a_machine_without_cuda() -> None:
     refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py")], capture_output=True,
                              text=True, timeout=600)
     assert refused.returncode == 2 and "no CUDA device" in refused.stderr
