@@ -50,6 +50,10 @@ class EngineConfig:
     max_model_len: int | None = None  # context limit; None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # ranks the model is sharded over (Megatron-style: heads, MLP columns/rows, experts' intermediate, vocabulary):
+    # this process drives rank 0 and starts size - 1 follower processes (engine/tp_group.py); on the CPU the ranks
+    # meet over gloo and share one K/V cache file (each rank a head-slice view), on CUDA over NCCL, rank r on cuda:r
+    tensor_parallel_size: int = 1
     seed: int = 0  # seeds unseeded sampling, so a run as a whole is reproducible
     cache_dir: str | None = None  # where the default model is converted; None: ~/.cache/pdcluster
 
@@ -80,5 +84,8 @@ class EngineConfig:
         if isinstance(self.reserved_device_bytes, bool) or not isinstance(self.reserved_device_bytes, int) \
                 or self.reserved_device_bytes < 0:
             raise bad("reserved_device_bytes", "must be an int >= 0")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or not 1 <= self.tensor_parallel_size <= 64:
+            raise bad("tensor_parallel_size", "must be an int in [1, 64]")
         if self.num_threads is not None and self.num_threads < 1:
             raise bad("num_threads", "must be >= 1")
