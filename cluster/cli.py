@@ -72,53 +72,86 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def serve_threads(cfg: ServeConfig) -> int:
-    """Torch threads per actor for ``serve`` without ``--threads``: this machine's cores but one shared among the
-    actors a local cluster may run (``cfg.max_actors``), or ``--cpus-per-actor`` on an existing cluster."""
+    """Torch threads per actor (per rank of a tensor-parallel one) for ``serve`` without ``--threads``: this machine's
+    cores but one shared among the rank processes a local cluster may run (``cfg.max_ranks``), or
+    ``--cpus-per-actor`` on an existing cluster."""
     import os
 
     from cluster.wire.worker_config import default_threads
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return default_threads(cpus, cfg.max_actors, local=not cfg.ray_address, cpus_per_actor=cfg.cpus_per_actor)
+    return default_threads(cpus, cfg.max_ranks, local=not cfg.ray_address, cpus_per_actor=cfg.cpus_per_actor)
+
+
+def tp_sizes(mode: str, tensor_parallel_size: int | None, prefill_tp: int | None,
+             decode_tp: int | None) -> tuple[int, int]:
+    """``serve``'s (prefill, decode) tensor-parallel sizes from ``--tensor-parallel-size`` (both pools; the colocated
+    actors) and the per-pool ``--prefill-tp`` / ``--decode-tp`` that override it; None: not given (1). ``ValueError``
+    naming the flag for a size below 1 or above 64, or ``--prefill-tp`` in colocated mode (it has no prefill pool).
+    Pure."""
+    from cluster.wire.worker_config import MAX_TP
+
+    for flag, v in (("--tensor-parallel-size", tensor_parallel_size), ("--prefill-tp", prefill_tp),
+                    ("--decode-tp", decode_tp)):
+        if v is not None and not 1 <= v <= MAX_TP:
+            raise ValueError(f"{flag}: ranks per actor must be in [1, {MAX_TP}], got {v}")
+    if mode == "colocated" and prefill_tp is not None:
+        raise ValueError(f"--prefill-tp: colocated mode has no prefill pool (its actors prefill for themselves): "
+                         f"use --tensor-parallel-size or --decode-tp, got --prefill-tp {prefill_tp}")
+    both = tensor_parallel_size or 1
+    return (1 if mode == "colocated" else prefill_tp or both), decode_tp or both
+
+
+def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServeConfig:
+    """``serve``'s :class:`~cluster.launcher.ServeConfig` from its parsed arguments (threads per actor picked by
+    :func:`serve_threads` when ``--threads`` is left out; the cluster secret from ``environ``, default
+    ``os.environ``). ``ValueError`` naming the field or flag for a bad combination. Reads the machine's CPU count;
+    starts nothing."""
+    from cluster.launcher import ServeConfig
+    from cluster.wire.auth import ENV_VAR, ClusterSecret
+    from cluster.wire.worker_config import WorkerConfig
+
+    # the cluster secret: PDCLUSTER_CLUSTER_SECRET when set, else serve makes one for itself and its own proxies
+    secret = None if args.no_cluster_auth else ClusterSecret.from_env(environ)
+    if secret is None and not args.no_cluster_auth and args.proxies == 0:
+        raise ValueError(f"--proxies 0: the proxies started elsewhere need this cluster's secret; set {ENV_VAR} "
+                         f"(the same in every proxy) or pass --no-cluster-auth")
+    prefill_tp, decode_tp = tp_sizes(args.mode, args.tensor_parallel_size, args.prefill_tp, args.decode_tp)
+    cfg = ServeConfig(
+        worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                            num_threads=args.threads or 1, device=args.device,
+                            enforce_eager=args.enforce_eager,
+                            gpu_memory_utilization=args.gpu_memory_utilization * (
+                                args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
+                            cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib,
+                            prefill_tp=prefill_tp, decode_tp=decode_tp),
+        decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
+        kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
+        kv_host=args.kv_host,
+        port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
+        share_node_gpus=not args.no_share_node_gpus,
+        on_transfer_failure=args.on_transfer_failure,
+        proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
+        budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
+        controller_profile=args.controller_profile or "",
+        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
+        max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
+        max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser or "",
+        chat_template=args.chat_template or "")
+    if not args.threads:
+        cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, num_threads=serve_threads(cfg)))
+    return cfg
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
     import signal
 
-    from cluster.launcher import Cluster, ServeConfig
-    from cluster.wire.auth import ENV_VAR, ClusterSecret
-    from cluster.wire.worker_config import WorkerConfig
+    from cluster.launcher import Cluster
 
     try:
-        # the cluster secret: PDCLUSTER_CLUSTER_SECRET when set, else serve makes one for itself and its own proxies
-        secret = None if args.no_cluster_auth else ClusterSecret.from_env()
-        if secret is None and not args.no_cluster_auth and args.proxies == 0:
-            raise ValueError(f"--proxies 0: the proxies started elsewhere need this cluster's secret; set {ENV_VAR} "
-                             f"(the same in every proxy) or pass --no-cluster-auth")
-        cfg = ServeConfig(
-            worker=WorkerConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                num_threads=args.threads or 1, device=args.device,
-                                enforce_eager=args.enforce_eager,
-                                gpu_memory_utilization=args.gpu_memory_utilization * (
-                                    args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
-                                cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib),
-            decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
-            kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
-            kv_host=args.kv_host,
-            port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
-            share_node_gpus=not args.no_share_node_gpus,
-            on_transfer_failure=args.on_transfer_failure,
-            proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
-            budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
-            controller_profile=args.controller_profile or "",
-            slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
-            max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
-            max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret,
-            enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser or "",
-            chat_template=args.chat_template or "")
-        if not args.threads:
-            cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, num_threads=serve_threads(cfg)))
+        cfg = serve_config(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -297,8 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "at start; unauthenticated messages are dropped and counted in /metrics)")
     sv.add_argument("--on-transfer-failure", default="recompute", choices=["recompute", "fail"],
                     help="what a decode actor does when a request's KV does not arrive intact")
+    sv.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                    help="ranks each actor's model is sharded over, in both pools (colocated: its actors); each rank "
+                         "is a process (on GPUs one GPU each: the actor asks Ray for N x --gpus-per-actor)")
+    sv.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                    help="the prefill pool's TP size (overrides --tensor-parallel-size; disaggregated mode). Pools "
+                         "at different sizes never flip roles in place: scaling starts and drains actors")
+    sv.add_argument("--decode-tp", type=int, default=None, metavar="M",
+                    help="the decode pool's TP size (overrides --tensor-parallel-size)")
     sv.add_argument("--cpus-per-actor", type=float, default=1.0)
-    sv.add_argument("--gpus-per-actor", type=float, default=0.0)
+    sv.add_argument("--gpus-per-actor", type=float, default=0.0,
+                    help="Ray GPUs per actor, per rank of a tensor-parallel one (0: CPU; 1 with TP > 1)")
     sv.add_argument("--no-share-node-gpus", action="store_true",
                     help="GPU actors see only their own GPUs (Ray's CUDA_VISIBLE_DEVICES) instead of every GPU of "
                          "their node (each still runs on the one Ray assigned it); actors on different GPUs of one "

@@ -10,6 +10,7 @@ then asks the role to step. Drain, idleness and handing the engine over (a role 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -43,23 +44,33 @@ def transfer_device_bytes(kv: Any, peers: int = KV_PEERS_BUDGETED) -> int:
     return kv.num_recv_buffers * kv.recv_buffer_bytes + comm
 
 
+def engine_kwargs_for(config: Any, role: str, kv: Any, device_type: str) -> dict[str, Any]:
+    """The ``EngineConfig`` keyword arguments of a worker of ``role`` with the
+    :class:`~cluster.wire.worker_config.WorkerConfig` ``config`` and the KV transfer config ``kv``, whose engine runs
+    on a device of ``device_type`` ("cpu" or "cuda"). A KV cache size left open (None) is :data:`CPU_KV_CACHE_GIB` on
+    the CPU (on CUDA the engine sizes it from ``gpu_memory_utilization`` less :func:`transfer_device_bytes`); a
+    prefill engine captures no decode graphs; the tensor-parallel size is the role's (``config.tp_for(role)``: a
+    colocated actor is a decode one). ``ValueError`` naming ``role`` for an unknown role. Pure."""
+    kwargs = config.engine_kwargs()
+    kwargs["tensor_parallel_size"] = config.tp_for(role)
+    if kwargs["kv_cache_gib"] is None and device_type == "cpu":
+        kwargs["kv_cache_gib"] = CPU_KV_CACHE_GIB
+    kwargs["decode_graphs"] = role != "prefill"
+    kwargs["reserved_device_bytes"] = transfer_device_bytes(kv) if device_type == "cuda" else 0
+    return kwargs
+
+
 def load_engine(config: Any, role: str = "decode", kv: Any = None) -> Any:
     """Mutates nothing: a new ``LLMEngine`` for a :class:`~cluster.wire.worker_config.WorkerConfig`, on the device the
-    config names, for a worker of ``role`` whose KV transfer config is ``kv``. A KV cache size left open (None) is
-    :data:`CPU_KV_CACHE_GIB` on the CPU and, on CUDA, what the config's ``gpu_memory_utilization`` leaves after the
-    engine's measured needs and :func:`transfer_device_bytes`. A prefill engine captures no decode graphs (it never
-    decodes; :meth:`LLMEngine.enable_decode_graphs` captures them if the actor becomes a decoder)."""
+    config names, for a worker of ``role`` whose KV transfer config is ``kv``, built from :func:`engine_kwargs_for`.
+    A prefill engine captures no decode graphs (it never decodes; :meth:`LLMEngine.enable_decode_graphs` captures them
+    if the actor becomes a decoder). A tensor-parallel engine starts its follower ranks itself."""
     from engine.config import EngineConfig
     from engine.device import resolve_device
     from engine.llm_engine import LLMEngine
 
-    kwargs = config.engine_kwargs()
-    device = resolve_device(kwargs["device"])
-    if kwargs["kv_cache_gib"] is None and device.type == "cpu":
-        kwargs["kv_cache_gib"] = CPU_KV_CACHE_GIB
-    kwargs["decode_graphs"] = role != "prefill"
-    kwargs["reserved_device_bytes"] = transfer_device_bytes(kv) if device.type == "cuda" else 0
-    return LLMEngine(EngineConfig(**kwargs))
+    device = resolve_device(config.device)
+    return LLMEngine(EngineConfig(**engine_kwargs_for(config, role, kv, device.type)))
 
 
 class _Command(Generic[T]):
@@ -142,7 +153,10 @@ class EngineLoop:
                 if now - self._published_at >= self.stats_interval_s:
                     self._publish_stats()
                     self._published_at = now
-            except Exception:  # a bug in one step must not kill the actor's loop; the request's owner reports it
+            except Exception as e:  # a bug in one step must not kill the actor's loop; the request's owner reports it
+                if type(e).__name__ == "TPGroupError":  # a tensor-parallel rank is gone: the group is one worker
+                    log.critical("%s: %s; exiting so the cluster moves this worker's requests", self.actor_id, e)
+                    os._exit(75)
                 log.exception("%s: step failed", self.actor_id)
                 busy = False
             if not busy and self._inbox.empty():

@@ -116,6 +116,9 @@ class FlexWorker:
             if role != self.role:
                 if role == "prefill" and self.kv is None:
                     raise ValueError("role: a prefill worker needs a KV transfer config (disaggregated mode)")
+                if not self.config.flips_keep_tp:  # the engine's ranks (and GPUs) were fixed when it loaded
+                    raise ValueError(f"role: a {self.role} actor at TP {self.config.tp_for(self.role)} cannot become "
+                                     f"a {role} one at TP {self.config.tp_for(role)} in place")
                 engine = self.impl.release_engine()
                 self.impl = self._make(role, engine)
                 self.role = role

@@ -58,10 +58,14 @@ class ServeConfig:
     proxies: int = 1
     ray_address: str | None = None
     cpus_per_actor: float = 1.0  # Ray CPUs per actor (CPU clusters)
-    gpus_per_actor: float = 0.0  # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU)
+    # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU); per rank of a tensor-parallel actor, which asks
+    # Ray for gpus_per_actor x its role's TP size (worker.prefill_tp / decode_tp; 1 GPU per rank: 0 or 1 then)
+    gpus_per_actor: float = 0.0
     # GPU actors see every GPU of their node and each runs on the one Ray assigned it (cluster.wire.node_gpus), so a
     # prefill actor can write in place (cuda_ipc) into a decode actor's cache on another GPU of the node. Off: Ray
-    # gives each actor only its own GPUs (CUDA_VISIBLE_DEVICES), and such pairs fall back (device_not_visible)
+    # gives each actor only its own GPUs (CUDA_VISIBLE_DEVICES), and such pairs fall back (device_not_visible). Off
+    # too when a pool is tensor-parallel on GPUs: a TP engine puts rank r on cuda:r of the GPUs its actor sees, so the
+    # actor must see exactly the GPUs Ray assigned it
     share_node_gpus: bool = True
     on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
@@ -97,6 +101,15 @@ class ServeConfig:
         """The most worker actors this cluster may run at once: the budget when scaling may add some. Pure."""
         return self.budget or self.decode + (self.prefill if self.mode == "disaggregated" else 0)
 
+    @property
+    def max_ranks(self) -> int:
+        """The most engine processes (a tensor-parallel actor's ranks each count) this cluster may run at once: the
+        budget's actors each at the larger TP size when scaling may add some. Pure."""
+        disagg = self.mode == "disaggregated"
+        if self.budget:
+            return self.budget * (max(self.worker.prefill_tp, self.worker.decode_tp) if disagg else self.worker.decode_tp)
+        return self.decode * self.worker.decode_tp + (self.prefill * self.worker.prefill_tp if disagg else 0)
+
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode: 'disaggregated' or 'colocated', got {self.mode!r}")
@@ -122,7 +135,15 @@ class ServeConfig:
                              f"CPU cache, cuda_ipc a GPU one; auto picks for the device)")
         if self.kv_backend in ("shm", "auto") and not self.worker.shared_kv:  # CPU caches peers can map
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, shared_kv=True))
-        share = self.share_node_gpus and self.gpus_per_actor > 0 and self.worker.device != "cpu"  # GPU actors only
+        tp = max(self.worker.prefill_tp, self.worker.decode_tp)
+        if tp > 1 and self.gpus_per_actor not in (0, 1):
+            raise ValueError(f"gpus_per_actor: a tensor-parallel actor takes one GPU per rank (--gpus-per-actor 1, or "
+                             f"0 on the CPU), got {self.gpus_per_actor} with TP {tp}")
+        if self.mode == "colocated" and self.worker.prefill_tp != 1:
+            raise ValueError(f"worker.prefill_tp: colocated mode has no prefill actors (its actors are decode ones: "
+                             f"set decode_tp), got {self.worker.prefill_tp}")
+        # GPU actors only; a TP actor sees only its own GPUs (its ranks go on cuda:0..TP-1 of what it sees)
+        share = self.share_node_gpus and self.gpus_per_actor > 0 and self.worker.device != "cpu" and tp == 1
         if self.worker.share_node_gpus != share:
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, share_node_gpus=share))
         if self.decode < 1:
@@ -162,7 +183,10 @@ def actor_options(cfg: ServeConfig, role: str) -> dict[str, Any]:
     """The ``ray.remote`` options of a ``role`` worker actor (the pool manager starts later ones with them). Pure."""
     # no Ray task events for the actors' calls: a serving cluster makes several per request and a few per second
     # per actor (stats), and the GCS would keep each (up to Ray's 100k cap: its memory grew ~1.5 MB/min in a soak)
-    return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor, "max_concurrency": 16,
+    # a tensor-parallel actor holds one GPU per rank; on the CPU its ranks are its own child processes, which Ray's
+    # accounting does not see (num_cpus stays per actor)
+    return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor * cfg.worker.tp_for(role),
+            "max_concurrency": 16,
             "concurrency_groups": {CONTROL_GROUP: CONTROL_THREADS}, "enable_task_events": False,
             **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {}),
             # Ray leaves CUDA_VISIBLE_DEVICES as the node has it; the actor picks its GPU (flex_worker.on_assigned_gpu)

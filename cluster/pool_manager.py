@@ -41,6 +41,15 @@ from cluster.wire.reports import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
 
 
+def flips_allowed(worker: WorkerConfig | None, resources: dict[str, dict[str, Any]]) -> bool:
+    """Whether the manager may flip an actor's role in place: not when actors are pinned to role-specific Ray
+    resources (the other role's pool lives elsewhere), nor when the roles' tensor-parallel sizes differ (the engine's
+    ranks, and on GPUs the actor's GPU count, are fixed when it loads). Otherwise a flip is a drain plus a start.
+    ``worker`` None (a manager built to test its decisions alone): one TP size. Pure."""
+    same_tp = worker is None or worker.flips_keep_tp
+    return same_tp and not any(r.get("resources") for r in resources.values())
+
+
 class PoolManager:
     """One per cluster (a named Ray actor). Changes run one at a time; ``status`` answers while they run."""
 
@@ -58,8 +67,9 @@ class PoolManager:
         self.handles: dict[str, Any] = {}
         self.roles: dict[str, str] = {}
         self.draining: set[str] = set()
-        # pinned to role-specific resources, an actor cannot serve the other role where it runs
-        self.flip_in_place = not any(r.get("resources") for r in resources.values())
+        # pinned to role-specific resources, an actor cannot serve the other role where it runs; with different TP
+        # sizes per role, it would keep the wrong size (its engine's ranks and GPUs are fixed at load)
+        self.flip_in_place = flips_allowed(worker, resources)
         for name in worker_names():
             self.handles[name] = ray.get_actor(name, namespace=NAMESPACE)
             self.roles[name] = ray.get(self.handles[name].info.remote(), timeout=600)["role"]
@@ -137,7 +147,11 @@ class PoolManager:
         return self.counts()
 
     def set_flip_in_place(self, on: bool) -> bool:
-        """Mutates: flip roles in place (True) or carry flips out as a drain plus a start (False). Returns it."""
+        """Mutates: flip roles in place (True) or carry flips out as a drain plus a start (False). Returns it.
+        ``ValueError`` for True when the pools' TP sizes differ (an actor cannot change its size in a flip)."""
+        if on and not flips_allowed(self.worker, {}):
+            raise ValueError(f"on: no role flips in place between TP sizes (prefill_tp {self.worker.prefill_tp}, "
+                             f"decode_tp {self.worker.decode_tp}): the pools change by starting and draining actors")
         self.flip_in_place = bool(on)
         return self.flip_in_place
 

@@ -9,11 +9,17 @@ from cluster.wire.auth import ClusterSecret
 from engine.config import KV_CACHE_DTYPES
 
 
+TP_ROLES = {"prefill": "prefill_tp", "decode": "decode_tp"}  # a worker role -> the WorkerConfig field of its TP size
+MAX_TP = 64  # EngineConfig.tensor_parallel_size's bound
+
+
 def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:
-    """Torch threads per worker actor when ``serve --threads`` is left out. Pure.
+    """Torch threads per worker actor (per rank process of a tensor-parallel actor) when ``serve --threads`` is left
+    out. Pure.
 
     A local cluster (serve started Ray on this machine) keeps one core for everything else on it (the proxies, Ray's
-    own processes, a client) and shares the rest among the ``actors`` it may run, at least one thread each: one
+    own processes, a client) and shares the rest among the ``actors`` it may run, at least one thread each (a
+    tensor-parallel actor counts as its ranks: each rank process runs that many threads): one
     colocated actor on 2 cores gets 1, on 16 cores 15; a 1P1D pair on 2 cores 1 each. An engine thread that another
     process preempts stalls its siblings at every matmul (OpenMP waits for all of them), and Ray runs workers at nice
     15: measured on 2 cores, one colocated actor served 1.26x the output tok/s with 1 thread than with 2 (docs/
@@ -40,6 +46,11 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_threads: int = 1  # torch threads per actor (serve picks default_threads when --threads is left out)
+    # tensor-parallel ranks of a prefill / a decode actor (a colocated actor is a decode one): the actor's engine
+    # drives rank 0 and starts the other ranks itself (EngineConfig.tensor_parallel_size); on GPUs the actor holds
+    # one GPU per rank. A flexible actor keeps its size, so with different sizes roles are never flipped in place
+    prefill_tp: int = 1
+    decode_tp: int = 1
     # CUDA: the share of the device's memory this actor's engine may take (weights + activations + KV cache); actors
     # sharing one GPU (a fractional --gpus-per-actor) get their share of it
     gpu_memory_utilization: float = 0.9
@@ -67,6 +78,10 @@ class WorkerConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
+        for name in TP_ROLES.values():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TP:
+                raise ValueError(f"{name}: must be an int in [1, {MAX_TP}], got {v!r}")
         for name in ("reservation_ttl_s", "kv_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
@@ -74,10 +89,21 @@ class WorkerConfig:
             raise ValueError(f"cluster_secret: must be a ClusterSecret or None, got "
                              f"{type(self.cluster_secret).__name__}")
 
+    def tp_for(self, role: str) -> int:
+        """The tensor-parallel size of an actor of ``role`` ("prefill" or "decode"; a colocated actor is a decode
+        one). ``ValueError`` for another role. Pure."""
+        if role not in TP_ROLES:
+            raise ValueError(f"role: must be one of {tuple(TP_ROLES)}, got {role!r}")
+        return int(getattr(self, TP_ROLES[role]))
+
+    @property
+    def flips_keep_tp(self) -> bool:
+        """Whether a role flip in place keeps the actor's TP size (both roles' sizes are equal). Pure."""
+        return self.prefill_tp == self.decode_tp
+
     def engine_kwargs(self) -> dict[str, Any]:
+        """The EngineConfig keyword arguments this config sets (the TP size is the role's: ``load_engine``). Pure."""
         d = asdict(self)
-        d.pop("reservation_ttl_s")
-        d.pop("kv_wait_s")
-        d.pop("share_node_gpus")
-        d.pop("cluster_secret")
+        for name in ("reservation_ttl_s", "kv_wait_s", "share_node_gpus", "cluster_secret", *TP_ROLES.values()):
+            d.pop(name)
         return d
