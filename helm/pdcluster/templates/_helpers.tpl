@@ -103,13 +103,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $root := .root -}}
 {{- $role := .role -}}
 {{- $v := index $root.Values $role -}}
+{{- /* a tensor-parallel actor holds one GPU per rank: the pod's GPUs are gpus x tensorParallelSize */}}
+{{- $gpus := mul (int $v.gpus) (int ($v.tensorParallelSize | default 1)) -}}
 - groupName: {{ $role }}
   replicas: {{ $v.replicas }}
   minReplicas: {{ $v.minReplicas }}
   maxReplicas: {{ $v.maxReplicas }}
   rayStartParams:
     num-cpus: "1"
-    num-gpus: {{ $v.gpus | quote }}
+    num-gpus: {{ $gpus | quote }}
     resources: {{ printf "\"{\\\"pdcluster_%s\\\": 1}\"" $role | quote }}
   template:
     metadata:
@@ -154,8 +156,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           resources:
             {{- $res := deepCopy $v.resources -}}
-            {{- if gt (int $v.gpus) 0 }}
-            {{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" (int $v.gpus)) ($res.limits | default dict)) }}
+            {{- if gt $gpus 0 }}
+            {{- $_ := set $res "limits" (merge (dict "nvidia.com/gpu" $gpus) ($res.limits | default dict)) }}
             {{- end }}
             {{- toYaml $res | nindent 12 }}
           volumeMounts:
