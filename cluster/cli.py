@@ -144,6 +144,37 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     return cfg
 
 
+def check_model_tp(cfg: ServeConfig) -> None:
+    """``ValueError`` naming the pool's flag when the model cannot be split over a pool's TP size (heads, kv heads,
+    intermediate sizes: ``engine.tp.check_tp``), before any actor loads it. A model folder not on this machine (a
+    path on the Ray cluster's nodes) is left to the engines. Reads the model's config.json; nothing with TP 1."""
+    from pathlib import Path
+
+    if cfg.mode == "disaggregated":
+        sizes = {"--prefill-tp": cfg.worker.prefill_tp, "--decode-tp": cfg.worker.decode_tp}
+    else:
+        sizes = {"--tensor-parallel-size": cfg.worker.decode_tp}  # or --decode-tp: the colocated actors
+    if max(sizes.values()) == 1:
+        return
+    if cfg.worker.model == "default":
+        from engine.default_model import resolve_model
+
+        folder = resolve_model("default", cfg.worker.cache_dir)
+    else:
+        folder = Path(cfg.worker.model)
+    if not (folder / "config.json").is_file():
+        return
+    from engine.model_config import load_model_config
+    from engine.tp import check_tp
+
+    model = load_model_config(folder)
+    for flag, size in sizes.items():
+        try:
+            check_tp(model, size)
+        except ValueError as e:
+            raise ValueError(f"{flag} {size}: {e}") from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -168,6 +199,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from engine.default_model import resolve_model
 
         resolve_model("default", cfg.worker.cache_dir)
+    try:
+        check_model_tp(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cluster = Cluster(cfg)
     stop = {"now": False}
 

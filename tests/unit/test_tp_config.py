@@ -166,3 +166,17 @@ def test_no_flip_in_place_between_tp_sizes(monkeypatch: pytest.MonkeyPatch) -> N
     d = m._step()
     assert isinstance(d, Decision) and d.flip == (("w0", "decode"),)  # the controller asked for a flip...
     assert applied == [(["decode"], ["w0"], [])]  # ...carried out as a start plus a drain
+
+
+# -- the model check ------------------------------------------------------------------------------------------------
+def test_serve_refuses_a_size_the_model_cannot_split(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("engine.tp")
+    from cluster.cli import check_model_tp
+
+    llama = str(tiny_checkpoint("llama"))  # 4 heads, 2 kv heads, intermediate 128
+    check_model_tp(serve("--model", llama, "--prefill-tp", "2", "--decode-tp", "4"))  # 4 kv: 2 heads replicated
+    with pytest.raises(ValueError, match=r"--prefill-tp 3: .*num_heads 4 % 3 != 0"):
+        check_model_tp(serve("--model", llama, "--prefill-tp", "3"))
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: "):
+        check_model_tp(serve("--model", llama, "--mode", "colocated", "--tensor-parallel-size", "3"))
+    check_model_tp(serve("--model", str(tmp_path / "on-the-ray-nodes"), "--decode-tp", "3"))  # not here: the engine's
