@@ -6,7 +6,14 @@ For each configuration it starts a real local cluster (Ray actors, proxy process
 over HTTP (streaming chat completions, greedy, ``ignore_eos``), and measures TTFT (request sent -> first content
 chunk) and TPOT (the remaining chunks' mean gap). For the disaggregated runs it also reads the prefill actor's
 transfer counters: bytes sent, time the parts spent on the wire, and the part of it NOT hidden behind prefill compute
-(time spent waiting for sends after the forward finished).
+(time spent waiting for sends after the forward finished), and the share of TTFT that waiting was.
+
+    python benchmarks/bench_cluster.py --prefill-tp 2 --decode-tp 1 --model PATH [--backends shm]
+
+With ``--prefill-tp`` / ``--decode-tp`` (tensor parallelism, issue 29) each backend also runs at those sizes, printed
+beside its TP=1 run (TTFT against it, and the transfer share of each). The sizes must split the model (the default
+model's 9 heads and 3 kv heads: 3; a model they do not split is refused before anything starts). On the CPU each rank
+is a process running ``--threads`` torch threads, so TP n takes n times the cores of TP 1.
 """
 
 from __future__ import annotations
@@ -17,10 +24,9 @@ import json
 import statistics
 import sys
 import time
+from typing import Any
 
-import ray
-
-from cluster.launcher import Cluster, ServeConfig, free_port
+from cluster.launcher import Cluster, ServeConfig
 from cluster.wire.worker_config import WorkerConfig
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving large language models on small machines".split()
@@ -57,9 +63,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def run(mode: str, backend: str, args: argparse.Namespace) -> dict:
-    cfg = ServeConfig(worker=WorkerConfig(kv_cache_gib=0.5, dtype=args.dtype), mode=mode, decode=1,
-                      prefill=1, kv_backend=backend, port=free_port())
+def serve_config(mode: str, backend: str, args: argparse.Namespace, tp: tuple[int, int] = (1, 1)) -> ServeConfig:
+    """The cluster one row runs: one prefill and one decode actor (colocated: one decode actor) at TP sizes ``tp``
+    (prefill, decode; colocated: the decode size). Pure."""
+    worker = WorkerConfig(model=args.model, kv_cache_gib=0.5, dtype=args.dtype, num_threads=args.threads,
+                          prefill_tp=tp[0] if mode == "disaggregated" else 1, decode_tp=tp[1])
+    kv_backend = backend if mode == "disaggregated" else "torch_dist"  # colocated: no transfer ("-")
+    return ServeConfig(worker=worker, mode=mode, decode=1, prefill=1, kv_backend=kv_backend, port=0)  # 0: free port
+
+
+def run(cfg: ServeConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """Start ``cfg``'s cluster, send the requests, stop it. Returns TTFT and TPOT per request and, disaggregated, the
+    prefill actor's transfer counters over the requests."""
+    import ray
+
     cluster = Cluster(cfg)
     cluster.start()
     try:
@@ -67,7 +84,7 @@ def run(mode: str, backend: str, args: argparse.Namespace) -> dict:
         base = ray.get(cluster.prefill_actors[0].stats.remote()) if cluster.prefill_actors else None
         res = [one_request(cluster.urls[0], prompt(i, args.prompt_tokens), args.max_tokens)
                for i in range(args.requests)]
-        out = {"ttft": [r[0] for r in res], "tpot": [r[1] for r in res]}
+        out: dict[str, Any] = {"ttft": [r[0] for r in res], "tpot": [r[1] for r in res]}
         if base is not None:
             st = ray.get(cluster.prefill_actors[0].stats.remote())
             out["bytes"] = st["kv_bytes_sent"] - base["kv_bytes_sent"]
@@ -78,33 +95,101 @@ def run(mode: str, backend: str, args: argparse.Namespace) -> dict:
         cluster.stop()
 
 
-def main() -> None:
+def label(mode: str, backend: str, tp: tuple[int, int], with_tp: bool) -> str:
+    """A row's name: ``colocated``, ``disaggregated/shm``, with TP sizes ``TP p:d`` (colocated ``TP d``). Pure."""
+    name = mode if mode == "colocated" else f"{mode}/{backend}"
+    if not with_tp:
+        return name
+    return f"{name} TP {tp[1]}" if mode == "colocated" else f"{name} TP {tp[0]}:{tp[1]}"
+
+
+def table(rows: list[tuple[str, str, tuple[int, int], dict[str, Any]]], with_tp: bool) -> list[str]:
+    """The printed table for ``rows`` of (mode, backend, (prefill TP, decode TP), result): TTFT and TPOT p50 / p99,
+    TTFT against the colocated TP 1 row and, with ``with_tp``, against the same backend's TP 1 row; for
+    disaggregated rows the transfer's GiB/s over its wire time, the share of that hidden behind prefill compute and
+    the share of TTFT spent waiting for sends after the forward ("KV/TTFT"). A failed row (``error``) says why.
+    Pure."""
+    def p50(r: dict[str, Any]) -> float:
+        return statistics.median(r["ttft"])
+
+    col = next((p50(r) for m, _, tp, r in rows if m == "colocated" and tp == (1, 1) and "ttft" in r), None)
+    tp1 = {b: p50(r) for m, b, tp, r in rows if m == "disaggregated" and tp == (1, 1) and "ttft" in r}
+    head = (f"{'mode':<34}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'TTFT/coloc':>12}"
+            + (f"{'TTFT/TP1':>10}" if with_tp else "") + f"{'KV GiB/s':>10}{'hidden':>8}{'KV/TTFT':>9}")
+    out = [head]
+    for mode, b, tp, r in rows:
+        name = label(mode, b, tp, with_tp)
+        if "error" in r:
+            out.append(f"{name:<34}failed: {r['error']}")
+            continue
+        t50 = p50(r)
+        line = (f"{name:<34}{t50 * 1e3:>8.0f}ms{pct(r['ttft'], .99) * 1e3:>6.0f}ms"
+                f"{statistics.median(r['tpot']) * 1e3:>8.1f}ms{pct(r['tpot'], .99) * 1e3:>6.1f}ms"
+                + (f"{t50 / col:>11.2f}x" if col else f"{'-':>12}"))
+        if with_tp:
+            base = tp1.get(b) if mode == "disaggregated" else col
+            line += f"{t50 / base:>9.2f}x" if base else f"{'-':>10}"
+        if "bytes" in r and r["busy_s"] > 0:
+            line += (f"{r['bytes'] / r['busy_s'] / 2**30:>10.2f}{1 - r['exposed_s'] / r['busy_s']:>8.0%}"
+                     f"{r['exposed_s'] / sum(r['ttft']):>9.1%}")
+        out.append(line)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--backends", default="shm,torch_dist,ucx")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = ap.parse_args()
-    results = {("colocated", "-"): run("colocated", "torch_dist", args)}
+    ap.add_argument("--model", default="default", help="'default' or a Hugging Face folder")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per actor (per rank with TP)")
+    ap.add_argument("--prefill-tp", type=int, default=1, help="also run each backend at this prefill TP size")
+    ap.add_argument("--decode-tp", type=int, default=1, help="also run each backend at this decode TP size")
+    return ap.parse_args(argv)
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, tuple[int, int]]]:
+    """The rows to run, in order: colocated TP 1, then per backend disaggregated TP 1 and, when a TP size is given,
+    the same backend at (``--prefill-tp``, ``--decode-tp``). ``ValueError`` naming the flag for a size outside
+    [1, 64]. Pure."""
+    from cluster.wire.worker_config import MAX_TP
+
+    for flag, v in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if not 1 <= v <= MAX_TP:
+            raise ValueError(f"{flag}: must be in [1, {MAX_TP}], got {v}")
+    tp = (args.prefill_tp, args.decode_tp)
+    rows = [("colocated", "-", (1, 1))]
     for b in args.backends.split(","):
-        print(f"running disaggregated/{b} ...", file=sys.stderr, flush=True)
-        results[("disaggregated", b)] = run("disaggregated", b, args)
-    col = statistics.median(results[("colocated", "-")]["ttft"])
+        rows.append(("disaggregated", b, (1, 1)))
+        if tp != (1, 1):
+            rows.append(("disaggregated", b, tp))
+    return rows
+
+
+def main() -> None:
+    from cluster.cli import check_model_tp
+
+    args = parse_args()
+    rows = plan(args)
+    with_tp = any(tp != (1, 1) for _, _, tp in rows)
+    if with_tp:  # a size the model cannot split: refused before any cluster starts
+        check_model_tp(serve_config("disaggregated", "torch_dist", args, (args.prefill_tp, args.decode_tp)))
+    results = []
+    for mode, b, tp in rows:
+        print(f"running {label(mode, b, tp, with_tp)} ...", file=sys.stderr, flush=True)
+        try:
+            results.append((mode, b, tp, run(serve_config(mode, b, args, tp), args)))
+        except Exception as e:  # one configuration failing (a backend not installed) leaves the others' rows
+            results.append((mode, b, tp, {"error": f"{type(e).__name__}: {e}"}))
     print(f"\n{args.requests} sequential requests, ~{args.prompt_tokens} prompt tokens, {args.max_tokens} output "
-          f"tokens, {args.dtype}, 1 prefill + 1 decode actor (colocated: 1 decode actor)")
-    print(f"{'mode':<28}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'TTFT/coloc':>12}"
-          f"{'KV GiB/s':>10}{'hidden':>8}")
-    for (mode, b), r in results.items():
-        t50 = statistics.median(r["ttft"])
-        extra = ""
-        if "bytes" in r and r["busy_s"] > 0:
-            extra = f"{r['bytes'] / r['busy_s'] / 2**30:>10.2f}{1 - r['exposed_s'] / r['busy_s']:>8.0%}"
-        print(f"{mode + ('/' + b if b != '-' else ''):<28}{t50 * 1e3:>8.0f}ms{pct(r['ttft'], .99) * 1e3:>6.0f}ms"
-              f"{statistics.median(r['tpot']) * 1e3:>8.1f}ms{pct(r['tpot'], .99) * 1e3:>6.1f}ms{t50 / col:>11.2f}x"
-              + extra)
+          f"tokens, {args.dtype}, model {args.model}, {args.threads} thread(s) per rank, 1 prefill + 1 decode actor "
+          f"(colocated: 1 decode actor)")
+    print("\n".join(table(results, with_tp)))
     print("KV GiB/s: bytes sent / summed time each part spent on the wire (parts overlap, so this understates the "
-          "link); hidden: share of that wire time that overlapped prefill compute")
+          "link); hidden: share of that wire time that overlapped prefill compute; KV/TTFT: share of the requests' "
+          "TTFT spent waiting for K/V sends after the forward")
 
 
 if __name__ == "__main__":
