@@ -134,10 +134,11 @@ class FlexWorker:
     # -- both roles ----------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """Static facts of the role (block size, fingerprint, KV address...), its node, its engine's device (``cuda:N``
-        in this process's numbering), its process id and what its prefix-cache block hashes bind besides tokens (hex;
-        a router hashes prompts with it)."""
+        in this process's numbering) and tensor-parallel size, its process id and what its prefix-cache block hashes
+        bind besides tokens (hex; a router hashes prompts with it)."""
         return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid(),
                 "device": str(self.impl.engine.device),
+                "tensor_parallel_size": self.impl.engine.config.tensor_parallel_size,
                 "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
 
     def prefix_events(self, cursor: int) -> dict[str, Any]:
