@@ -193,6 +193,19 @@ def actor_options(cfg: ServeConfig, role: str) -> dict[str, Any]:
             **({"runtime_env": node_gpus.runtime_env()} if cfg.worker.share_node_gpus else {})}
 
 
+def controller_config(cfg: ServeConfig) -> Any:
+    """The autoscale controller's :class:`~cluster.controller.ControllerConfig` for ``cfg``'s cluster. With different
+    TP sizes per pool no actor flips its role (:func:`cluster.pool_manager.flips_allowed`), so the controller prices a
+    move between pools as a start (``flip_s = start_s``: it plans no flips) rather than planning flips the manager
+    would carry out as starts. Pure."""
+    from cluster.controller import ControllerConfig
+
+    ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
+                            cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
+                            slo_tpot_s=cfg.slo_tpot_s)
+    return ctrl if cfg.worker.flips_keep_tp else dataclasses.replace(ctrl, flip_s=ctrl.start_s)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free right now (the OS picks it)."""
     with socket.socket() as s:
@@ -262,13 +275,10 @@ class Cluster:
         actors = self.decode_actors + self.prefill_actors
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
         if disagg:
-            from cluster.controller import ControllerConfig
             from cluster.pool_manager import PoolManager
             from cluster.wire.names import MANAGER_NAME
 
-            ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
-                                    cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
-                                    slo_tpot_s=cfg.slo_tpot_s)
+            ctrl = controller_config(cfg)
             self.manager = ray.remote(num_cpus=0, max_concurrency=8, enable_task_events=False)(PoolManager).options(name=MANAGER_NAME).remote(
                 worker, kv, roles, cfg.on_transfer_failure, ctrl,
                 profile=json.loads(Path(cfg.controller_profile).read_text()) if cfg.controller_profile else None)

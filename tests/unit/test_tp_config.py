@@ -180,3 +180,25 @@ def test_serve_refuses_a_size_the_model_cannot_split(tiny_checkpoint, tmp_path) 
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: "):
         check_model_tp(serve("--model", llama, "--mode", "colocated", "--tensor-parallel-size", "3"))
     check_model_tp(serve("--model", str(tmp_path / "on-the-ray-nodes"), "--decode-tp", "3"))  # not here: the engine's
+
+
+def test_the_controller_plans_no_flips_between_tp_sizes() -> None:
+    from cluster.controller import ActorObservation, ControllerState, Observation, decide
+    from cluster.launcher import controller_config
+
+    same, mixed = ServeConfig(prefill=2, budget=3), ServeConfig(prefill=2, budget=3, worker=WorkerConfig(decode_tp=2))
+    assert controller_config(same).flip_s < controller_config(same).start_s  # one size: flips are cheap
+    assert controller_config(mixed).flip_s == controller_config(mixed).start_s
+    actors = (ActorObservation("w0", "prefill", 1000.0), ActorObservation("w1", "prefill", 1000.0),
+              ActorObservation("w2", "decode", 300.0, kv_free=0.9))
+    obs = Observation(t=5.0, prefill_tps=20.0, decode_tps=100.0, request_rate=1.0, mean_prompt_tokens=20.0,
+                      mean_output_tokens=100.0, actors=actors, tpot_attainment=0.5)
+    flip, _ = decide(obs, controller_config(same), ControllerState())
+    assert flip.flip == (("w0", "decode"),) and not flip.add  # decode is short: one prefill actor moves over...
+    ctrl = controller_config(mixed)
+    drain, state = decide(obs, ctrl, ControllerState())
+    assert not drain.flip and not drain.add and drain.drain == ("w0",)  # ...or, between sizes, is drained (budget 3)
+    later = dataclasses.replace(obs, t=5.0 + ctrl.cooldown_s + 1,
+                                actors=(dataclasses.replace(actors[0], draining=True), *actors[1:]))
+    start, _ = decide(later, ctrl, state)
+    assert not start.flip and start.add == ("decode",)  # and a decode actor starts in the budget it left
