@@ -23,6 +23,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
+    def close(self) -> None:
+        """Stops a tensor-parallel engine's follower ranks (``tensor_parallel_size > 1``); a no-op otherwise."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

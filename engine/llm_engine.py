@@ -29,12 +29,14 @@ from engine.sampling_grammar import GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
+from engine.tp_group import TPGroup, start_group
 
 
 def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
     """Whether an engine captures decode CUDA graphs at start: on CUDA, unless ``enforce_eager`` or a prefill-only
     engine (``decode_graphs=False``). Pure."""
-    return device.type == "cuda" and not config.enforce_eager and config.decode_graphs
+    return (device.type == "cuda" and not config.enforce_eager and config.decode_graphs
+            and config.tensor_parallel_size == 1)
 
 
 def _prompt_logprobs(seq: Sequence) -> list[dict[int, float] | None] | None:
@@ -74,7 +76,13 @@ class LLMEngine:
         dtype = DTYPES[dtype_name]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.fingerprint = model_fingerprint(path, dtype_name)
-        model = DecoderModel(mc, load_state_dict(path, dtype, self.device), dtype, self.max_model_len)
+        state = load_state_dict(path, dtype, self.device)
+        # tensor parallel: this process drives rank 0 of a group it starts (engine/tp_group.py)
+        self.tp_group: TPGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.tp_group, model = start_group(mc, state, path, dtype, self.max_model_len, config, self.device, progress)
+        else:
+            model = DecoderModel(mc, state, dtype, self.max_model_len)
         kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)
         graphs = captures_decode_graphs(self.device, config)
         num_blocks = config.num_kv_blocks or num_kv_blocks(
@@ -93,7 +101,11 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype, config.shared_kv)
+        tp = self.tp_group
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype,
+                                  config.shared_kv or tp is not None, None if tp is None else tp.rank_views(mc, 0))
+        if tp is not None:  # the followers map the cache file and take their heads' views of it
+            tp.share_cache(self.runner.shared_kv)
         if graphs:
             self.enable_decode_graphs()
         self._ids = seq_id_counter()
@@ -290,8 +302,14 @@ class LLMEngine:
         self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))
 
     def kv_layer(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]`` (a view: writes go through)."""
+        """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]``, every head (a view: writes
+        go through; a tensor-parallel group's ranks each use their heads' slice of it)."""
         return self.runner.kv_caches[layer]
+
+    def close(self) -> None:
+        """Mutates: stops a tensor-parallel group's follower ranks (nothing else holds processes). Idempotent."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     def kv_memory(self) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """``(kv, scales, shared)``: the whole KV cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, an

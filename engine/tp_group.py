@@ -1,0 +1,363 @@
+"""A tensor-parallel group's processes: the engine's process drives rank 0, ``size - 1`` follower processes run the
+other ranks' shards of the model (engine/tp.py shards it, engine/model.py runs it).
+
+Only rank 0 schedules, samples and talks to the cluster; a follower does what rank 0's model does, step by step:
+
+- **Commands** go over one pipe per follower as pickled tuples (``forward`` with the step's inputs and attention
+  metadata, ``logits`` with the hidden rows, ``stop``): a follower blocks on its pipe between steps and reads EOF when
+  the driver's process is gone. The driver sends a command before it runs the same call itself, so every rank enters
+  the call's collectives (one all-reduce after each layer's attention and one after its MLP, one all-gather of the
+  vocabulary) in the same order.
+- **Collectives** run on a process group built without ``init_process_group`` (no global state: two engines may live
+  in one process): gloo on the CPU, rendezvous through a ``TCPStore`` the driver binds on port 0 and reads back.
+- **The K/V cache** is one file on the CPU: the driver allocates the whole group's cache as shared memory
+  (:mod:`engine.kv_memory`, every head), each rank reads and writes a head-slice view of it (``engine.tp.
+  kv_head_range``). So block copies, the prefix cache, preemption and every K/V transfer backend see one full-head
+  cache on the driver, and a prefill group at one TP size hands K/V to a decode group at another with no re-slicing
+  on the wire. On CUDA each rank's cache would live on its own GPU and the transfer would need per-rank parts: not
+  built, refused at start (:func:`check_device`).
+- **Death**: a follower exits when its driver's process is gone (EOF on its pipe, a broken collective, or a watchdog
+  that sees its parent change); a follower that dies breaks the driver's next collective or command
+  (``TPGroupError``), and a worker actor whose group broke exits (cluster/engine_loop.py), so the cluster treats the
+  whole group as one dead worker and moves its requests, as after a kill -9 of the actor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT_S = 600.0  # a collective (one layer's all-reduce) that waits longer than this is a hung rank
+START_TIMEOUT_S = 600.0  # every follower loaded its shard and joined the group by then
+
+
+class TPGroupError(RuntimeError):
+    """A rank of the group is gone or failed; the group cannot run another step."""
+
+
+def check_device(device: torch.device, size: int) -> None:
+    """Raises ``ValueError`` where a group of ``size`` ranks cannot run on ``device``. Pure."""
+    if size > 1 and device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size: {size} ranks on {device.type} are not built yet (the CPU runtime "
+                         "shares one K/V file among its ranks; CUDA needs per-rank caches and per-rank K/V parts)")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a follower needs to build its shard (picklable; sent once at spawn)."""
+
+    model_path: str
+    dtype: str  # torch dtype name without "torch."
+    max_len: int
+    num_threads: int | None
+    store_host: str
+    store_port: int
+    size: int
+
+
+class DistComm:
+    """:class:`engine.tp.Communicator` over a gloo process group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sums ``x`` across the ranks, in place (a non-contiguous ``x`` is reduced through a copy). Returns it."""
+        t = x if x.is_contiguous() else x.contiguous()
+        self.group.allreduce([t]).wait()
+        if t is not x:
+            x.copy_(t)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` concatenated along the last dim, in rank order (the same on every rank)."""
+        t = x.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.group.size())]
+        self.group.allgather([out], [t]).wait()
+        return torch.cat(out, dim=-1)
+
+
+def _process_group(host: str, port: int, rank: int, size: int, master: dist.TCPStore | None = None) -> Any:
+    """A gloo group of ``size`` ranks meeting at the driver's store; blocks until every rank joined."""
+    store = master or dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)]
+    opts._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    return dist.ProcessGroupGloo(dist.PrefixStore("pdtp/", store), rank, size, opts), store
+
+
+class TPGroup:
+    """The driver's handle on its followers: starts them, sends them each call, stops them."""
+
+    def __init__(self, spec: RankSpec, store: dist.TCPStore, procs: list[Any], conns: list[Any]) -> None:
+        self.spec = spec
+        self._store = store  # the rendezvous store lives as long as the group
+        self._procs = procs
+        self._conns = conns
+        self.comm: DistComm | None = None
+        self._closer = weakref.finalize(self, _stop, procs, conns)
+
+    @classmethod
+    def start(cls, model_path: str, dtype: torch.dtype, max_len: int, num_threads: int | None, size: int,
+              progress: Callable[[str], None] | None = None) -> TPGroup:
+        """Starts ranks 1..size-1 (``python -m engine.tp_group``: a fresh interpreter, so no forked threads, locks or
+        Ray state, and the caller's ``__main__`` is not re-run as ``multiprocessing``'s spawn would) and joins the
+        group as rank 0. Raises ``TPGroupError`` naming a rank that exits before it joins."""
+        host = "127.0.0.1"
+        store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                              wait_for_workers=False)
+        spec = RankSpec(model_path, str(dtype).removeprefix("torch."), max_len, num_threads, host, store.port, size)
+        procs, conns = [], []
+        for rank in range(1, size):
+            ours, theirs = socket.socketpair()
+            proc = subprocess.Popen([sys.executable, "-m", "engine.tp_group", str(rank), str(theirs.fileno()),
+                                     str(os.getpid())], pass_fds=[theirs.fileno()], env=_follower_env())
+            theirs.close()
+            procs.append(proc)
+            conns.append(Connection(ours.detach()))
+        group = cls(spec, store, procs, conns)
+        if progress:
+            progress(f"tensor parallel: {size - 1} follower rank(s) started (pids "
+                     f"{', '.join(str(p.pid) for p in procs)}); joining the group")
+        try:
+            group.send("spec", spec)
+            group._replies("joining", START_TIMEOUT_S)
+            pg, _ = _process_group(host, store.port, 0, size, master=store)
+        except Exception as e:
+            group.close()
+            raise e if isinstance(e, TPGroupError) else TPGroupError(f"tensor parallel group did not form: {e}") from e
+        group.comm = DistComm(pg)
+        return group
+
+    def _replies(self, what: str, timeout_s: float) -> None:
+        """Waits for every follower's ``ok`` (polling their liveness). Raises ``TPGroupError`` naming one that
+        answered otherwise, exited or timed out."""
+        deadline = time.monotonic() + timeout_s
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            while not conn.poll(0.2):
+                if proc.poll() is not None:
+                    raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}) exited with code "
+                                       f"{proc.returncode} while {what} (its error is on stderr)")
+                if time.monotonic() > deadline:
+                    raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}): no answer while {what} "
+                                       f"after {timeout_s:.0f} s")
+            try:
+                reply = conn.recv_bytes()
+            except (EOFError, OSError) as e:
+                raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}) gone while {what}: {e}") from e
+            if reply != b"ok":
+                raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}) failed while {what}: "
+                                   f"{reply.decode(errors='replace')}")
+
+    def rank_views(self, cfg: Any, rank: int) -> Callable[[torch.Tensor, torch.Tensor | None],
+                                                          tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
+        """``kv_views`` for :class:`engine.model_runner.ModelRunner`: rank ``rank``'s heads of the cache. Pure."""
+        return lambda kv, scales: rank_views(cfg, rank, self.spec.size, kv, scales)
+
+    def share_cache(self, shared: Any) -> None:
+        """Sends the cache file (an :class:`engine.kv_memory.SharedKVMemory`) to the followers and waits until each
+        mapped it, which also means each loaded its shard: a rank that failed to start raises ``TPGroupError``."""
+        self.send("kv", os.getpid(), shared.fd, shared.layout.to_dict())
+        self._replies("loading its shard and mapping the cache", START_TIMEOUT_S)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def send(self, *command: Any) -> None:
+        """Sends ``command`` to every follower. Raises ``TPGroupError`` if one is gone."""
+        self._check_alive()
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise TPGroupError(f"tensor parallel rank {rank}: {e}") from e
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.poll() is not None:
+                raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
+
+    def close(self) -> None:
+        """Mutates: stops the followers (a bounded wait, then SIGKILL). Idempotent."""
+        self._closer()
+
+
+def _stop(procs: list[Any], conns: list[Any]) -> None:
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("stop",)))
+        except OSError:
+            pass
+        conn.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+class DriverModel:
+    """Rank 0's model: each ``forward`` / ``logits`` call is first sent to the followers, then run here. Every other
+    attribute is the local shard's (:class:`engine.model.DecoderModel`)."""
+
+    def __init__(self, model: Any, group: TPGroup) -> None:
+        self._model = model
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list[torch.Tensor],
+                after_kv_store: Callable[[int], None] | None = None,
+                kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """As :meth:`DecoderModel.forward`; the followers run it on their heads' views of the same cache."""
+        self._group.send("forward", input_ids, positions, meta)
+        return self._collective(self._model.forward, input_ids, positions, meta, kv_caches, after_kv_store, kv_scales)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """As :meth:`DecoderModel.logits`: every rank projects its slice of the vocabulary, gathered here."""
+        self._group.send("logits", hidden)
+        return self._collective(self._model.logits, hidden)
+
+    def _collective(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            if isinstance(e, TPGroupError):
+                raise
+            self._group._check_alive()  # a dead rank is the cause: say which
+            raise
+
+
+# -- the follower process -------------------------------------------------------------------------------------------
+def _exit_with_parent(parent: int) -> None:
+    """Starts a daemon thread that ends this process once its parent (the driver) is gone: a follower blocked in a
+    collective that its driver never joins would otherwise wait out the collective's timeout. (Not
+    ``PR_SET_PDEATHSIG``: it fires when the *thread* that spawned the child exits, which in a Ray actor is not the
+    process.)"""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def _follower_env() -> dict[str, str]:
+    """The follower's environment: this one, with this process's import path (so ``engine`` imports as here)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def follower_main(conn: Any, rank: int, parent: int) -> None:
+    """A follower rank's process: take its spec, join the group, load the shard, map the cache, then run commands
+    until ``stop`` or EOF."""
+    _exit_with_parent(parent)
+    try:
+        op, spec = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return
+    assert op == "spec"
+    conn.send_bytes(b"ok")
+    from engine.model import DecoderModel
+    from engine.model_config import load_model_config
+    from engine.model_loader import load_state_dict
+    from engine.tp import TPShard
+
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    path = __import__("pathlib").Path(spec.model_path)
+    dtype = getattr(torch, spec.dtype)
+    cfg = load_model_config(path)
+    pg, _store = _process_group(spec.store_host, spec.store_port, rank, spec.size)
+    comm = DistComm(pg)
+    model = DecoderModel(cfg, load_state_dict(path, dtype, "cpu"), dtype, spec.max_len,
+                         tp=TPShard(rank, spec.size, comm))
+    caches: list[torch.Tensor] = []
+    scales: list[torch.Tensor] | None = None
+    with torch.inference_mode():
+        while True:
+            try:
+                command = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            op = command[0]
+            if op == "stop":
+                return
+            if op == "kv":
+                try:
+                    caches, scales = _map_cache(cfg, rank, spec.size, *command[1:])
+                except Exception as e:  # say why to the driver, which is waiting for this answer
+                    conn.send_bytes(f"{type(e).__name__}: {e}".encode())
+                    return
+                conn.send_bytes(b"ok")
+            elif op == "forward":
+                _, ids, positions, meta = command
+                model.forward(ids, positions, meta, caches, None, scales)
+            elif op == "logits":
+                model.logits(command[1])
+
+
+def _map_cache(cfg: Any, rank: int, size: int, pid: int, fd: int, layout: dict[str, Any]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """This rank's per-layer head views of the driver's shared cache file (and of its scales)."""
+    from engine.kv_memory import KVLayout, PROBE_REGION
+
+    lay = KVLayout(**layout)
+    flat = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=lay.nbytes + PROBE_REGION, dtype=torch.uint8)
+    kv, scales = lay.views(flat)
+    return rank_views(cfg, rank, size, kv, scales)
+
+
+def rank_views(cfg: Any, rank: int, size: int, kv: torch.Tensor, scales: torch.Tensor | None
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per layer: rank ``rank``'s heads of ``kv`` ``[layers, 2, blocks, block_size, heads, dim]`` (views) and of
+    ``scales`` (heads last). Pure."""
+    from engine.tp import kv_head_range
+
+    a, b = kv_head_range(cfg, rank, size)
+    caches = [layer[:, :, :, a:b] for layer in kv.unbind(0)]
+    return caches, None if scales is None else [layer[..., a:b] for layer in scales.unbind(0)]
+
+
+def start_group(cfg: Any, state: dict[str, torch.Tensor], path: Any, dtype: torch.dtype, max_len: int, config: Any,
+                device: torch.device, progress: Callable[[str], None] | None = None) -> tuple[TPGroup, DriverModel]:
+    """Starts the group of ``config.tensor_parallel_size`` ranks for the model at ``path`` (its config ``cfg``, its
+    full weights ``state`` already loaded here) and returns it with rank 0's model. Raises ``ValueError`` naming what
+    does not divide, or the device that cannot run it, before any process starts."""
+    from engine.model import DecoderModel
+    from engine.tp import TPShard, check_tp
+
+    size = config.tensor_parallel_size
+    check_device(device, size)
+    check_tp(cfg, size)
+    group = TPGroup.start(str(path), dtype, max_len, config.num_threads, size, progress)
+    assert group.comm is not None
+    try:
+        model = DecoderModel(cfg, state, dtype, max_len, tp=TPShard(0, size, group.comm))
+    except Exception:
+        group.close()
+        raise
+    return group, DriverModel(model, group)
+
+
+if __name__ == "__main__":  # a follower rank: python -m engine.tp_group RANK FD PARENT_PID (TPGroup.start)
+    follower_main(Connection(int(sys.argv[2])), int(sys.argv[1]), int(sys.argv[3]))
