@@ -30,71 +30,27 @@ within them.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
-from cluster.observe import ActorCounters, Demand, ObserverConfig, ObserverState, build
+from cluster.observe import Demand, ObserverConfig, ObserverState, build
 from cluster.sim_model import CostProfile, Trace
+from cluster.sim_state import UNBOUNDED, SimResult, SimActor
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED = 0, 1, 2, 3, 4  # event kinds
-_UNBOUNDED = 1e18  # a decode actor's KV tokens when the profile sets none
-
-
-class _Actor:
-    __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
-                 "sum_p", "sum_vj", "heap", "version", "ready_at", "left", "kv_total", "kv_held", "kv_reserved", "holds",
-                 "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy", "steps")
-
-    def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
-        self.aid, self.role, self.ready_at = aid, role, ready_at
-        self.live = ready_at <= 0.0  # takes work
-        self.draining = False
-        self.flip_to: str | None = None
-        self.left = False
-        self.free_at = 0.0  # prefill: when its queue is done
-        self.b = 0  # decode: running sequences
-        self.v = 0.0  # decode: tokens each running sequence has received since t=0 (virtual time)
-        self.t_last = 0.0
-        self.step = 0.0  # decode: seconds per token at the present batch
-        self.sum_p = 0  # decode: prompt tokens of the running sequences
-        self.sum_vj = 0.0  # decode: sum of the virtual times they joined at
-        self.heap: list[tuple[float, int]] = []  # decode: (virtual finish, request)
-        self.version = 0
-        self.kv_total = kv_total  # decode: KV tokens it holds in all
-        self.kv_held = 0.0  # decode: reserved by the requests it owns
-        self.kv_reserved = 0.0  # decode: of those, by requests whose K/V has not arrived yet
-        self.holds = 0  # decode: requests it owns (reserved, prefilling, waiting for a slot or running)
-        self.pending: deque[int] = deque()  # decode: owned requests whose K/V arrived, waiting for a batch slot
-        # counters since its role started, as a live worker reports them (cluster.observe.ActorCounters)
-        self.epoch = 0
-        self.p_tokens = 0.0  # prefill: prompt tokens queued so far
-        self.p_work = 0.0  # prefill: seconds of work queued so far
-        self.p_counted = 0.0  # prefill: prompt tokens counted as computed (never goes back)
-        self.d_tokens = 0.0  # decode: tokens generated
-        self.busy = 0.0  # decode: seconds with a running batch
-        self.steps = 0.0  # decode: steps taken
-
-    def kv_free(self) -> float:
-        return self.kv_total - self.kv_held
-
-
-@dataclass(frozen=True)
-class SimResult:
-    ttft: np.ndarray  # per request, seconds (nan: never served)
-    tpot: np.ndarray
-    ok: np.ndarray  # bool: met both SLOs
-    timeline: list[dict]  # {"t", "n_prefill", "n_decode"} at each change
-    decisions: list[dict]  # {"t", "reason", ...} for decisions that changed something
-    duration: float
-    admission_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request: waiting for decode KV
 
 
 class Simulation:
+    """One run. Per-request state lives in plain lists while it runs (numpy scalars cost ~10x a float per operation
+    in the event loop) and becomes arrays in :class:`SimResult`; K/V is counted per decode actor as sums (held,
+    reserved, requests owned), never per block."""
+
     def __init__(self, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
                  initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
                  on_control: Callable[[float, Observation, Decision], None] | None = None) -> None:
@@ -105,23 +61,25 @@ class Simulation:
         sizes = fixed_sizes(cfg.policy) or initial or (max(1, workers // 2), workers - max(1, workers // 2))
         if sizes[0] < 1 or sizes[1] < 1 or sum(sizes) > workers:
             raise ValueError(f"initial sizes {sizes[0]}P:{sizes[1]}D must be >= 1 each and fit {workers} workers")
-        self.kv_total = profile.decode_kv_tokens or _UNBOUNDED
-        self.actors: list[_Actor] = []
+        self.kv_total = profile.decode_kv_tokens or UNBOUNDED
+        self.actors: list[SimActor] = []
         for role, n in zip(("prefill", "decode"), sizes):
             for _ in range(n):
                 self._new_actor(role, 0.0)
         n = len(trace)
-        self.first = np.full(n, np.nan)
-        self.last = np.full(n, np.nan)
-        self.owner = np.full(n, -1, dtype=np.int64)  # the decode actor that reserved for it
-        self.need = np.minimum(trace.prompt + np.maximum(trace.output, profile.reserve_headroom_tokens),
-                               self.kv_total).astype(np.float64)  # KV tokens it holds once admitted
-        self.t_adm = np.full(n, np.nan)  # when it was admitted (its decode KV reserved)
-        self.t_pq = np.zeros(n)  # TTFT parts: prefill queue, prefill compute, exposed transfer
-        self.t_pc = np.zeros(n)
-        self.t_xf = np.zeros(n)
+        self._t: list[float] = trace.t.tolist()
+        self._p: list[int] = trace.prompt.tolist()
+        self._o: list[int] = trace.output.tolist()
+        # KV tokens each request holds once admitted: its prompt plus max(headroom, output)
+        self.need: list[float] = np.minimum(trace.prompt + np.maximum(trace.output, profile.reserve_headroom_tokens),
+                                            self.kv_total).astype(np.float64).tolist()
+        nan = math.nan
+        self.first, self.last = [nan] * n, [nan] * n
+        self.owner = [-1] * n  # the decode actor that reserved for it
+        self.t_adm = [nan] * n  # when it was admitted (its decode KV reserved)
+        self.t_pq, self.t_pc, self.t_xf = [0.0] * n, [0.0] * n, [0.0] * n  # TTFT parts: prefill queue, compute, transfer
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, a, b)
-        self.seq = 0
+        self.seq = itertools.count(1)
         self.adm_queue: deque[int] = deque()  # requests waiting for decode KV, FIFO
         self.adm_tokens = 0.0  # their prompt tokens
         self.prefill_heap: list[tuple[float, int]] = [(0.0, a.aid) for a in self.actors if a.role == "prefill"]
@@ -138,44 +96,48 @@ class Simulation:
         self.window_done: list[int] = []  # requests that finished in the window
 
     # -- actors -----------------------------------------------------------------------------------------------
-    def _new_actor(self, role: str, ready_at: float) -> _Actor:
-        a = _Actor(len(self.actors), role, ready_at, self.kv_total)
+    def _new_actor(self, role: str, ready_at: float) -> SimActor:
+        a = SimActor(len(self.actors), role, ready_at, self.kv_total)
         self.actors.append(a)
         return a
 
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, kind, self.seq, a, b))
+        heapq.heappush(self.events, (t, kind, next(self.seq), a, b))
 
-    def _route_prefill(self, now: float) -> _Actor | None:
-        heap = self.prefill_heap
+    def _route_prefill(self) -> SimActor | None:
+        """The prefill actor that is free first (stale heap entries dropped)."""
+        heap, actors = self.prefill_heap, self.actors
         while heap:
             free_at, aid = heap[0]
-            a = self.actors[aid]
+            a = actors[aid]
             if not a.live or a.role != "prefill" or a.draining or free_at != a.free_at:
                 heapq.heappop(heap)  # stale entry
                 continue
             return a
         return None
 
-    def _most_free(self) -> _Actor | None:
+    def _most_free(self) -> SimActor | None:
         """The decode actor taking reservations with the most free KV (stale heap entries dropped)."""
-        heap = self.kv_heap
+        heap, actors = self.kv_heap, self.actors
         while heap:
             free, aid = heap[0]
-            a = self.actors[aid]
+            a = actors[aid]
             if not a.live or a.role != "decode" or a.draining or free != a.kv_held - a.kv_total:
                 heapq.heappop(heap)
                 continue
             return a
         return None
 
-    # -- admission (decode KV) ----------------------------------------------------------------------------------
-    def _arrive(self, r: int, now: float) -> None:
-        self.adm_queue.append(r)
-        self.adm_tokens += float(self.trace.prompt[r])
-        self._admit(now)
+    def _compact_kv(self) -> None:
+        """Rebuild the KV heap from the actors taking reservations, one entry each. A release publishes an actor's
+        larger free KV as a new entry and its old one sinks out of reach below the top, so without this the heap
+        grew by one entry per finish (0.16 M entries after ten simulated minutes of 1,000 workers) and every push
+        paid for it. Amortised O(1) per push; the choice (most free, then lowest id) is the same."""
+        self.kv_heap[:] = [(a.kv_held - a.kv_total, a.aid) for a in self.actors
+                           if a.live and a.role == "decode" and not a.draining]
+        heapq.heapify(self.kv_heap)
 
+    # -- admission (decode KV) ----------------------------------------------------------------------------------
     def _admit(self, now: float) -> None:
         """Admit from the head of the queue while the head fits on some decode actor (strict FIFO)."""
         q = self.adm_queue
@@ -185,101 +147,66 @@ class Simulation:
             if a is None or a.kv_total - a.kv_held < self.need[r]:
                 return
             q.popleft()
-            self.adm_tokens -= float(self.trace.prompt[r])
-            a.kv_held += self.need[r]
-            a.kv_reserved += self.need[r]
-            a.holds += 1
-            heapq.heappush(self.kv_heap, (a.kv_held - a.kv_total, a.aid))
-            self.owner[r] = a.aid
-            self.t_adm[r] = now
-            p = self._route_prefill(now)
-            if p is None:  # no prefill actor (all starting): retry when the next one is ready
-                self._push(now + 0.05, _RETRY, r)
-            else:
-                self._prefill(p, r, now)
+            self.adm_tokens -= self._p[r]
+            self._take(a, r, now)
 
-    def _release(self, a: _Actor, r: int, now: float) -> None:
+    def _take(self, a: SimActor, r: int, now: float) -> None:
+        """Reserve ``r``'s KV on ``a`` (the top of the KV heap) and send it to prefill."""
+        nr = self.need[r]
+        a.kv_held += nr
+        a.kv_reserved += nr
+        a.holds += 1
+        heapq.heapreplace(self.kv_heap, (a.kv_held - a.kv_total, a.aid))  # a's entry was the top
+        self.owner[r] = a.aid
+        self.t_adm[r] = now
+        p = self._route_prefill()
+        if p is None:  # no prefill actor (all starting): retry when the next one is ready
+            self._push(now + 0.05, _RETRY, r)
+        else:
+            self._prefill(p, r, now)
+
+    def _release(self, a: SimActor, r: int, now: float) -> None:
         """``r`` finished on ``a``: its KV is free again (``_after_release`` republishes ``a``'s free KV once)."""
         a.kv_held -= self.need[r]
         a.holds -= 1
         self.window_done.append(r)
         self.last[r] = now
 
+    def _after_release(self, a: SimActor, now: float) -> None:
+        heapq.heappush(self.kv_heap, (a.kv_held - a.kv_total, a.aid))
+        if len(self.kv_heap) > 4 * len(self.actors) + 64:
+            self._compact_kv()
+        if a.draining and a.holds == 0:
+            self._leave_counted(a, now)
+        if self.adm_queue:
+            self._admit(now)
+
     # -- prefill -----------------------------------------------------------------------------------------------
-    def _prefill(self, a: _Actor, r: int, now: float) -> None:
+    def _prefill(self, a: SimActor, r: int, now: float) -> None:
         prof = self.prof
-        p = int(self.trace.prompt[r])
-        start = max(now, a.free_at)
+        p = self._p[r]
+        start = a.free_at if a.free_at > now else now
         work = p / prof.prefill_tps + prof.prefill_overhead_s
         done = start + work
         a.free_at = done
         a.p_tokens += p
         a.p_work += work
-        heapq.heapreplace(self.prefill_heap, (done, a.aid))
+        heapq.heapreplace(self.prefill_heap, (done, a.aid))  # a's entry was the top
         transfer = p * prof.kv_bytes_per_token / (prof.link_gbps * 1e9)
-        self.first[r] = done + transfer * prof.exposed_transfer
-        self.t_pq[r], self.t_pc[r], self.t_xf[r] = start - now, work, transfer * prof.exposed_transfer
-        self._push(done + transfer, _JOIN, r)
+        exposed = transfer * prof.exposed_transfer
+        self.first[r] = done + exposed
+        self.t_pq[r], self.t_pc[r], self.t_xf[r] = start - now, work, exposed
+        heapq.heappush(self.events, (done + transfer, _JOIN, next(self.seq), r, 0))
 
     # -- decode (processor sharing in virtual time) -------------------------------------------------------------
-    def _advance(self, a: _Actor, now: float) -> None:
-        if a.b:
-            dv = (now - a.t_last) / a.step
-            a.v += dv
-            a.d_tokens += a.b * dv
-            a.steps += dv
-            a.busy += now - a.t_last
-        a.t_last = now
-
-    def _reschedule(self, a: _Actor, now: float) -> None:
-        p = self.prof
-        a.version += 1
-        if a.b:
-            context = a.sum_p + a.b * a.v - a.sum_vj
-            a.step = p.decode_base_s + p.decode_per_seq_s * a.b + p.decode_per_kv_token_s * context
-            self._push(now + max(0.0, a.heap[0][0] - a.v) * a.step, _FINISH, a.aid, a.version)
-
-    def _join(self, r: int, now: float) -> None:
-        """``r``'s K/V arrived on its decode actor: run it, or wait there for a batch slot."""
-        a = self.actors[int(self.owner[r])]
-        a.kv_reserved -= self.need[r]
-        if self.trace.output[r] <= 1:
-            self._release(a, r, now)
-            self._after_release(a, now)
-        elif a.b < self.prof.max_batch:
-            self._advance(a, now)
-            self._start(a, r)
-            self._reschedule(a, now)
-        else:
-            a.pending.append(r)
-
-    def _start(self, a: _Actor, r: int) -> None:
+    def _start(self, a: SimActor, r: int) -> None:
         a.b += 1
-        a.sum_p += int(self.trace.prompt[r])
+        a.sum_p += self._p[r]
         a.sum_vj += a.v
-        heapq.heappush(a.heap, (a.v + int(self.trace.output[r]) - 1, r))
-
-    def _finish(self, a: _Actor, now: float) -> None:
-        self._advance(a, now)
-        while a.heap and a.heap[0][0] <= a.v + 1e-9:
-            vfin, r = heapq.heappop(a.heap)
-            a.b -= 1
-            a.sum_p -= int(self.trace.prompt[r])
-            a.sum_vj -= vfin - (int(self.trace.output[r]) - 1)
-            self._release(a, r, now)
-        while a.pending and a.b < self.prof.max_batch:
-            self._start(a, a.pending.popleft())
-        self._reschedule(a, now)
-        self._after_release(a, now)
-
-    def _after_release(self, a: _Actor, now: float) -> None:
-        heapq.heappush(self.kv_heap, (a.kv_held - a.kv_total, a.aid))
-        if a.draining and a.holds == 0:
-            self._leave_counted(a, now)
-        self._admit(now)
+        heapq.heappush(a.heap, (a.v + self._o[r] - 1, r))
 
     # -- controller ---------------------------------------------------------------------------------------------
-    def _leave(self, a: _Actor, now: float) -> None:
+    def _leave(self, a: SimActor, now: float) -> None:
         if a.left:
             return
         a.live = False
@@ -294,7 +221,8 @@ class Simulation:
             self.pending -= 1
             self._record(now)
 
-    def _ready(self, a: _Actor, now: float) -> None:
+
+    def _ready(self, a: SimActor, now: float) -> None:
         a.live = True
         a.t_last = now
         a.free_at = now
@@ -312,42 +240,30 @@ class Simulation:
         if not self.timeline or (self.timeline[-1]["n_prefill"], self.timeline[-1]["n_decode"]) != (n_p, n_d):
             self.timeline.append({"t": round(float(now), 3), "n_prefill": n_p, "n_decode": n_d})
 
-    def _counters(self, a: _Actor, now: float) -> ActorCounters:
-        """``a``'s counters as a live worker would report them now."""
-        if a.role == "prefill":
-            left = max(0.0, a.free_at - now)
-            busy = a.p_work - left
-            a.p_counted = max(a.p_counted, busy * a.p_tokens / a.p_work if a.p_work else 0.0)
-            return ActorCounters(str(a.aid), "prefill", a.epoch, a.draining or a.flip_to is not None,
-                                 prefill_tokens=a.p_counted, busy_s=busy, queued_prefill_tokens=left * self.prof.prefill_tps,
-                                 running=int(left > 0))
-        self._advance(a, now)  # the step stays as it is: no reschedule needed
-        bounded = self.kv_total < _UNBOUNDED
-        return ActorCounters(str(a.aid), "decode", a.epoch, a.draining or a.flip_to is not None,
-                             decode_tokens=a.d_tokens, busy_s=a.busy, steps=a.steps, waiting=len(a.pending),
-                             running=a.b, kv_free=int(a.kv_free()) if bounded else 0,
-                             kv_reserved=int(a.kv_reserved) if bounded else 0, kv_total=int(a.kv_total) if bounded else 0)
-
     def _demand(self, upto: int) -> Demand:
         """The window's demand, summed as :func:`cluster.observe.demand_from_reports` sums the proxies' reports."""
         tr, cfg = self.trace, self.cfg
         lo = self.mark
-        done = np.asarray(self.window_done, dtype=np.int64)
-        ttft = self.first[done] - tr.t[done]
-        tpot = (self.last[done] - self.first[done]) / np.maximum(1, tr.output[done] - 1)
+        done = self.window_done
+        idx = np.asarray(done, dtype=np.int64)
+        t, out = tr.t[idx], tr.output[idx]
+        first, last, t_adm = _take(self.first, done), _take(self.last, done), _take(self.t_adm, done)
+        ttft = first - t
+        tpot = (last - first) / np.maximum(1, out - 1)
         return Demand(
             arrivals=upto - lo, prompt_tokens=float(tr.prompt[lo:upto].sum()),
             max_output_tokens=float(tr.output[lo:upto].sum()), gate_waiting=len(self.adm_queue),
             gate_prompt_tokens=self.adm_tokens, finished=len(done),
-            finished_prompt_tokens=float(tr.prompt[done].sum()), finished_output_tokens=float(tr.output[done].sum()),
+            finished_prompt_tokens=float(tr.prompt[idx].sum()), finished_output_tokens=float(out.sum()),
             ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
             met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
-            ttft_s=float(ttft.sum()), admission_wait_s=float((self.t_adm[done] - tr.t[done]).sum()),
-            prefill_queue_s=float(self.t_pq[done].sum()), prefill_compute_s=float(self.t_pc[done].sum()),
-            transfer_s=float(self.t_xf[done].sum()))
+            ttft_s=float(ttft.sum()), admission_wait_s=float((t_adm - t).sum()),
+            prefill_queue_s=float(_take(self.t_pq, done).sum()), prefill_compute_s=float(_take(self.t_pc, done).sum()),
+            transfer_s=float(_take(self.t_xf, done).sum()))
 
     def _control(self, now: float, upto: int) -> None:
-        counters = [self._counters(a, now) for a in self.actors if a.live]
+        bounded = self.kv_total < UNBOUNDED
+        counters = [a.counters(now, self.prof.prefill_tps, bounded) for a in self.actors if a.live]
         obs, self.obs_state = build(now, counters, self._demand(upto), self.obs_cfg, self.obs_state, self.pending)
         self.mark, self.window_done = upto, []
         if obs is None:
@@ -374,7 +290,7 @@ class Simulation:
             self.pending += 1
             self._drain_check(a, now)
 
-    def _drain_check(self, a: _Actor, now: float) -> None:
+    def _drain_check(self, a: SimActor, now: float) -> None:
         if a.role == "prefill":
             if a.free_at <= now:
                 self._leave_counted(a, now)
@@ -383,53 +299,196 @@ class Simulation:
         elif a.holds == 0:
             self._leave_counted(a, now)
 
-    def _leave_counted(self, a: _Actor, now: float) -> None:
+    def _leave_counted(self, a: SimActor, now: float) -> None:
         if a.flip_to is not None:
             self.pending -= 1  # the drain part of a flip is done
         self._leave(a, now)
 
+
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
-        tr, cfg = self.trace, self.cfg
-        t_arr = tr.t
-        n = len(tr)
-        next_control = cfg.interval_s
+        """Run the whole trace; mutates this simulation (one run per instance). The per-request path (arrival and
+        admission, prefill, join, finish) is written out inline here, with the trace's per-request constants computed
+        once: at a million requests an hour, method calls and numpy scalars were much of the time. The helpers
+        (``_take``, ``_prefill``, ``_start``, ``_release``, ``SimActor.advance``) do the same for the rarer paths."""
+        cfg, prof = self.cfg, self.prof
+        t_arr, need, prompt, output = self._t, self.need, self._p, self._o
+        first, last, owner, t_adm, t_pq, t_pc, t_xf = (self.first, self.last, self.owner, self.t_adm, self.t_pq,
+                                                       self.t_pc, self.t_xf)
+        n = len(t_arr)
+        actors, events, kv_heap, prefill_heap, adm_queue = (self.actors, self.events, self.kv_heap,
+                                                            self.prefill_heap, self.adm_queue)
+        heappop, heappush, heapreplace, seq = heapq.heappop, heapq.heappush, heapq.heapreplace, self.seq
+        ptps, pover, expo = prof.prefill_tps, prof.prefill_overhead_s, prof.exposed_transfer
+        kvb, link = prof.kv_bytes_per_token, prof.link_gbps * 1e9
+        base, per_seq, per_kv, max_batch = prof.decode_base_s, prof.decode_per_seq_s, prof.decode_per_kv_token_s, \
+            prof.max_batch
+        # per-request constants of prefill and transfer, computed once for the whole trace
+        p_arr = self.trace.prompt
+        works = (p_arr / ptps + pover).tolist()
+        transfers = (p_arr * kvb / link).tolist()
+        exposeds = (p_arr * kvb / link * expo).tolist()
+        interval = cfg.interval_s
+        next_control = interval
         self._record(0.0)
         i = 0
-        events = self.events
         inf = math.inf
+        kv_cap = 4 * len(actors) + 64  # the KV heap is compacted beyond this (actors only grow by adds)
         while i < n or events:
             ta = t_arr[i] if i < n else inf
             te = events[0][0] if events else inf
-            if next_control <= ta and next_control <= te and (i < n or events):
+            if next_control <= ta and next_control <= te:
                 self._control(next_control, i)
-                next_control += cfg.interval_s
+                next_control += interval
                 continue
-            if ta <= te:  # an arrival: it reserves decode KV first (or waits for it)
-                self._arrive(i, ta)
+            if ta <= te:  # an arrival: it reserves decode KV first (or waits for it, first come first served)
+                r = i
                 i += 1
+                if adm_queue:  # a queue's head never fits until something is released (which admits)
+                    adm_queue.append(r)
+                    self.adm_tokens += prompt[r]
+                    continue
+                a = None  # the decode actor with the most free KV (stale heap entries dropped)
+                while kv_heap:
+                    free, aid = kv_heap[0]
+                    a = actors[aid]
+                    if not a.live or a.role != "decode" or a.draining or free != a.kv_held - a.kv_total:
+                        heappop(kv_heap)
+                        a = None
+                        continue
+                    break
+                nr = need[r]
+                if a is None or a.kv_total - a.kv_held < nr:
+                    adm_queue.append(r)
+                    self.adm_tokens += prompt[r]
+                    continue
+                a.kv_held += nr  # admitted: as _take
+                a.kv_reserved += nr
+                a.holds += 1
+                heapreplace(kv_heap, (a.kv_held - a.kv_total, a.aid))
+                owner[r] = a.aid
+                t_adm[r] = ta
+                pa = None  # the prefill actor free first
+                while prefill_heap:
+                    free_at, aid = prefill_heap[0]
+                    pa = actors[aid]
+                    if not pa.live or pa.role != "prefill" or pa.draining or free_at != pa.free_at:
+                        heappop(prefill_heap)
+                        pa = None
+                        continue
+                    break
+                if pa is None:
+                    self._push(ta + 0.05, _RETRY, r)
+                    continue
+                start = pa.free_at  # prefill: as _prefill
+                if start < ta:
+                    start = ta
+                work = works[r]
+                pa.free_at = done = start + work
+                pa.p_tokens += prompt[r]
+                pa.p_work += work
+                heapreplace(prefill_heap, (done, pa.aid))
+                exposed = exposeds[r]
+                first[r] = done + exposed
+                t_pq[r] = start - ta
+                t_pc[r] = work
+                t_xf[r] = exposed
+                heappush(events, (done + transfers[r], _JOIN, next(seq), r, 0))
                 continue
-            t, kind, _, x, y = heapq.heappop(events)
-            if kind == _JOIN:
-                self._join(x, t)
-            elif kind == _FINISH:
-                a = self.actors[x]
-                if y == a.version and a.live:
-                    self._finish(a, t)
+            t, kind, _, x, y = heappop(events)
+            if kind == _FINISH:
+                a = actors[x]
+                if y != a.version or not a.live:
+                    continue  # stale
+                b = a.b  # advance: as SimActor.advance
+                if b:
+                    dv = (t - a.t_last) / a.step
+                    a.v += dv
+                    a.d_tokens += b * dv
+                    a.steps += dv
+                    a.busy += t - a.t_last
+                a.t_last = t
+                heap, done_list = a.heap, self.window_done
+                edge = a.v + 1e-9
+                while heap and heap[0][0] <= edge:  # release every sequence that is done: as _release
+                    vfin, r = heappop(heap)
+                    a.b -= 1
+                    a.sum_p -= prompt[r]
+                    a.sum_vj -= vfin - (output[r] - 1)
+                    a.kv_held -= need[r]
+                    a.holds -= 1
+                    done_list.append(r)
+                    last[r] = t
+                if a.pending:
+                    while a.pending and a.b < max_batch:
+                        self._start(a, a.pending.popleft())
+                a.version += 1  # reschedule at the new step
+                b = a.b
+                if b:
+                    v = a.v
+                    a.step = step = base + per_seq * b + per_kv * (a.sum_p + b * v - a.sum_vj)
+                    left = heap[0][0] - v
+                    heappush(events, (t + (left if left > 0.0 else 0.0) * step, _FINISH, next(seq), x, a.version))
+                heappush(kv_heap, (a.kv_held - a.kv_total, x))  # after the release: as _after_release
+                if len(kv_heap) > kv_cap:
+                    self._compact_kv()
+                if a.draining and a.holds == 0:
+                    self._leave_counted(a, t)
+                if adm_queue:
+                    self._admit(t)
+            elif kind == _JOIN:
+                r = x
+                a = actors[owner[r]]
+                a.kv_reserved -= need[r]
+                o = output[r]
+                if o <= 1:
+                    self._release(a, r, t)
+                    self._after_release(a, t)
+                elif a.b < max_batch:
+                    b = a.b  # advance
+                    if b:
+                        dv = (t - a.t_last) / a.step
+                        a.v += dv
+                        a.d_tokens += b * dv
+                        a.steps += dv
+                        a.busy += t - a.t_last
+                    a.t_last = t
+                    v = a.v
+                    a.b = b = b + 1  # start
+                    a.sum_p += prompt[r]
+                    a.sum_vj += v
+                    heap = a.heap
+                    heappush(heap, (v + o - 1, r))
+                    a.version += 1  # reschedule
+                    a.step = step = base + per_seq * b + per_kv * (a.sum_p + b * v - a.sum_vj)
+                    left = heap[0][0] - v
+                    heappush(events, (t + (left if left > 0.0 else 0.0) * step, _FINISH, next(seq), a.aid,
+                                      a.version))
+                else:
+                    a.pending.append(r)
             elif kind == _READY:
-                self._ready(self.actors[x], t)
+                self._ready(actors[x], t)
             elif kind == _DRAINED:
-                a = self.actors[x]
+                a = actors[x]
                 if a.draining and a.role == "prefill":
                     self._drain_check(a, t)
             elif kind == _RETRY:  # an admitted request that found no prefill actor
-                a = self._route_prefill(t)
+                a = self._route_prefill()
                 if a is None:
                     self._push(t + 0.05, _RETRY, x)
                 else:
                     self._prefill(a, x, t)
-        ttft = self.first - t_arr
-        tpot = (self.last - self.first) / np.maximum(1, tr.output - 1)
+        firsts, tr = np.asarray(first), self.trace
+        ttft = firsts - tr.t
+        tpot = (np.asarray(last) - firsts) / np.maximum(1, tr.output - 1)
         ok = (ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)
-        return SimResult(ttft, tpot, ok, self.timeline, self.decisions, float(max(tr.duration, t_arr[-1])),
-                         self.t_adm - t_arr)
+        return SimResult(ttft, tpot, ok, self.timeline, self.decisions, float(max(tr.duration, tr.t[-1])),
+                         np.asarray(t_adm) - tr.t)
+
+def _take(values: list[float], idx: list[int]) -> np.ndarray:
+    """``values`` at ``idx`` as an array. Pure."""
+    if not idx:
+        return np.zeros(0)
+    if len(idx) == 1:
+        return np.array([values[idx[0]]])
+    return np.array(operator.itemgetter(*idx)(values))
