@@ -7,6 +7,11 @@ torch reference without touching this file. Qwen3 and Gemma 3 add per-head q/k n
 attention and MLP outputs, (1 + weight) norms in float32, a scaled embedding, a GELU gate, two RoPEs (local and
 global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward. A
 layer's MLP is dense or a mixture of experts (:class:`engine.moe.SparseMoE`, loaded by engine/moe.py) per config.
+
+With a :class:`engine.tp.TPShard` of size > 1 the model is one rank of a tensor-parallel group (engine/tp.py says what
+each rank holds): it shards the full checkpoint itself, attends over its own heads only (its kv caches are views of
+its kv heads, :func:`engine.tp.kv_head_range`), all-reduces after each layer's attention output projection and after
+its MLP / MoE, and all-gathers the logits over the vocabulary. MLA attention is replicated on every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from engine.moe import SparseMoE, load_sparse_moe
 from engine.mla import MLAttention
 from engine.moe_deepseek import load_deepseek_moe
 from engine.rope import RotaryEmbedding
+from engine.tp import TPShard, kv_head_range, shard_state
 
 
 @dataclass
@@ -59,10 +65,25 @@ class AttentionMetadata:
 
 
 class DecoderModel:
-    """Holds the weights; :meth:`forward` is pure apart from writing the new tokens' K/V into ``kv_caches``."""
+    """Holds the weights; :meth:`forward` is pure apart from writing the new tokens' K/V into ``kv_caches``.
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, max_len: int) -> None:
+    ``cfg`` stays the whole model's config (the group's cache is laid out by it); ``local`` is this rank's (heads,
+    kv heads and intermediate sizes divided by the TP size; ``cfg`` itself without TP). ``__init__`` consumes
+    ``state`` (pops what it keeps; with TP it shards the full checkpoint and empties ``state``)."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, max_len: int,
+                 tp: TPShard | None = None) -> None:
         self.cfg = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        # the logits' width at TP 1 (a checkpoint may pad its head past vocab_size)
+        self._vocab_width = int(state["model.embed_tokens.weight" if cfg.tie_word_embeddings else
+                                      "lm_head.weight"].shape[0])
+        self.local = cfg
+        if self.tp is not None:
+            self.local, sharded = shard_state(cfg, state, self.tp.rank, self.tp.size)
+            state.clear()  # the full tensors are released as soon as the caller drops them
+            state = sharded
+        cfg = self.local
         self.dtype = dtype
         self.embed = state.pop("model.embed_tokens.weight")
         # Gemma multiplies by sqrt(hidden) rounded to the weights' dtype, as Hugging Face does
@@ -73,7 +94,7 @@ class DecoderModel:
         self.final_norm = self._norm_weight(state.pop("model.norm.weight"))
         self.act: Callable[[torch.Tensor], torch.Tensor] = (
             F.silu if cfg.hidden_act == "silu" else functools.partial(F.gelu, approximate="tanh"))
-        self.mla = MLAttention(cfg, state, cfg.rms_norm_eps) if cfg.mla is not None else None
+        self.mla = MLAttention(cfg, state, cfg.rms_norm_eps) if cfg.mla is not None else None  # replicated under TP
         self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
         self.scale = cfg.head_dim**-0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.device = self.embed.device
@@ -85,6 +106,7 @@ class DecoderModel:
             theta, scaling = cfg.local_rope
             self.ropes.append(RotaryEmbedding(cfg.head_dim, max_len, theta, dict(scaling), dtype, self.device))
             self.rope_ids = [int(local) for local in cfg.local_layers]
+        # this rank's q and kv widths (the whole model's without TP)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # an 8-bit cache holds each head's K/V rotated by this (kernels/kv_rotation.py); MLA's latent is not rotated
@@ -92,7 +114,7 @@ class DecoderModel:
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        cfg = self.cfg
+        cfg = self.local
         if cfg.mla is not None:
             return self._deepseek_layer(state, i)
         q, k, v = (state.pop(f"{p}self_attn.{n}_proj.weight") for n in "qkv")
@@ -125,7 +147,7 @@ class DecoderModel:
     def _deepseek_layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
         """A DeepSeek layer's norms and MLP (dense before first_k_dense_replace, else routed + shared experts); its
         attention's weights are ``self.mla``'s."""
-        p, moe_cfg = f"model.layers.{i}.", self.cfg.deepseek_moe
+        p, moe_cfg = f"model.layers.{i}.", self.local.deepseek_moe
         moe = None
         if moe_cfg is not None and moe_cfg.is_moe_layer(i):
             moe = load_deepseek_moe(state, moe_cfg, i, self.cfg.hidden_size, self.cfg.hidden_act, self.act)
@@ -167,8 +189,17 @@ class DecoderModel:
 
         ``after_kv_store(layer)`` runs as soon as a layer's K/V for this step is in the cache, before that layer's
         attention and MLP: a prefill worker starts sending it there, so the transfer overlaps the remaining compute.
+        Under TP (per-head K/V models) it runs after the layer's attention all-reduce instead, when every rank has
+        stored its heads (each rank's all-reduce input comes after its own store); an MLA rank stores the whole
+        latent itself, so there it keeps its place.
+
+        Under TP, ``kv_caches`` (and ``kv_scales``) hold this rank's kv heads (any strides with unit last-dim
+        stride, e.g. a head slice of the group's cache), or every head of the group's cache (this rank's slice,
+        :func:`engine.tp.kv_head_range`, is taken here); every rank of the group calls this with the same step.
         """
         cfg = self.cfg
+        if self.tp is not None:
+            kv_caches, kv_scales = self._rank_caches(kv_caches, kv_scales)
         h = self.embed[input_ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -180,10 +211,15 @@ class DecoderModel:
             x = self._norm(h, lw.input_norm)
             scales = (kv_scales[i][0], kv_scales[i][1]) if kv_scales is not None else (None, None)
             stored = None if after_kv_store is None else functools.partial(after_kv_store, i)
-            if self.mla is not None:  # latent attention: engine/mla.py
+            if self.mla is not None:  # latent attention: engine/mla.py (replicated under TP: no reduce)
                 out = self.mla.forward(i, x, cos_sins[0], meta, kv_caches[i], scales, self.scale, plans[None], stored)
-            else:
+            elif self.tp is None:
                 out = self._kv_attention(i, lw, x, cos_sins, meta, kv_caches[i], scales, plans, stored)
+            else:  # the rank's heads: a partial sum of the output projection
+                out = self._kv_attention(i, lw, x, cos_sins, meta, kv_caches[i], scales, plans, None)
+                out = self.tp.comm.all_reduce(out)
+                if stored is not None:
+                    stored()
             h = h + (out if lw.attn_out_norm is None else self._norm(out, lw.attn_out_norm))
             x = self._norm(h, lw.post_norm)
             if lw.moe is not None:
@@ -191,8 +227,22 @@ class DecoderModel:
             else:
                 gate, up = lw.gate_up(x).chunk(2, dim=-1)
                 out = lw.down(self.act(gate) * up)
+            if self.tp is not None:  # the rank's slice of the intermediate (of every expert): a partial sum
+                out = self.tp.comm.all_reduce(out)
             h = h + (out if lw.mlp_out_norm is None else self._norm(out, lw.mlp_out_norm))
         return self._norm(h, self.final_norm)
+
+    def _rank_caches(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The per-layer caches (and scales) as this rank's head slice: views of the given ones when they hold every
+        cache head, else the given ones (already the rank's). Pure."""
+        assert self.tp is not None
+        full = self.cfg.cache_heads
+        if not kv_caches or kv_caches[0].shape[-2] != full or self.local.cache_heads == full:
+            return kv_caches, kv_scales
+        a, b = kv_head_range(self.cfg, self.tp.rank, self.tp.size)
+        views = [kv[:, :, :, a:b] for kv in kv_caches]
+        return views, None if kv_scales is None else [sc[..., a:b] for sc in kv_scales]
 
     def _kv_attention(
         self, i: int, lw: LayerWeights, x: torch.Tensor, cos_sins: list[tuple[torch.Tensor, torch.Tensor]],
@@ -201,7 +251,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Layer ``i``'s per-head K/V attention output ``[T, hidden]`` for the normed ``x``; writes the tokens' K/V
         into ``kv`` (the layer's ``[2, ...]`` cache), then calls ``stored``."""
-        cfg, T = self.cfg, x.shape[0]
+        cfg, T = self.local, x.shape[0]
         qkv = lw.qkv(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(T, -1, cfg.head_dim)
         if lw.qk_norm is not None:  # per head, before RoPE
@@ -245,8 +295,16 @@ class DecoderModel:
             off += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    @property
+    def vocab_width(self) -> int:
+        """The width of :meth:`logits`: the head's rows at TP 1 (a checkpoint may pad them past vocab_size)."""
+        return self._vocab_width
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]`` for the given final hidden states. Pure."""
+        """float32 logits ``[N, vocab_width]`` for the given final hidden states, the same on every TP rank (each
+        computes its vocabulary slice; they are all-gathered). Pure apart from the collective."""
         logits = self.lm_head(hidden).float()
+        if self.tp is not None:
+            logits = self.tp.comm.all_gather_last(logits)[..., : self._vocab_width]
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -83,14 +83,20 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, contiguous_blocks: bool = True) -> None:
+    """A paged cache pair. ``contiguous_blocks``: each block must be contiguous (the Triton stores, block copies);
+    otherwise any strides with a unit head_dim stride serve (a tensor-parallel rank's head slice of the group's
+    cache: the attention kernels and the torch stores read every stride)."""
     _check(k_cache.dim() == 4, "k_cache", f"expected [num_blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)}")
     _check(v_cache.shape == k_cache.shape, "v_cache", f"shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     _check(v_cache.dtype == k_cache.dtype, "v_cache", f"dtype {v_cache.dtype} != k_cache {k_cache.dtype}")
     _, bs, kvh, hd = k_cache.shape
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check(tuple(cache.stride()[1:]) == (kvh * hd, hd, 1), name,
-               f"each block must be contiguous (strides [*, {kvh * hd}, {hd}, 1]), got {tuple(cache.stride())}")
+        if contiguous_blocks:
+            _check(tuple(cache.stride()[1:]) == (kvh * hd, hd, 1), name,
+                   f"each block must be contiguous (strides [*, {kvh * hd}, {hd}, 1]), got {tuple(cache.stride())}")
+        else:
+            _check(cache.stride(3) == 1, name, f"head_dim must have stride 1, got strides {tuple(cache.stride())}")
 
 
 def _check_token_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -184,7 +190,7 @@ def paged_decode_attention(
 
     ``plan``: :func:`decode_plan` of the same ``k_cache`` shape, ``block_tables``, ``seq_lens`` and
     ``sliding_window`` (its value checks were made there); the Triton path ignores it."""
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, contiguous_blocks=False)
     _check_scales(k_cache, k_scales, v_scales)
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
     _check(q.dim() == 3, "q", f"expected [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
@@ -221,7 +227,7 @@ def paged_prefill_attention(
     v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for one sequence's prefill chunk over its paged KV (torch SDPA on every device). Pure."""
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, contiguous_blocks=False)
     _check_scales(k_cache, k_scales, v_scales)
     _check(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     _check(start_pos >= 0, "start_pos", f"must be >= 0, got {start_pos}")
@@ -253,7 +259,7 @@ def paged_prefill_attention_varlen(
 
     ``max_seqlen_q``, the longest chunk, sizes the Triton grid; pass it when the caller knows it (on a GPU, leaving
     it out costs one host sync). The torch path reads ``cu_seqlens_q`` and ``start_pos`` on the host."""
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, contiguous_blocks=False)
     _check_scales(k_cache, k_scales, v_scales)
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
     _check(q.dim() == 3, "q", f"expected [num_tokens, num_heads, head_dim], got {tuple(q.shape)}")
@@ -292,8 +298,9 @@ def paged_prefill_attention_varlen(
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write K/V of each token into its slot (``-1`` skips). Mutates the caches."""
-    _check_cache(k_cache, v_cache)
+    """Write K/V of each token into its slot (``-1`` skips). Mutates the caches (any strides on the torch path; each
+    block contiguous for Triton's)."""
+    _check_cache(k_cache, v_cache, contiguous_blocks=uses_triton(key))
     _check_token_rows(key, value, k_cache, slot_mapping)
     _check(k_cache.dtype not in reference.SCALED_DTYPES, "k_cache",
            f"a {k_cache.dtype} cache is written with store_kv_quantized")
@@ -316,7 +323,7 @@ def store_kv_quantized(
 
     int8: each token's row gets its own scale (:func:`reference.store_kv_int8`)."""
     _check(k_cache.dtype in reference.SCALED_DTYPES, "k_cache", f"expected float8_e4m3fn or int8, got {k_cache.dtype}")
-    _check_cache(k_cache, v_cache)
+    _check_cache(k_cache, v_cache, contiguous_blocks=uses_triton(key))
     _check_scales(k_cache, k_scales, v_scales)
     _check_token_rows(key, value, k_cache, slot_mapping)
     if k_cache.dtype == reference.INT8_DTYPE:

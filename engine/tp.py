@@ -1,0 +1,215 @@
+"""Megatron-style tensor parallelism of the model forward: what each rank of a TP group holds and computes.
+
+A group of ``size`` ranks runs one model. Every rank holds the embedding, the norms and the routers whole, and a
+slice of every large matmul:
+
+- attention (per-head K/V models): rank ``r`` holds the q heads ``[r * Hq / size, (r + 1) * Hq / size)`` and the kv
+  heads they read (:func:`kv_head_range`): the q/k/v projections' rows of those heads (column parallel, biases
+  included) and the output projection's columns of its q heads (row parallel). When ``size`` exceeds the kv head
+  count, each kv head is replicated on ``size / Hkv`` consecutive ranks (each computes and stores the same head).
+- MLP: gate/up rows and down columns of the rank's ``1 / size`` of the intermediate; a mixture of experts the same
+  within every expert (experts are sharded on the intermediate dim, not spread over ranks; the router is
+  replicated, so every rank picks the same experts); DeepSeek's shared experts likewise.
+- Each row-parallel matmul leaves a partial sum: the model all-reduces once after the attention's output projection
+  and once after the MLP / MoE of each layer. A row-parallel bias (o_proj's, down's) is kept by rank 0 only, so the
+  sum adds it once.
+- The vocabulary projection: rank ``r`` holds rows ``[r * V', (r + 1) * V')`` of the head (``V' = ceil(V / size)``,
+  the last slice zero-padded), the logits are all-gathered along the vocabulary and cut back to ``V``.
+- MLA (DeepSeek-V2 / V3) attention stays replicated: every rank holds all of its weights and computes the whole
+  latent attention over the one latent "head" of the cache (the latent is replicated on every rank); only the MLP and
+  the experts are sharded, so an MLA layer all-reduces once (after its MLP).
+
+This module is pure (no processes, no communication): the runtime (engine/tp_group.py) supplies a
+:class:`Communicator` and each rank builds its :class:`engine.model.DecoderModel` with a :class:`TPShard`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.model_config import ModelConfig
+
+
+class Communicator(Protocol):
+    """The collectives a rank's forward calls; every rank of the group calls them in the same order."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of ``x`` over the ranks (may be computed in place in ``x``); the same on every rank."""
+        ...
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` (the same shape on every rank) concatenated along the last dim in rank order."""
+        ...
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which rank of a TP group of ``size`` this model is, and how it talks to the others."""
+
+    rank: int
+    size: int
+    comm: Communicator
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"TPShard.size: must be >= 1, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"TPShard.rank: must be in [0, {self.size}), got {self.rank}")
+
+
+def check_tp(cfg: ModelConfig, size: int) -> None:
+    """Raise ``ValueError`` naming each size of ``cfg`` that a TP group of ``size`` ranks cannot split evenly (the
+    heads of a per-head K/V model, its kv heads unless replicated, the dense and expert intermediate sizes). Pure."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size: must be >= 1, got {size}")
+    if size == 1:
+        return
+    bad: list[str] = []
+    if cfg.mla is None:  # MLA attention is replicated: its heads need not divide
+        if cfg.num_heads % size:
+            bad.append(f"num_heads {cfg.num_heads} % {size} != 0")
+        if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+            bad.append(f"num_kv_heads {cfg.num_kv_heads}: neither a multiple nor a divisor of {size}")
+    dense = any(not sparse for sparse in cfg.moe_layers) if cfg.moe_layers else True
+    if cfg.deepseek_moe is not None:
+        dense = cfg.deepseek_moe.first_k_dense_replace > 0
+    if dense and cfg.intermediate_size % size:
+        bad.append(f"intermediate_size {cfg.intermediate_size} % {size} != 0")
+    if cfg.num_experts and cfg.moe_intermediate_size % size:
+        bad.append(f"moe_intermediate_size {cfg.moe_intermediate_size} % {size} != 0")
+    if cfg.deepseek_moe is not None and cfg.deepseek_moe.moe_intermediate_size % size:
+        bad.append(f"moe_intermediate_size {cfg.deepseek_moe.moe_intermediate_size} % {size} != 0")
+    if bad:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model ({cfg.architecture}): "
+                         + "; ".join(bad))
+
+
+def kv_head_range(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """``[start, end)`` of the cache heads (``cfg.cache_heads``) rank ``rank`` of ``size`` holds: a contiguous block
+    of ``num_kv_heads / size`` heads, or with ``size > num_kv_heads`` the one head ``rank // (size /
+    num_kv_heads)``; for an MLA model the whole latent (``(0, cfg.cache_heads)``) on every rank. Pure. Raises
+    ``ValueError`` for a rank outside ``[0, size)`` or a size :func:`check_tp` refuses."""
+    check_tp(cfg, size)
+    if not 0 <= rank < size:
+        raise ValueError(f"rank: must be in [0, {size}), got {rank}")
+    if cfg.mla is not None:
+        return 0, cfg.cache_heads
+    heads = cfg.num_kv_heads
+    if size <= heads:
+        per = heads // size
+        return rank * per, (rank + 1) * per
+    head = rank // (size // heads)
+    return head, head + 1
+
+
+def _q_head_range(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    per = cfg.num_heads // size
+    return rank * per, (rank + 1) * per
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config one rank's weights have: heads (not for MLA), kv heads (at least 1) and intermediate sizes
+    divided by ``size``; an untied head (the rank's vocabulary slice is its own tensor). ``vocab_size`` stays the
+    model's. Pure; raises ``ValueError`` as :func:`check_tp`."""
+    check_tp(cfg, size)
+    if size == 1:
+        return cfg
+    changes: dict[str, object] = dict(intermediate_size=cfg.intermediate_size // size,
+                                      moe_intermediate_size=cfg.moe_intermediate_size // size,
+                                      tie_word_embeddings=False)
+    if cfg.mla is None:
+        changes.update(num_heads=cfg.num_heads // size, num_kv_heads=max(1, cfg.num_kv_heads // size))
+    if cfg.deepseek_moe is not None:
+        changes["deepseek_moe"] = dataclasses.replace(
+            cfg.deepseek_moe, moe_intermediate_size=cfg.deepseek_moe.moe_intermediate_size // size)
+    return dataclasses.replace(cfg, **changes)  # type: ignore[arg-type]
+
+
+# the MLP's column-parallel weights (rows split over the intermediate) and row-parallel ones (columns split): dense,
+# shared experts, per-expert (Qwen3-MoE / DeepSeek names, Mixtral's w1 / w3 / w2)
+_MLP_ROWS = re.compile(r"\.(mlp|shared_experts|experts\.\d+)\.(gate_proj|up_proj)\.weight$|"
+                       r"\.experts\.\d+\.(w1|w3)\.weight$")
+_MLP_COLS = re.compile(r"\.(mlp|shared_experts|experts\.\d+)\.down_proj\.weight$|\.experts\.\d+\.w2\.weight$")
+_MLP_ROW_BIAS = re.compile(r"\.(mlp|shared_experts|experts\.\d+)\.down_proj\.bias$|\.experts\.\d+\.w2\.bias$")
+_MLP_COL_BIAS = re.compile(r"\.(mlp|shared_experts|experts\.\d+)\.(gate_proj|up_proj)\.bias$|"
+                           r"\.experts\.\d+\.(w1|w3)\.bias$")
+_ATTN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+
+
+def _part(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    """Slice ``rank`` of ``size`` equal slices of ``t`` along ``dim``, as its own contiguous tensor. Pure."""
+    n = t.shape[dim]
+    if n % size:
+        raise ValueError(f"model: {name}'s dim {dim} ({n}) does not split into {size} equal parts")
+    per = n // size
+    return t.narrow(dim, rank * per, per).contiguous()
+
+
+def _stacked_gate_up(t: torch.Tensor, rank: int, size: int, name: str) -> torch.Tensor:
+    """transformers 5's stacked ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows): each half's rank
+    slice, the gate's before the up's. Pure."""
+    gate, up = t.chunk(2, dim=1)
+    return torch.cat([_part(gate, 1, rank, size, name), _part(up, 1, rank, size, name)], dim=1)
+
+
+def _vocab_rows(head: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rows ``[rank * V', (rank + 1) * V')`` of the head ``[V, hidden]`` (``V' = ceil(V / size)``), zero-padded to
+    ``V'`` rows. Pure."""
+    per = -(-head.shape[0] // size)
+    rows = head[rank * per : (rank + 1) * per]
+    if rows.shape[0] < per:
+        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], head.shape[1])])
+    return rows.contiguous()
+
+
+def _attention_part(cfg: ModelConfig, name: str, t: torch.Tensor, rank: int, size: int) -> torch.Tensor | None:
+    """A per-head attention tensor's rank part: q's rows of the rank's q heads, k's and v's of its kv heads, o's
+    columns of its q heads; o's bias on rank 0 only (None elsewhere). Pure."""
+    d = cfg.head_dim
+    proj, kind = name.rsplit(".", 2)[-2:]
+    if proj == "o_proj":
+        if kind == "bias":
+            return t if rank == 0 else None
+        a, b = _q_head_range(cfg, rank, size)
+        return t[:, a * d : b * d].contiguous()
+    a, b = _q_head_range(cfg, rank, size) if proj == "q_proj" else kv_head_range(cfg, rank, size)
+    return t[a * d : b * d].contiguous()
+
+
+def shard_state(cfg: ModelConfig, state: dict[str, torch.Tensor], rank: int,
+                size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Rank ``rank``'s config (:func:`shard_config`) and weights, from the full checkpoint ``state`` (Hugging Face
+    names; per-expert or transformers 5's stacked experts). Returns a new dict holding new tensors for what is
+    sliced and the same tensors for what is replicated (embedding, norms, routers, MLA attention); ``state`` is not
+    changed. MLA attention is replicated on every rank (only its MLP and experts are sharded). Pure; raises
+    ``ValueError`` as :func:`check_tp`, or naming a tensor that does not split."""
+    local = shard_config(cfg, size)
+    if size == 1:
+        return local, dict(state)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if cfg.mla is None and _ATTN.search(name):
+            part = _attention_part(cfg, name, t, rank, size)
+            if part is not None:
+                out[name] = part
+        elif _MLP_ROWS.search(name) or _MLP_COL_BIAS.search(name):
+            out[name] = _part(t, 0, rank, size, name)
+        elif _MLP_COLS.search(name):
+            out[name] = _part(t, 1, rank, size, name)
+        elif _MLP_ROW_BIAS.search(name):
+            if rank == 0:
+                out[name] = t
+        elif name.endswith(".experts.gate_up_proj"):
+            out[name] = _stacked_gate_up(t, rank, size, name)
+        elif name.endswith(".experts.down_proj"):
+            out[name] = _part(t, 2, rank, size, name)
+        elif name != "lm_head.weight":
+            out[name] = t
+    head = state["model.embed_tokens.weight"] if cfg.tie_word_embeddings else state["lm_head.weight"]
+    out["lm_head.weight"] = _vocab_rows(head, rank, size)
+    return local, out
