@@ -107,7 +107,9 @@ def table(rows: list[tuple[str, str, tuple[int, int], dict[str, Any]]], with_tp:
     """The printed table for ``rows`` of (mode, backend, (prefill TP, decode TP), result): TTFT and TPOT p50 / p99,
     TTFT against the colocated TP 1 row and, with ``with_tp``, against the same backend's TP 1 row; for
     disaggregated rows the transfer's GiB/s over its wire time, the share of that hidden behind prefill compute and
-    the share of TTFT spent waiting for sends after the forward ("KV/TTFT"). A failed row (``error``) says why.
+    the K/V parts' summed wire time against the requests' summed TTFT ("wire/TTFT": parts overlap each other and
+    prefill compute) and the share of TTFT spent waiting for sends after the forward ("KV/TTFT": the transfer's cost
+    to TTFT). A failed row (``error``) says why.
     Pure."""
     def p50(r: dict[str, Any]) -> float:
         return statistics.median(r["ttft"])
@@ -115,7 +117,8 @@ def table(rows: list[tuple[str, str, tuple[int, int], dict[str, Any]]], with_tp:
     col = next((p50(r) for m, _, tp, r in rows if m == "colocated" and tp == (1, 1) and "ttft" in r), None)
     tp1 = {b: p50(r) for m, b, tp, r in rows if m == "disaggregated" and tp == (1, 1) and "ttft" in r}
     head = (f"{'mode':<34}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'TTFT/coloc':>12}"
-            + (f"{'TTFT/TP1':>10}" if with_tp else "") + f"{'KV GiB/s':>10}{'hidden':>8}{'KV/TTFT':>9}")
+            + (f"{'TTFT/TP1':>10}" if with_tp else "") + f"{'KV GiB/s':>10}{'hidden':>8}{'wire/TTFT':>10}"
+            f"{'KV/TTFT':>9}")
     out = [head]
     for mode, b, tp, r in rows:
         name = label(mode, b, tp, with_tp)
@@ -131,7 +134,7 @@ def table(rows: list[tuple[str, str, tuple[int, int], dict[str, Any]]], with_tp:
             line += f"{t50 / base:>9.2f}x" if base else f"{'-':>10}"
         if "bytes" in r and r["busy_s"] > 0:
             line += (f"{r['bytes'] / r['busy_s'] / 2**30:>10.2f}{1 - r['exposed_s'] / r['busy_s']:>8.0%}"
-                     f"{r['exposed_s'] / sum(r['ttft']):>9.1%}")
+                     f"{r['busy_s'] / sum(r['ttft']):>10.1%}{r['exposed_s'] / sum(r['ttft']):>9.1%}")
         out.append(line)
     return out
 
@@ -188,8 +191,8 @@ def main() -> None:
           f"(colocated: 1 decode actor)")
     print("\n".join(table(results, with_tp)))
     print("KV GiB/s: bytes sent / summed time each part spent on the wire (parts overlap, so this understates the "
-          "link); hidden: share of that wire time that overlapped prefill compute; KV/TTFT: share of the requests' "
-          "TTFT spent waiting for K/V sends after the forward")
+          "link); hidden: share of that wire time that overlapped prefill compute; wire/TTFT: that wire time against the "
+          "requests' summed TTFT; KV/TTFT: share of their TTFT spent waiting for K/V sends after the forward")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ def test_the_table_puts_tp_beside_tp1_with_the_transfer_share(bench: ModuleType)
     assert col.startswith("colocated TP 1") and "1000ms" in col
     assert tp1.startswith("disaggregated/shm TP 1:1") and "1.20x" in tp1 and "1.00x" in tp1
     assert tp2.startswith("disaggregated/shm TP 2:1") and "0.60x" in tp2 and "0.50x" in tp2  # vs colocated, vs TP 1
-    assert tp1.split()[-3:] == ["0.50", "80%", "8.3%"]  # GiB/s, hidden, 0.4 s of 4.8 s TTFT
-    assert tp2.split()[-1] == "10.0%"  # 0.24 s of 2.4 s
+    assert "wire/TTFT" in head
+    assert tp1.split()[-4:] == ["0.50", "80%", "41.7%", "8.3%"]  # GiB/s, hidden, 2 s and 0.4 s of 4.8 s TTFT
+    assert tp2.split()[-2:] == ["83.3%", "10.0%"]  # 2 s and 0.24 s of 2.4 s
     assert bad.startswith("disaggregated/ucx TP 2:1") and "failed: boom" in bad
     plain = bench.table(rows[:2], with_tp=False)
     assert "TTFT/TP1" not in plain[0] and plain[2].startswith("disaggregated/shm ")
