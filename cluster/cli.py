@@ -175,6 +175,21 @@ def check_model_tp(cfg: ServeConfig) -> None:
             raise ValueError(f"{flag} {size}: {e}") from None
 
 
+def check_tp_device(cfg: ServeConfig) -> None:
+    """``ValueError`` when the engine cannot run a pool's TP size on the device its actors will use (CUDA for
+    ``--device cuda[:N]``, or ``auto`` with GPUs from Ray), asked of the engine's own rule
+    (``engine.tp_group.check_device``) before any actor starts. Nothing with TP 1 or on the CPU. Pure."""
+    tp = max(cfg.worker.decode_tp, cfg.worker.prefill_tp if cfg.mode == "disaggregated" else 1)
+    cuda = cfg.worker.device.startswith("cuda") or (cfg.worker.device == "auto" and cfg.gpus_per_actor > 0)
+    if tp == 1 or not cuda:
+        return
+    import torch
+
+    from engine.tp_group import check_device
+
+    check_device(torch.device("cuda"), tp)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -200,6 +215,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         resolve_model("default", cfg.worker.cache_dir)
     try:
+        check_tp_device(cfg)
         check_model_tp(cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -202,3 +202,25 @@ def test_the_controller_plans_no_flips_between_tp_sizes() -> None:
                                 actors=(dataclasses.replace(actors[0], draining=True), *actors[1:]))
     start, _ = decide(later, ctrl, state)
     assert not start.flip and start.add == ("decode",)  # and a decode actor starts in the budget it left
+
+
+def test_serve_asks_the_engine_whether_it_runs_tp_on_the_actors_device() -> None:
+    import torch
+
+    from cluster.cli import check_tp_device
+    from engine.tp_group import check_device
+
+    check_tp_device(serve("--tensor-parallel-size", "2"))  # the CPU: the runtime there
+    check_tp_device(serve("--device", "cuda", "--gpus-per-actor", "1"))  # TP 1: nothing to ask
+    try:
+        check_device(torch.device("cuda"), 2)
+        engine_runs_it = True
+    except ValueError:
+        engine_runs_it = False
+    for argv in (("--device", "cuda"), ("--device", "auto")):  # auto with GPUs from Ray: CUDA in the actor
+        cfg = serve(*argv, "--decode-tp", "2", "--gpus-per-actor", "1")
+        if engine_runs_it:
+            check_tp_device(cfg)
+        else:
+            with pytest.raises(ValueError, match="tensor_parallel_size"):
+                check_tp_device(cfg)
