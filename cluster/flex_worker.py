@@ -134,11 +134,13 @@ class FlexWorker:
     # -- both roles ----------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
         """Static facts of the role (block size, fingerprint, KV address...), its node, its engine's device (``cuda:N``
-        in this process's numbering) and tensor-parallel size, its process id and what its prefix-cache block hashes
-        bind besides tokens (hex; a router hashes prompts with it)."""
+        in this process's numbering) and tensor-parallel size, its process id and its follower ranks' ids, and what its
+        prefix-cache block hashes bind besides tokens (hex; a router hashes prompts with it)."""
         return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid(),
                 "device": str(self.impl.engine.device),
                 "tensor_parallel_size": self.impl.engine.config.tensor_parallel_size,
+                # the follower ranks' processes (engine/tp_group.py), children of this one
+                "tp_pids": [] if self.impl.engine.tp_group is None else self.impl.engine.tp_group.pids,
                 "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
 
     def prefix_events(self, cursor: int) -> dict[str, Any]:
