@@ -33,7 +33,7 @@ from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
-from proxy.slo import SloConfig
+from cluster.wire.slo import SloConfig
 
 
 KV_BACKENDS = ("auto", "torch_dist", "ucx", "shm", "cuda_ipc")

@@ -29,7 +29,7 @@ from cluster.controller import ControllerConfig, ControllerState, Decision, Obse
 from cluster.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
 from cluster.sim_model import CostProfile, Trace
 from cluster.simulator import SimResult, Simulation
-from proxy.slo import RequestLatency, SloConfig, judge
+from cluster.wire.slo import RequestLatency, SloConfig, judge
 
 
 def trace_from_recording(rec: Recording) -> Trace:

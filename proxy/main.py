@@ -20,8 +20,8 @@ from proxy.openai_protocol import ProtocolConfig
 from cluster.wire.names import NAMESPACE
 from proxy.pools import Pools
 from proxy.server import Proxy, ProxyConfig
-from proxy.slo import SloConfig
-from proxy.tokenization import PromptTokenizer
+from cluster.wire.slo import SloConfig
+from engine.tokenization import PromptTokenizer
 
 log = logging.getLogger("pdcluster.proxy")
 

@@ -1,6 +1,6 @@
 """Prometheus text exposition for the proxy (no client library: a few counters, gauges and histograms).
 
-The SLO series (goodput, attainment over a window) come from :class:`proxy.slo.SloTracker`; what they count is said
+The SLO series (goodput, attainment over a window) come from :class:`cluster.wire.slo.SloTracker`; what they count is said
 there and in docs/operations.md."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.slo import RequestLatency, SloTracker
+from cluster.wire.slo import RequestLatency, SloTracker
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -78,7 +78,7 @@ class Metrics:
 
     def request_done(self, status: int, latency: RequestLatency | None = None) -> None:
         """Mutates: count one client request that ended with HTTP ``status``, and its SLO outcome (``latency``: a
-        served request's, from :func:`proxy.slo.request_latency`; any other status is a miss or not counted)."""
+        served request's, from :func:`cluster.wire.slo.request_latency`; any other status is a miss or not counted)."""
         self.requests[status] = self.requests.get(status, 0) + 1
         self.slo.finished(status, latency)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from cluster.wire.reports import ArrivalSample, FinishedSample, ProxyReport
 from proxy.jobs import Job
-from proxy.slo import counts_for_slo, request_latency
+from cluster.wire.slo import counts_for_slo, request_latency
 
 
 def finished_sample(job: Job, start: float, end: float) -> FinishedSample | None:
@@ -52,7 +52,7 @@ class ReportCollector:
 
     def ended(self, status: int) -> None:
         """Mutates: a client request ended with HTTP ``status``: a 429 (no decode KV in time, or the queue was full)
-        counts as refused, any other failure the SLOs count (:func:`proxy.slo.counts_for_slo`: 5xx, 499) as failed;
+        counts as refused, any other failure the SLOs count (:func:`cluster.wire.slo.counts_for_slo`: 5xx, 499) as failed;
         a 200 is reported by :meth:`finished` with its latencies, a client's own mistake not at all."""
         if status == 429:
             self._rejected += 1

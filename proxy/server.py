@@ -61,8 +61,8 @@ from proxy.openapi import openapi_spec
 from proxy.pools import Pools
 from proxy.report import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
-from proxy.slo import RequestLatency, SloConfig, SloTracker, request_latency, tpot_s
-from proxy.tokenization import PromptTokenizer
+from cluster.wire.slo import RequestLatency, SloConfig, SloTracker, request_latency, tpot_s
+from engine.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class Proxy:
 
     async def status(self, _: web.Request) -> web.Response:
         """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters; this
-        proxy's goodput against its SLOs (:meth:`proxy.slo.SloTracker.status`)."""
+        proxy's goodput against its SLOs (:meth:`cluster.wire.slo.SloTracker.status`)."""
         actors = [{**(_plain_stats(a.stats) if a.stats else {}), "name": a.name, "role": role, "alive": a.alive}
                   for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
                   for a in pool.values()]
@@ -375,7 +375,7 @@ class Proxy:
 
     def _observe(self, jobs: list[Job], start: float) -> RequestLatency:
         """Mutates the metrics and the controller's report: every completion's latencies (TTFT from the request's
-        arrival, TPOT to the end of the response, see :mod:`proxy.slo`). Returns the request's, as its SLOs judge
+        arrival, TPOT to the end of the response, see :mod:`cluster.wire.slo`). Returns the request's, as its SLOs judge
         it."""
         end = time.monotonic()
         for c in (c for j in jobs for c in j.choices):

@@ -12,7 +12,7 @@ class FolderTokenizer:
     """A Hugging Face model folder's ``tokenizer.json`` (through the proxy's torch-free ``PromptTokenizer``)."""
 
     def __init__(self, folder: str | Path) -> None:
-        from proxy.tokenization import PromptTokenizer
+        from engine.tokenization import PromptTokenizer
 
         self._tok = PromptTokenizer(folder)
 

@@ -1,4 +1,4 @@
-"""Goodput against the TTFT / TPOT SLOs (proxy/slo.py): the judgement, the window with a fake clock, the exposition."""
+"""Goodput against the TTFT / TPOT SLOs (cluster/wire/slo.py): the judgement, the window with a fake clock, the exposition."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from proxy.metrics import Metrics
-from proxy.slo import (
+from cluster.wire.slo import (
     FAILED,
     WINDOW_BUCKETS,
     RequestLatency,

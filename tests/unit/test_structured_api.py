@@ -186,7 +186,7 @@ def test_a_call_cut_by_max_tokens_stays_length_and_text() -> None:
 
 
 def test_tools_and_template_kwargs_reach_the_chat_template(tiny_tokenizer_dir: Any) -> None:
-    from proxy.tokenization import PromptTokenizer
+    from engine.tokenization import PromptTokenizer
 
     template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                 "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"

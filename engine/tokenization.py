@@ -1,6 +1,7 @@
-"""Torch-free prompt tokenization for the proxy: ``tokenizers`` for the vocabulary, jinja2 for the chat template.
+"""Torch-free prompt tokenization: ``tokenizers`` for the vocabulary, jinja2 for the chat template.
 
-The proxy tokenizes (it needs token counts for admission and block hashes for routing); decode actors detokenize.
+In the engine's room (beside the detokenizer) because both the proxy and the load generator (``cluster.bench``)
+tokenize as the model does; importing it loads no torch (``engine/__init__`` is lazy). The proxy tokenizes (it needs token counts for admission and block hashes for routing); decode actors detokenize.
 Matches ``transformers``' ``encode`` and ``apply_chat_template`` for the model folder (checked in tests).
 """
 

@@ -1,6 +1,7 @@
 """Goodput: which client requests met the TTFT and TPOT SLOs, counted since start and over a recent window.
 
-Pure apart from :class:`SloTracker`'s own counters (its clock is passed in); no I/O. The proxy records one outcome per
+On the wire floor because both sides judge by it: the proxy counts its own goodput, the controller (``cluster.observe``)
+judges the latencies the proxies report, one definition for both. Torch-free. Pure apart from :class:`SloTracker`'s own counters (its clock is passed in); no I/O. The proxy records one outcome per
 client request when it ends (:mod:`proxy.server`) and renders the counters in ``/metrics`` (:mod:`proxy.metrics`).
 
 **What is judged** (what a client measures on its own stream):
