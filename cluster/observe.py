@@ -32,7 +32,7 @@ from typing import Any
 
 from cluster.controller import ActorObservation, Observation
 from cluster.wire.reports import ProxyReport, WorkerStats
-from proxy.slo import RequestLatency, SloConfig, judge
+from cluster.wire.slo import RequestLatency, SloConfig, judge
 
 
 @dataclass(frozen=True)
