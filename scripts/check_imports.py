@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Imports only go down: every module of the packages below sits in one room, the rooms in layers (lowest first),
+and a module may import its own room or any room of a lower layer, never a higher layer's nor a sibling room of its
+own layer. Every import counts, module-level or inside a function (a lazy import is still a dependency).
+
+    python3 scripts/check_imports.py           # exit 0, or 1 naming each file:line and both rooms
+    python3 scripts/check_imports.py --graph   # the rooms, then the room-to-room edges with a count and an example
+
+Standard library only (``ast``); run by ``.ci/run`` before the tests and by tests/unit/test_import_layers.py.
+A new module outside every room fails the check too: place it in :data:`LAYERS` (docs/architecture.md "Layers").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGES = ("engine", "kernels", "kv_transfer", "prefill_worker", "decode_worker", "proxy", "cluster")
+
+# Lowest first. A layer holds one or more sibling rooms (name -> module prefixes); siblings do not import each other.
+LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
+    {"kernels": ("kernels",)},  # the ops: attention, KV stores, quantization
+    {"engine": ("engine",)},  # the paged-KV engine and its torch-free values (sampling_params, config, tokenization)
+    {"wire": ("cluster.wire",)},  # the wire floor: torch-free messages, names, auth, worker config, SLO math
+    {"kv_transfer": ("kv_transfer",)},  # moving K/V between actors
+    {"worker loop": ("cluster.engine_loop",)},  # the one engine loop both roles run
+    {"prefill_worker": ("prefill_worker",), "decode_worker": ("decode_worker",)},  # the roles
+    {"worker actor": ("cluster.flex_worker", "cluster.evacuate")},  # the Ray actor hosting a role; its preStop hook
+    {
+        "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
+        "control plane": ("cluster.controller", "cluster.observe", "cluster.record", "cluster.replay",
+                          "cluster.pool_manager", "cluster.simulator", "cluster.sim_model", "cluster.sim_state",
+                          "cluster.sim_report"),  # decide(), its observations, the actor manager, the simulator
+        "load generator": ("cluster.bench",),  # pdcluster bench: a client of any OpenAI server
+    },
+    {"launcher/CLI": ("cluster.cli", "cluster.cli_scale", "cluster.cli_simulate", "cluster.launcher",
+                      "cluster.profiler", "cluster")},  # pdcluster's commands and what starts the processes
+)
+
+# (importer module, imported module) pairs allowed to run up, each with its reason. Keep it empty unless a plug-in
+# must be loaded lazily by name from below; an entry here is a design debt.
+ALLOWED: dict[tuple[str, str], str] = {}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, resolved to a module name of the tree."""
+
+    path: Path
+    line: int
+    importer: str
+    target: str
+
+
+@dataclass(frozen=True)
+class Room:
+    name: str
+    layer: int
+
+
+def rooms() -> dict[str, Room]:
+    """Module prefix -> its room. Pure."""
+    out: dict[str, Room] = {}
+    for layer, named in enumerate(LAYERS):
+        for name, prefixes in named.items():
+            for prefix in prefixes:
+                if prefix in out:
+                    raise ValueError(f"LAYERS: prefix {prefix!r} is in two rooms")
+                out[prefix] = Room(name, layer)
+    return out
+
+
+def room_of(module: str, table: dict[str, Room]) -> Room | None:
+    """The room of the longest prefix of ``module`` (on dot boundaries) in ``table``; None outside every room. Pure."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        room = table.get(".".join(parts[:n]))
+        if room is not None:
+            return room
+    return None
+
+
+def module_name(root: Path, path: Path) -> str:
+    """``cluster/wire/names.py`` -> ``cluster.wire.names``; a package's ``__init__.py`` -> the package. Pure."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(root: Path, path: Path) -> Iterator[Import]:
+    """Every import in the file at ``path`` (anywhere in it) whose target lies in :data:`PACKAGES`. Reads the file."""
+    importer = module_name(root, path)
+    package = importer.split(".") if path.name == "__init__.py" else importer.split(".")[:-1]
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            for alias in node.names:  # `from cluster.wire import names`: the submodule when there is one
+                sub = f"{module}.{alias.name}"
+                is_module = (root / Path(*sub.split("."))).with_suffix(".py").is_file() or (
+                    root / Path(*sub.split(".")) / "__init__.py").is_file()
+                targets.append(sub if is_module else module)
+        for target in targets:
+            if target.split(".")[0] in PACKAGES:
+                yield Import(path, node.lineno, importer, target)
+
+
+def all_imports(root: Path) -> Iterator[Import]:
+    """The imports of every ``.py`` under the :data:`PACKAGES` folders of ``root``. Reads files."""
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            yield from imports_of(root, path)
+
+
+def violations(root: Path) -> list[str]:
+    """One line per import that runs up or sideways, or per module outside every room. Reads files."""
+    table = rooms()
+    out: list[str] = []
+    for imp in all_imports(root):
+        where = f"{imp.path.relative_to(root)}:{imp.line}"
+        src, dst = room_of(imp.importer, table), room_of(imp.target, table)
+        if src is None:
+            out.append(f"{where}: {imp.importer} is in no room (add it to LAYERS in scripts/check_imports.py)")
+            continue
+        if dst is None or dst.name == src.name or (imp.importer, imp.target) in ALLOWED:
+            continue
+        if dst.layer > src.layer:
+            out.append(f"{where}: {imp.importer} (room {src.name!r}, layer {src.layer}) imports {imp.target} "
+                       f"(room {dst.name!r}, layer {dst.layer}): an import that runs back up")
+        elif dst.layer == src.layer:
+            out.append(f"{where}: {imp.importer} (room {src.name!r}) imports {imp.target} (sibling room "
+                       f"{dst.name!r}, layer {dst.layer}): siblings do not import each other")
+    seen: set[str] = set()
+    return [line for line in out if not (line in seen or seen.add(line))]
+
+
+def graph(root: Path) -> list[str]:
+    """The layers, then each room-to-room edge: ``src -> dst  (count, e.g. file:line)``. Reads files."""
+    table = rooms()
+    lines = [f"layer {i}: " + ", ".join(named) for i, named in enumerate(LAYERS)]
+    edges: dict[tuple[str, str], list[str]] = {}
+    for imp in all_imports(root):
+        src, dst = room_of(imp.importer, table), room_of(imp.target, table)
+        if src is None or dst is None or src.name == dst.name:
+            continue
+        edges.setdefault((src.name, dst.name), []).append(f"{imp.path.relative_to(root)}:{imp.line}")
+    layer = {name: i for i, named in enumerate(LAYERS) for name in named}
+    for (src, dst), where in sorted(edges.items(), key=lambda kv: (-layer[kv[0][0]], kv[0][0], -layer[kv[0][1]])):
+        lines.append(f"{src} -> {dst}  ({len(where)}, e.g. {where[0]})")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Prints the violations (or the graph); 1 when there is any violation, else 0. Reads files."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--graph", action="store_true", help="print the layers and the room-to-room edges")
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
+                    help="the repository root (default: this script's)")
+    args = ap.parse_args(argv)
+    root = args.root.resolve()
+    if args.graph:
+        print("\n".join(graph(root)))
+    bad = violations(root)
+    for line in bad:
+        print(line, file=sys.stderr)
+    if bad:
+        print(f"check_imports: {len(bad)} import(s) against the layers (docs/architecture.md, Layers)",
+              file=sys.stderr)
+        return 1
+    if not args.graph:
+        print(f"check_imports: imports only go down ({len(LAYERS)} layers, {len(rooms())} module prefixes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
