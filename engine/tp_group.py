@@ -3,9 +3,11 @@ other ranks' shards of the model (engine/tp.py shards it, engine/model.py runs i
 
 Only rank 0 schedules, samples and talks to the cluster; a follower does what rank 0's model does, step by step:
 
-- **Commands** go over one pipe per follower as pickled tuples (``forward`` with the step's inputs and attention
-  metadata, ``logits`` with the hidden rows, ``stop``): a follower blocks on its pipe between steps and reads EOF when
-  the driver's process is gone. The driver sends a command before it runs the same call itself, so every rank enters
+- **Commands** go over one socket pair per follower as pickled tuples (``forward`` with the step's inputs and
+  attention metadata, ``logits`` with the hidden rows, ``stop``): a follower blocks on its socket between steps and
+  reads EOF when the driver's process is gone. A follower is ``python -m engine.tp_group``, a fresh interpreter
+  (multiprocessing's spawn would re-run the caller's ``__main__``), and loads the whole checkpoint before it keeps
+  its shard (a loader that reads only its slices is a follow-up). The driver sends a command before it runs the same call itself, so every rank enters
   the call's collectives (one all-reduce after each layer's attention and one after its MLP, one all-gather of the
   vocabulary) in the same order.
 - **Collectives** run on a process group built without ``init_process_group`` (no global state: two engines may live
@@ -16,7 +18,7 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
   cache on the driver, and a prefill group at one TP size hands K/V to a decode group at another with no re-slicing
   on the wire. On CUDA each rank's cache would live on its own GPU and the transfer would need per-rank parts: not
   built, refused at start (:func:`check_device`).
-- **Death**: a follower exits when its driver's process is gone (EOF on its pipe, a broken collective, or a watchdog
+- **Death**: a follower exits when its driver's process is gone (EOF on its socket, a broken collective, or a watchdog
   that sees its parent change); a follower that dies breaks the driver's next collective or command
   (``TPGroupError``), and a worker actor whose group broke exits (cluster/engine_loop.py), so the cluster treats the
   whole group as one dead worker and moves its requests, as after a kill -9 of the actor.
@@ -237,13 +239,19 @@ class DriverModel:
         return self._collective(self._model.logits, hidden)
 
     def _collective(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """``fn(*args)``; any failure is the group's: the followers entered the same call, and a driver that left it
+        midway leaves them in a collective it never joins, so no later step can run (``TPGroupError``, naming a
+        rank that died where one did)."""
         try:
             return fn(*args)
-        except RuntimeError as e:
-            if isinstance(e, TPGroupError):
-                raise
-            self._group._check_alive()  # a dead rank is the cause: say which
+        except TPGroupError:
             raise
+        except Exception as e:
+            deadline = time.monotonic() + 1.0  # a rank's death breaks the collective a moment before it is reaped
+            while time.monotonic() < deadline:
+                self._group._check_alive()
+                time.sleep(0.05)
+            raise TPGroupError(f"tensor parallel step failed on rank 0: {type(e).__name__}: {e}") from e
 
 
 # -- the follower process -------------------------------------------------------------------------------------------
