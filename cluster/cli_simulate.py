@@ -13,7 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Discrete-event simulation of a disaggregated cluster (see cluster/simulator.py).")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="JSONL: one {\"t\", \"prompt_tokens\", \"output_tokens\"} per line")
-    src.add_argument("--workload", help="a generated workload: diurnal | bursts | steady")
+    src.add_argument("--workload", help="a generated workload: diurnal | bursts | alternating | steady")
     src.add_argument("--replay", metavar="FILE",
                      help="an autoscale record (serve/autoscale --record, or simulate --record): re-run its arrivals "
                           "in closed loop with its controller config, SLOs and initial pools; report live beside "

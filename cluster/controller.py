@@ -57,6 +57,9 @@ class ControllerConfig:
     flip_s: float = 5.0  # time for an actor to change role (drained first; same weights)
     default_prefill_tps: float = 1000.0  # per-actor capacity when no actor has measured one yet
     default_decode_tps: float = 300.0
+    # output tokens the proxies reserve per request at admission beside its prompt (their --reserve-headroom); the
+    # K/V projection counts a request as holding its prompt plus this or its output, whichever is more
+    kv_headroom_tokens: float = 256.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES and fixed_sizes(self.policy) is None:
@@ -64,7 +67,7 @@ class ControllerConfig:
         for name in ("slo_ttft_s", "slo_tpot_s", "interval_s", "default_prefill_tps", "default_decode_tps"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)!r}")
-        for name in ("headroom", "cooldown_s", "start_s", "flip_s"):
+        for name in ("headroom", "cooldown_s", "start_s", "flip_s", "kv_headroom_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("hysteresis", "attainment_target"):
@@ -120,6 +123,8 @@ class Observation:
     admission_wait_s: float = 0.0
     prefill_compute_s: float = 0.0
     transfer_s: float = 0.0
+    tpot_s: float = 0.0  # the window's mean TPOT (finished requests)
+    kv_tokens: float = 0.0  # KV tokens one decode actor holds (mean over live ones); 0: unknown or unbounded
 
     def live(self, role: str) -> list[ActorObservation]:
         return [a for a in self.actors if a.role == role and not a.draining]
@@ -186,6 +191,24 @@ def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s
         return 1.0, 1.0
     n = len(samples)
     return (sum(1 for t, _ in samples if t <= slo_ttft_s) / n, sum(1 for _, p in samples if p <= slo_tpot_s) / n)
+
+
+def kv_projected(obs: Observation, cfg: ControllerConfig, at_slo: bool = False) -> float:
+    """Decode K/V the arriving traffic will hold, in actors' worth (Little's law): requests per second x the K/V each
+    holds (its prompt plus its output or the reservation headroom, whichever is more: a reservation is granted at
+    admission and growth past it is counted as taken) x how long it holds it (admission to last token: the TTFT, at
+    most its SLO, plus its output at the window's TPOT, or at the TPOT SLO before any was measured). A mix that
+    turns to longer prompts shows here in its first window, while the K/V in use still holds the old mix. 0 when
+    the decode actors' size is unknown. ``at_slo``: each output token at the TPOT SLO (the longest a request may hold
+    its K/V and meet it: a smaller decode pool runs bigger batches, longer steps, and holds each request longer).
+    Pure."""
+    if obs.kv_tokens <= 0 or obs.request_rate <= 0:
+        return 0.0
+    need = obs.mean_prompt_tokens + max(obs.mean_output_tokens, cfg.kv_headroom_tokens)
+    ttft = min(obs.ttft_s, cfg.slo_ttft_s) if obs.ttft_s > 0 else cfg.slo_ttft_s / 2
+    tpot = cfg.slo_tpot_s if at_slo or obs.tpot_s <= 0 else obs.tpot_s
+    hold = ttft + max(0.0, obs.mean_output_tokens - 1) * tpot
+    return obs.request_rate * need * hold / obs.kv_tokens
 
 
 def _capacity(obs: Observation, role: str, default: float) -> float:
@@ -308,12 +331,26 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     kv_now = kv_run + kv_rsv * (min(1.0, clearable / queued_p) if queued_p > 0 else 1.0)
     kv_mem = max(kv_now, a * kv_now + (1 - a) * state.decode_kv)
     state = replace(state, decode_kv=kv_mem)
+    # K/V pressure ahead: what the arriving mix will hold once it has replaced the one in flight (a flip or a new
+    # actor takes about as long as a request holds its K/V, so decode is sized for it now, before admission waits)
+    kv_proj = kv_projected(obs, cfg)
+    kv_ahead = kv_proj > n_d * util  # decode's memory will be short of its target share: as pressing as waits
+    if kv_proj > kv_mem:
+        why.append(f"decode KV projected {kv_proj:.1f} actors' worth (in use {kv_mem:.1f})")
+        kv_mem = kv_proj
     # memory is sized like tokens, with headroom: what is in use, reservations included, over the target utilisation
     if math.ceil(kv_mem / util - 1e-9) > want_d:
         want_d = math.ceil(kv_mem / util - 1e-9)
         why.append(f"decode KV in use {kv_mem:.1f} actors' worth")
     # never shrink below the memory in use now, reservations included (they would only wait for it again)
     kv_floor = math.ceil(kv_mem - 1e-9)
+    # nor below what the arriving traffic holds when its tokens come at the TPOT SLO: shrinking decode lengthens its
+    # steps, and so how long each request holds its K/V (at 1,000 workers a burst's decode shrank to what it held
+    # at the present steps, and admission waited within a minute)
+    kv_keep = min(n_d, math.ceil(kv_projected(obs, cfg, at_slo=True) - 1e-9))
+    if kv_keep > kv_floor:
+        kv_floor = kv_keep
+        want_d = max(want_d, kv_keep)
     # waits that last (a snapshot's few waiters come and go), or waiters while nothing finished at all; right after
     # decode grew, the finished requests' waits are the old size's: only waiters now count
     waiters = obs.admission_waiting > 0
@@ -363,7 +400,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors)
     # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO
     # (requests caught in that queue have not finished yet, so attainment cannot show them)
-    over_d = n_d * mu_d < max(sd, obs.decode_tps) or kv_wait or obs.decode_backlog_tokens > clearable_d
+    over_d = n_d * mu_d < max(sd, obs.decode_tps) or kv_wait or kv_ahead or obs.decode_backlog_tokens > clearable_d
     if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not (over_p or over_d) \
             and not ttft_miss and not tpot_miss:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
@@ -377,7 +414,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
         # only the pool whose own SLO is missed may skip the cooldown (growing the other would feed a see-saw)
         pressing = (t_p > n_p and ((ttft_miss and cause == "prefill") or over_p)) or \
-            (t_d > n_d and (tpot_miss or (ttft_miss and cause == "decode") or kv_wait
+            (t_d > n_d and (tpot_miss or (ttft_miss and cause == "decode") or kv_wait or kv_ahead
                             or obs.decode_backlog_tokens > clearable_d))
         if not pressing:
             return replace(hold, reason=f"cooldown ({obs.t - state.last_change_t:.0f}s since the last change)"), state

@@ -83,6 +83,9 @@ class ActorCounters:
     kv_free: int = 0  # gauge: KV blocks (or tokens) free, prefix-cache blocks included
     kv_reserved: int = 0  # gauge: of the others, reserved for requests whose K/V has not arrived yet
     kv_total: int = 0
+    # gauge: of the free ones, what the running sequences will still grow into (live: the decode actor's projected
+    # growth, which the proxies' admission counts as taken); the simulator counts it in kv_free already
+    kv_growth: int = 0
 
     @classmethod
     def from_stats(cls, stats: WorkerStats) -> ActorCounters:
@@ -90,7 +93,7 @@ class ActorCounters:
         return cls(stats.actor_id, stats.role, stats.flips, stats.draining or stats.evacuating,
                    float(stats.prompt_tokens - stats.cached_prompt_tokens), float(stats.tokens_generated),
                    stats.busy_seconds, float(stats.steps), float(stats.queued_prefill_tokens), stats.waiting,
-                   stats.running, stats.kv.free, stats.kv.reserved, stats.kv.total)
+                   stats.running, stats.kv.free, stats.kv.reserved, stats.kv.total, stats.kv_growth)
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class Demand:
     tpot_met: int = 0
     met: int = 0  # finished within both (goodput)
     ttft_s: float = 0.0  # sums over the finished requests (means are taken by build)
+    tpot_s: float = 0.0
     admission_wait_s: float = 0.0
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
@@ -143,7 +147,7 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
             tpot_met += outcome.tpot_met
             met += outcome.met
             for name, v in (("finished_prompt_tokens", f.prompt_tokens), ("finished_cached_tokens", f.cached_tokens),
-                            ("finished_output_tokens", f.output_tokens), ("ttft_s", f.ttft_s),
+                            ("finished_output_tokens", f.output_tokens), ("ttft_s", f.ttft_s), ("tpot_s", f.tpot_s),
                             ("admission_wait_s", f.admission_wait_s), ("prefill_queue_s", f.prefill_queue_s),
                             ("prefill_compute_s", f.prefill_compute_s), ("transfer_s", f.transfer_s)):
                 add(name, v)
@@ -215,14 +219,24 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
     new_state = ObserverState(now, counters, capacity, cache_hit, mean_output)
     if state.t is None or dt <= 0:
         return None, new_state
-    if mean_output is None:  # nothing finished yet: what was asked for bounds what will come
-        mean_output = d.max_output_tokens / d.arrivals if d.arrivals else 0.0
+    asked = d.max_output_tokens / d.arrivals if d.arrivals else None  # what was asked for bounds what will come
+    if mean_output is None:  # nothing finished yet
+        mean_output = asked or 0.0
+    elif asked is not None and asked < mean_output:
+        # the window's arrivals asked for fewer tokens than the finished requests got: a new mix came in (the
+        # finished ones are the old mix's, and long answers finish last), so decode demand is bounded by the ask
+        mean_output = asked
     mean_prompt = d.prompt_tokens / d.arrivals if d.arrivals else 0.0
     observed = []
+    kv_totals = []
     for a in actors:
         kv = a.role == "decode" and a.kv_total > 0
+        if kv and not a.draining:
+            kv_totals.append(a.kv_total)
+        # free as the proxies' admission sees it: the running sequences' projected growth is taken
+        free = a.kv_free - min(a.kv_growth, a.kv_free)
         observed.append(ActorObservation(a.actor_id, a.role, capacity.get(a.actor_id), a.running + a.waiting,
-                                         a.draining, a.kv_free / a.kv_total if kv else None,
+                                         a.draining, free / a.kv_total if kv else None,
                                          a.kv_reserved / a.kv_total if kv else 0.0))
     decode_waiting = sum(a.waiting for a in actors if a.role == "decode")
     n = d.finished
@@ -242,7 +256,8 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
         slo_attainment=d.met / judged if judged else 1.0,
         pending_changes=pending_changes, admission_waiting=d.gate_waiting,
         admission_backlog_tokens=d.gate_prompt_tokens * (1 - cache_hit), decode_backlog_tokens=decode_waiting * mean_output,
-        rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), admission_wait_s=mean(d.admission_wait_s),
+        rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), tpot_s=mean(d.tpot_s),
+        kv_tokens=sum(kv_totals) / len(kv_totals) if kv_totals else 0.0, admission_wait_s=mean(d.admission_wait_s),
         prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s))
     return obs, new_state
 

@@ -7,6 +7,8 @@ can serve while the prompt/output mix moves:
 - ``diurnal``: over the duration the mix swings from prompt-heavy (long prompts, short answers) to output-heavy and
   back, at a roughly constant total load;
 - ``bursts``: a steady mix with prompt-heavy bursts (1.3x the work) for the last 5 of every 15 minutes;
+- ``alternating``: long prompts with short answers (~1600 / ~40 tokens) and short prompts with long answers
+  (~200 / ~400) take turns every 10 minutes, at the same load;
 - ``steady``: one mix, one rate.
 """
 
@@ -23,7 +25,7 @@ import numpy as np
 from cluster.controller import ControllerConfig
 from cluster.observe import ObserverConfig
 
-WORKLOADS = ("diurnal", "bursts", "steady")
+WORKLOADS = ("diurnal", "bursts", "alternating", "steady")
 DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-default.json"
 
 
@@ -69,12 +71,13 @@ class CostProfile:
         return self.decode_capacity_tps(batch, context_tokens)
 
     def controller_config(self, **fields: Any) -> ControllerConfig:
-        """A controller config (``fields`` as :class:`ControllerConfig`'s) whose start and flip times and per-actor
-        capacities before any measurement come from this profile (decode at 600-token contexts within the TPOT SLO).
-        Pure."""
+        """A controller config (``fields`` as :class:`ControllerConfig`'s) whose start and flip times, per-actor
+        capacities before any measurement (decode at 600-token contexts within the TPOT SLO) and K/V reservation
+        headroom come from this profile. Pure."""
         cfg = ControllerConfig(**fields)
         return replace(cfg, start_s=self.start_s, flip_s=self.flip_s, default_prefill_tps=self.prefill_tps,
-                       default_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0))
+                       default_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0),
+                       kv_headroom_tokens=self.reserve_headroom_tokens)
 
     def observer_config(self, cfg: ControllerConfig) -> ObserverConfig:
         """How observations are built with this profile: per-actor capacities seeded from its numbers (decode at
@@ -131,11 +134,16 @@ def load_trace(path: str | Path) -> Trace:
     return Trace(t, np.asarray(ps, dtype=np.int64)[order], np.asarray(os_, dtype=np.int64)[order], float(t[-1]))
 
 
-def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(mean prompt tokens, mean output tokens, load multiplier) per second. Pure."""
+def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray, duration_s: float) -> tuple[np.ndarray, np.ndarray,
+                                                                                       np.ndarray]:
+    """(mean prompt tokens, mean output tokens, load multiplier) per second (``phase``: its share of the duration).
+    Pure."""
     if name == "diurnal":  # prompt-heavy -> output-heavy -> prompt-heavy
         swing = (1 - np.cos(2 * np.pi * phase)) / 2
         return 1600 - 1400 * swing, 40 + 360 * swing, np.ones_like(phase)
+    if name == "alternating":  # prompt-heavy for 10 minutes, then output-heavy for 10, and so on
+        long_prompts = (phase * duration_s) % 1200 < 600
+        return (np.where(long_prompts, 1600.0, 200.0), np.where(long_prompts, 40.0, 400.0), np.ones_like(phase))
     if name == "bursts":
         return np.where(in_burst, 1500.0, 400.0), np.where(in_burst, 60.0, 200.0), np.where(in_burst, 1.3, 1.0)
     return np.full_like(phase, 600.0), np.full_like(phase, 150.0), np.ones_like(phase)
@@ -151,7 +159,7 @@ def make_workload(name: str, workers: int, profile: CostProfile, duration_s: flo
     rng = np.random.default_rng(seed)
     secs = np.arange(int(math.ceil(duration_s)), dtype=np.float64)
     in_burst = (secs % 900) >= 600  # the last 5 of every 15 minutes
-    mean_p, mean_o, mult = _mix(name, secs / duration_s, in_burst)
+    mean_p, mean_o, mult = _mix(name, secs / duration_s, in_burst, duration_s)
     decode_tps = profile.decode_capacity_tps(profile.max_batch // 2, 600.0)
     work = mean_p / profile.prefill_tps + mean_o / decode_tps  # worker-seconds per request
     rate = load * workers / work * mult

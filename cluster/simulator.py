@@ -77,7 +77,8 @@ class Simulation:
         self.first, self.last = [nan] * n, [nan] * n
         self.owner = [-1] * n  # the decode actor that reserved for it
         self.t_adm = [nan] * n  # when it was admitted (its decode KV reserved)
-        self.t_pq, self.t_pc, self.t_xf = [0.0] * n, [0.0] * n, [0.0] * n  # TTFT parts: prefill queue, compute, transfer
+        # TTFT parts: prefill queue, prefill compute, exposed transfer
+        self.t_pq, self.t_pc, self.t_xf = [0.0] * n, [0.0] * n, [0.0] * n
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, a, b)
         self.seq = itertools.count(1)
         self.adm_queue: deque[int] = deque()  # requests waiting for decode KV, FIFO
@@ -257,7 +258,7 @@ class Simulation:
             finished_prompt_tokens=float(tr.prompt[idx].sum()), finished_output_tokens=float(out.sum()),
             ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
             met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
-            ttft_s=float(ttft.sum()), admission_wait_s=float((t_adm - t).sum()),
+            ttft_s=float(ttft.sum()), tpot_s=float(tpot.sum()), admission_wait_s=float((t_adm - t).sum()),
             prefill_queue_s=float(_take(self.t_pq, done).sum()), prefill_compute_s=float(_take(self.t_pc, done).sum()),
             transfer_s=float(_take(self.t_xf, done).sum()))
 

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.controller import ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide,
+                                kv_projected)
 
 MU_P, MU_D = 1000.0, 250.0
 
@@ -243,3 +244,45 @@ def test_lagging_misses_do_not_grow_a_pool_that_just_grew_and_both_pressed_pools
                       prefill_backlog_tokens=60000.0, admission_backlog_tokens=5000.0, ttft_attainment=1.0)
     d, _ = decide(pressed, cfg, ControllerState())
     assert not d.changes and "both pools pressed" in d.reason, d.reason
+
+
+def test_kv_projection_is_littles_law_on_the_arriving_mix() -> None:
+    cfg = ControllerConfig(slo_ttft_s=5.0, slo_tpot_s=0.25, kv_headroom_tokens=256.0)
+    obs = Observation(t=15.0, prefill_tps=10000.0, decode_tps=400.0, request_rate=10.0, mean_prompt_tokens=1000.0,
+                      mean_output_tokens=41.0, actors=kv_actors(4, 4, free=0.9, reserved=0.0), ttft_s=2.0,
+                      tpot_s=0.1, kv_tokens=50000.0)
+    # 10 req/s x (1000 + max(41, 256)) tokens x (2 s TTFT + 40 tokens x 0.1 s) / 50000 tokens per actor
+    assert kv_projected(obs, cfg) == pytest.approx(10 * 1256 * 6.0 / 50000)
+    assert kv_projected(obs, cfg, at_slo=True) == pytest.approx(10 * 1256 * (2.0 + 40 * 0.25) / 50000)
+    # a TTFT past its SLO counts as the SLO (the excess is a queue, not K/V demand); unknown sizes: no projection
+    assert kv_projected(replace(obs, ttft_s=30.0), cfg) == pytest.approx(10 * 1256 * 9.0 / 50000)
+    assert kv_projected(replace(obs, kv_tokens=0.0), cfg) == 0.0
+
+
+def test_kv_pressure_ahead_grows_decode_before_admission_waits() -> None:
+    """The mix has just turned to long prompts: decode's K/V still holds the old short requests (10% in use), no
+    request waits at admission and the token rates fit 6P:2D, but the arriving traffic will hold ~2.6 actors' worth
+    of K/V: decode grows now (the flip takes a drain), not after admission starts refusing."""
+    cfg = ControllerConfig(budget=8, cooldown_s=60, slo_ttft_s=5.0, slo_tpot_s=0.25)
+    obs = Observation(t=15.0, prefill_tps=4000.0, decode_tps=100.0, request_rate=4.0, mean_prompt_tokens=1000.0,
+                      mean_output_tokens=25.0, actors=kv_actors(6, 2, free=0.9, reserved=0.0), ttft_s=1.5,
+                      tpot_s=0.2, kv_tokens=10000.0)
+    assert obs.admission_waiting == 0 and not obs.kv_short()
+    d, _ = decide(obs, cfg, ControllerState())
+    assert d.n_decode >= 3 and "projected" in d.reason, d.reason
+    without, _ = decide(replace(obs, kv_tokens=0.0), cfg, ControllerState())  # the same without the projection
+    assert without.n_decode <= 2, without.reason
+
+
+def test_decode_is_not_shrunk_below_what_the_traffic_holds_at_the_tpot_slo() -> None:
+    """Decode's K/V looks half empty at today's short steps, so tokens and memory alone would give two of its four
+    actors to prefill; at the TPOT SLO (the steps a smaller pool would run) the traffic holds 3.4 actors' worth."""
+    cfg = ControllerConfig(budget=12, cooldown_s=0, slo_ttft_s=5.0, slo_tpot_s=0.25)
+    obs = Observation(t=15.0, prefill_tps=9000.0, decode_tps=300.0, request_rate=5.0, mean_prompt_tokens=1800.0,
+                      mean_output_tokens=60.0, actors=kv_actors(8, 4, free=0.6, reserved=0.0), ttft_s=1.0,
+                      tpot_s=0.08, kv_tokens=50000.0, prefill_backlog_tokens=30000.0)
+    assert kv_projected(obs, cfg) < 2 < 3 < kv_projected(obs, cfg, at_slo=True) <= 4
+    d, _ = decide(obs, cfg, ControllerState())
+    assert d.n_decode == 4, d.reason
+    d, _ = decide(replace(obs, kv_tokens=0.0), cfg, ControllerState())
+    assert d.n_decode < 4, d.reason  # what the old sizing did

@@ -152,3 +152,36 @@ def test_live_counters_come_from_worker_stats() -> None:
     assert ProxyReport.from_dict(r.to_dict()) == r
     with pytest.raises(ValueError, match="proxy_id"):
         ProxyReport("")
+
+
+def test_kv_signal_growth_is_taken_and_the_decode_size_and_tpot_are_seen() -> None:
+    """The controller's K/V signal: free blocks as the proxies' admission sees them (the running sequences'
+    projected growth is taken), the decode actors' size and the window's mean TPOT (the K/V projection's inputs)."""
+    s = WorkerStats("w2", "decode", kv=KVCounts(free=50, reserved=10, used=40, total=100), kv_growth=20)
+    c = ActorCounters.from_stats(s)
+    assert (c.kv_free, c.kv_reserved, c.kv_total, c.kv_growth) == (50, 10, 100, 20)
+    _, st = build(0.0, [], Demand(), CFG, ObserverState())
+    fin = (FinishedSample(10, 0, 100, 0.5, 0.02), FinishedSample(10, 0, 100, 0.7, 0.04))
+    d = demand_from_reports([ProxyReport("a", finished=fin)], 2.0, 0.1)
+    obs, _ = build(10.0, [c, decode("d1", 0, 0, 0, kv_free=100, kv_total=300),
+                          decode("d2", 0, 0, 0, kv_free=10, kv_total=900, draining=True)], d, CFG, st)
+    assert obs.actors[0].kv_free == pytest.approx(0.3)  # 50 free less 20 of growth
+    assert obs.kv_in_use() == pytest.approx((0.6 + 2 / 3, 0.1))
+    assert obs.kv_tokens == pytest.approx(200)  # the live decode actors' mean size (not the draining one)
+    assert obs.tpot_s == pytest.approx(0.03) and obs.ttft_s == pytest.approx(0.6)
+    c2 = ActorCounters("w3", "decode", kv_free=5, kv_total=100, kv_growth=30)  # growth past free: none left
+    obs, _ = build(20.0, [c2], Demand(), CFG, st)
+    assert obs.actors[0].kv_free == 0.0
+
+
+def test_a_new_mix_asking_for_fewer_tokens_bounds_the_output_estimate() -> None:
+    """Finished requests are the old mix's (long answers finish last): when the window's arrivals ask for fewer
+    tokens than those got, decode demand is sized on the ask; asking for more does not raise it."""
+    _, st = build(0.0, [], Demand(), CFG, ObserverState())
+    long_done = (FinishedSample(100, 0, 400, 0.5, 0.02),)
+    obs, st = build(10.0, [], demand_from_reports([ProxyReport("a", (ArrivalSample(1500, 60),) * 5,
+                                                               finished=long_done)], 2.0, 0.1), CFG, st)
+    assert obs.mean_output_tokens == 60 and obs.decode_tps == pytest.approx(5 * 60 / 10)
+    obs, _ = build(20.0, [], demand_from_reports([ProxyReport("a", (ArrivalSample(100, 4096),) * 5,
+                                                              finished=long_done)], 2.0, 0.1), CFG, st)
+    assert obs.mean_output_tokens == 400

@@ -102,7 +102,7 @@ def test_cli_simulate_writes_the_report_and_plot(tmp_path: Path, capsys: pytest.
 
 
 def test_workloads_keep_their_load_share() -> None:
-    for name in ("diurnal", "bursts", "steady"):
+    for name in ("diurnal", "bursts", "alternating", "steady"):
         tr = make_workload(name, 10, PROFILE, duration_s=1800, seed=0)
         work = (tr.prompt / PROFILE.prefill_tps).sum() + (tr.output / PROFILE.decode_capacity_tps(32, 600)).sum()
         assert 0.4 < work / (10 * 1800) < 0.9, name
