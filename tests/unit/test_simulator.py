@@ -156,3 +156,18 @@ def test_the_kv_heap_stays_bounded() -> None:
     sim._control = watch  # type: ignore[method-assign]
     sim.run()
     assert len(tr) > 5000 and max(sizes) <= 4 * len(sim.actors) + 64
+
+
+def test_bench_controller_prints_every_policy_and_the_goals(capsys: pytest.CaptureFixture) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_controller import main as bench_main
+
+    bench_main(["--workers", "4", "--duration", "300"])
+    out = capsys.readouterr().out
+    for row in ("bursts", "alternating"):
+        assert sum(1 for line in out.splitlines() if line.startswith(row)) == 4, out
+    for label in ("adaptive", "fixed (even)", "fixed (3:1)", "throughput"):
+        assert label in out
+    assert "adaptive >= 95%" in out
