@@ -48,6 +48,9 @@ class ObserverConfig:
     seed_decode_tps: float | None = None
     under_load_busy_share: float = 0.5  # a prefill actor busy this share of the window is under load
     kv_pressure_free_share: float = 0.1  # a decode actor with less KV free than this is under load
+    # tokens per K/V unit in the actors' counters: live they count blocks (the engine's block_size, 16 by default);
+    # the simulator counts tokens (1). Observation.kv_tokens is in tokens
+    kv_unit_tokens: int = 16
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s"):
@@ -60,6 +63,8 @@ class ObserverConfig:
                 raise ValueError(f"{name}: must be None or a finite number > 0, got {v!r}")
         if not 0 < self.ewma_alpha <= 1:
             raise ValueError(f"ewma_alpha: must be in (0, 1], got {self.ewma_alpha!r}")
+        if not isinstance(self.kv_unit_tokens, int) or self.kv_unit_tokens < 1:
+            raise ValueError(f"kv_unit_tokens: must be an integer >= 1, got {self.kv_unit_tokens!r}")
         for name in ("under_load_busy_share", "kv_pressure_free_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name}: must be in [0, 1], got {getattr(self, name)!r}")
@@ -257,7 +262,7 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
         pending_changes=pending_changes, admission_waiting=d.gate_waiting,
         admission_backlog_tokens=d.gate_prompt_tokens * (1 - cache_hit), decode_backlog_tokens=decode_waiting * mean_output,
         rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), tpot_s=mean(d.tpot_s),
-        kv_tokens=sum(kv_totals) / len(kv_totals) if kv_totals else 0.0, admission_wait_s=mean(d.admission_wait_s),
+        kv_tokens=cfg.kv_unit_tokens * sum(kv_totals) / len(kv_totals) if kv_totals else 0.0, admission_wait_s=mean(d.admission_wait_s),
         prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s))
     return obs, new_state
 

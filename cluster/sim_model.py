@@ -81,9 +81,9 @@ class CostProfile:
 
     def observer_config(self, cfg: ControllerConfig) -> ObserverConfig:
         """How observations are built with this profile: per-actor capacities seeded from its numbers (decode at
-        600-token contexts within the TPOT SLO) until actors are measured under load. Pure."""
+        600-token contexts within the TPOT SLO) until actors are measured under load; K/V counted in tokens. Pure."""
         return ObserverConfig(slo_ttft_s=cfg.slo_ttft_s, slo_tpot_s=cfg.slo_tpot_s, seed_prefill_tps=self.prefill_tps,
-                              seed_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0))
+                              seed_decode_tps=self.decode_capacity_within(cfg.slo_tpot_s, 600.0), kv_unit_tokens=1)
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:

@@ -29,6 +29,7 @@ within them.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -88,7 +89,8 @@ class Simulation:
         self.kv_heap: list[tuple[float, int]] = [(-a.kv_free(), a.aid) for a in self.actors if a.role == "decode"]
         heapq.heapify(self.kv_heap)
         self.state = ControllerState()
-        self.obs_cfg = observer or profile.observer_config(cfg)
+        # the simulated actors count K/V in tokens (a replayed live record's observer counted blocks)
+        self.obs_cfg = dataclasses.replace(observer or profile.observer_config(cfg), kv_unit_tokens=1)
         self.obs_state = ObserverState(t=0.0)
         self.timeline: list[dict] = []
         self.decisions: list[dict] = []

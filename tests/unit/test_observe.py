@@ -4,6 +4,7 @@ departures and newcomers, demand including queued and refused requests, capacity
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -167,7 +168,12 @@ def test_kv_signal_growth_is_taken_and_the_decode_size_and_tpot_are_seen() -> No
                           decode("d2", 0, 0, 0, kv_free=10, kv_total=900, draining=True)], d, CFG, st)
     assert obs.actors[0].kv_free == pytest.approx(0.3)  # 50 free less 20 of growth
     assert obs.kv_in_use() == pytest.approx((0.6 + 2 / 3, 0.1))
-    assert obs.kv_tokens == pytest.approx(200)  # the live decode actors' mean size (not the draining one)
+    # the live decode actors' mean size (not the draining one), in tokens: live counters are 16-token blocks
+    assert obs.kv_tokens == pytest.approx(200 * 16)
+    obs, _ = build(10.0, [c], d, replace(CFG, kv_unit_tokens=1), st)  # the simulator counts tokens
+    assert obs.kv_tokens == pytest.approx(100)
+    with pytest.raises(ValueError, match="kv_unit_tokens"):
+        replace(CFG, kv_unit_tokens=0)
     assert obs.tpot_s == pytest.approx(0.03) and obs.ttft_s == pytest.approx(0.6)
     c2 = ActorCounters("w3", "decode", kv_free=5, kv_total=100, kv_growth=30)  # growth past free: none left
     obs, _ = build(20.0, [c2], Demand(), CFG, st)
