@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from cluster.wire.messages import PrefillResult
 from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from decode_worker.reservations import ReservationManager
 from kv_transfer.base import dtype_name
@@ -31,6 +32,7 @@ from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHea
                                 verify_checksum, verify_fields)
 from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 from kv_transfer.payload_mac import part_key
+from kv_transfer.result_message import unpack_result
 
 log = logging.getLogger(__name__)
 # chunks whose block-index tensor is kept: a chunk's parts (one per layer) share their block ids, and the parts of a
@@ -42,9 +44,11 @@ class KVReceiver:
     """Owns the backend endpoint and its thread."""
 
     def __init__(self, engine: Any, config: KVTransferConfig, lock: threading.Lock,
-                 reservations: ReservationManager, on_part: Callable[[IntakeRecord], None]) -> None:
+                 reservations: ReservationManager, on_part: Callable[[IntakeRecord], None],
+                 on_result: Callable[[PrefillResult], None] | None = None) -> None:
         """``reservations`` holds the pending records (looked up, opened and ended under ``lock``); ``on_part(record)``
-        runs (under ``lock``) after each installed part, e.g. to renew the lease."""
+        runs (under ``lock``) after each installed part, e.g. to renew the lease; ``on_result(result)`` (not under
+        it) for each authentic prefill result that came over the channel (None: such results are dropped)."""
         from kv_transfer import make_backend
 
         self.engine = engine
@@ -53,6 +57,7 @@ class KVReceiver:
         self._reservations = reservations
         self._lookup = reservations.get
         self._on_part = on_part
+        self._on_result = on_result
         self.backend = make_backend(config)
         self.backend.export_cache(*engine.kv_memory())
         self.backend.set_writer_hooks(self._writer_open, self._writer_end, self._writer_gone)
@@ -93,6 +98,9 @@ class KVReceiver:
             return
         if self._secret is not None and not header_authentic(header, self._secret):
             self._unauthenticated(header, "wrong or missing MAC")
+            return
+        if header.kind == "result":
+            self._take_result(handle, header)
             return
         with self._lock:
             rec = self._lookup(header.reservation_id)
@@ -136,6 +144,31 @@ class KVReceiver:
             self.parts_installed += 1
             self.bytes_received += handle.nbytes
             self._on_part(rec)
+
+    def _take_result(self, handle: Any, header: KVTransferHeader) -> None:
+        """An authentic header of kind ``result`` (kv_transfer.result_message): checked against its reservation
+        (nonce, request, epoch) and its bytes against their tag, then handed to ``on_result``. A result for another
+        nonce counts as unauthenticated, anything else wrong as rejected; neither touches the record (the request
+        then waits for the proxy's ``prefilled`` call, or its lease)."""
+        with self._lock:
+            rec = self._lookup(header.reservation_id)
+            if self._secret is not None and rec is not None and header.nonce != rec.nonce:
+                self._unauthenticated(header, "a result authenticated for another reservation (nonce)")
+                return
+            why = None if rec is not None and (rec.request_id, rec.epoch) == (header.request_id, header.epoch) \
+                else "no such reservation here" if rec is None else "another request or epoch"
+        try:
+            if why is not None:
+                raise ValueError(why)
+            result = PrefillResult.from_dict(unpack_result(header, handle.raw, self._secret))
+            if (result.request_id, result.reservation_id) != (header.request_id, header.reservation_id):
+                raise ValueError(f"the result is for {result.request_id}/{result.reservation_id}")
+        except (KVTransferError, ValueError) as e:
+            self.parts_rejected += 1
+            log.warning("prefill result for %s over the K/V channel rejected: %s", header.request_id, e)
+            return
+        if self._on_result is not None:
+            self._on_result(result)
 
     def _index(self, block_ids: tuple[int, ...]) -> Any:
         """``block_ids`` as an index tensor on the cache's device: built at a chunk's first part (on the engine's

@@ -64,6 +64,8 @@ class DecodeWorker(EngineLoop):
         self.recomputes = 0  # requests whose K/V failed to arrive and whose prompt was computed here instead
         self.preemptions = 0  # sequences whose blocks the engine took back to recompute them later (cache full)
         self.max_preemptions = 0  # the most times one request was preempted
+        self.results_via_channel = 0  # prefill results taken from the K/V channel
+        self.results_via_ray = 0  # ... and from the proxy's ``prefilled`` call
         self._started = time.monotonic()
         self._lengths = OutputLengths(initial=128.0)  # finished completions' output lengths: the growth projection
         self.kv_endpoint = ""
@@ -74,7 +76,8 @@ class DecodeWorker(EngineLoop):
             self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id,
                                                                         device=str(self.engine.device),
                                                                         secret=config.cluster_secret),
-                                       self._intake_lock, self.reservations, self._part_arrived)
+                                       self._intake_lock, self.reservations, self._part_arrived,
+                                       self._result_arrived)
             self.kv_endpoint = self.receiver.address
         self._stats: WorkerStats
         self._publish_stats()
@@ -100,7 +103,7 @@ class DecodeWorker(EngineLoop):
         """Mutates: a prefill actor's :class:`PrefillResult` for a reserved request; the loop joins the request to the
         batch once its K/V is complete (or recomputes). Returns at once."""
         result = PrefillResult.from_dict(message)
-        self.post(lambda: self._prefilled(result))
+        self.post(lambda: self._prefilled(result, "ray"))
 
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a request now and free its blocks (reserved or in use). Whether it was known."""
@@ -151,11 +154,28 @@ class DecodeWorker(EngineLoop):
         return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
                             ttl, rec.epoch, rec.nonce, rec.cached).to_dict()
 
-    def _prefilled(self, result: PrefillResult) -> None:
+    def _result_arrived(self, result: PrefillResult) -> None:
+        """KV receiver thread: a prefill result came over the K/V channel, after the request's parts; the loop takes
+        it as it takes the proxy's ``prefilled`` call."""
+        try:
+            self.post(lambda: self._prefilled(result, "channel"))
+        except LoopStopped:  # shutting down: nothing left to join
+            pass
+
+    def _prefilled(self, result: PrefillResult, via: str) -> None:
+        """Mutates ``result``'s record (loop thread): its first tokens are here; ``via`` ("channel" or "ray") is how
+        it came. Idempotent: the first delivery counts, a second one (both paths delivered it) is ignored."""
         rec = self._records.get(result.request_id)
         if rec is None or rec.reservation_id != result.reservation_id:
             log.info("prefill result for %s dropped: no such reservation here (aborted or expired)", result.request_id)
             return
+        if rec.result is not None:
+            log.info("prefill result for %s (via %s) ignored: it arrived already", result.request_id, via)
+            return
+        if via == "channel":
+            self.results_via_channel += 1
+        else:
+            self.results_via_ray += 1
         tracker = self._trackers[result.request_id]
         tracker.cached_tokens = result.cached_tokens
         with self._intake_lock:
@@ -323,7 +343,8 @@ class DecodeWorker(EngineLoop):
             decode_tokens_per_s=self.tokens_generated / max(1e-9, time.monotonic() - self._started),
             proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, preemptions=self.preemptions,
             max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, busy_seconds=self.busy_s,
-            steps=self.steps, **rx)
+            steps=self.steps, results_via_channel=self.results_via_channel, results_via_ray=self.results_via_ray,
+            **rx)
 
     def _close(self) -> None:
         self._sender.close()

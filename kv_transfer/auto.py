@@ -109,6 +109,10 @@ class AutoBackend(KVTransferBackend):
         backend, address = self.route(peer_address)
         return backend.send(address, header, payload)
 
+    def send_result(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        backend, address = self.route(peer_address)
+        return backend.send_result(address, header, payload)
+
     def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
         backend, address = self.route(peer_address)
         backend.open(address, reservation_id, epoch, nonce)

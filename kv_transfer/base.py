@@ -208,6 +208,14 @@ class RecvSide:
         handle.mark_done()
         self._finished.put(handle)
 
+    def finish_host(self, handle: TransferHandle, raw: torch.Tensor) -> None:
+        """Mutates: a small message whose bytes came inside the channel's own frame (``raw``, host memory, no
+        buffer): DONE, queued for ``next``."""
+        handle.raw = raw
+        handle.ready = HOST_DONE
+        handle.mark_done()
+        self._finished.put(handle)
+
     def next(self, timeout_s: float) -> TransferHandle | None:
         """Mutates: pop the next finished incoming transfer, waiting up to ``timeout_s`` (0: don't wait)."""
         try:
@@ -278,6 +286,12 @@ class KVTransferBackend(ABC):
         without a checksum gets the payload's, computed on the backend's I/O thread (``sealed_header``).
         Messages to one peer arrive in the order they were sent.
         """
+
+    def send_result(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates: queue a request's prefill result (``kv_transfer.result_message``: a header of kind ``result``
+        and its bytes) to ``peer_address``, after the parts already queued there. Socket backends send it as any
+        message; in-place backends override it (their parts are not messages)."""
+        return self.send(peer_address, header, payload)
 
     @abstractmethod
     def close(self) -> None:

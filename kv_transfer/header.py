@@ -26,8 +26,12 @@ from cluster.wire.auth import ClusterSecret
 # 3: the reservation's epoch, and an optional checksum for parts written in place; 4: the reservation's nonce and
 # the header's MAC; 5: int8 payloads, followed by their per-token scales; 6: the checksum is the payload's 16-byte
 # polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold;
-# 8: 8-bit payloads hold each head's K/V rotated, kernels/kv_rotation.py)
-WIRE_VERSION = 8
+# 8: 8-bit payloads hold each head's K/V rotated, kernels/kv_rotation.py; 9: ``kind``, a message is a K/V part or
+# the request's prefill result, kv_transfer/result_message.py)
+WIRE_VERSION = 9
+# what a message carries: one (layer, chunk) of K/V; or, after a request's last part, its prefill result (msgpack'd
+# cluster.wire.messages.PrefillResult as a uint8 payload, bound by the tag like a part's bytes)
+KINDS = ("part", "result")
 KV_LAYOUTS = ("kv", "mla")  # the two planes hold K then V per kv head; or each token's MLA latent, in two halves
 TAG_BYTES = 16  # the payload tag (kv_transfer.payload_mac): two 61-bit values, 8 bytes each
 # payload dtypes followed by float32 scales: FP8 one per (K/V, block, kv head), int8 one per (K/V, block, token, head)
@@ -85,6 +89,7 @@ class KVTransferHeader:
     nonce: str = ""  # the reservation's nonce (ReserveGrant.nonce): a part authenticated for one reservation fits no
     # other
     kv_layout: str = "kv"  # what the payload's planes hold (KV_LAYOUTS): a receiver of another layout refuses it
+    kind: str = "part"  # KINDS: a K/V part, or the request's prefill result (no blocks; shape is the bytes' count)
     mac: bytes = b""  # HMAC-SHA256 of every other field under the cluster secret (sign_header); empty: unauthenticated
 
     def __post_init__(self) -> None:
@@ -92,6 +97,11 @@ class KVTransferHeader:
             raise ValueError(f"nonce: must be a string, got {self.nonce!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind: must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "result" and (self.block_ids or self.dtype != "uint8" or len(self.shape) != 1):
+            raise ValueError(f"kind: a result names no blocks and carries uint8 bytes, got block_ids "
+                             f"{self.block_ids!r}, dtype {self.dtype!r}, shape {self.shape!r}")
         if not isinstance(self.mac, bytes) or len(self.mac) not in (0, auth.MAC_BYTES):
             raise ValueError(f"mac: must be empty or {auth.MAC_BYTES} bytes, got {self.mac!r}")
         for name in ("request_id", "reservation_id", "model_fingerprint", "dtype"):
@@ -104,6 +114,8 @@ class KVTransferHeader:
             raise ValueError(f"token_end: must be > token_start {self.token_start}, got {self.token_end}")
         for name in ("block_ids", "shape"):
             v = getattr(self, name)
+            if name == "block_ids" and self.kind == "result" and v == ():
+                continue
             # (set(map(type, ...)): a C-level pass; a part names hundreds of block ids and this runs for every part)
             if not isinstance(v, tuple) or not v or set(map(type, v)) != {int} or min(v) < 0:
                 raise ValueError(f"{name}: must be a non-empty tuple of ints >= 0, got {v!r}")

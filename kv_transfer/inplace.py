@@ -60,10 +60,11 @@ Copy = Callable[[torch.Tensor, "torch.Tensor | None"], "str | PayloadMac | None"
 class _Outgoing:
     """One message for a peer's I/O thread, which sends them in order: a written part's announce, or an ``end``."""
 
-    handle: TransferHandle | None  # the written part's (its header not yet signed); None: ``msg`` is an ``end``
+    # the written part's, or a result's (its header not yet signed); None: ``msg`` is an ``end``
+    handle: TransferHandle | None
     done: Event = None  # recorded on the copy stream after the part's copy (and its tag's device work): waited first
     mac: PayloadMac | None = None  # the source blocks' tag, its host read still to do (``inplace_checksum``)
-    msg: dict[str, Any] | None = None  # an ``end``
+    msg: dict[str, Any] | None = None  # an ``end``; with a handle: a ``result`` (its signed header added as "h")
 
 
 @dataclass
@@ -277,6 +278,21 @@ class InPlaceBackend(InPlaceEndpoint):
 
         return self._write(peer_address, handle, copy)
 
+    def send_result(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
+        """Mutates: queue a request's prefill result (``kv_transfer.result_message``) on the peer's channel behind
+        the parts announced so far (and before the reservation's ``end``); its bytes travel inside the frame. The
+        handle is DONE once sent, FAILED if the peer is unreachable or broken."""
+        handle = self._new_send_handle(peer_address, header, payload)
+        peer = self._peer_or_fail(peer_address, handle)
+        if peer is None:
+            return handle
+        if peer.broken is not None:
+            handle.mark_failed(peer.broken)
+            return handle
+        data = payload.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        peer.queue.put(_Outgoing(handle, msg={"t": "result", "r": data}))
+        return handle
+
     def _write(self, peer_address: str, handle: TransferHandle, copy: Copy) -> TransferHandle:
         """The one write path: under the peer's lock, if it may be written (alive, the reservation opened, the
         blocks its own), ``copy`` writes the layer (see :data:`Copy`) on the copy stream, which first waits for an
@@ -379,7 +395,8 @@ class InPlaceBackend(InPlaceEndpoint):
             try:
                 if item.done is not None:
                     self.streams.host_wait(item.done)
-                msg = item.msg if handle is None else {"t": "part", "h": self._sealed(handle, item.mac)}
+                msg = item.msg if handle is None else {**(item.msg or {"t": "part"}),
+                                                       "h": self._sealed(handle, item.mac)}
             except RuntimeError as e:  # the copy (or its tag) failed on the device: this part is not written
                 if handle is not None:
                     handle.mark_failed(f"in-place copy failed: {e}")

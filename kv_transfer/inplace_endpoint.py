@@ -177,6 +177,17 @@ class InPlaceEndpoint(KVTransferBackend):
                 side.finish(side.new_handle(writer, None, 0), None, f"malformed in-place header: {e}")
                 return
             side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
+        elif msg["t"] == "result":  # a request's prefill result, its bytes in the frame (kv_transfer.result_message)
+            try:
+                header = KVTransferHeader.decode(msg["h"])
+            except MalformedHeaderError as e:
+                side.finish(side.new_handle(writer, None, 0), None, f"malformed result header: {e}")
+                return
+            data = msg["r"]
+            if not isinstance(data, bytes):
+                raise ValueError(f"result: bytes expected, got {type(data).__name__}")
+            side.finish_host(side.new_handle(writer, header, len(data)),
+                             torch.frombuffer(bytearray(data), dtype=torch.uint8))
         elif msg["t"] == "open" and not self._open_authentic(msg):
             self.unauthenticated += 1
             log.warning("in-place writer %s: open of %s dropped: wrong or missing MAC", writer, msg.get("rid"))

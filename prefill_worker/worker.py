@@ -82,6 +82,7 @@ class PrefillWorker(EngineLoop):
         self.transfer_s = 0.0  # waiting for sends after the forward finished: transfer time NOT hidden by compute
         self.transfer_busy_s = 0.0  # sum of every part's time on the wire
         self.cached_prompt_tokens = 0  # of prompt_tokens, served from the prefix cache (not computed)
+        self.results_delivered = 0  # prefill results sent over the K/V channel (the proxy made no prefilled call)
         self._step_t0 = 0.0  # when the loop's current step began (loop thread)
         self._parts: tuple[Any, list[_Part]] | None = None  # the current step's scheduler output and its parts
         self._stats: WorkerStats
@@ -126,13 +127,40 @@ class PrefillWorker(EngineLoop):
             ended = [c.error for c in job.output.outputs if c.finish_reason == "error"]
             if ended:  # its grammar admitted no first token: no K/V is worth sending on
                 raise RuntimeError(f"prefill of {req.request_id}: {ended[0]}")
-            return self._result(job).to_dict()
+            return self._deliver(job, self._result(job)).to_dict()
         finally:
             # after the last write (or none) the decode actor may reuse the blocks. No write of this job can come any
             # more: the loop drops a job (finished: before ``done`` is set; aborted: inside ``abort``'s call) before
             # we get here, ``_ship`` writes only for jobs it holds, and a stopped loop writes nothing
             if job.in_place:
                 self.backend.end(job.grant.kv_endpoint, job.grant.reservation_id)
+
+    def _deliver(self, job: _Job, result: PrefillResult) -> PrefillResult:
+        """Send ``result`` to the decode actor over the job's K/V channel, behind its last part (and, in place,
+        before the reservation's ``end``): ``kv_transfer.result_message``. Returns it with ``delivered`` True once
+        the backend reports it sent; False (any failure: the proxy then hands it over with a Ray call, as before).
+        Mutates ``results_delivered``. Caller's thread: waits up to the backend's I/O timeout."""
+        from kv_transfer.result_message import pack_result
+
+        grant = job.grant
+        try:
+            header, payload = pack_result(
+                dataclasses.replace(result, delivered=True).to_dict(), request_id=result.request_id,
+                reservation_id=grant.reservation_id, model_fingerprint=self.engine.fingerprint, epoch=grant.epoch,
+                nonce=grant.nonce, kv_layout=self.engine.model_config.kv_layout,
+                prompt_tokens=len(job.request.prompt_token_ids), secret=self.backend.config.secret,
+                device=self.backend.config.device)
+            handle = self.backend.send_result(grant.kv_endpoint, header, payload)
+            sent = handle.wait(self.backend.config.io_timeout_s) is TransferState.DONE
+            why = handle.error
+        except Exception as e:  # e.g. the peer's route changed: the proxy delivers it instead
+            sent, why = False, f"{type(e).__name__}: {e}"
+        if not sent:
+            log.info("prefill result of %s not sent over the K/V channel (%s): the proxy hands it over",
+                     result.request_id, why)
+            return result
+        self.results_delivered += 1
+        return dataclasses.replace(result, delivered=True)
 
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a prompt now (its waiting caller gets an error). Whether it was known."""

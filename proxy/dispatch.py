@@ -140,9 +140,10 @@ class Dispatcher:
         return live[choice.actor_id]
 
     async def _prefill(self, leg: Leg, prefill: ActorRef) -> PrefillResult:
-        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks), hand its typed result to the
-        decode actor that owns the request, and return it. Raises :class:`ActorGone` if the prefill actor died or
-        hung."""
+        """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and return its typed result. The
+        prefill actor sends the result to the decode actor that owns the request behind the K/V (two Ray calls per
+        request: reserve, prefill); only when it could not (``delivered`` False) is it handed over here. Raises
+        :class:`ActorGone` if the prefill actor died or hung."""
         assert leg.grant is not None
         n = len(leg.req.prompt_token_ids)
         self.inflight[prefill.name] = self.inflight.get(prefill.name, 0) + n
@@ -162,7 +163,8 @@ class Dispatcher:
         leg.prefill_queue_s, leg.prefill_compute_s, leg.send_wait_s = result.queue_s, result.compute_s, \
             result.send_wait_s
         self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
-        await self.pools.prefilled(leg.actor, raw)
+        if not result.delivered:  # the K/V channel could not carry it (kv_transfer.result_message): hand it over
+            await self.pools.prefilled(leg.actor, raw)
         return result
 
     # -- resuming -----------------------------------------------------------------------------------------------------

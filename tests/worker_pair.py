@@ -11,15 +11,17 @@ from tests.token_inbox import TokenInbox
 
 
 def run_request(prefill: Any, decode: Any, inbox: TokenInbox, rid: str, prompt: tuple[int, ...],
-                max_tokens: int, **sampling: Any) -> tuple[Any, PrefillResult]:
+                max_tokens: int, hand_over: bool = False, **sampling: Any) -> tuple[Any, PrefillResult]:
     """One request through both workers (``ignore_eos`` unless ``sampling`` says otherwise): its deltas and the
-    prefill's result."""
+    prefill's result. Like the proxy, the result is handed to the decode worker only when the K/V channel did not
+    carry it (``hand_over``: always, as a duplicate the decode worker must ignore)."""
     req = GenerateRequest(rid, prompt, reply_to=inbox.address,
                           **{"max_tokens": max_tokens, "ignore_eos": True, **sampling})
     grant = decode.reserve(ReserveRequest(req, 6).to_dict())
     assert grant is not None
     result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))
-    decode.prefilled(result.to_dict())
+    if hand_over or not result.delivered:
+        decode.prefilled(result.to_dict())
     return inbox.collect(rid), result
 
 

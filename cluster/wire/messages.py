@@ -328,8 +328,14 @@ class PrefillResult(_Wire):
     queue_s: float = 0.0
     compute_s: float = 0.0
     send_wait_s: float = 0.0
+    # the prefill actor sent this result to the decode actor over the request's K/V channel, after its last part
+    # (kv_transfer.result_message), and the backend reported it sent: the proxy then makes no ``prefilled`` call.
+    # False: a backend or peer that could not carry it; the proxy hands it over itself, as before
+    delivered: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.delivered, bool):
+            raise ValueError(f"PrefillResult.delivered: must be a bool, got {self.delivered!r}")
         for name in ("request_id", "reservation_id"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"PrefillResult.{name}: must be a non-empty string, got {getattr(self, name)!r}")

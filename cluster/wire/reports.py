@@ -157,6 +157,10 @@ class WorkerStats(_Wire):
     # the engine loop's time spent stepping and its steps (the controller's capacity: tokens per busy second)
     busy_seconds: float = 0.0
     steps: int = 0
+    # prefill results taken (decode): over the request's K/V channel (kv_transfer.result_message), or through the
+    # proxy's ``prefilled`` Ray call (a backend or peer that could not carry it); a second delivery is ignored
+    results_via_channel: int = 0
+    results_via_ray: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.actor_id, str) or not self.actor_id:

@@ -74,11 +74,31 @@ def test_corrupt_part_recomputes_with_the_same_text(model: str, inbox: TokenInbo
             assert token_ids(bad)[0][0] == r2.first_token_ids[0]  # the recompute drew the prefill's first token again
         _eventually(lambda: bad_d.stats()["recomputes"] == 3 and bad_d.stats()["kv_parts_rejected"] >= 3)
         assert clean_d.stats()["recomputes"] == 0
+        for d in (clean_d, bad_d):  # the results came behind the parts (rejected ones too): no prefilled call
+            assert d.stats()["results_via_channel"] == 3 and d.stats()["results_via_ray"] == 0
         _leak_free(clean_d)
         _leak_free(bad_d)
     finally:
         for w in (clean_p, clean_d, bad_p, bad_d):
             w.shutdown()
+
+
+def test_a_result_delivered_twice_is_taken_once(model: str, inbox: TokenInbox) -> None:
+    prefill, decode = _workers(model)
+    try:
+        once, r1 = _run(prefill, decode, inbox, "dup0")
+        twice, r2 = _run(prefill, decode, inbox, "dup1", hand_over=True)  # channel and Ray both deliver it
+        assert r1.delivered and r2.delivered
+        assert token_ids(once) == token_ids(twice) and len(token_ids(twice)[0]) == 12
+        # each taken once, whichever came first for the second (the Ray call may overtake the receiver thread)
+        _eventually(lambda: decode.stats()["results_via_channel"] + decode.stats()["results_via_ray"] == 2)
+        time.sleep(0.3)  # stats are republished every 0.1 s: a late second take would show by now
+        assert decode.stats()["results_via_channel"] + decode.stats()["results_via_ray"] == 2
+        assert decode.stats()["results_via_channel"] >= 1
+        _leak_free(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: str, inbox: TokenInbox) -> None:

@@ -79,6 +79,7 @@ def test_in_place_text_equals_the_socket_backend_and_auto_picks_it(model: str, i
             _eventually(lambda p=p, d=d: d.stats()["kv_bytes_received"] == p.stats()["kv_bytes_sent"] > 0)
             st = d.stats()  # (stats are republished every 0.1 s)
             assert st["kv_parts_installed"] > 0 and st["kv_parts_rejected"] == 0
+            assert st["results_via_channel"] == 2 and st["results_via_ray"] == 0, name  # no prefilled call made
             assert _counts(d)["reserved"] == 0 and _counts(d)["used"] == 0
         p, d = pairs["auto"]
         assert d.info()["kv_address"].startswith("auto|inplace+shm://")

@@ -18,7 +18,7 @@ import torch
 from cluster.flex_worker import FlexWorker
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
-from cluster.wire.messages import GenerateRequest, ReserveGrant, ReserveRequest
+from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.intake import TAKES_PARTS
 from kv_transfer.base import as_bytes
@@ -27,6 +27,7 @@ from kv_transfer.header import KVTransferError, KVTransferHeader, sign_header
 from kv_transfer.inplace import InPlaceBackend
 from kv_transfer.inplace_channel import InPlaceAddress, recv_message, send_message
 from kv_transfer.layer_parts import pack_layer_part
+from kv_transfer.result_message import pack_result
 from tests.worker_pair import eventually
 
 SECRET = ClusterSecret.generate()
@@ -104,6 +105,50 @@ def test_forged_replayed_and_tampered_parts_are_dropped_counted_and_write_nothin
     eventually(lambda: decode.stats()["kv_parts_installed"] == 1)
     assert torch.equal(engine.kv_layer(0)[:, a.block_ids[0]], src[:, 1])
     assert decode.stats()["kv_parts_unauthenticated"] == len(forged)
+
+
+def _result(decode: FlexWorker, grant: ReserveGrant, secret: ClusterSecret = SECRET,
+            **overrides: Any) -> tuple[KVTransferHeader, torch.Tensor]:
+    """The genuine prefill result message of ``grant`` (header unsigned; ``overrides`` replace grant fields)."""
+    fields: dict[str, Any] = {"request_id": grant.request_id, "reservation_id": grant.reservation_id,
+                              "epoch": grant.epoch, "nonce": grant.nonce, **overrides}
+    result = PrefillResult(fields["request_id"], fields["reservation_id"], (7,), seed=3, delivered=True)
+    return pack_result(result.to_dict(), model_fingerprint=decode.impl.engine.fingerprint, kv_layout="kv",
+                       prompt_tokens=20, secret=secret, **fields)
+
+
+def test_forged_results_are_dropped_and_a_duplicate_is_taken_once(decode: FlexWorker) -> None:
+    a, b = _reserve(decode, "a"), _reserve(decode, "b")
+    genuine, payload = _result(decode, a)
+    signed = sign_header(genuine, SECRET)
+    replay, replay_bytes = _result(decode, b, nonce=a.nonce)  # authentic, but for A's nonce
+    forged = [(genuine, payload), (sign_header(genuine, OTHER), payload),  # no MAC; another cluster's key
+              (dataclasses.replace(signed, reservation_id=b.reservation_id, request_id="b"), payload),  # tampered
+              (sign_header(replay, SECRET), replay_bytes)]
+    for header, data in forged:
+        _deliver(decode, header, data)
+    altered = payload.clone()
+    altered[-1] ^= 0x01  # an authentic header over altered bytes: the tag refuses them
+    _deliver(decode, signed, altered)
+    eventually(lambda: decode.stats()["kv_parts_unauthenticated"] == len(forged)
+               and decode.stats()["kv_parts_rejected"] == 1)
+    assert decode.stats()["results_via_channel"] == 0
+    for g in (a, b):  # no result was taken for them
+        assert decode.impl.reservations.get(g.reservation_id).result is None
+    _deliver(decode, signed, payload)  # the genuine result goes in ...
+    eventually(lambda: decode.stats()["results_via_channel"] == 1)
+    _deliver(decode, signed, payload)  # ... once: again over the channel, and through the proxy's Ray call
+    decode.prefilled(PrefillResult.from_dict(pack_result_dict(a)).to_dict())
+    _deliver(decode, genuine, payload)  # an unsigned one behind them: once counted, the receiver passed both ...
+    eventually(lambda: decode.stats()["kv_parts_unauthenticated"] == len(forged) + 1)
+    decode.check_integrity()  # ... and a loop round trip after their posts: the loop handled both duplicates
+    stats = decode.stats()
+    assert stats["results_via_channel"] == 1 and stats["results_via_ray"] == 0
+    assert decode.impl.reservations.get(b.reservation_id).result is None
+
+
+def pack_result_dict(grant: ReserveGrant) -> dict[str, Any]:
+    return PrefillResult(grant.request_id, grant.reservation_id, (7,), seed=3).to_dict()
 
 
 def test_in_place_writers_must_authenticate_before_they_get_memory_or_a_reservation(model: str) -> None:

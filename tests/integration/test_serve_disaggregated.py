@@ -77,6 +77,9 @@ def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: L
         pstats = ray.get(cluster.prefill_actors[0].stats.remote())
         assert stats["kv_parts_installed"] > 0 and stats["kv_parts_rejected"] == 0
         assert stats["kv_bytes_received"] == pstats["kv_bytes_sent"] > 0
+        # every prefill result came behind its K/V: two Ray calls per request (reserve, prefill), no prefilled
+        eventually(lambda: ray.get(cluster.decode_actors[0].stats.remote())["results_via_channel"] == 2 + len(prompts))
+        assert ray.get(cluster.decode_actors[0].stats.remote())["results_via_ray"] == 0
         counts = ray.get(cluster.decode_actors[0].check_integrity.remote())
         assert counts["used"] == 0 and counts["reserved"] == 0
         import urllib.request
