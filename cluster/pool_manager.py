@@ -25,6 +25,7 @@ simulate --replay``; ``dry_run=True`` decides and logs every decision without ca
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from dataclasses import replace
@@ -85,6 +86,8 @@ class PoolManager:
             from cluster.sim_model import CostProfile
 
             self.observer = CostProfile(**profile).observer_config(controller)
+        # the live actors count K/V in blocks of the workers' block size (the simulator, in tokens)
+        self.observer = dataclasses.replace(self.observer, kv_unit_tokens=worker.block_size)
         self._observed = ObserverState()
         self._reports: list[ProxyReport] = []  # reported by proxies since the last window
         self.latency_samples = 0  # finished requests reported since start

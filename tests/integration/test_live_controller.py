@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -95,7 +96,11 @@ def test_the_controller_follows_the_load_mix_recorded_and_replayed(tmp_path: Pat
     changes = [d for d in rec.decisions if d["changes"]]
     assert [d["reason"][:14] for d in changes] == ["2P:1D -> 1P:2D", "1P:2D -> 2P:1D"], [d["reason"] for d in changes]
     assert "TPOT attainment" in changes[0]["reason"], changes[0]["reason"]
-    assert any(w in changes[1]["reason"] for w in ("TTFT attainment", "prefill backlog")), changes[1]["reason"]
+    # back to prefill for prefill's sake: its TTFT, its queue, or (since issue 32 sizes ahead on the newest rates)
+    # a prefill token rate that the decode-heavy phase's split cannot carry at its headroom
+    load = re.match(r".*?load (\d+) prefill / (\d+) decode tok/s over (\d+) / (\d+) per actor", changes[1]["reason"])
+    assert any(w in changes[1]["reason"] for w in ("TTFT attainment", "prefill backlog")) or (
+        load is not None and int(load[1]) > 10 * int(load[2])), changes[1]["reason"]
     assert all(d["applied"] for d in changes) and all(d["reason"] for d in rec.decisions)
     assert len(rec.observations) == len(rec.decisions)  # every window's decision is logged, holds included
     # each move came within three controller windows of its phase's first request (counted in windows on the
