@@ -87,7 +87,8 @@ class PoolManager:
 
             self.observer = CostProfile(**profile).observer_config(controller)
         # the live actors count K/V in blocks of the workers' block size (the simulator, in tokens)
-        self.observer = dataclasses.replace(self.observer, kv_unit_tokens=worker.block_size)
+        if worker is not None:  # (a manager built without workers, as a test's dry run is, keeps the default)
+            self.observer = dataclasses.replace(self.observer, kv_unit_tokens=worker.block_size)
         self._observed = ObserverState()
         self._reports: list[ProxyReport] = []  # reported by proxies since the last window
         self.latency_samples = 0  # finished requests reported since start

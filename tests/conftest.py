@@ -61,7 +61,8 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
 # Every test CI runs is in exactly one tier, decided here and nowhere else:
 #   fast:        pure code: no subprocess, no Ray, no server process, no model bigger than the tiny factory ones.
 #                tests/unit and tests/kernel_checks, less the tests listed in INTEGRATION below.
-#                `python3 -m pytest -m fast` (~1,440 tests; 5.5 min wall, 5.1 min CPU on two shared cores, 2026-12-03).
+#                `python3 -m pytest -m fast -n 2` (~1,510 tests; 3.8 min wall on two cores with pytest-xdist, ~5.5 serial,
+#                2026-12-03).
 #   integration: the rest that CI runs: tests/integration, tests/helm, the unit tests listed in INTEGRATION, and any
 #                test marked @pytest.mark.integration (a test may also say @pytest.mark.fast itself).
 #   slow:        marked @pytest.mark.slow; neither CI nor a plain `pytest` runs it (pyproject's addopts).
