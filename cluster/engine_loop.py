@@ -154,7 +154,9 @@ class EngineLoop:
                     self._publish_stats()
                     self._published_at = now
             except Exception as e:  # a bug in one step must not kill the actor's loop; the request's owner reports it
-                if type(e).__name__ == "TPGroupError":  # a tensor-parallel rank is gone: the group is one worker
+                from engine.tp_group import TPGroupError  # the engine's room (imported where the engine loads)
+
+                if isinstance(e, TPGroupError):  # a tensor-parallel rank is gone: the group is one worker
                     log.critical("%s: %s; exiting so the cluster moves this worker's requests", self.actor_id, e)
                     os._exit(75)
                 log.exception("%s: step failed", self.actor_id)

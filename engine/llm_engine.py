@@ -103,8 +103,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
         tp = self.tp_group
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype,
-                                  config.shared_kv or tp is not None, None if tp is None else tp.rank_views(mc, 0))
-        if tp is not None:  # the followers map the cache file and take their heads' views of it
+                                  config.shared_kv or tp is not None)
+        if tp is not None:  # the followers map the cache file (each rank's model attends over its heads of it)
             tp.share_cache(self.runner.shared_kv)
         if graphs:
             self.enable_decode_graphs()

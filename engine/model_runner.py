@@ -78,13 +78,10 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
-                 kv_dtype: torch.dtype | None = None, shared_kv: bool = False,
-                 kv_views: Callable[[torch.Tensor, torch.Tensor | None],
-                                    tuple[list[torch.Tensor], list[torch.Tensor] | None]] | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, shared_kv: bool = False) -> None:
         """``shared_kv`` (CPU): the KV cache lives in a shared-memory file same-node peers can map
-        (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it. ``kv_views(kv, scales)``: the per-layer views the
-        forward reads and writes (a tensor-parallel rank's heads: engine/tp_group.py); None: every head. ``self.kv``
-        is the whole cache either way (block copies, transfers)."""
+        (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it. The cache holds every head (a tensor-parallel rank's
+        model attends over its own head slice of it: engine/model.py)."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
@@ -100,7 +97,7 @@ class ModelRunner:
         self.kv = (self.shared_kv.kv if self.shared_kv is not None else
                    torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.cache_heads, cfg.cache_head_dim,
                                dtype=dtype, device=self.device))
-        self.kv_caches = list(self.kv.unbind(0))  # every head (kv_views below may narrow the forward's views)
+        self.kv_caches = list(self.kv.unbind(0))
         # a scaled cache's float32 scales (zero where never written): FP8 [layers, 2, num_blocks, kv_heads], int8
         # [layers, 2, num_blocks, block_size, kv_heads]
         dims = scale_dims(dtype, num_blocks, block_size, cfg.cache_heads)
@@ -108,9 +105,6 @@ class ModelRunner:
                           if dtype in SCALED_DTYPES and self.shared_kv is None else
                           self.shared_kv.scales if self.shared_kv is not None else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
-        # what the forward reads and writes: every head, or a tensor-parallel rank's head slice of them
-        self.forward_caches, self.forward_scales = ((self.kv_caches, self.kv_scale_layers) if kv_views is None
-                                                    else kv_views(self.kv, self.kv_scales))
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)
         self.sampler = Sampler()
         # the logits' width (a checkpoint may pad its head past vocab_size): every penalized token indexes a logit
@@ -218,8 +212,8 @@ class ModelRunner:
             return self._sample(logits, sampling)
         step = self.step_inputs(out)
         sampling = self._sampling_batch(list(enumerate(s for s in step.order if s.sample)))
-        hidden = self.model.forward(step.input_ids, step.positions, step.attention, self.forward_caches,
-                                    after_kv_store, self.forward_scales)
+        hidden = self.model.forward(step.input_ids, step.positions, step.attention, self.kv_caches, after_kv_store,
+                                    self.kv_scale_layers)
         prompt_rows = plan_prompt_rows(len(out.decodes), out.prefills)
         if prompt_rows:  # echo with logprobs: the prompt positions' logits too, for the sequences that ask
             compute_prompt_logprobs(self.model.logits, hidden, prompt_rows)

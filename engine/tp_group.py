@@ -7,8 +7,8 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
   attention metadata, ``logits`` with the hidden rows, ``stop``): a follower blocks on its socket between steps and
   reads EOF when the driver's process is gone. A follower is ``python -m engine.tp_group``, a fresh interpreter
   (multiprocessing's spawn would re-run the caller's ``__main__``), and loads the whole checkpoint before it keeps
-  its shard (a loader that reads only its slices is a follow-up). The driver sends a command before it runs the same call itself, so every rank enters
-  the call's collectives (one all-reduce after each layer's attention and one after its MLP, one all-gather of the
+  its shard (a loader that reads only its slices is a follow-up). The driver sends a command before it runs the
+  same call itself, so every rank enters the call's collectives (one all-reduce after each layer's attention and one after its MLP, one all-gather of the
   vocabulary) in the same order.
 - **Collectives** run on a process group built without ``init_process_group`` (no global state: two engines may live
   in one process): gloo on the CPU, rendezvous through a ``TCPStore`` the driver binds on port 0 and reads back.
@@ -94,12 +94,13 @@ class DistComm:
 
 
 def _process_group(host: str, port: int, rank: int, size: int, master: dist.TCPStore | None = None) -> Any:
-    """A gloo group of ``size`` ranks meeting at the driver's store; blocks until every rank joined."""
+    """A gloo group of ``size`` ranks meeting at the driver's store (the group keeps its store alive); blocks until
+    every rank joined."""
     store = master or dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)]
     opts._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    return dist.ProcessGroupGloo(dist.PrefixStore("pdtp/", store), rank, size, opts), store
+    return dist.ProcessGroupGloo(dist.PrefixStore("pdtp/", store), rank, size, opts)
 
 
 class TPGroup:
@@ -138,7 +139,7 @@ class TPGroup:
         try:
             group.send("spec", spec)
             group._replies("joining", START_TIMEOUT_S)
-            pg, _ = _process_group(host, store.port, 0, size, master=store)
+            pg = _process_group(host, store.port, 0, size, master=store)
         except Exception as e:
             group.close()
             raise e if isinstance(e, TPGroupError) else TPGroupError(f"tensor parallel group did not form: {e}") from e
@@ -164,11 +165,6 @@ class TPGroup:
             if reply != b"ok":
                 raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}) failed while {what}: "
                                    f"{reply.decode(errors='replace')}")
-
-    def rank_views(self, cfg: Any, rank: int) -> Callable[[torch.Tensor, torch.Tensor | None],
-                                                          tuple[list[torch.Tensor], list[torch.Tensor] | None]]:
-        """``kv_views`` for :class:`engine.model_runner.ModelRunner`: rank ``rank``'s heads of the cache. Pure."""
-        return lambda kv, scales: rank_views(cfg, rank, self.spec.size, kv, scales)
 
     def share_cache(self, shared: Any) -> None:
         """Sends the cache file (an :class:`engine.kv_memory.SharedKVMemory`) to the followers and waits until each
@@ -295,7 +291,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
     path = __import__("pathlib").Path(spec.model_path)
     dtype = getattr(torch, spec.dtype)
     cfg = load_model_config(path)
-    pg, _store = _process_group(spec.store_host, spec.store_port, rank, spec.size)
+    pg = _process_group(spec.store_host, spec.store_port, rank, spec.size)
     comm = DistComm(pg)
     model = DecoderModel(cfg, load_state_dict(path, dtype, "cpu"), dtype, spec.max_len,
                          tp=TPShard(rank, spec.size, comm))
@@ -312,7 +308,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                 return
             if op == "kv":
                 try:
-                    caches, scales = _map_cache(cfg, rank, spec.size, *command[1:])
+                    caches, scales = _map_cache(*command[1:])
                 except Exception as e:  # say why to the driver, which is waiting for this answer
                     conn.send_bytes(f"{type(e).__name__}: {e}".encode())
                     return
@@ -324,26 +320,15 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                 model.logits(command[1])
 
 
-def _map_cache(cfg: Any, rank: int, size: int, pid: int, fd: int, layout: dict[str, Any]
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """This rank's per-layer head views of the driver's shared cache file (and of its scales)."""
+def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per layer, the driver's shared cache file (every head) and its scales: the rank's model attends over its own
+    head slice of them (``DecoderModel`` takes it, ``engine.tp.kv_head_range``)."""
     from engine.kv_memory import KVLayout, PROBE_REGION
 
     lay = KVLayout(**layout)
     flat = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=lay.nbytes + PROBE_REGION, dtype=torch.uint8)
     kv, scales = lay.views(flat)
-    return rank_views(cfg, rank, size, kv, scales)
-
-
-def rank_views(cfg: Any, rank: int, size: int, kv: torch.Tensor, scales: torch.Tensor | None
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Per layer: rank ``rank``'s heads of ``kv`` ``[layers, 2, blocks, block_size, heads, dim]`` (views) and of
-    ``scales`` (heads last). Pure."""
-    from engine.tp import kv_head_range
-
-    a, b = kv_head_range(cfg, rank, size)
-    caches = [layer[:, :, :, a:b] for layer in kv.unbind(0)]
-    return caches, None if scales is None else [layer[..., a:b] for layer in scales.unbind(0)]
+    return list(kv.unbind(0)), None if scales is None else list(scales.unbind(0))
 
 
 def start_group(cfg: Any, state: dict[str, torch.Tensor], path: Any, dtype: torch.dtype, max_len: int, config: Any,
