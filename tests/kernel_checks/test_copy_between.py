@@ -4,14 +4,13 @@ indexing."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import kernels
+from tests.triton_route import triton_route
 from kernels.copy_between import block_runs
 
 CUDA = torch.cuda.is_available()
@@ -49,13 +48,7 @@ def test_cpu_runs_match_indexing(seed: int, dtype: torch.dtype, monkeypatch: pyt
 
 @pytest.fixture
 def triton_path() -> Iterator[None]:
-    pytest.importorskip("triton")
-    with pytest.MonkeyPatch.context() as mp:
-        if not CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-            if "kernels.triton_kv" in sys.modules:  # decorated without the interpreter: decorate again
-                importlib.reload(sys.modules["kernels.triton_kv"])
-        assert kernels.uses_triton(torch.empty(1, device=DEVICE))
+    with triton_route("kernels.triton_kv"):
         yield
 
 

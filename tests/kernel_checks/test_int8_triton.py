@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import kernels
+from tests.triton_route import triton_route
 from kernels import reference
 
 pytest.importorskip("triton")
@@ -31,14 +31,7 @@ TRITON_MODULES = ("kernels.triton_int8", "kernels.triton_kv", "kernels.triton_pr
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    """Route the Triton modules to the device when there is one, else to the interpreter."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-            for name in TRITON_MODULES:
-                if name in sys.modules:  # decorated without the interpreter: decorate again
-                    importlib.reload(sys.modules[name])
-        assert kernels.uses_triton(torch.empty(1, device=DEVICE)), "the tests would compare the reference with itself"
+    with triton_route(*TRITON_MODULES):
         yield
 
 

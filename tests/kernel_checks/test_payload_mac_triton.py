@@ -9,13 +9,13 @@ this module's tests. Grids stay small (~2.5 ms per program instance in the inter
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import kernels
+from tests.triton_route import triton_route
 from kernels import poly_mac
 from kernels.poly_mac import P, ROW
 
@@ -26,13 +26,7 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    """Route the Triton module to the device when there is one, else to the interpreter."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-            if "kernels.triton_mac" in sys.modules:  # decorated without the interpreter: decorate again
-                importlib.reload(sys.modules["kernels.triton_mac"])
-        assert kernels.uses_triton(torch.empty(1, device=DEVICE)), "the tests would compare the reference with itself"
+    with triton_route("kernels.triton_mac"):
         yield
 
 

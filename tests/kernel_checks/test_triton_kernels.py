@@ -8,16 +8,15 @@ for this module's tests, and bfloat16 is skipped (the interpreter computes it wr
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import kernels
+from tests.triton_route import triton_route
 from kernels import reference
 
 pytest.importorskip("triton")
@@ -29,14 +28,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    """Route ``kernels`` to Triton for this module: the device when there is one, else the interpreter."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-            for name in ("kernels.triton_kv", "kernels.triton_prefill"):
-                if name in sys.modules:  # decorated without the interpreter: decorate again
-                    importlib.reload(sys.modules[name])
-        assert kernels.uses_triton(torch.empty(1, device=DEVICE)), "the tests would compare the reference with itself"
+    with triton_route("kernels.triton_kv", "kernels.triton_prefill"):
         yield
 
 

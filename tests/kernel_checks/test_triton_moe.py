@@ -9,7 +9,6 @@ On a CUDA machine they run on the device; here under ``TRITON_INTERPRET=1``, set
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import kernels
+from tests.triton_route import triton_route
 from kernels import grouped_moe
 
 pytest.importorskip("triton")
@@ -28,12 +28,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        if not CUDA:
-            mp.setenv("TRITON_INTERPRET", "1")
-            if "kernels.triton_moe" in sys.modules:  # decorated without the interpreter: decorate again
-                importlib.reload(sys.modules["kernels.triton_moe"])
-        assert kernels.uses_triton(torch.empty(1, device=DEVICE)), "the tests would compare the torch path with itself"
+    with triton_route("kernels.triton_moe"):
         yield
 
 
