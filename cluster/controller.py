@@ -6,7 +6,8 @@ loop on what is observed:
 
 1. Smooth the arrival rates (EWMA) and take each pool's per-actor capacity as the median of its actors' measurements
    (prefill tokens/s within the TTFT SLO, decode tokens/s within the TPOT SLO).
-2. Size each pool for its load plus headroom: ``n = ceil(λ·(1 + headroom) / μ)``.
+2. Size each pool for its load plus headroom: ``n = ceil(λ·(1 + headroom) / μ)``; decode's headroom is scaled
+   down by how fast a flip toward decode lands (``decode_headroom``: a prefill actor drains in seconds).
 3. See queueing, which averages cannot: a prefill backlog that would not drain within a TTFT SLO adds the actors that
    drain it in one; SLO attainment under target adds one actor to the pool that misses. Decode memory (the KV its
    actors hold, reservations for prompts still in prefill included) is a load like the token rate; requests waiting
@@ -211,23 +212,39 @@ def kv_projected(obs: Observation, cfg: ControllerConfig, at_slo: bool = False) 
     return obs.request_rate * need * hold / obs.kv_tokens
 
 
+def decode_headroom(obs: Observation, cfg: ControllerConfig) -> float:
+    """The headroom decode's token rate is sized with. Headroom covers the load's growth until a change lands, and
+    the pools do not grow at the same speed: decode grows by flipping a prefill actor, which drains within its
+    prompts' TTFT parts, while prefill grows by flipping a decode actor, which drains only when its sequences have
+    produced their outputs (tens of seconds). So decode's headroom is ``headroom`` scaled by the time a flip toward
+    decode takes over one interval (at most 1); prefill keeps all of it. On ``bursts`` at 16 workers (a prompt-heavy
+    burst every 15 minutes) decode's full headroom held actors that the burst's prefill then waited ~50 s to get.
+    Pure."""
+    prefill_drain = obs.prefill_queue_wait_s + obs.prefill_compute_s
+    if prefill_drain <= 0:  # nothing measured yet: a prompt at the default rate
+        prefill_drain = obs.mean_prompt_tokens / cfg.default_prefill_tps
+    return cfg.headroom * min(1.0, (prefill_drain + cfg.flip_s) / cfg.interval_s)
+
+
 def _capacity(obs: Observation, role: str, default: float) -> float:
     measured = [a.capacity_tps for a in obs.live(role) if a.capacity_tps]
     return statistics.median(measured) if measured else default
 
 
 def _fit_budget(n_p: int, n_d: int, cfg: ControllerConfig, load_p: float, load_d: float,
-                floors: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+                floors: tuple[int, int] = (0, 0), keep: str | None = None) -> tuple[int, int]:
     """Clamp to minimums and the budget; a binding budget is split in proportion to load, but never below a pool's
-    ``floors`` (the actors its present load needs at full utilisation). When both floors do not fit, the smaller
-    one is kept whole (that pool stays healthy; the other is short either way). Pure."""
+    ``floors`` (the actors its present load needs at full utilisation). When both floors do not fit, ``keep``'s
+    floor is kept whole (the pool the window's SLO misses point at), or with no ``keep`` the smaller one (that pool
+    stays healthy; the other is short either way). Pure."""
     n_p, n_d = max(n_p, cfg.min_prefill), max(n_d, cfg.min_decode)
     if n_p + n_d <= cfg.budget:
         return n_p, n_d
     lo_p = min(max(floors[0], cfg.min_prefill), cfg.budget - cfg.min_decode)
     lo_d = min(max(floors[1], cfg.min_decode), cfg.budget - cfg.min_prefill)
     if lo_p + lo_d > cfg.budget:
-        lo_p, lo_d = (lo_p, cfg.budget - lo_p) if lo_p <= lo_d else (cfg.budget - lo_d, lo_d)
+        keep_p = keep == "prefill" if keep in ROLES else lo_p <= lo_d
+        lo_p, lo_d = (lo_p, cfg.budget - lo_p) if keep_p else (cfg.budget - lo_d, lo_d)
     share = load_p / (load_p + load_d) if load_p + load_d > 0 else 0.5
     n_p = min(max(round(cfg.budget * share), lo_p), cfg.budget - lo_d)
     return n_p, cfg.budget - n_p
@@ -306,13 +323,13 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
 
     # adaptive: size up at once on the newest sample, or on where a rising rate will be by the time a change lands
     # (two intervals ahead); size down on the smoothed rate
-    util = 1 / (1 + cfg.headroom)
+    util, util_d = 1 / (1 + cfg.headroom), 1 / (1 + decode_headroom(obs, cfg))
     lead = 2 * cfg.interval_s
     fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)  # the newest load, or where it is heading
     fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
     lp, ld = max(sp, fast_p), max(sd, fast_d)
     want_p = math.ceil(lp / (mu_p * util)) if lp > 0 else cfg.min_prefill
-    want_d = math.ceil(ld / (mu_d * util)) if ld > 0 else cfg.min_decode
+    want_d = math.ceil(ld / (mu_d * util_d)) if ld > 0 else cfg.min_decode
     why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
     # prompts waiting at the admission gates wait for decode KV, not for a prefill actor: prefill's queue is the rest
     kv_short = obs.kv_short()
@@ -387,7 +404,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         why.append(f"TPOT attainment {obs.tpot_attainment:.0%}")
     load_d = max(ld / mu_d, kv_mem)
     want_p = _hysteresis(n_p, want_p, lp / mu_p, util, cfg.hysteresis)
-    want_d = _hysteresis(n_d, want_d, load_d, util, cfg.hysteresis)
+    want_d = _hysteresis(n_d, want_d, load_d, util_d, cfg.hysteresis)
     # a binding budget is split by the newest loads (not their smoothed floor), so the growing pool gets its actors
     floors = (math.ceil(obs.prefill_tps / mu_p), max(math.ceil(obs.decode_tps / mu_d), kv_floor))
     # a pool missing its own SLO is never the one a binding budget shrinks (its measured capacity may not show why
@@ -397,7 +414,12 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     if tpot_miss or (ttft_miss and cause == "decode"):
         floors = (floors[0], max(floors[1], n_d))
     split_d = max(fast_d / mu_d, kv_mem / util, kv_floor if kv_wait else 0)  # memory with headroom, like tokens
-    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors)
+    # both floors cannot fit: the pool the misses name keeps its floor (a TTFT miss names its cause's pool, a TPOT
+    # miss decode); a burst's prefill lost an actor to decode's one-at-a-time K/V floor while its TTFT was at 0%
+    keep = "decode" if tpot_miss else cause if ttft_miss and cause in ROLES else None
+    if keep == "prefill":  # but decode keeps the K/V its actors hold now (fewer would only make admission wait)
+        floors = (min(floors[0], cfg.budget - math.ceil(kv_now - 1e-9)), floors[1])
+    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors, keep)
     # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO
     # (requests caught in that queue have not finished yet, so attainment cannot show them)
     over_d = n_d * mu_d < max(sd, obs.decode_tps) or kv_wait or kv_ahead or obs.decode_backlog_tokens > clearable_d

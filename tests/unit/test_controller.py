@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide,
-                                kv_projected)
+                                decode_headroom, kv_projected)
 
 MU_P, MU_D = 1000.0, 250.0
 
@@ -286,3 +286,41 @@ def test_decode_is_not_shrunk_below_what_the_traffic_holds_at_the_tpot_slo() -> 
     assert d.n_decode == 4, d.reason
     d, _ = decide(replace(obs, kv_tokens=0.0), cfg, ControllerState())
     assert d.n_decode < 4, d.reason  # what the old sizing did
+
+
+def test_decode_headroom_scales_with_how_fast_a_flip_toward_decode_lands() -> None:
+    """Decode grows by flipping a prefill actor (drained within its prompts' TTFT parts), prefill by flipping a
+    decode actor (drained when its outputs are done): decode's headroom is the full one only when its flip takes an
+    interval; the same decode load then asks for fewer decode actors, and the spare budget stays with prefill."""
+    cfg = ControllerConfig(budget=16, interval_s=15.0, flip_s=5.0, headroom=0.25, cooldown_s=0)
+    obs = replace(observe(15.0, 3000.0, 1500.0, 8, 8), prefill_queue_wait_s=0.5, prefill_compute_s=1.0)
+    assert decode_headroom(obs, cfg) == pytest.approx(0.25 * (0.5 + 1.0 + 5.0) / 15.0)
+    slow = replace(obs, prefill_queue_wait_s=20.0)  # a prefill actor that drains for 21 s: decode keeps all of it
+    assert decode_headroom(slow, cfg) == pytest.approx(0.25)
+    # nothing measured: one prompt at the default prefill rate (mean_prompt_tokens 3000 / 1000 tok/s)
+    assert decode_headroom(replace(obs, prefill_queue_wait_s=0.0, prefill_compute_s=0.0), cfg) == pytest.approx(
+        0.25 * (3.0 + 5.0) / 15.0)
+    # coming out of a prompt-heavy phase at 12P:4D: 1500 / 250 = 6 decode actors' worth, 7 with ~11% headroom
+    d, _ = decide(replace(obs, actors=actors(12, 4)), cfg, ControllerState())
+    assert (d.n_prefill, d.n_decode) == (9, 7), d.reason
+    d, _ = decide(replace(slow, actors=actors(12, 4)), cfg, ControllerState())  # with 25%: 8
+    assert (d.n_prefill, d.n_decode) == (8, 8), d.reason
+
+
+def test_when_both_floors_do_not_fit_the_pool_the_misses_name_keeps_its_floor() -> None:
+    """A burst's prompts: TTFT at 0%, mostly prefill, while admission waited briefly for decode K/V (0 waiting now).
+    Both pools' floors cannot fit 16 actors; the smaller (decode's, one more at a time for the waits) used to win
+    and a pressed prefill pool lost an actor. Now prefill keeps its floor, but decode keeps the K/V it holds now."""
+    cfg = ControllerConfig(budget=16, cooldown_s=60, slo_ttft_s=5.0, slo_tpot_s=0.25)
+    obs = Observation(t=700.0, prefill_tps=9000.0, decode_tps=400.0, request_rate=5.0, mean_prompt_tokens=1500.0,
+                      mean_output_tokens=60.0, actors=kv_actors(12, 4, free=0.25, reserved=0.0),
+                      ttft_attainment=0.0, ttft_s=30.0, prefill_queue_wait_s=25.0, prefill_compute_s=1.7,
+                      admission_wait_s=0.6, admission_waiting=0)
+    assert obs.ttft_cause() == "prefill"
+    d, _ = decide(obs, cfg, ControllerState())
+    assert d.n_prefill >= 12 and "mostly prefill" in d.reason, d.reason
+    # prefill's newest load asks for 14 actors, but decode's 3 actors hold 3 actors' worth of K/V now: prefill may
+    # not take decode below 3
+    full = replace(obs, prefill_tps=14000.0, actors=kv_actors(13, 3, free=0.0, reserved=0.0), admission_wait_s=0.0)
+    d, _ = decide(full, cfg, ControllerState())
+    assert d.n_decode >= 3 and d.n_prefill == 13, d.reason
