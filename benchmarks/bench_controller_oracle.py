@@ -5,8 +5,8 @@
 Every 5 s (not the bench's 15 s) the oracle flips actors toward ``--burst`` from ``lead`` seconds before each burst
 starts until ``lead`` seconds before it ends, and toward ``--calm`` otherwise; flips pay the simulator's real drains
 and ``flip_s``, nothing else is cheaper than for ``adaptive``. Prints the attainment overall and per 2.5 minutes. At
-16 workers (seed 0, 2026-12-04): 12:4 in bursts with 7:9 between 93.4%, 8:8 94.2%, 9:7 95.4%, 10:6 96.6%; 8:8 moved
-10 s before each burst 97.5%. At 12P:4D a burst runs prefill at ~96% of its capacity, so the backlog built before
+16 workers (seed 0, 2026-12-04): 12:4 in bursts with 7:9 between 93.4%, 8:8 94.2%, 9:7 95.6%, 10:6 96.7%; 8:8 with
+`--lead 10` 97.1%. At 12P:4D a burst runs prefill at ~96% of its capacity, so the backlog built before
 the move barely drains: what reaches 95% is prefill kept idle between bursts (10 actors where the calm traffic needs
 5) or moving ahead of the burst (forecasting), not reacting faster (docs/controller.md, issue 32).
 """
