@@ -20,7 +20,7 @@ from engine.grammar import GrammarCompiler, GrammarError
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
-from engine.model_loader import load_state_dict, model_fingerprint
+from engine.model_loader import load_shard, load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, KV_DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
 from engine.philox import derive_seed
@@ -29,7 +29,7 @@ from engine.sampling_grammar import GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
-from engine.tp_group import TPGroup, start_group
+from engine.tp_group import TPGroup, check_device, start_group
 
 
 def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
@@ -76,13 +76,15 @@ class LLMEngine:
         dtype = DTYPES[dtype_name]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.fingerprint = model_fingerprint(path, dtype_name)
-        state = load_state_dict(path, dtype, self.device)
-        # tensor parallel: this process drives rank 0 of a group it starts (engine/tp_group.py)
+        # tensor parallel: this process drives rank 0 of a group it starts (engine/tp_group.py); every rank reads
+        # only its part of the checkpoint
         self.tp_group: TPGroup | None = None
         if config.tensor_parallel_size > 1:
-            self.tp_group, model = start_group(mc, state, path, dtype, self.max_model_len, config, self.device, progress)
+            check_device(self.device, config.tensor_parallel_size)  # refused before any weight is read
+            shard = load_shard(path, mc, dtype, 0, config.tensor_parallel_size, self.device)
+            self.tp_group, model = start_group(mc, shard, path, dtype, self.max_model_len, config, self.device, progress)
         else:
-            model = DecoderModel(mc, state, dtype, self.max_model_len)
+            model = DecoderModel(mc, load_state_dict(path, dtype, self.device), dtype, self.max_model_len)
         kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)
         graphs = captures_decode_graphs(self.device, config)
         num_blocks = config.num_kv_blocks or num_kv_blocks(

@@ -31,7 +31,7 @@ from engine.moe import SparseMoE, load_sparse_moe
 from engine.mla import MLAttention
 from engine.moe_deepseek import load_deepseek_moe
 from engine.rope import RotaryEmbedding
-from engine.tp import TPShard, kv_head_range, shard_state
+from engine.tp import RankState, TPShard, head_source, kv_head_range, shard_config, shard_state
 
 
 @dataclass
@@ -69,20 +69,27 @@ class DecoderModel:
 
     ``cfg`` stays the whole model's config (the group's cache is laid out by it); ``local`` is this rank's (heads,
     kv heads and intermediate sizes divided by the TP size; ``cfg`` itself without TP). ``__init__`` consumes
-    ``state`` (pops what it keeps; with TP it shards the full checkpoint and empties ``state``)."""
+    ``state`` (pops what it keeps; with TP it shards the full checkpoint and empties ``state``); a
+    :class:`engine.tp.RankState` (``engine.model_loader.load_shard``) is this rank's part already, taken as it is."""
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, max_len: int,
-                 tp: TPShard | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor] | RankState, dtype: torch.dtype,
+                 max_len: int, tp: TPShard | None = None) -> None:
         self.cfg = cfg
         self.tp = tp if tp is not None and tp.size > 1 else None
-        # the logits' width at TP 1 (a checkpoint may pad its head past vocab_size)
-        self._vocab_width = int(state["model.embed_tokens.weight" if cfg.tie_word_embeddings else
-                                      "lm_head.weight"].shape[0])
         self.local = cfg
-        if self.tp is not None:
-            self.local, sharded = shard_state(cfg, state, self.tp.rank, self.tp.size)
-            state.clear()  # the full tensors are released as soon as the caller drops them
-            state = sharded
+        if isinstance(state, RankState):
+            if self.tp is None or (state.rank, state.size) != (self.tp.rank, self.tp.size):
+                raise ValueError(f"model: weights cut for rank {state.rank} of {state.size}, not for "
+                                 f"{(self.tp.rank, self.tp.size) if self.tp else 'one device'}")
+            self._vocab_width = state.vocab_width
+            self.local, state = shard_config(cfg, state.size), state.tensors
+        else:
+            # the logits' width at TP 1 (a checkpoint may pad its head past vocab_size)
+            self._vocab_width = int(state[head_source(cfg)].shape[0])
+            if self.tp is not None:
+                self.local, sharded = shard_state(cfg, state, self.tp.rank, self.tp.size)
+                state.clear()  # the full tensors are released as soon as the caller drops them
+                state = sharded
         cfg = self.local
         self.dtype = dtype
         self.embed = state.pop("model.embed_tokens.weight")

@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.model_config import ModelConfig
+from engine.tp import RankState, head_source, shard_config, shard_plan, take, vocab_cut
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -24,6 +27,34 @@ def load_state_dict(folder: Path, dtype: torch.dtype, device: torch.device | str
             for name in st.keys():
                 out[name] = st.get_tensor(name).to(dtype)
     return out
+
+
+def load_shard(folder: Path, cfg: ModelConfig, dtype: torch.dtype, rank: int, size: int,
+               device: torch.device | str = "cpu") -> RankState:
+    """Rank ``rank`` of a TP group of ``size``: only its part of every tensor of ``folder/*.safetensors``
+    (``engine.tp.shard_plan``'s cuts, read as file slices), cast to ``dtype``, on ``device``. Holds what
+    ``shard_state`` of the whole checkpoint gives, reading ~1/size of the sharded weights (the replicated ones
+    whole). Raises ``ValueError`` as :func:`load_state_dict`, or as ``engine.tp.check_tp`` before reading."""
+    shard_config(cfg, size)  # what does not divide is refused before anything is read
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {folder}")
+    out: dict[str, torch.Tensor] = {}
+    width = 0
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as st:
+            for name in st.keys():
+                part = st.get_slice(name)
+                shape = tuple(part.get_shape())
+                if name == head_source(cfg):
+                    width = shape[0]
+                    out["lm_head.weight"] = take(vocab_cut(shape[0], rank, size), part.__getitem__).to(dtype)
+                cut = shard_plan(cfg, name, shape, rank, size)
+                if cut is not None:
+                    out[name] = (st.get_tensor(name) if cut.pieces is None else take(cut, part.__getitem__)).to(dtype)
+    if not width:
+        raise ValueError(f"model: no {head_source(cfg)} in {folder}")
+    return RankState(rank, size, out, width)
 
 
 def _safetensors_header(path: Path) -> bytes:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -141,75 +142,122 @@ _MLP_COL_BIAS = re.compile(r"\.(mlp|shared_experts|experts\.\d+)\.(gate_proj|up_
 _ATTN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
 
 
-def _part(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
-    """Slice ``rank`` of ``size`` equal slices of ``t`` along ``dim``, as its own contiguous tensor. Pure."""
-    n = t.shape[dim]
+@dataclass(frozen=True)
+class Cut:
+    """How one rank's tensor is cut from the checkpoint's: ``pieces`` (``[start, stop)`` along ``dim``) concatenated in
+    order, then zero rows appended up to ``pad_rows`` (the vocabulary's last slice); ``pieces=None``: the whole
+    tensor. The same cut slices a loaded tensor (:func:`shard_state`) and reads a file's slices
+    (``engine.model_loader.load_shard``), so a rank that loads only its part holds what slicing the whole gives."""
+
+    dim: int = 0
+    pieces: tuple[tuple[int, int], ...] | None = None
+    pad_rows: int = 0
+
+
+WHOLE = Cut()
+
+
+def _even(shape: tuple[int, ...], dim: int, rank: int, size: int, name: str) -> Cut:
+    """``rank``'s slice of ``size`` equal slices along ``dim``. Pure; ``ValueError`` names a dim that does not split."""
+    n = shape[dim]
     if n % size:
         raise ValueError(f"model: {name}'s dim {dim} ({n}) does not split into {size} equal parts")
     per = n // size
-    return t.narrow(dim, rank * per, per).contiguous()
+    return Cut(dim, ((rank * per, (rank + 1) * per),))
 
 
-def _stacked_gate_up(t: torch.Tensor, rank: int, size: int, name: str) -> torch.Tensor:
-    """transformers 5's stacked ``experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows): each half's rank
-    slice, the gate's before the up's. Pure."""
-    gate, up = t.chunk(2, dim=1)
-    return torch.cat([_part(gate, 1, rank, size, name), _part(up, 1, rank, size, name)], dim=1)
-
-
-def _vocab_rows(head: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rows ``[rank * V', (rank + 1) * V')`` of the head ``[V, hidden]`` (``V' = ceil(V / size)``), zero-padded to
-    ``V'`` rows. Pure."""
-    per = -(-head.shape[0] // size)
-    rows = head[rank * per : (rank + 1) * per]
-    if rows.shape[0] < per:
-        rows = torch.cat([rows, rows.new_zeros(per - rows.shape[0], head.shape[1])])
-    return rows.contiguous()
-
-
-def _attention_part(cfg: ModelConfig, name: str, t: torch.Tensor, rank: int, size: int) -> torch.Tensor | None:
+def _attention_cut(cfg: ModelConfig, name: str, rank: int, size: int) -> Cut | None:
     """A per-head attention tensor's rank part: q's rows of the rank's q heads, k's and v's of its kv heads, o's
     columns of its q heads; o's bias on rank 0 only (None elsewhere). Pure."""
     d = cfg.head_dim
     proj, kind = name.rsplit(".", 2)[-2:]
     if proj == "o_proj":
         if kind == "bias":
-            return t if rank == 0 else None
+            return WHOLE if rank == 0 else None
         a, b = _q_head_range(cfg, rank, size)
-        return t[:, a * d : b * d].contiguous()
+        return Cut(1, ((a * d, b * d),))
     a, b = _q_head_range(cfg, rank, size) if proj == "q_proj" else kv_head_range(cfg, rank, size)
-    return t[a * d : b * d].contiguous()
+    return Cut(0, ((a * d, b * d),))
+
+
+def head_source(cfg: ModelConfig) -> str:
+    """The checkpoint tensor the vocabulary projection is read from: the embedding when tied. Pure."""
+    return "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+
+
+def vocab_cut(rows: int, rank: int, size: int) -> Cut:
+    """Rows ``[rank * V', (rank + 1) * V')`` of a head of ``rows`` rows (``V' = ceil(rows / size)``), zero-padded to
+    ``V'``. Pure."""
+    per = -(-rows // size)
+    a = min(rank * per, rows)
+    return Cut(0, ((a, min(a + per, rows)),), per)
+
+
+def shard_plan(cfg: ModelConfig, name: str, shape: tuple[int, ...], rank: int, size: int) -> Cut | None:
+    """How rank ``rank`` of ``size`` cuts the checkpoint tensor ``name`` of ``shape`` (Hugging Face names;
+    per-expert or transformers 5's stacked experts), or None when it holds none of it (a row-parallel bias off rank 0;
+    ``lm_head.weight``, which :func:`vocab_cut` cuts from :func:`head_source`). MLA attention, the embedding, norms
+    and routers: whole. Pure; ``ValueError`` names a tensor that does not split."""
+    if size == 1:
+        return WHOLE
+    if cfg.mla is None and _ATTN.search(name):
+        return _attention_cut(cfg, name, rank, size)
+    if _MLP_ROWS.search(name) or _MLP_COL_BIAS.search(name):
+        return _even(shape, 0, rank, size, name)
+    if _MLP_COLS.search(name):
+        return _even(shape, 1, rank, size, name)
+    if _MLP_ROW_BIAS.search(name):
+        return WHOLE if rank == 0 else None
+    if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: the gate's rank rows, then the up's
+        half = shape[1] // 2
+        per = _even((half,), 0, rank, size, name).pieces
+        assert per is not None
+        (a, b), = per
+        return Cut(1, ((a, b), (half + a, half + b)))
+    if name.endswith(".experts.down_proj"):
+        return _even(shape, 2, rank, size, name)
+    if name == "lm_head.weight":
+        return None
+    return WHOLE
+
+
+def take(cut: Cut, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+    """The cut part, from ``read(index)`` (a tensor's or a file slice's indexing); contiguous. ``cut`` must not be
+    :data:`WHOLE` (the caller keeps or reads the whole tensor itself). Pure apart from ``read``."""
+    assert cut.pieces is not None
+    lead = (slice(None),) * cut.dim
+    parts = [read((*lead, slice(a, b))) for a, b in cut.pieces]
+    out = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, cut.dim)
+    if cut.pad_rows > out.shape[0]:
+        out = torch.cat([out, out.new_zeros(cut.pad_rows - out.shape[0], *out.shape[1:])])
+    return out
+
+
+@dataclass
+class RankState:
+    """One rank's weights, already cut (``engine.model_loader.load_shard``): ``DecoderModel`` takes them as they
+    are. ``vocab_width``: the whole head's rows (the logits' width at TP 1)."""
+
+    rank: int
+    size: int
+    tensors: dict[str, torch.Tensor]
+    vocab_width: int
 
 
 def shard_state(cfg: ModelConfig, state: dict[str, torch.Tensor], rank: int,
                 size: int) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Rank ``rank``'s config (:func:`shard_config`) and weights, from the full checkpoint ``state`` (Hugging Face
-    names; per-expert or transformers 5's stacked experts). Returns a new dict holding new tensors for what is
-    sliced and the same tensors for what is replicated (embedding, norms, routers, MLA attention); ``state`` is not
-    changed. MLA attention is replicated on every rank (only its MLP and experts are sharded). Pure; raises
-    ``ValueError`` as :func:`check_tp`, or naming a tensor that does not split."""
+    """Rank ``rank``'s config (:func:`shard_config`) and weights, from the full checkpoint ``state`` cut by
+    :func:`shard_plan`. Returns a new dict holding new tensors for what is sliced and the same tensors for what is
+    replicated (embedding, norms, routers, MLA attention); ``state`` is not changed. Pure; raises ``ValueError`` as
+    :func:`check_tp`, or naming a tensor that does not split."""
     local = shard_config(cfg, size)
     if size == 1:
         return local, dict(state)
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        if cfg.mla is None and _ATTN.search(name):
-            part = _attention_part(cfg, name, t, rank, size)
-            if part is not None:
-                out[name] = part
-        elif _MLP_ROWS.search(name) or _MLP_COL_BIAS.search(name):
-            out[name] = _part(t, 0, rank, size, name)
-        elif _MLP_COLS.search(name):
-            out[name] = _part(t, 1, rank, size, name)
-        elif _MLP_ROW_BIAS.search(name):
-            if rank == 0:
-                out[name] = t
-        elif name.endswith(".experts.gate_up_proj"):
-            out[name] = _stacked_gate_up(t, rank, size, name)
-        elif name.endswith(".experts.down_proj"):
-            out[name] = _part(t, 2, rank, size, name)
-        elif name != "lm_head.weight":
-            out[name] = t
-    head = state["model.embed_tokens.weight"] if cfg.tie_word_embeddings else state["lm_head.weight"]
-    out["lm_head.weight"] = _vocab_rows(head, rank, size)
+        cut = shard_plan(cfg, name, tuple(t.shape), rank, size)
+        if cut is not None:
+            out[name] = t if cut.pieces is None else take(cut, t.__getitem__)
+    head = state[head_source(cfg)]
+    out["lm_head.weight"] = take(vocab_cut(head.shape[0], rank, size), head.__getitem__)
     return local, out

@@ -283,7 +283,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
     conn.send_bytes(b"ok")
     from engine.model import DecoderModel
     from engine.model_config import load_model_config
-    from engine.model_loader import load_state_dict
+    from engine.model_loader import load_shard
     from engine.tp import TPShard
 
     if spec.num_threads:
@@ -293,7 +293,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
     cfg = load_model_config(path)
     pg = _process_group(spec.store_host, spec.store_port, rank, spec.size)
     comm = DistComm(pg)
-    model = DecoderModel(cfg, load_state_dict(path, dtype, "cpu"), dtype, spec.max_len,
+    model = DecoderModel(cfg, load_shard(path, cfg, dtype, rank, spec.size), dtype, spec.max_len,
                          tp=TPShard(rank, spec.size, comm))
     caches: list[torch.Tensor] = []
     scales: list[torch.Tensor] | None = None
@@ -331,11 +331,12 @@ def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[list[torch.Te
     return list(kv.unbind(0)), None if scales is None else list(scales.unbind(0))
 
 
-def start_group(cfg: Any, state: dict[str, torch.Tensor], path: Any, dtype: torch.dtype, max_len: int, config: Any,
+def start_group(cfg: Any, state: Any, path: Any, dtype: torch.dtype, max_len: int, config: Any,
                 device: torch.device, progress: Callable[[str], None] | None = None) -> tuple[TPGroup, DriverModel]:
-    """Starts the group of ``config.tensor_parallel_size`` ranks for the model at ``path`` (its config ``cfg``, its
-    full weights ``state`` already loaded here) and returns it with rank 0's model. Raises ``ValueError`` naming what
-    does not divide, or the device that cannot run it, before any process starts."""
+    """Starts the group of ``config.tensor_parallel_size`` ranks for the model at ``path`` (its config ``cfg``; rank
+    0's weights ``state`` already loaded here: its ``engine.tp.RankState`` or the full checkpoint) and returns it
+    with rank 0's model. Each follower reads only its own part of the checkpoint (``load_shard``). Raises
+    ``ValueError`` naming what does not divide, or the device that cannot run it, before any process starts."""
     from engine.model import DecoderModel
     from engine.tp import TPShard, check_tp
 

@@ -16,8 +16,8 @@ import torch
 import kernels
 from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig, load_model_config
-from engine.model_loader import load_state_dict
-from engine.tp import TPShard, check_tp, kv_head_range, shard_state
+from engine.model_loader import load_shard, load_state_dict
+from engine.tp import TPShard, check_tp, head_source, kv_head_range, shard_config, shard_state
 from kernels import reference
 from tp_threads import ThreadComm, ThreadGroup, run_ranks
 
@@ -288,6 +288,34 @@ def test_shard_state_slices_and_leaves_the_checkpoint(tiny_checkpoint) -> None: 
     assert torch.equal(parts[0][1][f"{p}self_attn.o_proj.bias"], state[f"{p}self_attn.o_proj.bias"])
     assert f"{p}self_attn.o_proj.bias" not in parts[1][1]  # added once, by rank 0
     assert parts[1][1]["model.embed_tokens.weight"] is state["model.embed_tokens.weight"]  # replicated
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_rank_that_reads_only_its_part_holds_what_slicing_the_whole_gives(case: str, tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """load_shard reads file slices by the same cuts shard_state applies to the loaded checkpoint: equal tensors,
+    names and vocabulary width, on every rank, every layout (stacked or per-expert experts, MLA, padded vocab)."""
+    arch, overrides, size = CASES[case]
+    folder = tiny_checkpoint(arch, **overrides)
+    cfg = load_model_config(folder)
+    state = load_state_dict(folder, torch.float32)
+    width = state[head_source(cfg)].shape[0]
+    for r in range(size):
+        _, want = shard_state(cfg, state, r, size)
+        got = load_shard(folder, cfg, torch.float32, r, size)
+        assert (got.rank, got.size, got.vocab_width) == (r, size, width)
+        assert got.tensors.keys() == want.keys(), set(got.tensors) ^ set(want)
+        for name, t in want.items():
+            assert got.tensors[name].shape == t.shape and torch.equal(got.tensors[name], t), name
+        sliced = sum(t.numel() for t in got.tensors.values())
+        assert sliced < sum(t.numel() for t in state.values())  # a part, not the whole
+    with pytest.raises(ValueError, match="does not divide"):
+        load_shard(folder, cfg, torch.float32, 0, 3)
+    model = DecoderModel(cfg, load_shard(folder, cfg, torch.float32, 1, size), torch.float32, 64,
+                         TPShard(1, size, ThreadGroup(size).comm(1)))
+    assert model.vocab_width == width and model.local == shard_config(cfg, size)
+    with pytest.raises(ValueError, match="cut for rank 0 of"):
+        DecoderModel(cfg, load_shard(folder, cfg, torch.float32, 0, size), torch.float32, 64,
+                     TPShard(1, size, ThreadGroup(size).comm(1)))
 
 
 # -- the kernels over a rank's head slice of a cache (strided views) --------------------------------------------------
