@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 import yaml
 
+from kuberay_crd import raycluster_schema
+
 helm = pytest.importorskip("helm_python")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pdcluster"
 GOLDEN = Path(__file__).parent / "golden"
 EXAMPLES = {"default": None, "cpu": CHART / "examples" / "values-cpu.yaml", "gpu": CHART / "examples" / "values-gpu.yaml"}
-CRDS = ROOT.parent / "shared" / "k8s" / "crds"
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
 RANDOM_SECRET = re.compile(r"^(  (?:cluster-secret|auth_token): )\S+$", re.M)  # the chart's random secrets
 
@@ -78,12 +79,7 @@ def test_core_objects_validate_strictly(example: str, kube: str) -> None:
 
 @pytest.mark.parametrize("example", list(EXAMPLES))
 def test_raycluster_validates_against_kuberay_crd(example: str) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
-    crd_file = CRDS / "ray.io_rayclusters.yaml"
-    if not crd_file.exists():
-        pytest.skip(f"KubeRay's CRD is not here ({crd_file}); it lives in the shared folder beside the repository")
-    crd = yaml.safe_load(crd_file.read_text())
-    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    jsonschema, schema = raycluster_schema()
     (rc,) = [o for o in objects(render(values(example))) if o["kind"] == "RayCluster"]
     jsonschema.validate(rc, schema)
     groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import yaml
 
+from kuberay_crd import raycluster_schema
+
 from cluster.cli import build_parser, serve_config
 from cluster.launcher import actor_options
 
 helm = pytest.importorskip("helm_python")
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "pdcluster"
-CRDS = CHART.parents[2] / "shared" / "k8s" / "crds"
 SECRET = {"PDCLUSTER_CLUSTER_SECRET": "x" * 40}  # the controller's env in the pod (the chart's Secret)
 
 
@@ -78,12 +79,7 @@ def test_tp_one_renders_no_tp_flags() -> None:
 
 
 def test_a_tp_raycluster_validates_against_kuberay_crd() -> None:
-    jsonschema = pytest.importorskip("jsonschema")
-    crd_file = CRDS / "ray.io_rayclusters.yaml"
-    if not crd_file.exists():
-        pytest.skip(f"KubeRay's CRD is not here ({crd_file}); it lives in the shared folder beside the repository")
-    crd = yaml.safe_load(crd_file.read_text())
-    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    jsonschema, schema = raycluster_schema()
     rc = raycluster(example("gpu", prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 8}))
     jsonschema.validate(rc, schema)
     assert json.loads(json.loads(rc["spec"]["workerGroupSpecs"][1]["rayStartParams"]["resources"])) == \
