@@ -1,4 +1,4 @@
-"""CPU decode attention: torch's flash kernel (the reference path) against kernels.cpu_decode's two batched matmuls.
+"""CPU decode attention: torch's flash kernel (the reference path) against pdkernels.cpu_decode's two batched matmuls.
 
     python benchmarks/bench_cpu_decode.py [--model default] [--dtype bfloat16|float32] [--threads 1] [--batches 8,16]
                                           [--repeats 3]
@@ -8,7 +8,7 @@ Two tables, each measured side by side in one run (alternating, so that a noisy 
   size 16), in ``--dtype``, contexts of 290-350 tokens;
 - a whole engine decode step of ``--model`` in ``--dtype`` with 286-token prompts, the engine's decode attention
   forced to the reference for the "flash" rows and to the matmuls for the "bmm" rows (this script replaces
-  ``kernels.cpu_decode.fits`` for both; the engine has no such switch).
+  ``pdkernels.cpu_decode.fits`` for both; the engine has no such switch).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def timed(fn: Callable[[], object], n: int) -> float:
 def kernel_rows(batches: list[int], repeats: int, dtype: str) -> None:
     import torch
 
-    from kernels import cpu_decode, reference
+    from pdkernels import cpu_decode, reference
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, hd, bs, nb = 9, 3, 64, 16, 4096
@@ -55,7 +55,7 @@ def kernel_rows(batches: list[int], repeats: int, dtype: str) -> None:
 
 
 def step_rows(model: str, dtype: str, threads: int, batches: list[int], repeats: int) -> None:
-    import kernels.cpu_decode as cd
+    import pdkernels.cpu_decode as cd
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams

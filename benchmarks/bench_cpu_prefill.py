@@ -1,4 +1,4 @@
-"""CPU prefill attention: torch's flash kernel (the reference path) against kernels.cpu_prefill's query-chunked matmuls.
+"""CPU prefill attention: torch's flash kernel (the reference path) against pdkernels.cpu_prefill's query-chunked matmuls.
 
     python benchmarks/bench_cpu_prefill.py [--model default] [--dtype float32|bfloat16] [--threads 1]
                                            [--lengths 128,286,512,1024,2048] [--repeats 3]
@@ -8,7 +8,7 @@ Two tables, each measured side by side in one run (alternating, so that a noisy 
   size 16), in ``--dtype``, one prompt of each length from position 0;
 - a whole engine prefill of one 286-token prompt of ``--model`` in ``--dtype`` (one request, one output token), the
   engine's prefill attention forced to the reference for the "flash" column and to the chunked matmuls for the
-  "chunked" one (this script replaces ``kernels.cpu_prefill.fits`` for both; the engine has no such switch).
+  "chunked" one (this script replaces ``pdkernels.cpu_prefill.fits`` for both; the engine has no such switch).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def timed(fn: Callable[[], object], n: int) -> float:
 def kernel_rows(lengths: list[int], repeats: int, dtype: str) -> None:
     import torch
 
-    from kernels import cpu_prefill, reference
+    from pdkernels import cpu_prefill, reference
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, hd, bs = 9, 3, 64, 16
@@ -56,7 +56,7 @@ def kernel_rows(lengths: list[int], repeats: int, dtype: str) -> None:
 
 
 def prefill_rows(model: str, dtype: str, threads: int, repeats: int) -> None:
-    import kernels.cpu_prefill as cp
+    import pdkernels.cpu_prefill as cp
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams

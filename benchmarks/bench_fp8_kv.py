@@ -241,11 +241,11 @@ def roundtrip_error(kv: torch.Tensor, kv_dtype: torch.dtype) -> tuple[float, flo
     """Relative RMS error of K and V after a store into a ``kv_dtype`` cache and a read back, over the written blocks
     of ``kv`` (an unquantized cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]``); each block is stored in
     one write, as a prefill writes a prompt's full blocks, rotated as the model stores 8-bit K/V
-    (kernels/kv_rotation.py) and rotated back after the read. Pure."""
+    (pdkernels/kv_rotation.py) and rotated back after the read. Pure."""
     import torch
 
-    import kernels
-    from kernels import kv_rotation, reference
+    import pdkernels
+    from pdkernels import kv_rotation, reference
 
     used = (kv[0, 0].abs().amax(dim=(1, 2, 3)) > 0).nonzero().flatten()
     blocks = kv[:, :, used].float()  # [layers, 2, n, block_size, kv_heads, head_dim]
@@ -259,7 +259,7 @@ def roundtrip_error(kv: torch.Tensor, kv_dtype: torch.dtype) -> tuple[float, flo
             cache = torch.zeros(n, *layer.shape[2:], dtype=kv_dtype)
             scales = torch.zeros(reference.scales_shape(cache))
             turned = kv_rotation.rotate(rows, r)
-            kernels.store_kv_quantized(turned, turned, cache, cache.clone(), scales, scales.clone(),
+            pdkernels.store_kv_quantized(turned, turned, cache, cache.clone(), scales, scales.clone(),
                                        torch.arange(n * bs))
             back = kv_rotation.rotate(reference.gather_blocks(cache, torch.arange(n), scales, torch.float32), r)
             back = back.reshape(rows.shape)

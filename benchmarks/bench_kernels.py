@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GRAPH_CALLS = 10
-# launch settings the sweep tries (each a dict of module constants of kernels.triton_kv / kernels.triton_prefill); the
+# launch settings the sweep tries (each a dict of module constants of pdkernels.triton_kv / pdkernels.triton_prefill); the
 # report lists them so that one GPU run shows which to make the default
 DECODE_SWEEP = [dict(DECODE_TILE=t, DECODE_WARPS=w, DECODE_STAGES=s) for t in (32, 64, 128) for w in (4, 8)
                 for s in (2, 3)]
@@ -107,9 +107,9 @@ class Bench:
     def __init__(self, device: str, shapes: Shapes) -> None:
         import torch
 
-        import kernels
+        import pdkernels
 
-        self.torch, self.kernels, self.device, self.s = torch, kernels, device, shapes
+        self.torch, self.kernels, self.device, self.s = torch, pdkernels, device, shapes
         self.rows: list[tuple[str, float, float | None, str]] = []
         self.sweep_rows: list[tuple[str, dict[str, int], float | None, float | str]] = []
         self.bw = self.copy_bandwidth()
@@ -213,7 +213,7 @@ class Bench:
 
     def _int8(self, cache):  # type: ignore[no-untyped-def]
         """An int8 cache ``(values, per-token scales)`` holding ``cache``'s K or V, rounded as the store rounds."""
-        from kernels import reference
+        from pdkernels import reference
 
         values, scales = reference.quantize_rows_int8(cache.reshape(-1, *cache.shape[2:]))
         return values.view(cache.shape), scales.view(cache.shape[:3])
@@ -294,7 +294,7 @@ class Bench:
     def moe(self, dtype) -> None:  # type: ignore[no-untyped-def]
         """The fused MoE kernel against the copy bandwidth of the expert weights it reads (each expert that got a
         token, read once), and the torch grouped path beside it."""
-        from kernels import grouped_moe
+        from pdkernels import grouped_moe
 
         torch, k = self.torch, self.kernels
         e, h, i, top_k = self.s.moe_shape
@@ -318,7 +318,7 @@ class Bench:
     def sweep(self, smoke: bool) -> None:
         """Decode (bf16, FP8) and prefill under each launch setting of the sweeps; the module constants are
         restored after each. A setting that fails to compile (too much shared memory) is reported, not fatal."""
-        from kernels import triton_kv, triton_prefill
+        from pdkernels import triton_kv, triton_prefill
 
         torch, k, s = self.torch, self.kernels, self.s
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
@@ -393,10 +393,10 @@ class Bench:
             lines.append(f"| {what} | {t * 1e6:.1f} us | {gbs} | {share} | {note} |")
         if self.sweep_rows:
             lines += ["", "## Launch-settings sweep", "",
-                      "Each kernel under each setting (module constants of `kernels/triton_kv.py` and "
-                      "`kernels/triton_prefill.py`); * marks the fastest, (current) the default in the code.", "",
+                      "Each kernel under each setting (module constants of `pdkernels/triton_kv.py` and "
+                      "`pdkernels/triton_prefill.py`); * marks the fastest, (current) the default in the code.", "",
                       "| kernel | settings | time | share of copy bandwidth or TFLOP/s |", "|---|---|---|---|"]
-            from kernels import triton_kv, triton_prefill
+            from pdkernels import triton_kv, triton_prefill
 
             best: dict[str, float] = {}
             for label, _, t, _ in self.sweep_rows:

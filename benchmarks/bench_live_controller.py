@@ -1,7 +1,7 @@
 """The live controller against fixed splits, on one two-phase load, one run after another on this machine.
 
     python benchmarks/bench_live_controller.py [--phase-s 45] [--interval 3] [--slo-ttft 3.5] [--slo-tpot 0.1]
-                                               [--decode-streams 24] [--decode-tokens 48] [--out DIR]
+                                               [--decode-streams 24] [--decode-tokens 48] [--kv-blocks N] [--out DIR]
 
 The defaults make each phase decide between the splits on this 2-core machine (one torch thread per actor): 24
 decode streams miss a 0.1 s TPOT on one decode actor and mostly meet it on two; two ~730-token prefill streams miss
@@ -82,7 +82,8 @@ def attainment(rec: Recording, phase: str | None) -> tuple[float | None, int]:
 
 
 def one_run(name: str, sizes: tuple[int, int], dry_run: bool, args: argparse.Namespace, record: Path) -> Recording:
-    c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, kv_cache_gib=0.5, max_num_batched_tokens=64),
+    kv = dict(num_kv_blocks=args.kv_blocks) if args.kv_blocks else dict(kv_cache_gib=0.5)
+    c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, max_num_batched_tokens=64, **kv),
                             prefill=sizes[0], decode=sizes[1], port=0, budget=3, cpus_per_actor=0.5,
                             controller_interval_s=args.interval, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot))
     c.start()
@@ -112,6 +113,8 @@ def main() -> int:
     ap.add_argument("--decode-streams", type=int, default=24)
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--prefill-streams", type=int, default=2)
+    ap.add_argument("--kv-blocks", type=int, default=None,
+                    help="K/V blocks per actor (16 tokens each; default 0.5 GiB): small enough and the decode phase is bound by decode K/V (reservations of prompt + 256 tokens), not by its token rate")
     ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-live-controller-"))

@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
 
-    from kernels import poly_mac
+    from pdkernels import poly_mac
     from kv_transfer.payload_mac import PartKey, payload_tag
 
     nbytes = int(args.mib * (1 << 20))

@@ -16,11 +16,11 @@ import warnings
 
 import torch
 
-import kernels
+import pdkernels
 from engine.kv_cache_manager import cdiv
 from engine.model import AttentionMetadata, DecoderModel
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -67,7 +67,7 @@ class DecodeGraphRunner:
         if self.device.type != "cuda":
             return None
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return kernels.decode_num_splits(batch, self.kv_caches[0].shape[3], self.max_model_len, sms)
+        return pdkernels.decode_num_splits(batch, self.kv_caches[0].shape[3], self.max_model_len, sms)
 
     def fits(self, out: SchedulerOutput) -> bool:
         """Whether this step is decode-only and no larger than the largest bucket. Pure."""

@@ -150,7 +150,7 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     sampler's largest temporaries): the activation peak of the largest step the engine will run. Writes nothing the
     engine keeps."""
     from engine.model import AttentionMetadata  # engine.model imports kernels; keep this module light to import
-    from kernels.reference import SCALED_DTYPES, scale_dims
+    from pdkernels.reference import SCALED_DTYPES, scale_dims
 
     cfg, dev = model.cfg, model.device
     num_blocks = -(-num_tokens // block_size)
@@ -179,7 +179,7 @@ def profile_decode_graphs(model: DecoderModel, max_num_seqs: int, max_model_len:
     them, and return the device memory they held: buffers, the graphs' pool and the warm-ups' allocations (cached on
     the capture's side stream). The graphs do not depend on the cache's size. CUDA only."""
     from engine.cuda_graphs import DecodeGraphRunner
-    from kernels.reference import SCALED_DTYPES, scale_dims
+    from pdkernels.reference import SCALED_DTYPES, scale_dims
 
     cfg, dev = model.cfg, model.device
     kv = torch.zeros(cfg.num_layers, 2, 1, block_size, cfg.cache_heads, cfg.cache_head_dim, dtype=kv_dtype, device=dev)

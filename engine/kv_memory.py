@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.reference import scale_dims
+from pdkernels.reference import scale_dims
 
 _ALIGN = 64  # bytes: each region of the file starts on a cache line
 PROBE_REGION = 64  # bytes after the cache: the owner writes a nonce there, a peer that maps the file reads it back
@@ -38,7 +38,7 @@ class KVLayout:
     # head), [layers, 2, num_blocks, block_size, kv_heads] for int8 (one per token and head)
     scaled: bool = False
     # what the two planes hold: "kv" (K, then V) or "mla" (each token's latent, first half then second half, with
-    # kv_heads 1 and head_dim half the latent: kernels/mla.py)
+    # kv_heads 1 and head_dim half the latent: pdkernels/mla.py)
     kind: str = "kv"
 
     def __post_init__(self) -> None:

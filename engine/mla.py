@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2 / V3) over the latent KV cache, in the absorbed-weight form.
 
 Per token, ``kv_a_proj_with_mqa`` makes the latent ``c_kv`` (normed by ``kv_a_layernorm``) and one rope key
-``k_pe`` shared by every head; the cache keeps only ``[c_kv | rotated k_pe]`` (:mod:`kernels.mla`). Hugging Face
+``k_pe`` shared by every head; the cache keeps only ``[c_kv | rotated k_pe]`` (:mod:`pdkernels.mla`). Hugging Face
 expands the latent into per-head keys and values through ``kv_b_proj = [W_UK; W_UV]`` per head; here the
 expansion is moved onto the query and the output instead (the same sums, in another order):
 
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels import mla as mla_kernels
-from kernels.reference import DecodeSpan
+from pdkernels import mla as mla_kernels
+from pdkernels.reference import DecodeSpan
 
 
 @dataclass
@@ -97,7 +97,7 @@ class MLAttention:
         """Layer ``i``'s attention output ``[T, hidden]`` for the normed hidden states ``x [T, hidden]``. Writes the
         tokens' latents into ``planes`` (the layer's ``[2, blocks, block_size, 1, P]`` cache) first, then calls
         ``after_store``. ``meta``: the step's :class:`engine.model.AttentionMetadata`; ``spans``: each decode
-        group's :func:`kernels.reference.decode_span` (None where Triton runs)."""
+        group's :func:`pdkernels.reference.decode_span` (None where Triton runs)."""
         m, lw, T = self.m, self.layers[i], x.shape[0]
         heads, rank, rope = self.cfg.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
         fused = lw.qa_kva(x)

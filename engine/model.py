@@ -2,7 +2,7 @@
 paged KV cache.
 
 Matmul weights are :class:`engine.linear.Linear` (q/k/v and gate/up fused into one matmul each; pre-packed for
-oneDNN in bfloat16 on the CPU); attention and KV writes go through ``kernels``, so the Triton kernels replace the
+oneDNN in bfloat16 on the CPU); attention and KV writes go through ``pdkernels``, so the Triton kernels replace the
 torch reference without touching this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
 attention and MLP outputs, (1 + weight) norms in float32, a scaled embedding, a GELU gate, two RoPEs (local and
 global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward. A
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import kv_rotation
+import pdkernels
+from pdkernels import kv_rotation
 from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.moe import SparseMoE, load_sparse_moe
@@ -116,7 +116,7 @@ class DecoderModel:
         # this rank's q and kv widths (the whole model's without TP)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        # an 8-bit cache holds each head's K/V rotated by this (kernels/kv_rotation.py); MLA's latent is not rotated
+        # an 8-bit cache holds each head's K/V rotated by this (pdkernels/kv_rotation.py); MLA's latent is not rotated
         self.kv_rotation = kv_rotation.rotation(cfg.head_dim, self.device) if cfg.mla is None else None
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -212,7 +212,7 @@ class DecoderModel:
             h = h * self.embed_scale
         cos_sins = [rope.lookup(positions) for rope in self.ropes]
         # each decode group's gather ids and mask, once per step for all layers with the same sliding window
-        plans = {w: [kernels.decode_plan(kv_caches[0][0], tables, lens, w) for _, _, tables, lens in meta.decode_groups]
+        plans = {w: [pdkernels.decode_plan(kv_caches[0][0], tables, lens, w) for _, _, tables, lens in meta.decode_groups]
                  for w in set(cfg.sliding_windows)}
         for i, lw in enumerate(self.layers):
             x = self._norm(h, lw.input_norm)
@@ -254,7 +254,7 @@ class DecoderModel:
     def _kv_attention(
         self, i: int, lw: LayerWeights, x: torch.Tensor, cos_sins: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata, kv: torch.Tensor, scales: tuple[torch.Tensor | None, torch.Tensor | None],
-        plans: dict[int | None, list[kernels.reference.DecodeSpan | None]], stored: Callable[[], None] | None,
+        plans: dict[int | None, list[pdkernels.reference.DecodeSpan | None]], stored: Callable[[], None] | None,
     ) -> torch.Tensor:
         """Layer ``i``'s per-head K/V attention output ``[T, hidden]`` for the normed ``x``; writes the tokens' K/V
         into ``kv`` (the layer's ``[2, ...]`` cache), then calls ``stored``."""
@@ -269,10 +269,10 @@ class DecoderModel:
         v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv[0], kv[1]
         if scales[0] is None:
-            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            pdkernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:  # 8-bit: K/V stored rotated, q rotated alike, the output rotated back (exact: R is orthonormal)
             q, k, v = (kv_rotation.rotate(t, self.kv_rotation) for t in (q, k, v))
-            kernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
+            pdkernels.store_kv_quantized(k, v, k_cache, v_cache, scales[0], scales[1], meta.slot_mapping)
         if stored is not None:
             stored()
         window = cfg.sliding_windows[i]
@@ -283,21 +283,21 @@ class DecoderModel:
 
     def _attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None,
-        scales: tuple[torch.Tensor | None, torch.Tensor | None], plans: list[kernels.reference.DecodeSpan | None],
+        scales: tuple[torch.Tensor | None, torch.Tensor | None], plans: list[pdkernels.reference.DecodeSpan | None],
     ) -> torch.Tensor:
         parts = [
-            kernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window, *scales,
+            pdkernels.paged_decode_attention(q[a:b], k_cache, v_cache, tables, lens, self.scale, window, *scales,
                                            num_splits=meta.decode_num_splits, plan=plan)
             for (a, b, tables, lens), plan in zip(meta.decode_groups, plans)
         ]
         off = meta.num_decodes
         if meta.prefill_varlen is not None:
             tables, cu, starts, longest = meta.prefill_varlen
-            parts.append(kernels.paged_prefill_attention_varlen(q[off:], k_cache, v_cache, tables, cu, starts,
+            parts.append(pdkernels.paged_prefill_attention_varlen(q[off:], k_cache, v_cache, tables, cu, starts,
                                                                 self.scale, window, *scales, max_seqlen_q=longest))
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         for n, start, table in meta.prefills:
-            parts.append(kernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale,
+            parts.append(pdkernels.paged_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, self.scale,
                                                          window, *scales))
             off += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)

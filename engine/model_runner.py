@@ -18,7 +18,7 @@ from itertools import accumulate
 import torch
 
 from engine.cuda_graphs import DecodeGraphRunner
-from kernels.reference import SCALED_DTYPES, scale_dims
+from pdkernels.reference import SCALED_DTYPES, scale_dims
 from engine.kv_cache_manager import cdiv
 from engine.kv_memory import KVLayout, SharedKVMemory
 from engine.model import AttentionMetadata, DecoderModel
@@ -28,7 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # CPU: decodes per attention call: sorted by length, groups of 8 gather ~7x less padding than one call over the batch

@@ -11,9 +11,9 @@ The API other routers build on (DeepSeek's grouped top-k with shared experts reu
   scaling already applied, e.g. DeepSeek's ``routed_scaling_factor``); shared experts are a dense MLP added by the
   caller. The weight multiplies each expert's output row in the promoted dtype of the two (float32 weights on a
   bfloat16 row: in float32), then the row is rounded to ``x.dtype`` and summed.
-  On the CPU it runs :mod:`kernels.grouped_moe` (tokens sorted by expert, one matmul per expert that got tokens; it
+  On the CPU it runs :mod:`pdkernels.grouped_moe` (tokens sorted by expert, one matmul per expert that got tokens; it
   reads the per-expert counts on the host); on CUDA the fused Triton kernel (no host read), through
-  :func:`kernels.fused_moe`.
+  :func:`pdkernels.fused_moe`.
 - :func:`softmax_topk`: Qwen3-MoE's and Mixtral's router (softmax over all experts in float32, top-k, optionally
   renormalised to sum to 1), on the device.
 - :class:`SparseMoE` (router + experts, called on a layer's normed hidden states) and :func:`load_sparse_moe`, which
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
+import pdkernels
 from engine.linear import Linear
 from engine.model_config import ModelConfig
 
@@ -72,7 +72,7 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     act: str) -> torch.Tensor:
     """The routed experts' summed output ``[T, H]`` in ``x``'s dtype; ``act`` names the gate activation ("silu",
     "gelu_pytorch_tanh"). Pure. Raises ``ValueError`` naming a malformed argument."""
-    return kernels.fused_moe(x, experts.gate_up, experts.down, topk_ids, topk_weights, act)
+    return pdkernels.fused_moe(x, experts.gate_up, experts.down, topk_ids, topk_weights, act)
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

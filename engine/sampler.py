@@ -24,7 +24,7 @@ import torch
 from engine.philox import sample_uniforms, seed_as_int64
 from engine.sampling_bitmask import apply_token_bitmask
 from engine.sampling_plan import CandidateGroup, FilterParams, RowFacts, RowPlan, plan_rows
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 # Block width of the two-level inverse-CDF search used for wide rows.
 _ICDF_BLOCK = 256
@@ -49,7 +49,7 @@ def has_penalty(p: SamplingParamsLike) -> bool:
 
 
 def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of host values on ``device``, the host never waiting (:func:`kernels.host_copy.to_device`)."""
+    """An int64 tensor of host values on ``device``, the host never waiting (:func:`pdkernels.host_copy.to_device`)."""
     return to_device(values, torch.int64, device)
 
 

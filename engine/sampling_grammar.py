@@ -28,7 +28,7 @@ from engine.grammar import GrammarCompiler
 from engine.grammar_spec import GrammarSpec
 from engine.sampling_bitmask import bitmask_width
 from engine.sequence import Sequence
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 
 @dataclass

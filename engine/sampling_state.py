@@ -28,7 +28,7 @@ from engine.sampling_grammar import GrammarEnd, GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.sampling_plan import RowFacts, as_float32
 from engine.sequence import Sequence
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 

@@ -1,9 +1,9 @@
 """The KV transfer wire header (msgpack) and the receiver's check of every field. Torch-free.
 
 One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
-``kernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``; for an MLA model (``kv_layout``
+``pdkernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``; for an MLA model (``kv_layout``
 "mla") the two planes hold each token's latent in two halves instead (``kv_heads`` 1, ``head_dim`` half the latent:
-:mod:`kernels.mla`). A scaled payload carries its float32
+:mod:`pdkernels.mla`). A scaled payload carries its float32
 scales right after the blocks: ``[2, len(block_ids), kv_heads]`` for FP8 (``float8_e4m3fn``), ``[2, len(block_ids),
 block_size, kv_heads]`` for int8 (one per token). The payload is bound by a keyed tag in the header (``checksum``:
 :mod:`kv_transfer.payload_mac`), which the header's MAC covers in turn.
@@ -26,7 +26,7 @@ from cluster.wire.auth import ClusterSecret
 # 3: the reservation's epoch, and an optional checksum for parts written in place; 4: the reservation's nonce and
 # the header's MAC; 5: int8 payloads, followed by their per-token scales; 6: the checksum is the payload's 16-byte
 # polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold;
-# 8: 8-bit payloads hold each head's K/V rotated, kernels/kv_rotation.py; 9: ``kind``, a message is a K/V part or
+# 8: 8-bit payloads hold each head's K/V rotated, pdkernels/kv_rotation.py; 9: ``kind``, a message is a K/V part or
 # the request's prefill result, kv_transfer/result_message.py)
 WIRE_VERSION = 9
 # what a message carries: one (layer, chunk) of K/V; or, after a request's last part, its prefill result (msgpack'd

@@ -1,7 +1,7 @@
 """In-place KV transfer on one node: a prefill actor writes each layer's blocks straight into the blocks a decode actor
 reserved, in the decode actor's own KV cache, mapped into the prefill process. ``shm`` on the CPU (the cache lives in
 a shared-memory file, :mod:`engine.kv_memory`), ``cuda_ipc`` on a GPU (the cache exported with CUDA IPC). No packing,
-no socket for the bytes, no receive buffer: one copy per layer and chunk (:func:`kernels.copy_blocks_between`).
+no socket for the bytes, no receive buffer: one copy per layer and chunk (:func:`pdkernels.copy_blocks_between`).
 
 What still crosses a socket is small (:mod:`kv_transfer.inplace_channel`): the writer *opens* a reservation (the
 decode actor checks it is pending and its epoch current, and records the writer), announces each written part with a
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-import kernels
+import pdkernels
 from cluster.wire import auth
-from kernels import copy_between
+from pdkernels import copy_between
 from kv_transfer.base import TransferHandle
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferError, KVTransferHeader, sign_header
@@ -177,7 +177,7 @@ class InPlaceBackend(InPlaceEndpoint):
         scales = None
         if hello["scales"] is not None:
             scales = import_cuda(hello["scales"], self.config.device).view(torch.float32).view(
-                kv.shape[0], 2, *kernels.reference.scale_dims(kv.dtype, kv.shape[2], kv.shape[3], kv.shape[4]))
+                kv.shape[0], 2, *pdkernels.reference.scale_dims(kv.dtype, kv.shape[2], kv.shape[3], kv.shape[4]))
         return kv, scales, import_cuda(hello["probe"], self.config.device)
 
     def open(self, peer_address: str, reservation_id: str, epoch: int, nonce: str = "") -> None:
@@ -240,7 +240,7 @@ class InPlaceBackend(InPlaceEndpoint):
             if on_host:  # memmove runs of whole blocks
                 copy_between.copy_blocks_between(k_cache, v_cache, src_block_ids, dst[0], dst[1], dst_block_ids)
             else:
-                kernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
+                pdkernels.copy_blocks_between(k_cache, v_cache, src_ids, dst[0], dst[1], dst_ids)
             if scales is not None and dst_scales is not None:
                 assert src_ids is not None and dst_ids is not None
                 dst_scales[:, dst_ids] = scales[:, src_ids.to(scales.device)]
@@ -267,7 +267,7 @@ class InPlaceBackend(InPlaceEndpoint):
                                      f"{header.payload_nbytes}")
                 blocks = payload.reshape(-1).view(torch.uint8)[:n].view(dst.dtype).view(header.shape)
                 ids = block_index(header.block_ids, dst.device)
-                kernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
+                pdkernels.unpack_blocks(blocks, dst[0], dst[1], ids)  # checks the shape against the peer's blocks
                 if header.scales_nbytes and dst_scales is not None:  # a scaled part: its scales follow the blocks
                     raw = payload.reshape(-1).view(torch.uint8)[n:]
                     dst_scales[:, ids] = raw.view(torch.float32).view(2, len(header.block_ids),

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-import kernels
+import pdkernels
 from kv_transfer.base import as_bytes, dtype_name
 from cluster.wire.auth import ClusterSecret
 from kv_transfer.header import ExpectedTransfer, KVTransferHeader, verify_checksum, verify_fields, verify_length
@@ -72,7 +72,7 @@ def pack_layer_part(
     ids = src_index if src_index is not None else block_index(src_block_ids, k_cache.device)
     if ids.numel() != len(src_block_ids):
         raise ValueError(f"src_index: {ids.numel()} ids for {len(src_block_ids)} source blocks")
-    blocks = kernels.pack_blocks(k_cache, v_cache, ids).contiguous()
+    blocks = pdkernels.pack_blocks(k_cache, v_cache, ids).contiguous()
     payload = blocks
     if scales is not None:
         payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids].contiguous())))
@@ -121,7 +121,7 @@ def blocks_mac(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence
     no packing. Reads nothing back (``tag()`` does, wherever the caller wants the host to wait). ``index``:
     ``block_ids`` on the scales' device, built once per chunk (only a scaled cache needs it; None: built here).
     Pure."""
-    from kernels.copy_between import block_runs
+    from pdkernels.copy_between import block_runs
 
     runs = block_runs(block_ids, block_ids)
     mac = PayloadMac(key, k_cache.device)
@@ -174,6 +174,6 @@ def install_layer_part(
     ids = index if index is not None else block_index(header.block_ids, k_cache.device)
     if ids.numel() != len(header.block_ids):
         raise ValueError(f"index: {ids.numel()} ids for the part's {len(header.block_ids)} blocks")
-    kernels.unpack_blocks(payload, k_cache, v_cache, ids)
+    pdkernels.unpack_blocks(payload, k_cache, v_cache, ids)
     if scales is not None:
         scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), *scales.shape[2:])

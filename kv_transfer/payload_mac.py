@@ -25,7 +25,7 @@ the header MAC covers the bytes. Without a cluster secret (authentication off) t
 string: the same code is then an error-detecting code (random corruption passes with chance ~(n/p)^2), like the CRC-32
 it replaces, and forgeable, like the CRC was.
 
-**Where it runs.** On the payload's device: :mod:`kernels.poly_mac` (its Triton kernel on a GPU, the torch reference
+**Where it runs.** On the payload's device: :mod:`pdkernels.poly_mac` (its Triton kernel on a GPU, the torch reference
 on the CPU; its key's powers reach the device without a host sync); the host reads back two int64s per part
 (``PayloadMac.tag``): on the backend's I/O thread for socket sends and for in-place writes (whose device work is queued
 on the writer's copy stream), on the receiving thread for installs and in-place checks.
@@ -39,8 +39,8 @@ import torch
 
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
-from kernels import poly_mac
-from kernels.poly_mac import P
+from pdkernels import poly_mac
+from pdkernels.poly_mac import P
 from kv_transfer.header import TAG_BYTES, KVTransferHeader
 
 MARKER = 384  # added to each int8 byte: every coefficient in [256, 512), never zero (see the module docstring)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 Stream = Any  # torch.cuda.Stream, FakeStream, or None: the host
 Event = Any  # torch.cuda.Event, FakeEvent, or HOST_DONE

@@ -19,11 +19,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-PACKAGES = ("engine", "kernels", "kv_transfer", "prefill_worker", "decode_worker", "proxy", "cluster")
+PACKAGES = ("engine", "pdkernels", "kv_transfer", "prefill_worker", "decode_worker", "proxy", "cluster")
 
 # Lowest first. A layer holds one or more sibling rooms (name -> module prefixes); siblings do not import each other.
 LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
-    {"kernels": ("kernels",)},  # the ops: attention, KV stores, quantization
+    {"pdkernels": ("pdkernels",)},  # the ops: attention, KV stores, quantization
     {"engine": ("engine",)},  # the paged-KV engine and its torch-free values (sampling_params, config, tokenization)
     {"wire": ("cluster.wire",)},  # the wire floor: torch-free messages, names, auth, worker config, SLO math
     {"kv_transfer": ("kv_transfer",)},  # moving K/V between actors

@@ -6,7 +6,7 @@ One copy, shared by ``tests/unit/test_sync_budget.py`` (the budgets, in CI) and 
 On the CPU nothing actually waits, so :func:`counting` wraps every call that would block the host on a CUDA device
 (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``/``int()``/``float()``/``__index__`` of a tensor, ``nonzero``,
 ``unique``, ``repeat_interleave`` with tensor repeats) and every tensor built from Python values (``torch.tensor``,
-``as_tensor``, ``from_numpy``, ...), and counts those made from the engine's own code (``engine/`` and ``kernels/``).
+``as_tensor``, ``from_numpy``, ...), and counts those made from the engine's own code (``engine/`` and ``pdkernels/``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from engine.llm_engine import LLMEngine
 from engine.scheduler import SchedulerOutput
 
 ROOT = Path(__file__).resolve().parents[1]
-OWN = tuple(str(ROOT / pkg) + "/" for pkg in ("engine", "kernels"))
-# The kernels' torch paths for CPU tensors read values on the host by design (``kernels/__init__.py``: value checks
+OWN = tuple(str(ROOT / pkg) + "/" for pkg in ("engine", "pdkernels"))
+# The kernels' torch paths for CPU tensors read values on the host by design (``pdkernels/__init__.py``: value checks
 # "run on CPU tensors only"): on a GPU the Triton kernels serve and these never run. Counted apart, not budgeted.
-CPU_ONLY_FILES = tuple(str(ROOT / "kernels" / f) for f in ("reference.py", "cpu_decode.py", "cpu_prefill.py"))
-CPU_ONLY_FUNCTIONS = {(str(ROOT / "kernels" / "__init__.py"), "_check_lens")}
+CPU_ONLY_FILES = tuple(str(ROOT / "pdkernels" / f) for f in ("reference.py", "cpu_decode.py", "cpu_prefill.py"))
+CPU_ONLY_FUNCTIONS = {(str(ROOT / "pdkernels" / "__init__.py"), "_check_lens")}
 # the sampled ids with their logprobs: one read; a second only in a step that redoes a top-p nucleus grown past its
 # candidates (engine/sampling_plan.py)
 MAX_SYNCS_PER_STEP = 2

@@ -75,6 +75,7 @@ def test_corrupt_part_recomputes_with_the_same_text(model: str, inbox: TokenInbo
         _eventually(lambda: bad_d.stats()["recomputes"] == 3 and bad_d.stats()["kv_parts_rejected"] >= 3)
         assert clean_d.stats()["recomputes"] == 0
         for d in (clean_d, bad_d):  # the results came behind the parts (rejected ones too): no prefilled call
+            _eventually(lambda d=d: d.stats()["results_via_channel"] + d.stats()["results_via_ray"] == 3)  # (a snapshot)
             assert d.stats()["results_via_channel"] == 3 and d.stats()["results_via_ray"] == 0
         _leak_free(clean_d)
         _leak_free(bad_d)

@@ -76,8 +76,10 @@ def test_in_place_text_equals_the_socket_backend_and_auto_picks_it(model: str, i
                 assert token_ids(got) == token_ids(want) and texts(got) == texts(want)
                 assert res.parts_sent > 0 and not res.failed_parts
         for name, (p, d) in pairs.items():
-            _eventually(lambda p=p, d=d: d.stats()["kv_bytes_received"] == p.stats()["kv_bytes_sent"] > 0)
-            st = d.stats()  # (stats are republished every 0.1 s)
+            # stats are a snapshot republished every 0.1 s: wait for one taken after both results were counted
+            _eventually(lambda p=p, d=d: d.stats()["kv_bytes_received"] == p.stats()["kv_bytes_sent"] > 0
+                        and d.stats()["results_via_channel"] + d.stats()["results_via_ray"] == 2)
+            st = d.stats()
             assert st["kv_parts_installed"] > 0 and st["kv_parts_rejected"] == 0
             assert st["results_via_channel"] == 2 and st["results_via_ray"] == 0, name  # no prefilled call made
             assert _counts(d)["reserved"] == 0 and _counts(d)["used"] == 0

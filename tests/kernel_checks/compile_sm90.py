@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of ``kernels/`` for an H100/H200 (sm_90) down to a cubin, without a GPU.
+"""Compile every Triton kernel of ``pdkernels/`` for an H100/H200 (sm_90) down to a cubin, without a GPU.
 
     python tests/kernel_checks/compile_sm90.py          # prints one line per case; exit 1 if any fails
 
@@ -23,7 +23,7 @@ from typing import Any
 os.environ.pop("TRITON_INTERPRET", None)
 import triton  # noqa: E402
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[2] / "pdkernels"
 I32, I32_16 = ("i32", False), ("i32", True)  # an integer argument, and one divisible by 16 (as Triton specializes)
 
 

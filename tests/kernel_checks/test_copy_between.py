@@ -1,4 +1,4 @@
-"""``kernels.copy_blocks_between`` (a prefill actor writing blocks into a peer's mapped cache): the Triton kernel
+"""``pdkernels.copy_blocks_between`` (a prefill actor writing blocks into a peer's mapped cache): the Triton kernel
 (under ``TRITON_INTERPRET=1`` here, on the device with CUDA) and the CPU path of memcpy runs, against plain
 indexing."""
 
@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from tests.triton_route import triton_route
-from kernels.copy_between import block_runs
+from pdkernels.copy_between import block_runs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -32,7 +32,7 @@ def _check(seed: int, dtype: torch.dtype) -> None:
     src = torch.randperm(12, generator=g)[:n]
     dst = torch.randperm(20, generator=g)[:n] if seed % 2 else torch.arange(3, 3 + n)  # scattered / one run
     want_k[dst], want_v[dst] = k_src[src.to(DEVICE)], v_src[src.to(DEVICE)]
-    kernels.copy_blocks_between(k_src, v_src, src.to(DEVICE), k_dst, v_dst, dst.to(DEVICE))
+    pdkernels.copy_blocks_between(k_src, v_src, src.to(DEVICE), k_dst, v_dst, dst.to(DEVICE))
     assert torch.equal(k_dst, want_k) and torch.equal(v_dst, want_v)
 
 
@@ -42,13 +42,13 @@ def test_cpu_runs_match_indexing(seed: int, dtype: torch.dtype, monkeypatch: pyt
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if CUDA:
         pytest.skip("the CPU path: CUDA tensors take the kernel")
-    assert not kernels.uses_triton(torch.empty(1))
+    assert not pdkernels.uses_triton(torch.empty(1))
     _check(seed, dtype)
 
 
 @pytest.fixture
 def triton_path() -> Iterator[None]:
-    with triton_route("kernels.triton_kv"):
+    with triton_route("pdkernels.triton_kv"):
         yield
 
 
@@ -68,6 +68,6 @@ def test_bad_arguments_name_the_argument() -> None:
     k, v = _caches(4, torch.float32, 0)
     ids = torch.tensor([0, 1])
     with pytest.raises(ValueError, match="dst_ids"):
-        kernels.copy_blocks_between(k, v, ids, k, v, torch.tensor([0]))
+        pdkernels.copy_blocks_between(k, v, ids, k, v, torch.tensor([0]))
     with pytest.raises(ValueError, match="k_dst"):
-        kernels.copy_blocks_between(k, v, ids, k.half(), v.half(), ids)
+        pdkernels.copy_blocks_between(k, v, ids, k.half(), v.half(), ids)

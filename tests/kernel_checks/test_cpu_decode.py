@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_decode, reference
+import pdkernels
+from pdkernels import cpu_decode, reference
 from tests.kernel_checks.test_reference import naive_decode
 
 
@@ -42,8 +42,8 @@ def test_matches_float32_math_on_the_same_inputs(dtype: torch.dtype, block_size:
 
 def test_fp8_cache_is_dequantized_like_the_reference() -> None:
     q, kc, vc, tables, lens, scale = _case(16, 3, 3, torch.float32, seed=3)
-    kq, ks = kernels.quantize_kv_fp8(kc)
-    vq, vs = kernels.quantize_kv_fp8(vc)
+    kq, ks = pdkernels.quantize_kv_fp8(kc)
+    vq, vs = pdkernels.quantize_kv_fp8(vc)
     got = cpu_decode.paged_decode_attention(q.bfloat16(), kq, vq, tables, lens, scale, None, ks, vs)
     want = reference.paged_decode_attention(q.bfloat16(), kq, vq, tables, lens, scale, None, ks, vs)
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
@@ -51,10 +51,10 @@ def test_fp8_cache_is_dequantized_like_the_reference() -> None:
 
 def test_the_wrapper_takes_it_for_reduced_precision_cpu_tensors_only() -> None:
     q, kc, vc, tables, lens, scale = _case(16, 3, 3, torch.bfloat16)
-    fast = kernels.paged_decode_attention(q, kc, vc, tables, lens, scale)
+    fast = pdkernels.paged_decode_attention(q, kc, vc, tables, lens, scale)
     assert torch.equal(fast, cpu_decode.paged_decode_attention(q, kc, vc, tables, lens, scale))
     q32, kc32, vc32 = q.float(), kc.float(), vc.float()  # float32: the reference, bit for bit (HF identity)
-    assert torch.equal(kernels.paged_decode_attention(q32, kc32, vc32, tables, lens, scale),
+    assert torch.equal(pdkernels.paged_decode_attention(q32, kc32, vc32, tables, lens, scale),
                        reference.paged_decode_attention(q32, kc32, vc32, tables, lens, scale))
     assert cpu_decode.fits(q, kc) and not cpu_decode.fits(q32, kc32)
     wide = torch.zeros(4, 16, cpu_decode.MAX_KV_HEADS + 1, 32, dtype=torch.bfloat16)

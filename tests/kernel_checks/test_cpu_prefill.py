@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import cpu_prefill, reference
+import pdkernels
+from pdkernels import cpu_prefill, reference
 from tests.kernel_checks.test_reference import naive_prefill
 
 
@@ -59,8 +59,8 @@ def test_reduced_precision_is_as_close_to_float32_as_the_flash_kernel(dtype: tor
 
 def test_fp8_cache_is_dequantized_like_the_reference() -> None:
     kc, vc, table, _, _ = _paged(90, 16, 3, 32, torch.float32, seed=5)
-    kq, ks = kernels.quantize_kv_fp8(kc)
-    vq, vs = kernels.quantize_kv_fp8(vc)
+    kq, ks = pdkernels.quantize_kv_fp8(kc)
+    vq, vs = pdkernels.quantize_kv_fp8(vc)
     q = torch.randn(60, 9, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
     got = cpu_prefill.paged_prefill_attention(q, kq, vq, table, 30, 0.2, None, ks, vs)
     want = reference.paged_prefill_attention(q, kq, vq, table, 30, 0.2, None, ks, vs)
@@ -71,15 +71,15 @@ def test_the_wrappers_take_it_on_the_cpu_without_a_sliding_window() -> None:
     kc, vc, table, _, _ = _paged(80, 16, 2, 32, torch.float32, seed=8)
     q = torch.randn(50, 4, 32, generator=torch.Generator().manual_seed(9))
     fast = cpu_prefill.paged_prefill_attention(q, kc, vc, table, 30, 0.3)
-    assert torch.equal(kernels.paged_prefill_attention(q, kc, vc, table, 30, 0.3), fast)
+    assert torch.equal(pdkernels.paged_prefill_attention(q, kc, vc, table, 30, 0.3), fast)
     tables = torch.stack([table, table])
     cu, starts = torch.tensor([0, 20, 50], dtype=torch.int32), torch.tensor([0, 30], dtype=torch.int32)
-    packed = kernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, 0.3)
+    packed = pdkernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, 0.3)
     assert torch.equal(packed[20:], cpu_prefill.paged_prefill_attention(q[20:], kc, vc, table, 30, 0.3))
     assert torch.equal(packed[:20], cpu_prefill.paged_prefill_attention(q[:20], kc, vc, table, 0, 0.3))
     # a sliding window keeps the reference path
     assert not cpu_prefill.fits(q, 8)
-    assert torch.equal(kernels.paged_prefill_attention(q, kc, vc, table, 30, 0.3, 8),
+    assert torch.equal(pdkernels.paged_prefill_attention(q, kc, vc, table, 30, 0.3, 8),
                        reference.paged_prefill_attention(q, kc, vc, table, 30, 0.3, 8))
     with pytest.raises(ValueError, match="sliding windows"):
         cpu_prefill.paged_prefill_attention(q, kc, vc, table, 30, 0.3, 8)

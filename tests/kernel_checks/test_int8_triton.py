@@ -1,5 +1,5 @@
 """The Triton kernels on an int8 KV cache (one float32 scale per token and kv head) against the torch reference,
-calling :mod:`kernels.triton_kv`, :mod:`kernels.triton_prefill` (and through ``triton_kv``, :mod:`kernels.triton_int8`)
+calling :mod:`pdkernels.triton_kv`, :mod:`pdkernels.triton_prefill` (and through ``triton_kv``, :mod:`pdkernels.triton_int8`)
 directly: the store must give the reference's bytes and scales exactly, the attention kernels its results within the
 tolerances of the FP8 checks in ``test_triton_kernels.py``.
 
@@ -17,16 +17,16 @@ from types import ModuleType
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from tests.triton_route import triton_route
-from kernels import reference
+from pdkernels import reference
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-TRITON_MODULES = ("kernels.triton_int8", "kernels.triton_kv", "kernels.triton_prefill")
+TRITON_MODULES = ("pdkernels.triton_int8", "pdkernels.triton_kv", "pdkernels.triton_prefill")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,15 +36,15 @@ def triton_path() -> Iterator[None]:
 
 
 def _kv() -> ModuleType:
-    return importlib.import_module("kernels.triton_kv")
+    return importlib.import_module("pdkernels.triton_kv")
 
 
 def _int8() -> ModuleType:
-    return importlib.import_module("kernels.triton_int8")
+    return importlib.import_module("pdkernels.triton_int8")
 
 
 def _prefill() -> ModuleType:
-    return importlib.import_module("kernels.triton_prefill")
+    return importlib.import_module("pdkernels.triton_prefill")
 
 
 def _int8_cache(nb: int, bs: int, kvh: int, hd: int, seed: int) -> list[torch.Tensor]:
@@ -99,7 +99,7 @@ def test_store_kv_int8_is_bit_exact(bs: int, kvh: int, hd: int, dtype: torch.dty
     key[5].zero_()  # scale 1e-12, zeros
     value[6, 0] = torch.arange(hd) * 0.25 - 10  # scale 0.5 once 63.5 is in: ties at every odd multiple of 0.25
     value[6, 0, 1] = 63.5
-    kernels.store_kv_quantized(key, value, *mine, slots)  # the dispatch to kernels.triton_int8
+    pdkernels.store_kv_quantized(key, value, *mine, slots)  # the dispatch to pdkernels.triton_int8
     reference.store_kv_int8(key, value, *ref, slots)
     _same_bits(mine, ref)
     written = torch.zeros(nb * bs, dtype=torch.bool, device=DEVICE)

@@ -1,4 +1,4 @@
-"""The Triton MLA decode kernel (:mod:`kernels.triton_mla`) against the torch reference (:mod:`kernels.mla`), over
+"""The Triton MLA decode kernel (:mod:`pdkernels.triton_mla`) against the torch reference (:mod:`pdkernels.mla`), over
 plain, FP8 and int8 latent caches: odd and even latents (an odd one pads a value in the second plane), head counts
 below and above a program's head tile, block sizes, lengths 0 (a padded row), 1, and across tiles and blocks.
 Also the public wrapper's dispatch and argument checks, and the reference against a direct expanded computation.
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from tests.triton_route import triton_route
-from kernels import mla, reference
+from pdkernels import mla, reference
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-TRITON_MODULES = ("kernels.triton_int8", "kernels.triton_kv", "kernels.triton_mla")
+TRITON_MODULES = ("pdkernels.triton_int8", "pdkernels.triton_kv", "pdkernels.triton_mla")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,13 +35,13 @@ def triton_path() -> Iterator[None]:
 
 
 def _triton() -> ModuleType:
-    return importlib.import_module("kernels.triton_mla")
+    return importlib.import_module("pdkernels.triton_mla")
 
 
 def _latent_cache(nb: int, bs: int, rank: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype | None,
                   seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """Planes ``[k, v]`` (views of one ``[2, ...]`` tensor, as the engine's) with every slot written by
-    :func:`kernels.mla.store_latent` (the torch store), and their scales for a scaled ``kv_dtype``."""
+    :func:`pdkernels.mla.store_latent` (the torch store), and their scales for a scaled ``kv_dtype``."""
     g = torch.Generator().manual_seed(seed)
     plane = -(-(rank + rope) // 2)
     cache_dtype = kv_dtype or dtype

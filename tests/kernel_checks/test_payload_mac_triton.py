@@ -1,4 +1,4 @@
-"""The payload MAC's Triton row sums (kernels.triton_mac) against the torch reference (kernels.poly_mac), exactly:
+"""The payload MAC's Triton row sums (pdkernels.triton_mac) against the torch reference (pdkernels.poly_mac), exactly:
 lengths that are not a multiple of a row or of a program's rows, the empty payload, extreme bytes, and the byte views
 of fp8 / int8 / bf16 payloads; then whole tags through the dispatch, Triton against the reference.
 
@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from tests.triton_route import triton_route
-from kernels import poly_mac
-from kernels.poly_mac import P, ROW
+from pdkernels import poly_mac
+from pdkernels.poly_mac import P, ROW
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -26,12 +26,12 @@ DEVICE = "cuda" if CUDA else "cpu"
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    with triton_route("kernels.triton_mac"):
+    with triton_route("pdkernels.triton_mac"):
         yield
 
 
 def _triton():  # type: ignore[no-untyped-def]
-    return importlib.import_module("kernels.triton_mac")
+    return importlib.import_module("pdkernels.triton_mac")
 
 
 def _points(seed: int) -> tuple[poly_mac.Points, poly_mac.Points]:
@@ -77,5 +77,5 @@ def test_whole_tags_through_the_dispatch(n: int, monkeypatch: pytest.MonkeyPatch
     payload = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
     key = PartKey((12345678901234567 % P, P - 2), (5, P - 1))
     on_triton = payload_tag(payload.to(DEVICE), key)
-    monkeypatch.setattr(kernels, "uses_triton", lambda t: False)  # the reference path, on the CPU
+    monkeypatch.setattr(pdkernels, "uses_triton", lambda t: False)  # the reference path, on the CPU
     assert on_triton == payload_tag(payload, key)

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import pdkernels
+from pdkernels import reference
 
 
 def naive_decode(q, kc, vc, tables, lens, scale, window=None):  # type: ignore[no-untyped-def]
@@ -36,7 +36,7 @@ def test_paged_decode_attention_matches_naive(block_size: int, group: int, windo
     lens = torch.tensor([1, block_size - 1, block_size + 3, 3 * block_size], dtype=torch.int32)
     tables = torch.randperm(nb)[:16].view(4, 4).int()
     q = torch.randn(4, kvh * group, hd)
-    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 1 / math.sqrt(hd), window)
+    got = pdkernels.paged_decode_attention(q, kc, vc, tables, lens, 1 / math.sqrt(hd), window)
     torch.testing.assert_close(got, naive_decode(q, kc, vc, tables, lens, 1 / math.sqrt(hd), window),
                                rtol=1e-5, atol=1e-5)
 
@@ -47,8 +47,8 @@ def test_prefill_attention_with_context_matches_decode_per_token() -> None:
     kc, vc = torch.randn(10, bs, kvh, hd), torch.randn(10, bs, kvh, hd)
     table = torch.tensor([3, 7, 1], dtype=torch.int32)
     q = torch.randn(5, 4, hd)  # positions 12..16
-    got = kernels.paged_prefill_attention(q, kc, vc, table, 12, 0.25)
-    per_token = kernels.paged_decode_attention(q, kc, vc, table.repeat(5, 1),
+    got = pdkernels.paged_prefill_attention(q, kc, vc, table, 12, 0.25)
+    per_token = pdkernels.paged_decode_attention(q, kc, vc, table.repeat(5, 1),
                                                torch.arange(13, 18, dtype=torch.int32), 0.25)
     torch.testing.assert_close(got, per_token, rtol=1e-5, atol=1e-5)
 
@@ -56,23 +56,23 @@ def test_prefill_attention_with_context_matches_decode_per_token() -> None:
 def test_store_kv_skips_minus_one_and_pack_unpack_round_trip() -> None:
     kc, vc = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
-    kernels.store_kv(key, value, kc, vc, torch.tensor([5, -1, 12]))
+    pdkernels.store_kv(key, value, kc, vc, torch.tensor([5, -1, 12]))
     assert torch.equal(kc[1, 1], key[0]) and torch.equal(vc[3, 0], value[2])
     assert int((kc != 0).any(-1).any(-1).sum()) == 2  # the -1 token wrote nothing
     ids = torch.tensor([3, 1])
-    buf = kernels.pack_blocks(kc, vc, ids)
+    buf = pdkernels.pack_blocks(kc, vc, ids)
     assert buf.shape == (2, 2, 4, 2, 8)
     k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
-    kernels.unpack_blocks(buf, k2, v2, ids)
+    pdkernels.unpack_blocks(buf, k2, v2, ids)
     assert torch.equal(k2[ids], kc[ids]) and torch.equal(v2[ids], vc[ids]) and not k2[0].any()
 
 
 def test_fp8_round_trip_error_bound() -> None:
     torch.manual_seed(2)
     x = torch.randn(6, 16, 2, 64) * torch.rand(6, 1, 2, 1) * 10
-    q, scales = kernels.quantize_kv_fp8(x)
+    q, scales = pdkernels.quantize_kv_fp8(x)
     assert q.dtype == torch.float8_e4m3fn and scales.shape == (6, 2)
-    back = kernels.dequantize_kv_fp8(q, scales, torch.float32)
+    back = pdkernels.dequantize_kv_fp8(q, scales, torch.float32)
     amax = x.abs().amax(dim=(1, 3), keepdim=True).transpose(1, 2)  # per (block, head)
     err = (back - x).abs().transpose(1, 2)
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of the value, plus subnormal slack near zero
@@ -82,25 +82,25 @@ def test_fp8_round_trip_error_bound() -> None:
 def test_wrappers_name_the_bad_argument() -> None:
     kc = torch.zeros(4, 8, 2, 16)
     with pytest.raises(ValueError, match="q"):
-        kernels.paged_decode_attention(torch.zeros(2, 3, 16), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
+        pdkernels.paged_decode_attention(torch.zeros(2, 3, 16), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
                                        torch.ones(2, dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="seq_lens"):
-        kernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
+        pdkernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, torch.zeros(2, 1, dtype=torch.int32),
                                        torch.tensor([9, 1], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="slot_mapping"):
-        kernels.store_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), kc, kc, torch.zeros(3))
+        pdkernels.store_kv(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), kc, kc, torch.zeros(3))
     with pytest.raises(ValueError, match="v_cache"):
-        kernels.pack_blocks(kc, torch.zeros(4, 8, 2, 8), torch.tensor([0]))
+        pdkernels.pack_blocks(kc, torch.zeros(4, 8, 2, 8), torch.tensor([0]))
     with pytest.raises(ValueError, match="k_cache"):  # a block that is not contiguous
-        kernels.pack_blocks(kc.transpose(2, 3), kc.transpose(2, 3), torch.tensor([0]))
+        pdkernels.pack_blocks(kc.transpose(2, 3), kc.transpose(2, 3), torch.tensor([0]))
     q8 = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="k_scales"):  # an FP8 cache without its scales
-        kernels.paged_decode_attention(torch.zeros(2, 4, 16), q8, q8, torch.zeros(2, 1, dtype=torch.int32),
+        pdkernels.paged_decode_attention(torch.zeros(2, 4, 16), q8, q8, torch.zeros(2, 1, dtype=torch.int32),
                                        torch.ones(2, dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="store_kv_quantized"):
-        kernels.store_kv(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), q8, q8, torch.zeros(1, dtype=torch.long))
+        pdkernels.store_kv(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), q8, q8, torch.zeros(1, dtype=torch.long))
     with pytest.raises(ValueError, match="v_scales"):
-        kernels.store_kv_quantized(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), q8, q8, torch.zeros(4, 2),
+        pdkernels.store_kv_quantized(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), q8, q8, torch.zeros(4, 2),
                                    torch.zeros(4, 3), torch.zeros(1, dtype=torch.long))
 
 
@@ -115,27 +115,27 @@ def test_store_kv_quantized_fixes_a_block_scale_at_its_first_write() -> None:
     vq = kq.clone()
     ks, vs = torch.ones(3, 2), torch.ones(3, 2)
     first = torch.randn(2, 2, 8)
-    kernels.store_kv_quantized(first, -first, kq, vq, ks, vs, torch.tensor([4, 5]))  # opens block 1: slots 0-1
+    pdkernels.store_kv_quantized(first, -first, kq, vq, ks, vs, torch.tensor([4, 5]))  # opens block 1: slots 0-1
     opened = first.abs().amax(dim=(0, 2)) * reference.FP8_HEADROOM / 448
     assert torch.equal(ks[1], opened) and torch.equal(vs[1], opened) and torch.equal(ks[0], torch.ones(2))
-    back = kernels.dequantize_kv_fp8(kq, ks, torch.float32)
+    back = pdkernels.dequantize_kv_fp8(kq, ks, torch.float32)
     assert torch.equal(back[1, :2], _e4m3(first, opened))
     assert torch.equal(kq[1, 2:].float(), torch.full((2, 2, 8), 7.0))  # only written slots change
     assert torch.equal(back[0], torch.full((4, 2, 8), 7.0))  # untouched blocks keep their bytes
     before = kq[1, :2].clone()
     big = first[:1] * 10  # larger than the opening tokens, within the headroom: the scale stays, nothing re-rounds
     huge = first[1:] * 1000  # beyond it: saturates at +-448 x scale
-    kernels.store_kv_quantized(torch.cat((big, huge)), torch.cat((big, huge)), kq, vq, ks, vs, torch.tensor([6, 7]))
+    pdkernels.store_kv_quantized(torch.cat((big, huge)), torch.cat((big, huge)), kq, vq, ks, vs, torch.tensor([6, 7]))
     assert torch.equal(ks[1], opened) and torch.equal(kq[1, :2].view(torch.uint8), before.view(torch.uint8))
-    back = kernels.dequantize_kv_fp8(kq, ks, torch.float32)
+    back = pdkernels.dequantize_kv_fp8(kq, ks, torch.float32)
     assert torch.equal(back[1, 2:], _e4m3(torch.cat((big, huge)), opened))
     assert torch.equal(back[1, 3].abs().amax(dim=1), opened * 448)
-    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([-1]))  # skipped: nothing changes
-    assert torch.equal(kernels.dequantize_kv_fp8(kq, ks, torch.float32), back)
-    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([4]))  # offset 0 again: the block reopens
+    pdkernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([-1]))  # skipped: nothing changes
+    assert torch.equal(pdkernels.dequantize_kv_fp8(kq, ks, torch.float32), back)
+    pdkernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([4]))  # offset 0 again: the block reopens
     assert torch.equal(ks[1], big.abs().amax(dim=(0, 2)) * reference.FP8_HEADROOM / 448)
     ks[2] = 0.0  # a K scale never opened, written mid-block, takes its scale from that write; V keeps its own
-    kernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([9]))
+    pdkernels.store_kv_quantized(big, big, kq, vq, ks, vs, torch.tensor([9]))
     assert torch.equal(ks[2], big.abs().amax(dim=(0, 2)) * reference.FP8_HEADROOM / 448) and torch.equal(vs[2], torch.ones(2))
 
 
@@ -145,11 +145,11 @@ def test_store_kv_quantized_bytes_do_not_depend_on_how_later_tokens_are_split() 
     key, value = torch.randn(12, 2, 8), torch.randn(12, 2, 8) * 3
     one = [torch.zeros(3, 8, 2, 8, dtype=torch.float8_e4m3fn) for _ in range(2)] + [torch.zeros(3, 2) for _ in range(2)]
     many = [t.clone() for t in one]
-    kernels.store_kv_quantized(key[:3], value[:3], *one, torch.arange(3))
-    kernels.store_kv_quantized(key[:3], value[:3], *many, torch.arange(3))
-    kernels.store_kv_quantized(key[3:], value[3:], *one, torch.arange(3, 12))
+    pdkernels.store_kv_quantized(key[:3], value[:3], *one, torch.arange(3))
+    pdkernels.store_kv_quantized(key[:3], value[:3], *many, torch.arange(3))
+    pdkernels.store_kv_quantized(key[3:], value[3:], *one, torch.arange(3, 12))
     for a, b in ((3, 4), (4, 8), (8, 12)):
-        kernels.store_kv_quantized(key[a:b], value[a:b], *many, torch.arange(a, b))
+        pdkernels.store_kv_quantized(key[a:b], value[a:b], *many, torch.arange(a, b))
     assert torch.equal(one[0].view(torch.uint8), many[0].view(torch.uint8))
     assert torch.equal(one[1].view(torch.uint8), many[1].view(torch.uint8))
     assert torch.equal(one[2], many[2]) and torch.equal(one[3], many[3])
@@ -172,7 +172,7 @@ def test_store_kv_int8_rounds_each_token_once_with_its_own_scale() -> None:
     vq = kq.clone()
     ks, vs = torch.ones(3, 4, 2), torch.ones(3, 4, 2)
     key = torch.randn(3, 2, 8) * torch.tensor([0.01, 100.0])[None, :, None]  # heads of very different magnitudes
-    kernels.store_kv_quantized(key, -key, kq, vq, ks, vs, torch.tensor([4, -1, 9]))
+    pdkernels.store_kv_quantized(key, -key, kq, vq, ks, vs, torch.tensor([4, -1, 9]))
     for slot, row in ((4, key[0]), (9, key[2])):
         b, o = divmod(slot, 4)
         want = row.abs().amax(dim=1) / 127
@@ -184,15 +184,15 @@ def test_store_kv_int8_rounds_each_token_once_with_its_own_scale() -> None:
     untouched[1, 0] = untouched[2, 1] = False
     assert (kq[untouched] == 7).all() and (ks[untouched] == 1).all()
     before = kq.clone(), ks.clone()
-    kernels.store_kv_quantized(key[:1] * 1000, key[:1], kq, vq, ks, vs, torch.tensor([5]))  # a far larger token
+    pdkernels.store_kv_quantized(key[:1] * 1000, key[:1], kq, vq, ks, vs, torch.tensor([5]))  # a far larger token
     assert torch.equal(kq[1, 0], before[0][1, 0]) and torch.equal(ks[1, 0], before[1][1, 0])  # no re-rounding
     zero = torch.zeros(1, 2, 8)  # an all-zero row: a tiny scale, zeros back
-    kernels.store_kv_quantized(zero, zero, kq, vq, ks, vs, torch.tensor([0]))
+    pdkernels.store_kv_quantized(zero, zero, kq, vq, ks, vs, torch.tensor([0]))
     assert (kq[0, 0] == 0).all() and (ks[0, 0] > 0).all()
     with pytest.raises(ValueError, match="k_scales"):  # int8 scales are per token: a per-block tensor is refused
-        kernels.store_kv_quantized(key, key, kq, vq, torch.ones(3, 2), torch.ones(3, 2), torch.tensor([0, 1, 2]))
+        pdkernels.store_kv_quantized(key, key, kq, vq, torch.ones(3, 2), torch.ones(3, 2), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="store_kv_quantized"):
-        kernels.store_kv(key, key, kq, vq, torch.tensor([0, 1, 2]))
+        pdkernels.store_kv(key, key, kq, vq, torch.tensor([0, 1, 2]))
 
 
 def test_int8_decode_and_prefill_attention_read_the_dequantized_cache() -> None:
@@ -201,18 +201,18 @@ def test_int8_decode_and_prefill_attention_read_the_dequantized_cache() -> None:
     nb, bs, kvh, hd, heads = 8, 4, 2, 16, 4
     kq, vq = torch.zeros(nb, bs, kvh, hd, dtype=torch.int8), torch.zeros(nb, bs, kvh, hd, dtype=torch.int8)
     ks, vs = torch.zeros(nb, bs, kvh), torch.zeros(nb, bs, kvh)
-    kernels.store_kv_quantized(torch.randn(nb * bs, kvh, hd), torch.randn(nb * bs, kvh, hd), kq, vq, ks, vs,
+    pdkernels.store_kv_quantized(torch.randn(nb * bs, kvh, hd), torch.randn(nb * bs, kvh, hd), kq, vq, ks, vs,
                                torch.arange(nb * bs))
     all_blocks = torch.arange(nb)
     kf = reference.gather_blocks(kq, all_blocks, ks, torch.float32)
     vf = reference.gather_blocks(vq, all_blocks, vs, torch.float32)
     q = torch.randn(2, heads, hd)
     tables, lens = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32), torch.tensor([13, 7], dtype=torch.int32)
-    got = kernels.paged_decode_attention(q, kq, vq, tables, lens, 0.25, None, ks, vs)
+    got = pdkernels.paged_decode_attention(q, kq, vq, tables, lens, 0.25, None, ks, vs)
     torch.testing.assert_close(got, naive_decode(q, kf, vf, tables, lens, 0.25), atol=1e-5, rtol=1e-5)
     qp = torch.randn(5, heads, hd)
-    got = kernels.paged_prefill_attention(qp, kq, vq, tables[1], 3, 0.25, None, ks, vs)
-    want = kernels.paged_prefill_attention(qp, kf, vf, tables[1], 3, 0.25)
+    got = pdkernels.paged_prefill_attention(qp, kq, vq, tables[1], 3, 0.25, None, ks, vs)
+    want = pdkernels.paged_prefill_attention(qp, kf, vf, tables[1], 3, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -243,12 +243,12 @@ def test_prefill_attention_varlen_matches_dense_causal(block_size: int, group: i
     for s, (start, n) in enumerate(chunks):  # the whole context, prefix and chunk, stored through the paged cache
         k, v = torch.randn(start + n, kvh, hd), torch.randn(start + n, kvh, hd)
         slots = torch.tensor([int(tables[s, p // block_size]) * block_size + p % block_size for p in range(start + n)])
-        kernels.store_kv(k, v, kc, vc, slots)
+        pdkernels.store_kv(k, v, kc, vc, slots)
         seqs.append((k, v))
     q = torch.randn(sum(n for _, n in chunks), kvh * group, hd)
     cu = torch.tensor([0, *itertools.accumulate(n for _, n in chunks)], dtype=torch.int32)
     starts = torch.tensor([s for s, _ in chunks], dtype=torch.int32)
-    got = kernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, 0.3, window)
+    got = pdkernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, 0.3, window)
     want = torch.cat([naive_prefill(q[cu[s] : cu[s + 1]], k, v, chunks[s][0], 0.3, window)
                       for s, (k, v) in enumerate(seqs)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -260,18 +260,18 @@ def test_decode_attention_zero_length_rows_give_zeros() -> None:
     kc, vc = torch.randn(6, 8, 2, 16), torch.randn(6, 8, 2, 16)
     tables = torch.tensor([[1, 2], [0, 0], [3, 4]], dtype=torch.int32)
     q = torch.randn(3, 4, 16)
-    out = kernels.paged_decode_attention(q, kc, vc, tables, torch.tensor([9, 0, 3], dtype=torch.int32), 0.25)
+    out = pdkernels.paged_decode_attention(q, kc, vc, tables, torch.tensor([9, 0, 3], dtype=torch.int32), 0.25)
     assert not out[1].any() and bool(out.isfinite().all()) and out[0].abs().sum() > 0
-    out = kernels.paged_decode_attention(q, kc, vc, tables, torch.zeros(3, dtype=torch.int32), 0.25)
+    out = pdkernels.paged_decode_attention(q, kc, vc, tables, torch.zeros(3, dtype=torch.int32), 0.25)
     assert not out.any()
 
 
 def test_decode_num_splits_fills_the_device_and_depends_on_shapes_only() -> None:
-    assert kernels.decode_num_splits(256, 8, 4096) == 1  # the batch already fills the device
-    assert kernels.decode_num_splits(1, 8, 4096) == 16  # 8 programs -> 16 splits of 256 tokens
-    assert kernels.decode_num_splits(4, 8, 4096) == 9
-    assert kernels.decode_num_splits(1, 8, 300) == 1  # too short to split
-    assert kernels.decode_num_splits(0, 8, 0) == 1
+    assert pdkernels.decode_num_splits(256, 8, 4096) == 1  # the batch already fills the device
+    assert pdkernels.decode_num_splits(1, 8, 4096) == 16  # 8 programs -> 16 splits of 256 tokens
+    assert pdkernels.decode_num_splits(4, 8, 4096) == 9
+    assert pdkernels.decode_num_splits(1, 8, 300) == 1  # too short to split
+    assert pdkernels.decode_num_splits(0, 8, 0) == 1
 
 
 def test_varlen_wrapper_names_the_bad_argument() -> None:
@@ -279,36 +279,36 @@ def test_varlen_wrapper_names_the_bad_argument() -> None:
     q = torch.zeros(5, 4, 16)
     tables = torch.zeros(2, 2, dtype=torch.int32)
     good = (torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
-    assert kernels.paged_prefill_attention_varlen(q, kc, kc, tables, *good, 1.0).shape == q.shape
+    assert pdkernels.paged_prefill_attention_varlen(q, kc, kc, tables, *good, 1.0).shape == q.shape
     for cu, starts, name in [((0, 2, 4), (0, 3), "cu_seqlens_q"), ((0, 2), (0, 3), "cu_seqlens_q"),
                              ((0, 3, 2), (0, 3), "cu_seqlens_q"), ((0, 2, 5), (-1, 3), "start_pos"),
                              ((0, 2, 5), (0, 14), "block_tables")]:
         with pytest.raises(ValueError, match=name):
-            kernels.paged_prefill_attention_varlen(q, kc, kc, tables, torch.tensor(cu, dtype=torch.int32),
+            pdkernels.paged_prefill_attention_varlen(q, kc, kc, tables, torch.tensor(cu, dtype=torch.int32),
                                                    torch.tensor(starts, dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="max_seqlen_q"):
-        kernels.paged_prefill_attention_varlen(q, kc, kc, tables, *good, 1.0, max_seqlen_q=2)
+        pdkernels.paged_prefill_attention_varlen(q, kc, kc, tables, *good, 1.0, max_seqlen_q=2)
     with pytest.raises(ValueError, match="num_splits"):
-        kernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, tables, torch.ones(2, dtype=torch.int32), 1.0,
+        pdkernels.paged_decode_attention(torch.zeros(2, 4, 16), kc, kc, tables, torch.ones(2, dtype=torch.int32), 1.0,
                                        num_splits=0)
 
 
 @pytest.mark.parametrize("dtype,window", [(torch.float32, None), (torch.float32, 4), (torch.bfloat16, None),
                                           (torch.bfloat16, 6)])
 def test_a_decode_plan_gives_what_each_call_computes_itself(dtype: torch.dtype, window: int | None) -> None:
-    """The model computes the gather ids and mask once per step (``kernels.decode_plan``) for every layer: the same
+    """The model computes the gather ids and mask once per step (``pdkernels.decode_plan``) for every layer: the same
     bits as a call that computes them itself, on the reference (float32) and the CPU bmm path, padded rows too."""
     torch.manual_seed(6)
     kc, vc = torch.randn(12, 8, 3, 16).to(dtype), torch.randn(12, 8, 3, 16).to(dtype)
     tables = torch.randperm(12)[:9].view(3, 3).int()
     lens = torch.tensor([17, 0, 5], dtype=torch.int32)
     q = torch.randn(3, 6, 16).to(dtype)
-    plan = kernels.decode_plan(kc, tables, lens, window)
+    plan = pdkernels.decode_plan(kc, tables, lens, window)
     assert plan is not None and plan.ctx == 24 and plan.has_empty
-    got = kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window, plan=plan)
-    assert torch.equal(got, kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window))
+    got = pdkernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window, plan=plan)
+    assert torch.equal(got, pdkernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, window))
     assert not got[1].any() and got[0].abs().sum() > 0
     with pytest.raises(ValueError, match="plan"):
-        kernels.paged_decode_attention(q[:2], kc, vc, tables[:2], lens[:2], 0.25, window, plan=plan)
+        pdkernels.paged_decode_attention(q[:2], kc, vc, tables[:2], lens[:2], 0.25, window, plan=plan)
     with pytest.raises(ValueError, match="seq_lens"):
-        kernels.decode_plan(kc, tables, torch.tensor([25, 0, 5], dtype=torch.int32), window)
+        pdkernels.decode_plan(kc, tables, torch.tensor([25, 0, 5], dtype=torch.int32), window)

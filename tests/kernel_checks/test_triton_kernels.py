@@ -1,4 +1,4 @@
-"""The Triton kernels against the torch reference, through the public ``kernels`` functions.
+"""The Triton kernels against the torch reference, through the public ``pdkernels`` functions.
 
 On a CUDA machine they run on the device (bfloat16 included); here they run under ``TRITON_INTERPRET=1``, set only
 for this module's tests, and bfloat16 is skipped (the interpreter computes it wrongly). The CI grid covers head_dim
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from tests.triton_route import triton_route
-from kernels import reference
+from pdkernels import reference
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -28,7 +28,7 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    with triton_route("kernels.triton_kv", "kernels.triton_prefill"):
+    with triton_route("pdkernels.triton_kv", "pdkernels.triton_prefill"):
         yield
 
 
@@ -49,7 +49,7 @@ def _decode_case(hd: int, bs: int, group: int, dtype: torch.dtype, window: int |
     perm = torch.randperm(nb, generator=torch.Generator().manual_seed(3))
     tables = perm[: len(lens_t) * width].view(len(lens_t), width).int().to(DEVICE)
     q = torch.randn(len(lens_t), kvh * group, hd, generator=torch.Generator().manual_seed(4)).to(dtype).to(DEVICE)
-    got = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, 1 / math.sqrt(hd), window)
+    got = pdkernels.paged_decode_attention(q, kc, vc, tables, lens_t, 1 / math.sqrt(hd), window)
     want = reference.paged_decode_attention(q.float(), kc.float(), vc.float(), tables, lens_t, 1 / math.sqrt(hd),
                                             window)
     assert got.dtype == dtype and got.shape == q.shape
@@ -81,11 +81,11 @@ def test_paged_decode_attention_sliding_window(window: int) -> None:
 def test_paged_decode_attention_fp8_cache_matches_dequantized_reference() -> None:
     bs, kvh, hd, nb = 16, 2, 64, 12
     kc, vc = _cache(nb, bs, kvh, hd, torch.float32, seed=9)
-    (kq, ks), (vq, vs) = kernels.quantize_kv_fp8(kc), kernels.quantize_kv_fp8(vc)
+    (kq, ks), (vq, vs) = pdkernels.quantize_kv_fp8(kc), pdkernels.quantize_kv_fp8(vc)
     lens = torch.tensor([5, 33], dtype=torch.int32, device=DEVICE)
     tables = torch.tensor([[3, 0, 7], [11, 2, 5]], dtype=torch.int32, device=DEVICE)
     q = torch.randn(2, kvh * 4, hd, device=DEVICE)
-    got = kernels.paged_decode_attention(q, kq, vq, tables, lens, 0.125, None, ks, vs)
+    got = pdkernels.paged_decode_attention(q, kq, vq, tables, lens, 0.125, None, ks, vs)
     want = reference.paged_decode_attention(q, reference.dequantize_kv_fp8(kq, ks, torch.float32),
                                             reference.dequantize_kv_fp8(vq, vs, torch.float32), tables, lens, 0.125)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
@@ -101,7 +101,7 @@ def test_store_kv_matches_reference_and_skips_minus_one(bs: int, hd: int, dtype:
     value = torch.randn(6, 2, hd, generator=g).to(dtype).to(DEVICE)
     slots = torch.tensor([3, -1, bs, bs + 1, 9 * bs + bs - 1, -1], device=DEVICE)
     before = kc.clone()
-    kernels.store_kv(key, value, kc, vc, slots)
+    pdkernels.store_kv(key, value, kc, vc, slots)
     reference.store_kv(key, value, k_ref, v_ref, slots)
     assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)
     assert int((kc != before).any(-1).any(-1).sum()) <= 4  # the -1 tokens wrote nothing
@@ -112,11 +112,11 @@ def test_store_kv_matches_reference_and_skips_minus_one(bs: int, hd: int, dtype:
 def test_pack_unpack_exact_round_trip(bs: int, dtype: torch.dtype) -> None:
     kc, vc = _cache(12, bs, 2, 64, dtype, seed=bs + 1)
     ids = torch.tensor([7, 0, 11, 3], device=DEVICE)
-    buf = kernels.pack_blocks(kc, vc, ids)
+    buf = pdkernels.pack_blocks(kc, vc, ids)
     assert torch.equal(buf, reference.pack_blocks(kc, vc, ids))
     k2, v2 = torch.zeros_like(kc), torch.zeros_like(vc)
     dst = torch.tensor([1, 2, 9, 4], device=DEVICE)
-    kernels.unpack_blocks(buf, k2, v2, dst)
+    pdkernels.unpack_blocks(buf, k2, v2, dst)
     assert torch.equal(k2[dst], kc[ids]) and torch.equal(v2[dst], vc[ids])
     untouched = torch.ones(12, dtype=torch.bool, device=DEVICE)
     untouched[dst] = False
@@ -128,10 +128,10 @@ def test_pack_unpack_exact_round_trip(bs: int, dtype: torch.dtype) -> None:
 def test_fp8_quantize_is_bit_exact_and_round_trip_bounded(scale: float, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(6)
     x = (torch.randn(8, 16, 2, 64, generator=g) * scale).to(dtype).to(DEVICE)
-    q, s = kernels.quantize_kv_fp8(x)
+    q, s = pdkernels.quantize_kv_fp8(x)
     q_ref, s_ref = reference.quantize_kv_fp8(x)
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    back = kernels.dequantize_kv_fp8(q, s, torch.float32)
+    back = pdkernels.dequantize_kv_fp8(q, s, torch.float32)
     assert torch.equal(back, reference.dequantize_kv_fp8(q_ref, s_ref, torch.float32))
     amax = x.float().abs().amax(dim=(1, 3))[:, None, :, None]
     assert bool(((back - x.float()).abs() <= x.float().abs() / 16 + amax * 2**-9).all())
@@ -160,7 +160,7 @@ def _varlen_case(hd: int, bs: int, group: int, dtype: torch.dtype, window: int |
         v_ref = reference.dequantize_kv_fp8(vc, vs, torch.float32)
     else:
         k_ref, v_ref = kc.float(), vc.float()
-    got = kernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, hd**-0.5, window, *scales,
+    got = pdkernels.paged_prefill_attention_varlen(q, kc, vc, tables, cu, starts, hd**-0.5, window, *scales,
                                                  max_seqlen_q=max(lens) if pass_max else None)
     want = reference.paged_prefill_attention_varlen(q.float(), k_ref, v_ref, tables, cu, starts, hd**-0.5, window)
     assert got.dtype == dtype and got.shape == q.shape
@@ -203,8 +203,8 @@ def test_split_k_decode_matches_single_pass(splits: int, window: int | None) -> 
     tables = torch.randperm(len(lens) * width, generator=torch.Generator().manual_seed(2)).view(len(lens), width)
     tables = tables.int().to(DEVICE)
     q = torch.randn(len(lens), kvh * group, hd, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    one = kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125, window, num_splits=1)
-    split = kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125, window, num_splits=splits)
+    one = pdkernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125, window, num_splits=1)
+    split = pdkernels.paged_decode_attention(q, kc, vc, tables, lens, 0.125, window, num_splits=splits)
     assert not one[0].any() and not split[0].any() and bool(split.isfinite().all())
     torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split, reference.paged_decode_attention(q, kc, vc, tables, lens, 0.125, window),
@@ -219,7 +219,7 @@ def test_decode_all_padding_rows_give_zeros_fp8_and_half(splits: int) -> None:
     lens = torch.zeros(3, dtype=torch.int32, device=DEVICE)
     q = torch.randn(3, 8, 64, device=DEVICE).half()
     for args in ((kc.half(), vc.half()), (k8, v8, None, ks, vs)):
-        out = kernels.paged_decode_attention(q, args[0], args[1], tables, lens, 0.125, *args[2:], num_splits=splits)
+        out = pdkernels.paged_decode_attention(q, args[0], args[1], tables, lens, 0.125, *args[2:], num_splits=splits)
         assert out.dtype == torch.float16 and not out.any()
 
 
@@ -231,7 +231,7 @@ def test_split_k_decode_fp8_cache(splits: int) -> None:
     lens = torch.tensor([150, 3], dtype=torch.int32, device=DEVICE)
     tables = torch.arange(24, dtype=torch.int32, device=DEVICE).flip(0).view(1, 24).repeat(2, 1)
     q = torch.randn(2, kvh * 4, hd, device=DEVICE)
-    got = kernels.paged_decode_attention(q, k8, v8, tables, lens, 0.125, None, ks, vs, num_splits=splits)
+    got = pdkernels.paged_decode_attention(q, k8, v8, tables, lens, 0.125, None, ks, vs, num_splits=splits)
     want = reference.paged_decode_attention(q, reference.dequantize_kv_fp8(k8, ks, torch.float32),
                                             reference.dequantize_kv_fp8(v8, vs, torch.float32), tables, lens, 0.125)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
@@ -256,13 +256,13 @@ def test_store_kv_quantized_is_bit_exact(bs: int, dtype: torch.dtype) -> None:
         key = (torch.randn(n, kvh, hd, generator=g) * (1 + 40 * i)).to(dtype).to(DEVICE)
         value = torch.randn(n, kvh, hd, generator=g).to(dtype).to(DEVICE)
         slot_t = torch.tensor(slots, device=DEVICE)
-        kernels.store_kv_quantized(key, value, mine[0], mine[1], mine[2], mine[3], slot_t)
+        pdkernels.store_kv_quantized(key, value, mine[0], mine[1], mine[2], mine[3], slot_t)
         reference.store_kv_quantized(key, value, ref[0], ref[1], ref[2], ref[3], slot_t)
         for a, b in zip(mine, ref):
             assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                                b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), f"call {i}"
     assert mine[0].float().abs().max() == 448  # some key saturated: the test covers the clamp
-    assert kernels.triton_kv.FP8_HEADROOM == reference.FP8_HEADROOM
+    assert pdkernels.triton_kv.FP8_HEADROOM == reference.FP8_HEADROOM
 
 
 def test_store_kv_many_tokens_odd_row() -> None:
@@ -273,6 +273,6 @@ def test_store_kv_many_tokens_odd_row() -> None:
     slots[5] = -1
     qkv = torch.randn(40, 3 * 64 * 3, device=DEVICE).half()  # key/value as strided views, like the engine's
     key, value = qkv[:, 192:384].view(40, 3, 64), qkv[:, 384:].view(40, 3, 64)
-    kernels.store_kv(key, value, kc, vc, slots)
+    pdkernels.store_kv(key, value, kc, vc, slots)
     reference.store_kv(key, value, k_ref, v_ref, slots)
     assert torch.equal(kc, k_ref) and torch.equal(vc, v_ref)

@@ -1,5 +1,5 @@
-"""The fused MoE Triton kernel (:mod:`kernels.triton_moe`) against the torch grouped path (:mod:`kernels.grouped_moe`,
-its ground truth), through :func:`kernels.fused_moe`: odd sizes, top-1 to top-all, experts that get no token, one
+"""The fused MoE Triton kernel (:mod:`pdkernels.triton_moe`) against the torch grouped path (:mod:`pdkernels.grouped_moe`,
+its ground truth), through :func:`pdkernels.fused_moe`: odd sizes, top-1 to top-all, experts that get no token, one
 token, a prefill-sized batch (the tall blocks), both activations, float32 and float16 (bfloat16 on a GPU only: the
 interpreter computes it wrongly); and the alignment's invariants.
 
@@ -15,9 +15,9 @@ from types import ModuleType
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from tests.triton_route import triton_route
-from kernels import grouped_moe
+from pdkernels import grouped_moe
 
 pytest.importorskip("triton")
 CUDA = torch.cuda.is_available()
@@ -28,12 +28,12 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_path() -> Iterator[None]:
-    with triton_route("kernels.triton_moe"):
+    with triton_route("pdkernels.triton_moe"):
         yield
 
 
 def _moe() -> ModuleType:
-    return importlib.import_module("kernels.triton_moe")
+    return importlib.import_module("pdkernels.triton_moe")
 
 
 def _case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int
@@ -58,7 +58,7 @@ SHAPES = [(1, 5, 2, 24, 20), (7, 7, 3, 33, 17), (3, 6, 6, 40, 70), (50, 8, 2, 65
 def test_fused_moe_matches_grouped(dtype: torch.dtype, t: int, e: int, k: int, h: int, i: int) -> None:
     x, gate_up, down, ids, w = _case(t, e, k, h, i, dtype, seed=t * 31 + e)
     act = "silu" if t % 2 else "gelu_pytorch_tanh"
-    got = kernels.fused_moe(x, gate_up, down, ids, w, act)
+    got = pdkernels.fused_moe(x, gate_up, down, ids, w, act)
     ref = grouped_moe.grouped_moe(x.float().cpu(), gate_up.float().cpu(), down.float().cpu(), ids.cpu(), w.cpu(), act)
     assert got.dtype == dtype and got.shape == (t, h)
     torch.testing.assert_close(got.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from engine import LLM, SamplingParams
 from engine.grammar_spec import GrammarSpec
 from engine.kv_cache_manager import cdiv
@@ -65,7 +65,7 @@ def hand_off_equals_colocated(folder: str, params: SamplingParams) -> None:
             logical = s.export_range(bs)
             src_ids = torch.tensor([s.seq.block_table[j] for j in logical])
             dst_ids = torch.tensor([reserved[s.seq.request_id][j] for j in logical])
-            kernels.unpack_blocks(kernels.pack_blocks(src[0], src[1], src_ids), dst[0], dst[1], dst_ids)
+            pdkernels.unpack_blocks(pdkernels.pack_blocks(src[0], src[1], src_ids), dst[0], dst[1], dst_ids)
 
     results = {}
     for i, p in enumerate(prompts()):

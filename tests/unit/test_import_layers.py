@@ -40,9 +40,9 @@ def test_the_repository_passes(capsys: pytest.CaptureFixture[str]) -> None:
 def test_graph_prints_the_layers_and_downward_edges(capsys: pytest.CaptureFixture[str]) -> None:
     assert check.main(["--graph", "--root", str(ROOT)]) == 0
     out = capsys.readouterr().out
-    assert "layer 0: kernels" in out and "layer 2: wire" in out
-    assert "engine -> kernels" in out and "kv_transfer -> wire" in out and "worker actor -> decode_worker" in out
-    assert "wire -> proxy" not in out and "kernels -> engine" not in out
+    assert "layer 0: pdkernels" in out and "layer 2: wire" in out
+    assert "engine -> pdkernels" in out and "kv_transfer -> wire" in out and "worker actor -> decode_worker" in out
+    assert "wire -> proxy" not in out and "pdkernels -> engine" not in out
 
 
 def test_a_lazy_upward_import_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -70,25 +70,25 @@ def test_tiny_tree_relative_and_unplaced(tmp_path: Path, capsys: pytest.CaptureF
     for package in check.PACKAGES:
         (tmp_path / package).mkdir()
         (tmp_path / package / "__init__.py").write_text("")
-    (tmp_path / "engine" / "ok.py").write_text("import kernels\n")
-    (tmp_path / "kernels" / "ops.py").write_text("x = 1\n")
+    (tmp_path / "engine" / "ok.py").write_text("import pdkernels\n")
+    (tmp_path / "pdkernels" / "ops.py").write_text("x = 1\n")
     assert check.main(["--root", str(tmp_path)]) == 0
-    (tmp_path / "kernels" / "bad.py").write_text("import os\n\n\nfrom ..engine import ok\n")  # relative, runs up
+    (tmp_path / "pdkernels" / "bad.py").write_text("import os\n\n\nfrom ..engine import ok\n")  # relative, runs up
     (tmp_path / "cluster" / "stray.py").write_text("from cluster.wire import x\n")  # cluster.stray: the CLI's room
     (tmp_path / "cluster" / "wire").mkdir()
     (tmp_path / "cluster" / "wire" / "__init__.py").write_text("from . import nothing\n")
     assert check.main(["--root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "kernels/bad.py:4: kernels.bad (room 'kernels', layer 0) imports engine.ok (room 'engine', layer 1)" in err
+    assert "pdkernels/bad.py:4: pdkernels.bad (room 'pdkernels', layer 0) imports engine.ok (room 'engine', layer 1)" in err
     assert "cluster/stray.py" not in err and "cluster/wire/__init__.py" not in err
     assert "1 import(s) against the layers" in err
 
 
 def test_a_module_outside_every_room_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(check, "LAYERS", ({"kernels": ("kernels",)}, {"engine": ("engine.llm",)}))
+    monkeypatch.setattr(check, "LAYERS", ({"pdkernels": ("pdkernels",)}, {"engine": ("engine.llm",)}))
     for package in check.PACKAGES:
         (tmp_path / package).mkdir()
-    (tmp_path / "engine" / "stray.py").write_text("import kernels\n")
+    (tmp_path / "engine" / "stray.py").write_text("import pdkernels\n")
     assert check.main(["--root", str(tmp_path)]) == 1
     assert "engine/stray.py:1: engine.stray is in no room" in capsys.readouterr().err

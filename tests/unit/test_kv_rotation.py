@@ -1,4 +1,4 @@
-"""The rotation 8-bit KV caches store K/V in (kernels/kv_rotation.py): exact algebra, less int8 error on keys with
+"""The rotation 8-bit KV caches store K/V in (pdkernels/kv_rotation.py): exact algebra, less int8 error on keys with
 outlier channels, and the model writing rotated K/V into an int8 cache and attending through it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import kv_rotation, reference
+from pdkernels import kv_rotation, reference
 
 
 @pytest.mark.parametrize(("d", "blocks"), [(1, [1]), (64, [64]), (80, [64, 16]), (96, [64, 32]), (7, [4, 2, 1])])

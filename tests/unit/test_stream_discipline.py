@@ -226,7 +226,7 @@ def test_in_place_copy_waits_for_the_store_and_is_announced_after_it_ran(checksu
     only then announces the part; the caller's stream waits for the copies before it may reuse their sources. The
     tag is the off switch's: none without ``inplace_checksum``."""
     from engine.kv_memory import KVLayout
-    from kernels import copy_between
+    from pdkernels import copy_between
     from kv_transfer import inplace
     from kv_transfer.layer_parts import blocks_checksum
     from kv_transfer.payload_mac import PayloadMac, part_key

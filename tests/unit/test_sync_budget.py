@@ -4,7 +4,7 @@ Counted where nothing needs to wait (``tests/sync_counter.py``): every call that
 device (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``/``int()``/``float()``/``__index__`` of a tensor,
 ``nonzero``, ``unique``, ``repeat_interleave`` with tensor repeats) and every tensor built from Python values
 (``torch.tensor``, ``as_tensor``, ``from_numpy``, ...), made from the engine's own code (``engine/`` and
-``kernels/``), during the decode-only steps of a real engine over a mixed batch: greedy, seeded top-p and top-k,
+``pdkernels/``), during the decode-only steps of a real engine over a mixed batch: greedy, seeded top-p and top-k,
 min-p, the three penalties, logprobs, ``n = 2`` and stop strings. The budgets hold at 8 and at 32 sequences: they
 must not grow with the batch. On a CUDA machine the same count also runs on the device's engine (CUDA graphs); what
 torch itself flags as synchronizing there is ``scripts/gpu_sync_check.py``'s check.

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
+import pdkernels
 from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig, load_model_config
 from engine.model_loader import load_shard, load_state_dict
 from engine.tp import TPShard, check_tp, head_source, kv_head_range, shard_config, shard_state
-from kernels import reference
+from pdkernels import reference
 from tp_threads import ThreadComm, ThreadGroup, run_ranks
 
 BLOCK = 4
@@ -336,20 +336,20 @@ def test_store_and_attention_over_a_head_slice(dtype: torch.dtype) -> None:
     n = 13
     key, value = (torch.randn(n, 2, 8, generator=g).to(dtype) for _ in range(2))
     slots = torch.tensor([4 * 2 + i for i in range(n)])  # blocks 2.. of the table below
-    kernels.store_kv(key, value, k_view, v_view, slots)
+    pdkernels.store_kv(key, value, k_view, v_view, slots)
     k_own, v_own = torch.zeros(6, BLOCK, 2, 8, dtype=dtype), torch.zeros(6, BLOCK, 2, 8, dtype=dtype)
-    kernels.store_kv(key, value, k_own, v_own, slots)
+    pdkernels.store_kv(key, value, k_own, v_own, slots)
     assert torch.equal(k_view, k_own) and torch.equal(v_view, v_own)
     assert not bool(full_k[:, :, [0, 3]].any())  # the other ranks' heads untouched
     table = torch.tensor([2, 3, 4, 5], dtype=torch.int32)
     q = torch.randn(n, 4, 8, generator=g).to(dtype)
     for window in (None, 5):
-        got = kernels.paged_prefill_attention(q, k_view, v_view, table, 0, 0.3, window)
-        assert torch.equal(got, kernels.paged_prefill_attention(q, k_own, v_own, table, 0, 0.3, window))
+        got = pdkernels.paged_prefill_attention(q, k_view, v_view, table, 0, 0.3, window)
+        assert torch.equal(got, pdkernels.paged_prefill_attention(q, k_own, v_own, table, 0, 0.3, window))
     tables, lens = table[None].repeat(2, 1), torch.tensor([n, 7], dtype=torch.int32)
-    plan = kernels.decode_plan(k_view, tables, lens)
-    got = kernels.paged_decode_attention(q[:2], k_view, v_view, tables, lens, 0.3, plan=plan)
-    assert torch.equal(got, kernels.paged_decode_attention(q[:2], k_own, v_own, tables, lens, 0.3))
+    plan = pdkernels.decode_plan(k_view, tables, lens)
+    got = pdkernels.paged_decode_attention(q[:2], k_view, v_view, tables, lens, 0.3, plan=plan)
+    assert torch.equal(got, pdkernels.paged_decode_attention(q[:2], k_own, v_own, tables, lens, 0.3))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, reference.FP8_DTYPE], ids=["int8", "fp8"])
@@ -364,16 +364,16 @@ def test_quantized_store_into_a_head_slice(kv_dtype: torch.dtype) -> None:
     for start, n in ((0, 6), (6, 5)):  # the second write continues a block the first opened
         key, value = (torch.randn(n, 2, 8, generator=g) for _ in range(2))
         slots = torch.arange(start, start + n)
-        kernels.store_kv_quantized(key, value, k_view, v_view, ks, vs, slots)
-        kernels.store_kv_quantized(key, value, *own, *own_s, slots)
+        pdkernels.store_kv_quantized(key, value, k_view, v_view, ks, vs, slots)
+        pdkernels.store_kv_quantized(key, value, *own, *own_s, slots)
     for got, want in ((k_view, own[0]), (v_view, own[1])):
         assert torch.equal(got.view(torch.int8), want.view(torch.int8))
     assert torch.equal(ks, own_s[0]) and torch.equal(vs, own_s[1])
     assert not bool(full_k[:, :, [0, 3]].view(torch.int8).any()) and not bool(full_ks[..., [0, 3]].any())
     q = torch.randn(11, 4, 8, generator=g)
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
-    assert torch.equal(kernels.paged_prefill_attention(q, k_view, v_view, table, 0, 0.3, None, ks, vs),
-                       kernels.paged_prefill_attention(q, *own, table, 0, 0.3, None, *own_s))
+    assert torch.equal(pdkernels.paged_prefill_attention(q, k_view, v_view, table, 0, 0.3, None, ks, vs),
+                       pdkernels.paged_prefill_attention(q, *own, table, 0, 0.3, None, *own_s))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -386,16 +386,16 @@ def test_triton_attention_reads_a_head_slice_and_its_store_refuses_one(monkeypat
     full_k, full_v = (torch.randn(6, BLOCK, 4, 8, generator=g) for _ in range(2))
     k_view, v_view = full_k[:, :, 1:3], full_v[:, :, 1:3]
     k_own, v_own = k_view.contiguous(), v_view.contiguous()
-    assert kernels.uses_triton(k_view)
+    assert pdkernels.uses_triton(k_view)
     tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     lens = torch.tensor([11, 6], dtype=torch.int32)
     q = torch.randn(2, 4, 8, generator=g)
-    _close(kernels.paged_decode_attention(q, k_view, v_view, tables, lens, 0.3),
+    _close(pdkernels.paged_decode_attention(q, k_view, v_view, tables, lens, 0.3),
            reference.paged_decode_attention(q, k_own, v_own, tables, lens, 0.3), 1e-5, "triton decode")
     qp = torch.randn(9, 4, 8, generator=g)
     cu, starts = torch.tensor([0, 5, 9], dtype=torch.int32), torch.tensor([6, 2], dtype=torch.int32)
-    _close(kernels.paged_prefill_attention_varlen(qp, k_view, v_view, tables, cu, starts, 0.3),
+    _close(pdkernels.paged_prefill_attention_varlen(qp, k_view, v_view, tables, cu, starts, 0.3),
            reference.paged_prefill_attention_varlen(qp, k_own, v_own, tables, cu, starts, 0.3), 1e-5,
            "triton prefill")
     with pytest.raises(ValueError, match="k_cache: each block must be contiguous"):
-        kernels.store_kv(q[:, :2], q[:, :2], k_view, v_view, torch.tensor([0, 1]))
+        pdkernels.store_kv(q[:, :2], q[:, :2], k_view, v_view, torch.tensor([0, 1]))

@@ -12,15 +12,15 @@ chunks of :data:`CHUNK` rows; chunk ``[a, b)`` of a prompt whose cached context 
 - softmax in float32, then ``P @ V[: start + b]`` in the cache dtype (as the flash kernel does).
 
 Measured on one core (``benchmarks/bench_cpu_prefill.py``, default model's shape, 286 tokens): float32 2.72 -> 1.74
-ms, bfloat16 2.54 -> 1.38 ms, within float32 rounding of the flash kernel (docs/kernels.md). Sliding windows keep :func:`kernels.reference`'s path. Same
-contract as :func:`kernels.reference.paged_prefill_attention`.
+ms, bfloat16 2.54 -> 1.38 ms, within float32 rounding of the flash kernel (docs/kernels.md). Sliding windows keep :func:`pdkernels.reference`'s path. Same
+contract as :func:`pdkernels.reference.paged_prefill_attention`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from pdkernels import reference
 
 # query rows per chunk: small enough that a chunk's float32 scores stay in cache, large enough to keep the matmuls busy
 CHUNK = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
@@ -48,7 +48,7 @@ def paged_prefill_attention(
     the ``start_pos`` tokens before them must already be stored in the blocks of ``block_table`` (int ``[n_blocks]``).
     ``sliding_window`` must be None (see :func:`fits`). Returns q's shape and dtype."""
     if sliding_window is not None:
-        raise ValueError("cpu_prefill.paged_prefill_attention: sliding windows take kernels.reference's path")
+        raise ValueError("cpu_prefill.paged_prefill_attention: sliding windows take pdkernels.reference's path")
     num_tokens, num_heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kv_heads

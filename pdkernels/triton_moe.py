@@ -1,4 +1,4 @@
-"""Fused mixture-of-experts MLP in Triton over tokens sorted by expert; :mod:`kernels.grouped_moe` is its ground
+"""Fused mixture-of-experts MLP in Triton over tokens sorted by expert; :mod:`pdkernels.grouped_moe` is its ground
 truth.
 
 Three steps, none of which reads a device value on the host (the grid is sized from shapes only, so a CUDA graph can
@@ -15,7 +15,7 @@ capture it):
    summed (in float32, rounded once), so the result does not depend on the order the programs ran in.
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``. The argument checks live in
-:func:`kernels.fused_moe`; the launcher assumes valid arguments.
+:func:`pdkernels.fused_moe`; the launcher assumes valid arguments.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _down_kernel(h_ptr, w_ptr, wt_ptr, out_ptr, sorted_ptr, block_expert_ptr, nu
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, activation: str) -> torch.Tensor:
-    """:func:`kernels.fused_moe` in Triton. Pure."""
+    """:func:`pdkernels.fused_moe` in Triton. Pure."""
     t, hidden = x.shape
     num_experts, inter = gate_up.shape[0], down.shape[2]
     top_k = topk_ids.shape[1]

@@ -1,4 +1,4 @@
-"""Triton MLA decode attention over the latent cache (:mod:`kernels.mla` states the layout and the absorbed form).
+"""Triton MLA decode attention over the latent cache (:mod:`pdkernels.mla` states the layout and the absorbed form).
 
 One program per (sequence, tile of HEAD_TILE heads): every head of the tile reads the same latent tokens, so each
 context tile is loaded once for HEAD_TILE heads (MLA's point: one shared "kv head" for all query heads). The latent
@@ -8,7 +8,7 @@ softmax in float32 (base 2); the output accumulates ``p . c``. A scaled cache (F
 scale per plane) is dequantized in registers.
 
 Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (float32/float16; the interpreter's bfloat16
-arithmetic is wrong, as for :mod:`kernels.triton_kv`). The argument checks live in :func:`kernels.mla.
+arithmetic is wrong, as for :mod:`pdkernels.triton_kv`). The argument checks live in :func:`pdkernels.mla.
 mla_decode_attention`. Launch settings are unmeasured first choices for an H100/H200-class GPU.
 """
 
@@ -95,10 +95,10 @@ def _mla_decode_kernel(
 def mla_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, k_scales: torch.Tensor | None,
                          v_scales: torch.Tensor | None) -> torch.Tensor:
-    """``[num_seqs, heads, kv_lora_rank]`` in q's dtype; see :func:`kernels.mla.decode_attention_reference`."""
+    """``[num_seqs, heads, kv_lora_rank]`` in q's dtype; see :func:`pdkernels.mla.decode_attention_reference`."""
     # imported here: the sm_90 compile check loads this file alone (tests/kernel_checks/compile_sm90.py)
-    from kernels.reference import SCALED_DTYPES
-    from kernels.triton_kv import attention_scale_strides
+    from pdkernels.reference import SCALED_DTYPES
+    from pdkernels.triton_kv import attention_scale_strides
 
     num_seqs, heads, dim = q.shape
     q = q.contiguous()

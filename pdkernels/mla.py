@@ -1,5 +1,5 @@
 """Multi-head latent attention (MLA) over the latent KV cache: store, decode and prefill attention, with their
-pure-torch reference (the CPU path, and the ground truth of :mod:`kernels.triton_mla`).
+pure-torch reference (the CPU path, and the ground truth of :mod:`pdkernels.triton_mla`).
 
 The latent layout: per token and layer the cache keeps one latent vector ``[c_kv (kv_lora_rank) | k_pe (rope)]``
 of ``D`` values, split in two halves over the two planes of the usual paged cache (``k_cache`` holds values
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import reference
-from kernels.reference import DecodeSpan, decode_span, gather_blocks
+from pdkernels import reference
+from pdkernels.reference import DecodeSpan, decode_span, gather_blocks
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -53,7 +53,7 @@ def store_latent(latent: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                  k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> None:
     """Write each token's latent ``[num_tokens, D]`` into its slot (``-1`` skips), halves into the two planes (an
     FP8 or int8 cache quantizes each half with its plane's scale). Mutates the caches (and scales)."""
-    import kernels
+    import pdkernels
 
     _check(latent.dim() == 2, "latent", f"expected [num_tokens, D], got {tuple(latent.shape)}")
     plane = k_cache.shape[3]
@@ -65,9 +65,9 @@ def store_latent(latent: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     key, value = halves[:, 0], halves[:, 1]
     if k_cache.dtype in reference.SCALED_DTYPES:
         assert k_scales is not None and v_scales is not None
-        kernels.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
+        pdkernels.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
     else:
-        kernels.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        pdkernels.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 def gather_latent(k_cache: torch.Tensor, v_cache: torch.Tensor, idx: torch.Tensor, latent_dim: int,
@@ -125,10 +125,10 @@ def mla_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
                          span: DecodeSpan | None = None) -> torch.Tensor:
-    """:func:`decode_attention_reference`, or :mod:`kernels.triton_mla` where Triton runs (CUDA tensors, or
-    ``TRITON_INTERPRET=1``). ``span``: :func:`kernels.reference.decode_span` of these tables and lengths, computed
+    """:func:`decode_attention_reference`, or :mod:`pdkernels.triton_mla` where Triton runs (CUDA tensors, or
+    ``TRITON_INTERPRET=1``). ``span``: :func:`pdkernels.reference.decode_span` of these tables and lengths, computed
     once per step for every layer (the torch path; Triton reads the tables itself). Pure."""
-    import kernels
+    import pdkernels
 
     _check(q.dim() == 3, "q", f"expected [num_seqs, heads, D], got {tuple(q.shape)}")
     _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
@@ -138,8 +138,8 @@ def mla_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
            "block_tables", f"expected an integer [{q.shape[0]}, max_blocks], got {tuple(block_tables.shape)}")
     _check(seq_lens.shape == (q.shape[0],) and not seq_lens.is_floating_point(), "seq_lens",
            f"expected an integer [{q.shape[0]}], got {tuple(seq_lens.shape)}")
-    if kernels.uses_triton(q):
-        from kernels import triton_mla
+    if pdkernels.uses_triton(q):
+        from pdkernels import triton_mla
 
         return triton_mla.mla_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, kv_lora_rank,
                                                k_scales, v_scales)

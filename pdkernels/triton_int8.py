@@ -1,12 +1,12 @@
 """Triton store into an int8 KV cache: each token's K and V row (per kv head) rounded to 255 levels of its own
 largest magnitude, with that float32 scale beside it (``scales[block, offset, head]``), bit-identical to
-:func:`kernels.reference.store_kv_int8`.
+:func:`pdkernels.reference.store_kv_int8`.
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (exact for float32/float16 inputs). The argument
-checks live in :mod:`kernels`; the launcher assumes valid arguments. Layouts are those of :mod:`kernels.reference`:
+checks live in :mod:`kernels`; the launcher assumes valid arguments. Layouts are those of :mod:`pdkernels.reference`:
 ``k_cache``/``v_cache`` int8 ``[num_blocks, block_size, kv_heads, head_dim]`` with each block contiguous (any block
 stride), scales float32 ``[num_blocks, block_size, kv_heads]`` (any strides). Kept apart from
-:mod:`kernels.triton_kv` for size; :func:`kernels.store_kv_quantized` dispatches an int8 cache here.
+:mod:`pdkernels.triton_kv` for size; :func:`pdkernels.store_kv_quantized` dispatches an int8 cache here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 # Elements of one kv head's rows per program (tokens x padded head_dim), for K and for V: a decode step's tokens in
-# one program per head, a prefill chunk in a few. Unmeasured first choice, like kernels.triton_kv.STORE_ELEMS.
+# one program per head, a prefill chunk in a few. Unmeasured first choice, like pdkernels.triton_kv.STORE_ELEMS.
 STORE_INT8_ELEMS = 4096
 STORE_INT8_WARPS = 4
 
@@ -24,7 +24,7 @@ STORE_INT8_WARPS = 4
 @triton.jit
 def _int8_rows(src_ptr, dst_ptr, sc_ptr, src_off, dst_off, sc_off, live, d, HEAD_DIM: tl.constexpr):
     """One kv head's rows of TOKENS new tokens into an int8 cache, each with its own scale, as
-    :func:`kernels.reference.quantize_rows_int8` computes them (IEEE divisions, as torch's)."""
+    :func:`pdkernels.reference.quantize_rows_int8` computes them (IEEE divisions, as torch's)."""
     ok = live[:, None] & (d < HEAD_DIM)[None, :]
     x = tl.load(src_ptr + src_off[:, None] + d[None, :], mask=ok, other=0.0).to(tl.float32)
     s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), 127.0), 1e-12)
@@ -59,7 +59,7 @@ def _store_int8_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slot_pt
 
 def store_kv_int8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """See :func:`kernels.reference.store_kv_int8`: bit-identical to it. One launch, no host sync. Mutates the
+    """See :func:`pdkernels.reference.store_kv_int8`: bit-identical to it. One launch, no host sync. Mutates the
     caches and scales (only the written slots; a slot written twice in one call keeps one writer's row and scale
     per head and K/V, not necessarily the same writer's, as the reference's ``index_copy_`` leaves it open)."""
     n = key.shape[0]

@@ -8,7 +8,7 @@ point,
 
 computed in two steps. The bytes, padded *in front* with zeros (which change no G) to ``M`` rows of ``ROW`` bytes, give
 row sums ``S_b = sum_j x_{b,j} r^(ROW-1-j)``; then ``G = sum_b S_b R^(M-1-b)`` with ``R = r^ROW`` (small torch ops on
-the device). The row sums are the bulk of the work: the Triton kernel :mod:`kernels.triton_mac` on CUDA tensors (and on
+the device). The row sums are the bulk of the work: the Triton kernel :mod:`pdkernels.triton_mac` on CUDA tensors (and on
 any under ``TRITON_INTERPRET=1``), else :func:`row_sums_reference`, the CPU path and the ground truth the kernel is
 tested against.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kernels.host_copy import to_device
+from pdkernels.host_copy import to_device
 
 P = (1 << 61) - 1  # the field's prime
 ROW = 2048  # bytes per row sum; a multiple of the kernel's tile
@@ -207,10 +207,10 @@ def _from_limbs(c: torch.Tensor) -> torch.Tensor:
 def row_sums(x: torch.Tensor, points: Points) -> torch.Tensor:
     """Row sums as :func:`row_sums_reference` defines them, on ``x``'s device: the Triton kernel where the kernels run
     Triton (two points only: the MAC's), else the reference (a CUDA tensor without Triton: on a host copy). Pure."""
-    from kernels import uses_triton
+    from pdkernels import uses_triton
 
     if uses_triton(x) and len(points.points) == 2:
-        from kernels import triton_mac
+        from pdkernels import triton_mac
 
         return triton_mac.row_sums(x, points.halves)
     if x.device.type != "cpu":

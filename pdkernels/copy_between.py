@@ -2,7 +2,7 @@
 
 Blocks whose ids run consecutively on both sides form one contiguous range of memory on each side, so each such run
 is a single memmove: a freshly reserved range of blocks is usually one or a few runs. The Triton kernel
-in :mod:`kernels.triton_kv` (the pack/unpack kernel with ids on both sides) is the CUDA path.
+in :mod:`pdkernels.triton_kv` (the pack/unpack kernel with ids on both sides) is the CUDA path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Triton kernels for the KV cache: paged decode attention (optionally split-K, over plain, FP8 or int8 caches), KV
 store (plain and FP8), block pack/unpack, FP8 (de)quantization. The varlen prefill attention lives in
-:mod:`kernels.triton_prefill`, the int8 store in :mod:`kernels.triton_int8`.
+:mod:`pdkernels.triton_prefill`, the int8 store in :mod:`pdkernels.triton_int8`.
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (exact for float32/float16; the interpreter's
 bfloat16 arithmetic is wrong, so bfloat16 is checked on a GPU only). The argument checks live in
-:mod:`kernels`; these launchers assume valid arguments. Layouts are those of :mod:`kernels.reference`: per layer
+:mod:`kernels`; these launchers assume valid arguments. Layouts are those of :mod:`pdkernels.reference`: per layer
 ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]`` with each block contiguous (the block stride
 may be anything, so views of one ``[2, num_blocks, ...]`` tensor work).
 
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_HEADROOM = 32.0  # kernels.reference.FP8_HEADROOM: a block's opening scale is 32x its first tokens' amax / 448
+FP8_HEADROOM = 32.0  # pdkernels.reference.FP8_HEADROOM: a block's opening scale is 32x its first tokens' amax / 448
 FP8_OPEN_DIVISOR = tl.constexpr(FP8_MAX / FP8_HEADROOM)  # opening scale = amax / this (14: exact, as in torch)
 LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x) == exp2(x * LOG2E)
 NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a split that sees no key yields 0, never NaN
@@ -169,7 +169,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, num_splits: int = 1,
 ) -> torch.Tensor:
-    """See :func:`kernels.reference.paged_decode_attention`; ``num_splits`` > 1 runs split-K (partials, then a
+    """See :func:`pdkernels.reference.paged_decode_attention`; ``num_splits`` > 1 runs split-K (partials, then a
     reduce). Scales (FP8 ``[num_blocks, kv_heads]``, int8 ``[num_blocks, block_size, kv_heads]``): K's strides
     serve V's too. Pure; no host sync."""
     num_seqs, num_heads, head_dim = q.shape
@@ -247,7 +247,7 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """See :func:`kernels.reference.store_kv`. Mutates the caches."""
+    """See :func:`pdkernels.reference.store_kv`. Mutates the caches."""
     n = key.shape[0]
     if n == 0:
         return
@@ -303,7 +303,7 @@ def _copy_launch(src_ids: torch.Tensor | None, dst_ids: torch.Tensor | None, num
 
 
 def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """See :func:`kernels.reference.pack_blocks`. Pure."""
+    """See :func:`pdkernels.reference.pack_blocks`. Pure."""
     n = block_ids.shape[0]
     buf = torch.empty((2, n, *k_cache.shape[1:]), dtype=k_cache.dtype, device=k_cache.device)
     if n:
@@ -314,7 +314,7 @@ def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.T
 
 
 def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """See :func:`kernels.reference.unpack_blocks`. Mutates the caches."""
+    """See :func:`pdkernels.reference.unpack_blocks`. Mutates the caches."""
     n = block_ids.shape[0]
     if n:
         buf = buf.contiguous()
@@ -325,7 +325,7 @@ def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def copy_blocks_between(k_src: torch.Tensor, v_src: torch.Tensor, src_ids: torch.Tensor, k_dst: torch.Tensor,
                         v_dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
-    """See :func:`kernels.copy_blocks_between`. Mutates the destination caches."""
+    """See :func:`pdkernels.copy_blocks_between`. Mutates the destination caches."""
     if src_ids.shape[0]:
         _copy_launch(src_ids, dst_ids, k_src[0].numel(), k_src, v_src, k_dst, v_dst, k_src.stride(0),
                      v_src.stride(0), k_dst.stride(0), v_dst.stride(0))
@@ -384,7 +384,7 @@ def _fp8_launch(x: torch.Tensor, y: torch.Tensor, scales: torch.Tensor, quantize
 
 
 def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`kernels.reference.quantize_kv_fp8`. Pure."""
+    """See :func:`pdkernels.reference.quantize_kv_fp8`. Pure."""
     x = x if x[0:1].is_contiguous() else x.contiguous()
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty((x.shape[0], x.shape[2]), dtype=torch.float32, device=x.device)
@@ -393,7 +393,7 @@ def quantize_kv_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_kv_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """See :func:`kernels.reference.dequantize_kv_fp8`. Pure."""
+    """See :func:`pdkernels.reference.dequantize_kv_fp8`. Pure."""
     q = q if q[0:1].is_contiguous() else q.contiguous()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     _fp8_launch(q, out, scales.contiguous().float(), quantize=False)
@@ -411,7 +411,7 @@ def _claim_slots_kernel(slot_ptr, writer_ptr, num_tokens, TOKENS: tl.constexpr):
 @triton.jit
 def _fp8_open_scale(src_ptr, stride_st, stride_sh, sc_ptr, sc_off, writer, written, tile_ok, h, d, opens):
     """One (block, kv head) scale of K or V: kept, or, when ``opens`` or still 0, fixed from the writers' new rows
-    exactly as :func:`kernels.reference.fresh_fp8_scale`."""
+    exactly as :func:`pdkernels.reference.fresh_fp8_scale`."""
     old = tl.load(sc_ptr + sc_off)
     new = tl.load(src_ptr + writer[:, None] * stride_st + h * stride_sh + d[None, :],
                   mask=tile_ok & written[:, None], other=0.0).to(tl.float32)
@@ -479,7 +479,7 @@ def _store_fp8_rows_kernel(key_ptr, value_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, slo
 
 def store_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k_scales: torch.Tensor, v_scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """See :func:`kernels.reference.store_kv_quantized`: bit-identical to it. Three launches, no host sync: claim
+    """See :func:`pdkernels.reference.store_kv_quantized`: bit-identical to it. Three launches, no host sync: claim
     slots, fix the scales of the blocks this call opens, write the rows. Mutates the caches and scales."""
     n = key.shape[0]
     if n == 0:

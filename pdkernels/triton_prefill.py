@@ -1,7 +1,7 @@
 """Triton prefill attention over a paged KV cache for packed variable-length chunks (chunked prefill, prefix hits).
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``. The argument checks live in :mod:`kernels`;
-this launcher assumes valid arguments. Layouts are those of :mod:`kernels.reference`.
+this launcher assumes valid arguments. Layouts are those of :mod:`pdkernels.reference`.
 
 Each program takes one tile of a sequence's chunk for one kv head: ``BLOCK_M`` query tokens times the ``GROUP``
 query heads sharing that kv head, flattened into ``BLOCK_M * GROUP_PAD`` rows of one ``tl.dot``, so a K/V tile read
@@ -105,7 +105,7 @@ def _prefill_varlen_kernel(
 def _scale_strides(scales: torch.Tensor | None) -> tuple[int, int, int]:
     """(block, token, head) strides of a scaled cache's scales: token stride 0 for FP8's ``[num_blocks, kv_heads]``
     (one per block); int8's ``[num_blocks, block_size, kv_heads]`` have their own; no scales: zeros (never read).
-    As :func:`kernels.triton_kv.attention_scale_strides` (not imported: ``compile_sm90.py`` loads this file alone)."""
+    As :func:`pdkernels.triton_kv.attention_scale_strides` (not imported: ``compile_sm90.py`` loads this file alone)."""
     if scales is None:
         return 0, 0, 0
     return scales.stride(0), scales.stride(1) if scales.dim() == 3 else 0, scales.stride(-1)
@@ -116,9 +116,9 @@ def paged_prefill_attention_varlen(
     cu_seqlens_q: torch.Tensor, start_pos: torch.Tensor, scale: float, sliding_window: int | None = None,
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None, max_seqlen_q: int | None = None,
 ) -> torch.Tensor:
-    """See :func:`kernels.reference.paged_prefill_attention_varlen`. ``max_seqlen_q`` (the longest chunk) sizes the
+    """See :func:`pdkernels.reference.paged_prefill_attention_varlen`. ``max_seqlen_q`` (the longest chunk) sizes the
     grid; without it one host sync reads it from ``cu_seqlens_q``. Scales as for
-    :func:`kernels.triton_kv.paged_decode_attention` (K's strides serve V's too). Pure."""
+    :func:`pdkernels.triton_kv.paged_decode_attention` (K's strides serve V's too). Pure."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = start_pos.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

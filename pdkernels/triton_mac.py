@@ -1,5 +1,5 @@
-"""Triton row sums of the payload MAC's polynomial (see :mod:`kernels.poly_mac` for the math and the torch reference
-these equal exactly; :func:`kernels.poly_mac.row_sums` dispatches here).
+"""Triton row sums of the payload MAC's polynomial (see :mod:`pdkernels.poly_mac` for the math and the torch reference
+these equal exactly; :func:`pdkernels.poly_mac.row_sums` dispatches here).
 
 Each program takes ``MAC_ROWS`` rows of ``poly_mac.ROW`` bytes and walks them in tiles of ``MAC_TILE`` bytes, loading
 each tile of the two points' weights once for all its rows (the weights are read ``MAC_ROWS`` times less than the
@@ -7,7 +7,7 @@ bytes would need). Per tile, the int8 bytes times the weights' low 31 and high 3
 times < 2^31, over 2048 bytes, stays below 2^49; the row's sum mod p is put together once, at the end (``_row_sum``).
 
 Run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (exact: int64 only). The launcher assumes valid
-arguments (:func:`kernels.poly_mac.poly` checks them).
+arguments (:func:`pdkernels.poly_mac.poly` checks them).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _row_sums_kernel(x_ptr, w_ptr, out_ptr, num_rows, pad, ROW: tl.constexpr, RO
 
 
 def row_sums(x: torch.Tensor, halves: torch.Tensor) -> torch.Tensor:
-    """See :func:`kernels.poly_mac.row_sums_reference`; ``halves``: the two points' ``Points.halves``, int32 ``[2, 2,
+    """See :func:`pdkernels.poly_mac.row_sums_reference`; ``halves``: the two points' ``Points.halves``, int32 ``[2, 2,
     ROW]``. Pure. (Takes the row length from ``halves`` so that this module imports nothing of ``kernels``: the sm_90
     compile check loads it alone.)"""
     row = halves.shape[-1]

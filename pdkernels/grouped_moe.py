@@ -1,5 +1,5 @@
 """Mixture-of-experts expert compute in torch, grouped by expert: the engine's CPU path and the ground truth of the
-fused Triton kernel (:mod:`kernels.triton_moe`).
+fused Triton kernel (:mod:`pdkernels.triton_moe`).
 
 Every (token, slot) assignment of ``topk_ids`` is sorted by expert (stably, so a token's slots keep their order)
 and its token's row gathered once; each expert that received tokens runs one gate/up matmul, the activation, and one
@@ -34,7 +34,7 @@ def grouped_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk
     x ``[T, H]``; gate_up ``[E, 2I, H]`` (gate rows, then up rows); down ``[E, H, I]``; topk_ids integer ``[T, K]``;
     topk_weights ``[T, K]``. A row's product with its weight is taken in the promoted dtype of the two (float32
     weights scale a bfloat16 row in float32, as Mixtral does), then rounded to ``x.dtype`` and added. Returns
-    ``[T, H]`` in ``x.dtype`` (checked by :func:`kernels.fused_moe`, the entry point)."""
+    ``[T, H]`` in ``x.dtype`` (checked by :func:`pdkernels.fused_moe`, the entry point)."""
     act = ACTIVATIONS[activation]
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)

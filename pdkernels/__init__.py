@@ -1,11 +1,11 @@
 """KV kernels behind stable functions.
 
 Each public function checks its arguments (raising ``ValueError`` that names the offending one) and runs the
-implementation for the tensors' device: the Triton kernels of :mod:`kernels.triton_kv` on CUDA tensors, or on any
+implementation for the tensors' device: the Triton kernels of :mod:`pdkernels.triton_kv` on CUDA tensors, or on any
 tensors when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter: how the tests check them here), and otherwise the
-pure-torch reference of :mod:`kernels.reference`, which is the engine's CPU path (decode attention in bfloat16 /
-float16 on the CPU goes through :mod:`kernels.cpu_decode`'s two batched matmuls instead, and prefill attention
-without a sliding window through :mod:`kernels.cpu_prefill`'s query-chunked matmuls). Callers never change.
+pure-torch reference of :mod:`pdkernels.reference`, which is the engine's CPU path (decode attention in bfloat16 /
+float16 on the CPU goes through :mod:`pdkernels.cpu_decode`'s two batched matmuls instead, and prefill attention
+without a sliding window through :mod:`pdkernels.cpu_prefill`'s query-chunked matmuls). Callers never change.
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
 ``[num_blocks, kv_heads]``. A block's scale is fixed by the write that opens it (:func:`store_kv_quantized`) and never
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from kernels import cpu_decode, cpu_prefill, grouped_moe, reference
+from pdkernels import cpu_decode, cpu_prefill, grouped_moe, reference
 
 __all__ = [
     "copy_blocks_between",
@@ -56,19 +56,19 @@ def uses_triton(t: torch.Tensor) -> bool:
 
 
 def _triton():  # type: ignore[no-untyped-def]
-    from kernels import triton_kv
+    from pdkernels import triton_kv
 
     return triton_kv
 
 
 def _triton_int8():  # type: ignore[no-untyped-def]
-    from kernels import triton_int8
+    from pdkernels import triton_int8
 
     return triton_int8
 
 
 def _triton_prefill():  # type: ignore[no-untyped-def]
-    from kernels import triton_prefill
+    from pdkernels import triton_prefill
 
     return triton_prefill
 
@@ -391,7 +391,7 @@ def copy_blocks_between(k_src: torch.Tensor, v_src: torch.Tensor, src_ids: torch
     if uses_triton(k_dst):
         _triton().copy_blocks_between(k_src, v_src, src_ids, k_dst, v_dst, dst_ids)
     else:
-        from kernels import copy_between
+        from pdkernels import copy_between
 
         copy_between.copy_blocks_between(k_src, v_src, src_ids.tolist(), k_dst, v_dst, dst_ids.tolist())
 
@@ -404,8 +404,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_i
     x ``[T, H]`` (float32 / float16 / bfloat16); gate_up ``[E, 2I, H]`` (each expert's gate rows, then its up rows)
     and down ``[E, H, I]`` in x's dtype; topk_ids integer ``[T, K]`` (each in ``[0, E)``, distinct per row);
     topk_weights float ``[T, K]``; ``activation`` a key of :data:`grouped_moe.ACTIVATIONS`. Where :func:`uses_triton`,
-    the fused Triton kernel (:mod:`kernels.triton_moe`: no host read, graph-capturable); else the torch path
-    (:mod:`kernels.grouped_moe`: one matmul per expert that got tokens), which reads the per-expert counts on the
+    the fused Triton kernel (:mod:`pdkernels.triton_moe`: no host read, graph-capturable); else the torch path
+    (:mod:`pdkernels.grouped_moe`: one matmul per expert that got tokens), which reads the per-expert counts on the
     host. The expert ids themselves are never checked on the host."""
     _check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), "x", f"unsupported dtype {x.dtype}")
     _check(x.dim() == 2, "x", f"expected [num_tokens, hidden], got {tuple(x.shape)}")
@@ -423,7 +423,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_i
     _check(activation in grouped_moe.ACTIVATIONS, "activation",
            f"{activation!r} is not one of {', '.join(grouped_moe.ACTIVATIONS)}")
     if uses_triton(x):
-        from kernels import triton_moe
+        from pdkernels import triton_moe
 
         return triton_moe.fused_moe(x, gate_up, down, topk_ids, topk_weights, activation)
     return grouped_moe.grouped_moe(x, gate_up, down, topk_ids, topk_weights, activation)

@@ -14,14 +14,14 @@ matrix, read twice by oneDNN's batched matmul with no transposed copy:
 
 Scores leave the first matmul rounded to the cache dtype (oneDNN accumulates in float32); the flash kernel keeps them in
 float32. docs/kernels.md gives the measured effect on greedy text; float32 caches keep the reference path, so the
-engine's float32 identity with Hugging Face is untouched. Same contract as :func:`kernels.reference.paged_decode_attention`.
+engine's float32 identity with Hugging Face is untouched. Same contract as :func:`pdkernels.reference.paged_decode_attention`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from pdkernels import reference
 
 MAX_KV_HEADS = 8  # beyond this the block-diagonal product wastes more than the flash kernel's tiling costs
 
