@@ -6,7 +6,7 @@ RUN useradd --uid 1000 --create-home --home-dir /home/pdcluster pdcluster
 WORKDIR /opt/pdcluster/src
 COPY pyproject.toml README.md ./
 COPY engine engine
-COPY kernels kernels
+COPY pdkernels pdkernels
 COPY kv_transfer kv_transfer
 COPY prefill_worker prefill_worker
 COPY decode_worker decode_worker
