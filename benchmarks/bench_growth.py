@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from cluster.launcher import Cluster, ServeConfig
+    from cluster.wire.proxy_settings import ProxySettings
     from cluster.wire.worker_config import WorkerConfig
 
     c = Cluster(ServeConfig(worker=WorkerConfig(), decode=1, port=0, mode="colocated",
-                            queue_timeout_s=args.queue_timeout))
+                            proxy=ProxySettings(queue_timeout_s=args.queue_timeout)))
     c.start()
     runs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
     try:

@@ -31,6 +31,7 @@ from pathlib import Path
 import ray
 
 from cluster.launcher import Cluster, ServeConfig
+from cluster.wire.proxy_settings import ProxySettings
 from cluster.record import Recording, read_record
 from cluster.wire.worker_config import WorkerConfig
 
@@ -85,7 +86,8 @@ def one_run(name: str, sizes: tuple[int, int], dry_run: bool, args: argparse.Nam
     kv = dict(num_kv_blocks=args.kv_blocks) if args.kv_blocks else dict(kv_cache_gib=0.5)
     c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, max_num_batched_tokens=64, **kv),
                             prefill=sizes[0], decode=sizes[1], port=0, budget=3, cpus_per_actor=0.5,
-                            controller_interval_s=args.interval, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot))
+                            controller_interval_s=args.interval,
+                            proxy=ProxySettings(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)))
     c.start()
     try:
         ray.get(c.manager.autoscale.remote(True, record=str(record), dry_run=dry_run), timeout=60)

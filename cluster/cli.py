@@ -9,6 +9,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from cluster.wire.proxy_settings import ProxySettings
+from cluster.wire.proxy_settings import add_flags as add_proxy_flags
+
 if TYPE_CHECKING:
     from cluster.launcher import ServeConfig
 
@@ -134,11 +137,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
         budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
         controller_profile=args.controller_profile or "",
-        slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot, slo_window_s=args.slo_window, queue_timeout_s=args.queue_timeout,
-        max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
-        max_resumes=args.max_resumes, cluster_auth=not args.no_cluster_auth, cluster_secret=secret,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser or "",
-        chat_template=args.chat_template or "")
+        proxy=ProxySettings.from_args(args), cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
     if not args.threads:
         cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, num_threads=serve_threads(cfg)))
     return cfg
@@ -408,22 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV cache per actor (default: 1 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)")
     sv.add_argument("--served-model-name", default="default")
-    sv.add_argument("--queue-timeout", type=float, default=10.0,
-                    help="seconds a request may wait (FIFO) for KV blocks before a 429")
-    sv.add_argument("--max-waiting", type=int, default=256,
-                    help="requests each proxy lets wait for KV blocks at once; more get a 429 at once")
-    sv.add_argument("--reserve-headroom", type=int, default=256,
-                    help="output tokens a request reserves up front per completion, beside its prompt's; decode "
-                         "grows past them on demand and preempts by recompute when its cache runs out")
-    sv.add_argument("--max-resumes", type=int, default=3,
-                    help="times a prompt's completions may be resumed on another actor (a decode actor died or hung, "
-                         "a prefill actor died) before the request fails")
-    sv.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="serve tool_choice 'auto' (the default with tools): completions read by --tool-call-parser")
-    sv.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
-                    help="how 'auto' tool calls are read from the text (needs --enable-auto-tool-choice)")
-    sv.add_argument("--chat-template", default=None, metavar="FILE",
-                    help="a Jinja chat template replacing the model's (e.g. one that renders tools)")
+    add_proxy_flags(sv)  # each proxy's queue, reservations, resumes, SLOs, tool calls, chat template
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
     sv.add_argument("--controller-profile", default=None,
                     help="a pdcluster profile cost profile (JSON): autoscale's per-actor capacity until measured")
@@ -433,12 +417,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "with its reason; JSON lines) for pdcluster simulate --replay")
     sv.add_argument("--dry-run", action="store_true",
                     help="with --autoscale: decide and log every decision without carrying any out")
-    sv.add_argument("--slo-ttft", type=float, default=2.0,
-                    help="TTFT SLO (seconds): autoscale aims for it, the proxies count goodput by it (/metrics)")
-    sv.add_argument("--slo-tpot", type=float, default=0.2,
-                    help="TPOT SLO (seconds): autoscale aims for it, the proxies count goodput by it (/metrics)")
-    sv.add_argument("--slo-window", type=float, default=60.0,
-                    help="seconds of finished requests the proxies' pdcluster_slo_attainment covers")
     sv.add_argument("--role-resources", action="store_true",
                     help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
     sv.add_argument("--budget", type=int, default=0,

@@ -33,7 +33,7 @@ from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
-from cluster.wire.slo import SloConfig
+from cluster.wire.proxy_settings import DEFAULTS, ProxySettings
 
 
 KV_BACKENDS = ("auto", "torch_dist", "ucx", "shm", "cuda_ipc")
@@ -69,25 +69,15 @@ class ServeConfig:
     share_node_gpus: bool = True
     on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
-    queue_timeout_s: float = 10.0  # how long the proxy lets a request wait (FIFO) for KV blocks before a 429
-    # output tokens a request reserves up front per completion (plus its prompt's); decode grows past them on demand
-    # and preempts by recompute when its cache runs out
-    reserve_headroom_tokens: int = 256
-    max_resumes: int = 3  # times a prompt's completions may be resumed elsewhere (dead actors) before it fails
-    max_waiting: int = 256  # requests each proxy lets wait for KV blocks at once; more get a 429 at once
-    # tool calling (proxy/tools.py): "auto" tool choice, read by this parser (hermes, llama3_json); "": refused
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str = ""
-    chat_template: str = ""  # a Jinja chat template file replacing the model's ("": the model's)
+    # each proxy's queue, reservations, resumes, SLOs, tool calls and chat template (cluster.wire.proxy_settings,
+    # the flags `pdcluster serve` and `python -m proxy.main` share); autoscale aims for its SLOs
+    proxy: ProxySettings = DEFAULTS
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
     controller_interval_s: float = 30.0  # how often autoscale decides
     # a ``pdcluster profile`` cost profile (JSON): seeds each actor's capacity until it is measured under load
     controller_profile: str = ""
-    slo_ttft_s: float = 2.0  # the SLOs autoscale judges attainment by, and the proxies count goodput by (/metrics)
-    slo_tpot_s: float = 0.2
-    slo_window_s: float = 60.0  # the proxies' pdcluster_slo_attainment covers the requests that ended this recently
     # place prefill actors only on Ray nodes that offer the custom resource "pdcluster_prefill", decode actors on
     # "pdcluster_decode" (Kubernetes: each worker group's pods advertise their role)
     role_resources: bool = False
@@ -148,18 +138,8 @@ class ServeConfig:
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, share_node_gpus=share))
         if self.decode < 1:
             raise ValueError(f"decode: need at least one decode actor, got {self.decode}")
-        if not self.queue_timeout_s > 0:
-            raise ValueError(f"queue_timeout_s: must be > 0, got {self.queue_timeout_s!r}")
-        if not isinstance(self.reserve_headroom_tokens, int) or self.reserve_headroom_tokens < 1:
-            raise ValueError(f"reserve_headroom_tokens: must be an int >= 1, got {self.reserve_headroom_tokens!r}")
-        if not isinstance(self.max_resumes, int) or self.max_resumes < 0:
-            raise ValueError(f"max_resumes: must be an int >= 0, got {self.max_resumes!r}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting: must be >= 0, got {self.max_waiting}")
-        try:
-            SloConfig(self.slo_ttft_s, self.slo_tpot_s, self.slo_window_s)
-        except ValueError as e:  # named as here: slo_ttft_s, slo_tpot_s, slo_window_s
-            raise ValueError(f"slo_{e}") from None
+        if not isinstance(self.proxy, ProxySettings):
+            raise ValueError(f"proxy: must be a ProxySettings, got {type(self.proxy).__name__}")
         if self.controller_profile and not os.path.isfile(self.controller_profile):
             raise ValueError(f"controller_profile: no such file {self.controller_profile!r}")
         if self.proxies < 0:
@@ -201,8 +181,8 @@ def controller_config(cfg: ServeConfig) -> Any:
     from cluster.controller import ControllerConfig
 
     ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
-                            cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.slo_ttft_s,
-                            slo_tpot_s=cfg.slo_tpot_s)
+                            cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.proxy.slo_ttft_s,
+                            slo_tpot_s=cfg.proxy.slo_tpot_s)
     return ctrl if cfg.worker.flips_keep_tp else dataclasses.replace(ctrl, flip_s=ctrl.start_s)
 
 
@@ -295,16 +275,10 @@ class Cluster:
             port_files.append(os.path.join(self._port_dir, f"proxy-{i}"))
             self.proxy_procs.append(subprocess.Popen(
                 [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
-                 "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name,
-                 "--queue-timeout", str(cfg.queue_timeout_s), "--max-waiting", str(cfg.max_waiting),
-                 "--reserve-headroom", str(cfg.reserve_headroom_tokens), "--max-resumes", str(cfg.max_resumes),
-                 "--slo-ttft", repr(cfg.slo_ttft_s), "--slo-tpot", repr(cfg.slo_tpot_s),
-                 "--slo-window", repr(cfg.slo_window_s)]
+                 "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name]
+                + cfg.proxy.argv()
                 + (["--stream-host", local] if local else [])
                 + (["--disaggregated"] if cfg.mode == "disaggregated" else [])
-                + (["--enable-auto-tool-choice"] if cfg.enable_auto_tool_choice else [])
-                + (["--tool-call-parser", cfg.tool_call_parser] if cfg.tool_call_parser else [])
-                + (["--chat-template", cfg.chat_template] if cfg.chat_template else [])
                 + ([] if self.secret is not None else ["--no-cluster-auth"]), env=env))
         deadline = time.monotonic() + timeout_s
         for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound

@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from cluster.wire.proxy_settings import DEFAULTS
 from cluster.wire.reports import ActorStats
 from proxy.errors import APIError, kv_capacity_exceeded, rate_limited, retry_after_seconds, service_unavailable
 from proxy.router import PrefixHits, pick_decode_actor
@@ -35,8 +36,8 @@ from proxy.router import PrefixHits, pick_decode_actor
 @dataclass(frozen=True)
 class AdmissionConfig:
     block_size: int  # tokens per KV block (cluster-wide)
-    max_queue_len: int = 256  # waiting requests beyond this are refused at once (429)
-    queue_timeout_s: float = 30.0  # a request waiting longer is refused (429)
+    max_queue_len: int = DEFAULTS.max_waiting  # waiting requests beyond this are refused at once (429)
+    queue_timeout_s: float = DEFAULTS.queue_timeout_s  # a request waiting longer is refused (429)
     retry_after_floor_s: float = 1.0  # the Retry-After when no release rate is known, and the least we ever say
     retry_after_cap_s: float = 60.0  # the most we ever say
     release_window_s: float = 30.0  # how far back block releases count towards the release rate

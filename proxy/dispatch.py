@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.wire.proxy_settings import DEFAULTS
 from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest, TokenDelta
 from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
@@ -38,10 +39,10 @@ log = logging.getLogger(__name__)
 class DispatchConfig:
     block_size: int
     disaggregated: bool = False
-    max_resumes: int = 3  # times a job's legs may be resumed elsewhere (a dead owner, a dead prefill actor)
+    max_resumes: int = DEFAULTS.max_resumes  # times a job's legs may be resumed elsewhere (dead owner or prefill)
     # a reservation holds the prompt's blocks plus this many tokens of output; decode grows past it on demand (and
     # preempts by recompute when its cache runs out): a request without max_tokens no longer reserves the context
-    reserve_headroom_tokens: int = 256
+    reserve_headroom_tokens: int = DEFAULTS.reserve_headroom_tokens
     watch_interval_s: float = 0.25  # how often a waiting relay checks its owners are still alive
 
     def __post_init__(self) -> None:

@@ -15,12 +15,11 @@ from aiohttp import web
 from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.node import advertised, is_wildcard, node_ip
 from cluster.wire.ray_address import wait_reachable
-from proxy.tools import PARSERS
 from proxy.openai_protocol import ProtocolConfig
 from cluster.wire.names import NAMESPACE
 from proxy.pools import Pools
 from proxy.server import Proxy, ProxyConfig
-from cluster.wire.slo import SloConfig
+from cluster.wire.proxy_settings import add_flags, settings_or_exit
 from engine.tokenization import PromptTokenizer
 
 log = logging.getLogger("pdcluster.proxy")
@@ -39,29 +38,15 @@ async def _wait_for_decode(pools: Pools, timeout_s: float) -> dict:
         await asyncio.sleep(0.5)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The proxy's flags; what it shares with ``pdcluster serve`` comes from :func:`add_flags`. Pure."""
     ap = argparse.ArgumentParser(prog="pdcluster-proxy")
     ap.add_argument("--ray-address", required=True)
     ap.add_argument("--host", default="127.0.0.1", help="where HTTP is served (0.0.0.0: every interface)")
     ap.add_argument("--port", type=int, required=True, help="0: let the OS pick a free port")
     ap.add_argument("--port-file", default=None, help="write the port listened on here once bound")
     ap.add_argument("--model-name", default="default")
-    ap.add_argument("--queue-timeout", type=float, default=10.0,
-                    help="seconds a request may wait (FIFO) for KV blocks before a 429")
-    ap.add_argument("--max-waiting", type=int, default=256,
-                    help="requests that may wait for KV blocks at once; more get a 429 at once")
-    ap.add_argument("--reserve-headroom", type=int, default=256,
-                    help="output tokens a request reserves up front per completion, beside its prompt's (decode "
-                         "grows past them on demand and preempts by recompute when its cache runs out)")
-    ap.add_argument("--max-resumes", type=int, default=3,
-                    help="times a prompt's completions may be resumed on another actor (a decode actor died or "
-                         "hung, a prefill actor died) before the request fails")
-    ap.add_argument("--slo-ttft", type=float, default=2.0,
-                    help="TTFT SLO, seconds: /metrics counts goodput (pdcluster_slo_attainment) by it (serve passes "
-                         "its own --slo-ttft, the one autoscale aims for)")
-    ap.add_argument("--slo-tpot", type=float, default=0.2, help="TPOT SLO, seconds (as --slo-ttft)")
-    ap.add_argument("--slo-window", type=float, default=60.0,
-                    help="seconds of finished requests pdcluster_slo_attainment covers")
+    add_flags(ap)  # queue, reservations, resumes, SLOs, tool calls, chat template: as `pdcluster serve` takes them
     ap.add_argument("--disaggregated", action="store_true", help="ready only once prefill actors are up too")
     ap.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight streams get on SIGTERM")
     ap.add_argument("--keepalive-timeout", type=float, default=75.0,
@@ -75,25 +60,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cluster-auth", action="store_true",
                     help="accept token-stream messages without a MAC (only for a cluster served with "
                          "--no-cluster-auth); otherwise the secret comes from PDCLUSTER_CLUSTER_SECRET")
-    ap.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help="serve tool_choice 'auto': completions read for calls by --tool-call-parser")
-    ap.add_argument("--tool-call-parser", default=None, choices=PARSERS,
-                    help="how 'auto' tool calls are read from the text (needs --enable-auto-tool-choice)")
-    ap.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template replacing the model's")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        ap.error("--enable-auto-tool-choice and --tool-call-parser go together")
+    settings = settings_or_exit(ap, args)
     chat_template = None
-    if args.chat_template:
+    if settings.chat_template:
         try:
-            with open(args.chat_template, encoding="utf-8") as f:
+            with open(settings.chat_template, encoding="utf-8") as f:
                 chat_template = f.read()
         except OSError as e:
             ap.error(f"--chat-template: {e}")
-    try:
-        slo = SloConfig(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot, window_s=args.slo_window)
-    except ValueError as e:
-        ap.error(str(e))
     secret = None if args.no_cluster_auth else ClusterSecret.from_env()
     if secret is None and not args.no_cluster_auth:
         raise SystemExit(f"{ENV_VAR} is not set: give this proxy its cluster's secret, or pass --no-cluster-auth")
@@ -106,11 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     pools = Pools()
     info = asyncio.run(_wait_for_decode(pools, 300))
     proto = ProtocolConfig(served_models=(args.model_name,), max_model_len=int(info["max_model_len"]),
-                           vocab_size=int(info["vocab_size"]), tool_parser=args.tool_call_parser)
+                           vocab_size=int(info["vocab_size"]), tool_parser=settings.tool_call_parser or None)
     proxy = Proxy(pools, PromptTokenizer(info["model_path"], chat_template), proto, int(info["block_size"]),
-                  ProxyConfig(model_name=args.model_name, queue_timeout_s=args.queue_timeout,
-                              max_waiting=args.max_waiting, reserve_headroom_tokens=args.reserve_headroom,
-                              max_resumes=args.max_resumes, slo=slo,
+                  ProxyConfig(model_name=args.model_name, settings=settings,
                               api_key=os.environ.get("PDCLUSTER_API_KEY") or None),
                   stream_host=stream_host, stream_advertise_host=stream_advertise,
                   disaggregated=args.disaggregated, stream_secret=secret)

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import Usage
+from cluster.wire.proxy_settings import DEFAULTS, ProxySettings
 from cluster.wire.reports import WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
@@ -61,7 +62,7 @@ from proxy.openapi import openapi_spec
 from proxy.pools import Pools
 from proxy.report import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
-from cluster.wire.slo import RequestLatency, SloConfig, SloTracker, request_latency, tpot_s
+from cluster.wire.slo import RequestLatency, SloTracker, request_latency, tpot_s
 from engine.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -80,12 +81,10 @@ class ProxyConfig:
     model_name: str = "default"
     api_key: str | None = None  # when set, /v1/* and /status need "Authorization: Bearer <api_key>" (401 otherwise)
     max_body_bytes: int = 4 * 1024 * 1024
-    queue_timeout_s: float = 10.0  # how long a request may wait (FIFO) for KV blocks before a 429
-    max_waiting: int = 256  # requests waiting for blocks at once; more get a 429 at once
     refresh_interval_s: float = 1.0
-    max_resumes: int = 3  # times a prompt's legs may be resumed elsewhere (dead owners, dead prefill actors)
-    reserve_headroom_tokens: int = 256  # output tokens reserved up front per completion; decode grows past them
-    slo: SloConfig = SloConfig()  # the TTFT / TPOT SLOs /metrics counts goodput by, and the attainment window
+    # the queue, reservations, resumes, SLOs (/metrics counts goodput by them): what its operator set, as `pdcluster
+    # serve` and `python -m proxy.main` take them (one definition: cluster.wire.proxy_settings)
+    settings: ProxySettings = DEFAULTS
 
 
 class Proxy:
@@ -101,15 +100,16 @@ class Proxy:
         self.cfg = cfg
         self.stream = TokenStreamServer(host=stream_host, advertise_host=stream_advertise_host, secret=stream_secret)
         self.metrics = Metrics(unauthenticated=lambda: unauthenticated_counts(self.stream, self.pools),
-                               slo=SloTracker(cfg.slo))
-        self.gate = AdmissionGate(pools, AdmissionConfig(block_size, cfg.max_waiting, cfg.queue_timeout_s))
+                               slo=SloTracker(cfg.settings.slo))
+        self.gate = AdmissionGate(pools, AdmissionConfig(block_size, cfg.settings.max_waiting,
+                                                                     cfg.settings.queue_timeout_s))
         self.shutting_down = False
         # what this proxy saw since its last report to the pool manager: demand, 429s, finished requests' TTFT parts
         self.report = ReportCollector(f"proxy-{uuid.uuid4().hex[:12]}")
         self.router = Router(RouterConfig(block_size=block_size))
         self.dispatch = Dispatcher(pools, self.gate, self.router, self.stream, self.metrics,
-                                   DispatchConfig(block_size, disaggregated, cfg.max_resumes,
-                                                  cfg.reserve_headroom_tokens), lambda t: self.tok.decode_token(t))
+                                   DispatchConfig(block_size, disaggregated, cfg.settings.max_resumes,
+                                                  cfg.settings.reserve_headroom_tokens), lambda t: self.tok.decode_token(t))
         self._ids = itertools.count()
         self._refresher: asyncio.Task[None] | None = None
 

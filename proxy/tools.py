@@ -21,10 +21,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.wire.proxy_settings import TOOL_PARSERS
 from engine.grammar_spec import GrammarSpec
 from proxy.errors import invalid_request, read_bool, type_error
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = TOOL_PARSERS  # the names --tool-call-parser takes (cluster.wire.proxy_settings); each is read below
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 

@@ -176,11 +176,11 @@ def phase_line(p: dict[str, Any]) -> str:
 
 def run(cfg: OverloadConfig) -> dict[str, Any]:
     from cluster.launcher import ServeConfig
+    from cluster.wire.proxy_settings import ProxySettings
     from cluster.wire.worker_config import WorkerConfig
 
     serve = ServeConfig(worker=WorkerConfig(num_kv_blocks=cfg.kv_blocks), decode=cfg.decode, prefill=cfg.prefill,
-                        port=0, kv_backend=cfg.kv_backend, queue_timeout_s=cfg.queue_timeout_s,
-                        max_waiting=cfg.max_waiting)
+                        port=0, kv_backend=cfg.kv_backend, proxy=ProxySettings(queue_timeout_s=cfg.queue_timeout_s, max_waiting=cfg.max_waiting))
     t = time.monotonic()
     cluster, actors = start_cluster(serve, None if cfg.cluster_log == "-" else cfg.cluster_log)
     phases: list[dict[str, Any]] = []

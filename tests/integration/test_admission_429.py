@@ -21,6 +21,7 @@ openai = pytest.importorskip("openai")
 from http_util import post_chat  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
 
 def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
-                            queue_timeout_s=2.0, reserve_headroom_tokens=512))  # reserve every request's max_tokens
+                            proxy=ProxySettings(queue_timeout_s=2.0, reserve_headroom_tokens=512)))  # reserve every request's max_tokens
     try:
         c.start()
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0)
@@ -81,7 +82,7 @@ def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
 def test_waiting_requests_are_admitted_in_arrival_order() -> None:
     """A small request that would fit does not overtake a big one waiting ahead of it (no starvation)."""
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
-                            queue_timeout_s=60.0, reserve_headroom_tokens=512))  # reserve every request's max_tokens
+                            proxy=ProxySettings(queue_timeout_s=60.0, reserve_headroom_tokens=512)))  # reserve every request's max_tokens
     try:
         c.start()
         url = c.urls[0]
@@ -130,7 +131,7 @@ def test_chats_without_max_tokens_all_run_on_growing_reservations() -> None:
     prompts = [f"{q} Answer in one sentence." for q in ("What is the capital of France?", "Name a primary color.",
                                                         "What is 2 + 2?", "Say hello in Spanish.")]
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=100), decode=1, port=0, mode="colocated",
-                            queue_timeout_s=2.0))
+                            proxy=ProxySettings(queue_timeout_s=2.0)))
     try:
         c.start()
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

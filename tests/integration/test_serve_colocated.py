@@ -16,6 +16,7 @@ openai = pytest.importorskip("openai")
 from http_util import post_chat  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
@@ -28,7 +29,7 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 def cluster():  # type: ignore[no-untyped-def]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
                             decode=1, proxies=2, port=0, mode="colocated",
-                            slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO))
+                            proxy=ProxySettings(slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO)))
     try:
         c.start()
         yield c

@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.grammar_spec import GrammarSpec  # noqa: E402
@@ -56,7 +57,7 @@ def url(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     mode = request.param
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1,
                             prefill=1, mode=mode, port=0,
-                            enable_auto_tool_choice=True, tool_call_parser="hermes"))
+                            proxy=ProxySettings(enable_auto_tool_choice=True, tool_call_parser="hermes")))
     try:
         c.start()
         yield c.urls[0]
