@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.record import read_record  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
@@ -68,11 +69,12 @@ def phase(c: Cluster, client, prompt: str, max_tokens: int, want: dict[str, int]
     return done
 
 
+@pytest.mark.alone  # its phases are told apart by the token rates it measures: nothing else may share the cores
 def test_the_controller_follows_the_load_mix_recorded_and_replayed(tmp_path: Path) -> None:
     record = tmp_path / "live.jsonl"
     c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.5, max_num_batched_tokens=64), decode=1, prefill=2,
                             port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=INTERVAL_S,
-                            slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S))
+                            proxy=ProxySettings(slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S)))
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
