@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
-from cluster.sim_report import plot, summarize
+from cluster.sim_summary import plot, summarize
 from cluster.simulator import Simulation
 
 SLO_TTFT, SLO_TPOT = 5.0, 0.25

@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.profiler import add_parser as add_profile
     from cluster.cli_scale import add_parsers as add_scale
     from cluster.cli_simulate import add_parser as add_simulate
-    from cluster.bench.cli import add_parser as add_bench
+    from cluster.loadgen.cli import add_parser as add_bench
 
     add_scale(sub)
     add_simulate(sub)

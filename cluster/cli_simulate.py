@@ -62,7 +62,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.sim_model import DEFAULT_PROFILE, CostProfile, load_trace, make_workload
-    from cluster.sim_report import plot, summarize
+    from cluster.sim_summary import plot, summarize
     from cluster.simulator import Simulation
 
     if args.replay:

@@ -144,16 +144,16 @@ class FlexWorker:
                 "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
 
     def prefix_events(self, cursor: int) -> dict[str, Any]:
-        """A :class:`~cluster.wire.reports.PrefixEvents` (wire form): what this actor's prefix cache gained and lost
+        """A :class:`~cluster.wire.telemetry.PrefixEvents` (wire form): what this actor's prefix cache gained and lost
         after event ``cursor`` (0: everything it caches now), bounded per call (``more``: ask again). Never waits for
         the engine loop."""
-        from cluster.wire.reports import PrefixEvents
+        from cluster.wire.telemetry import PrefixEvents
 
         b = self.impl.engine.prefix_events.since(cursor)
         return PrefixEvents(b.next, b.reset, b.added, b.evicted, b.more).to_dict()
 
     def stats(self) -> dict[str, Any]:
-        """A :class:`~cluster.wire.reports.WorkerStats` (wire form): what proxies and the pool manager read."""
+        """A :class:`~cluster.wire.telemetry.WorkerStats` (wire form): what proxies and the pool manager read."""
         return dataclasses.replace(self.impl.stats(), flips=self.flips, node_ip=self.node_ip,
                                    evacuating=self.evacuating).to_dict()
 

@@ -3,13 +3,13 @@
 Both the live pool manager (:mod:`cluster.pool_manager`) and the simulator (:mod:`cluster.simulator`) call
 :func:`build` every control interval with what they have at hand, in the same shape:
 
-- **per actor, cumulative counters** (:class:`ActorCounters`: from a :class:`~cluster.wire.reports.WorkerStats`
+- **per actor, cumulative counters** (:class:`ActorCounters`: from a :class:`~cluster.wire.telemetry.WorkerStats`
   live, from the simulated actor in the simulator): prompt tokens computed after prefix-cache hits, tokens
   generated, the engine loop's busy seconds and steps, and gauges (queued prompt tokens, waiting sequences, KV
   blocks). Counters are differenced **per actor id**: an actor seen for the first time, or whose role or epoch (its
   flip count: a flipped actor's role starts its counters at 0) changed, or whose counters went backwards, only sets a
   baseline this window; an actor that left simply drops out. No rate is ever negative or doubled.
-- **the proxies' demand** (:class:`Demand`, summed from :class:`~cluster.wire.reports.ProxyReport` values by
+- **the proxies' demand** (:class:`Demand`, summed from :class:`~cluster.wire.telemetry.ProxyReport` values by
   :func:`demand_from_reports`; the simulator sums the same fields from its arrays, since building a message per
   simulated request would cost more than the simulation): every request that arrived, whether admitted, queued or
   refused, with its prompt length and requested output; the finished ones with their cached tokens, output
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.controller import ActorObservation, Observation
-from cluster.wire.reports import ProxyReport, WorkerStats
+from cluster.wire.telemetry import ProxyReport, WorkerStats
 from cluster.wire.slo import RequestLatency, SloConfig, judge
 
 

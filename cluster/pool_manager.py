@@ -11,9 +11,9 @@ pool and shrinks the other, the manager flips rather than drains and starts, unl
 Ray resources (``role_resources``: the pools live on different node groups), where a flip is a drain plus a start.
 
 Observations for the controller are built by :func:`cluster.observe.build`, the builder the simulator uses too, from
-two sources: every actor's cumulative counters (:class:`~cluster.wire.reports.WorkerStats`: tokens computed and
+two sources: every actor's cumulative counters (:class:`~cluster.wire.telemetry.WorkerStats`: tokens computed and
 generated, busy seconds, queued prompt tokens, KV blocks), differenced per actor so flips and departures never distort
-a rate, and the proxies' :class:`~cluster.wire.reports.ProxyReport` values, which each proxy hands to :meth:`report`
+a rate, and the proxies' :class:`~cluster.wire.telemetry.ProxyReport` values, which each proxy hands to :meth:`report`
 every pool refresh (demand as it arrives, 429s, what waits for decode KV, finished requests with their TTFT parts).
 Per-actor capacity is measured under load, seeded from a ``pdcluster profile`` cost profile when one is given.
 
@@ -38,7 +38,7 @@ from cluster.observe import (ActorCounters, ObserverConfig, ObserverState, build
                              observation_summary)
 from cluster.record import (RecordWriter, decision_fields, header_fields, observation_fields, report_records)
 from cluster.wire.worker_config import WorkerConfig
-from cluster.wire.reports import ProxyReport, WorkerStats
+from cluster.wire.telemetry import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
 
 

@@ -11,7 +11,7 @@ header; every other kind may come in any order (a reader sorts by ``t``). Versio
 - ``arrival``: one request (prompt) as it reached a proxy: ``proxy``, ``prompt_tokens``, ``max_tokens``, ``n`` and,
   when the recorder knows it (the simulator), ``output_tokens``. Live, ``t`` is the manager's receipt time of the
   proxy's report minus the arrival's age on the proxy's clock (durations only: no timestamp crosses hosts);
-- ``finished``: one finished request: ``proxy`` and the :class:`~cluster.wire.reports.FinishedSample` fields
+- ``finished``: one finished request: ``proxy`` and the :class:`~cluster.wire.telemetry.FinishedSample` fields
   (TTFT, TPOT and the TTFT parts, each a duration measured on one process's clock);
 - ``rejected``: ``count`` requests a proxy refused with 429 since its last report, and ``failed`` that failed
   otherwise (5xx, an error mid-stream, 499; absent: 0);
@@ -38,7 +38,7 @@ from typing import Any
 
 from cluster.controller import ActorObservation, ControllerConfig, Decision, Observation
 from cluster.observe import ObserverConfig
-from cluster.wire.reports import FinishedSample, ProxyReport
+from cluster.wire.telemetry import FinishedSample, ProxyReport
 
 RECORD_VERSION = 1
 KINDS = ("header", "arrival", "finished", "rejected", "observation", "decision", "pools", "end")

@@ -22,7 +22,7 @@ from typing import Any
 
 from cluster.engine_loop import EngineLoop, LoopStopped, load_engine
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
-from cluster.wire.reports import KVCounts, WorkerStats
+from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker

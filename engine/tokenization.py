@@ -1,6 +1,6 @@
 """Torch-free prompt tokenization: ``tokenizers`` for the vocabulary, jinja2 for the chat template.
 
-In the engine's room (beside the detokenizer) because both the proxy and the load generator (``cluster.bench``)
+In the engine's room (beside the detokenizer) because both the proxy and the load generator (``cluster.loadgen``)
 tokenize as the model does; importing it loads no torch (``engine/__init__`` is lazy). The proxy tokenizes (it needs token counts for admission and block hashes for routing); decode actors detokenize.
 Matches ``transformers``' ``encode`` and ``apply_chat_template`` for the model folder (checked in tests).
 """

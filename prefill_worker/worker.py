@@ -21,7 +21,7 @@ import torch
 from cluster.engine_loop import EngineLoop, load_engine
 from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant,
                                    prompt_logprob_pairs)
-from cluster.wire.reports import KVCounts, WorkerStats
+from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.base import TransferHandle, TransferState
 from kv_transfer.config import KVTransferConfig

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from cluster.wire.proxy_settings import DEFAULTS
-from cluster.wire.reports import ActorStats
+from cluster.wire.telemetry import ActorStats
 from proxy.errors import APIError, kv_capacity_exceeded, rate_limited, retry_after_seconds, service_unavailable
 from proxy.router import PrefixHits, pick_decode_actor
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.wire.messages import ReserveGrant, ReserveRequest
-from cluster.wire.reports import ActorStats
+from cluster.wire.telemetry import ActorStats
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject
 from proxy.errors import rate_limited
 from proxy.pools import ActorRef, Pools

@@ -43,7 +43,7 @@ class Leg:
     grant: ReserveGrant | None = None
     blocks: int = 0  # blocks the admission gate counts for it on ``actor`` until it ends
     ended: bool = False  # finished, or given up (its actor died and it was resumed elsewhere)
-    # its TTFT parts, each a duration on one clock (proxy.report): waiting for decode KV blocks (the reserve call
+    # its TTFT parts, each a duration on one clock (proxy.controller_feed): waiting for decode KV blocks (the reserve call
     # included, this proxy's clock); the prefill actor's queue, compute and wait for its last K/V sends (its clock)
     admission_s: float = 0.0
     prefill_queue_s: float = 0.0

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from cluster.wire.messages import WireVersionError
-from cluster.wire.reports import ActorStats, PrefixEvents, ProxyReport, WorkerStats
+from cluster.wire.telemetry import ActorStats, PrefixEvents, ProxyReport, WorkerStats
 from cluster.wire.names import CONTROL_GROUP, MANAGER_NAME, NAMESPACE, worker_names
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-from cluster.wire.reports import ActorStats
+from cluster.wire.telemetry import ActorStats
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from aiohttp import web
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import Usage
 from cluster.wire.proxy_settings import DEFAULTS, ProxySettings
-from cluster.wire.reports import WorkerStats
+from cluster.wire.telemetry import WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
 from proxy.dispatch import DispatchConfig, Dispatcher
@@ -60,7 +60,7 @@ from proxy.echo import echo_only, prompt_entries
 from proxy.jobs import Job
 from proxy.openapi import openapi_spec
 from proxy.pools import Pools
-from proxy.report import ReportCollector, finished_sample
+from proxy.controller_feed import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
 from cluster.wire.slo import RequestLatency, SloTracker, request_latency, tpot_s
 from engine.tokenization import PromptTokenizer

@@ -99,7 +99,7 @@ async def send(session: Any, url: str, path: str, body: dict[str, Any], t0: floa
     Never raises for the server's or the network's failures."""
     import aiohttp
 
-    from cluster.bench.openai_stream import parse_data_line
+    from cluster.loadgen.openai_stream import parse_data_line
 
     start = time.monotonic()
     status: int | None = None

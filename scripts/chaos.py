@@ -185,7 +185,7 @@ async def stream_one(session: Any, url: str, probe: Probe, cfg: ChaosConfig, exp
     """One streaming chat request, read to its end. Never raises for the server's or the network's failures."""
     import aiohttp
 
-    from cluster.bench.openai_stream import parse_data_line
+    from cluster.loadgen.openai_stream import parse_data_line
 
     await asyncio.sleep(probe.index * cfg.stagger_s)
     start = time.monotonic()

@@ -34,8 +34,8 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
         "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
         "control plane": ("cluster.controller", "cluster.observe", "cluster.record", "cluster.replay",
                           "cluster.pool_manager", "cluster.simulator", "cluster.sim_model", "cluster.sim_state",
-                          "cluster.sim_report"),  # decide(), its observations, the actor manager, the simulator
-        "load generator": ("cluster.bench",),  # pdcluster bench: a client of any OpenAI server
+                          "cluster.sim_summary"),  # decide(), its observations, the actor manager, the simulator
+        "load generator": ("cluster.loadgen",),  # pdcluster bench: a client of any OpenAI server
     },
     {"launcher/CLI": ("cluster.cli", "cluster.cli_scale", "cluster.cli_simulate", "cluster.launcher",
                       "cluster.profiler", "cluster")},  # pdcluster's commands and what starts the processes

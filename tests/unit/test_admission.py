@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.wire.reports import ActorStats
+from cluster.wire.telemetry import ActorStats
 from proxy.admission import Admit, AdmissionConfig, AdmissionController, Queued, Reject, estimate_blocks
 from proxy.router import PrefixHits
 

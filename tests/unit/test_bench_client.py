@@ -12,10 +12,10 @@ import math
 
 from aiohttp import web
 
-from cluster.bench.datasets import Conversation, Turn
-from cluster.bench.progress import ProgressBar
-from cluster.bench.runner import PointRun, Target, run_point
-from cluster.bench.sweep import SweepPoint
+from cluster.loadgen.datasets import Conversation, Turn
+from cluster.loadgen.progress import ProgressBar
+from cluster.loadgen.runner import PointRun, Target, run_point
+from cluster.loadgen.sweep import SweepPoint
 
 
 class FakeServer:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from cluster.bench.datasets import DatasetSpec, WordTokenizer, draw_len, make_dataset, text_of_tokens
+from cluster.loadgen.datasets import DatasetSpec, WordTokenizer, draw_len, make_dataset, text_of_tokens
 
 
 class CharTokenizer:
@@ -98,7 +98,7 @@ def test_no_requests_is_an_error() -> None:
 
 
 def test_sweep_points_and_warmups_never_share_a_prompt() -> None:
-    from cluster.bench.cli import point_dataset, warmup_dataset
+    from cluster.loadgen.cli import point_dataset, warmup_dataset
 
     spec, tok = DatasetSpec(kind="random", input_len=12, output_len=4), WordTokenizer()
     texts = [{t.text for c in point_dataset(spec, 6, 0, i, tok) for t in c.turns} for i in range(3)]

@@ -7,8 +7,8 @@ import statistics
 
 import pytest
 
-from cluster.bench.arrivals import arrival_offsets
-from cluster.bench.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
+from cluster.loadgen.arrivals import arrival_offsets
+from cluster.loadgen.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
 
 
 def gaps(offsets: tuple[float, ...]) -> list[float]:

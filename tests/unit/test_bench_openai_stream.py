@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from cluster.bench.openai_stream import Exchange, base_url, build_body, endpoint_url, parse_data_line
-from cluster.bench.progress import ProgressBar
-from cluster.bench.report import format_table, point_dict
-from cluster.bench.stats import RequestRecord, Slo, summarize
-from cluster.bench.sweep import SweepPoint
+from cluster.loadgen.openai_stream import Exchange, base_url, build_body, endpoint_url, parse_data_line
+from cluster.loadgen.progress import ProgressBar
+from cluster.loadgen.output import format_table, point_dict
+from cluster.loadgen.stats import RequestRecord, Slo, summarize
+from cluster.loadgen.sweep import SweepPoint
 
 
 def test_urls() -> None:

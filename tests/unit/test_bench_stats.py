@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.stats import RequestRecord, Slo, percentile, summarize
+from cluster.loadgen.stats import RequestRecord, Slo, percentile, summarize
 
 
 def record(start: float = 0.0, chunks: tuple[float, ...] = (0.5, 0.6, 0.7), end: float | None = None,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cluster.wire.reports import WorkerStats
+from cluster.wire.telemetry import WorkerStats
 from kv_transfer.cuda_devices import (NO_PEER_ACCESS, NO_UUID, NOT_VISIBLE, Mapped, Unmappable, match_device,
                                       normalize_uuid, visible_from_env)
 from kv_transfer.inplace_channel import InPlaceUnavailable, fallback_reason

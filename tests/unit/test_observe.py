@@ -10,7 +10,7 @@ import pytest
 
 from cluster.observe import (ActorCounters, Demand, ObserverConfig, ObserverState, build, demand_from_reports,
                              observation_summary)
-from cluster.wire.reports import ArrivalSample, FinishedSample, KVCounts, ProxyReport, WorkerStats
+from cluster.wire.telemetry import ArrivalSample, FinishedSample, KVCounts, ProxyReport, WorkerStats
 
 CFG = ObserverConfig(slo_ttft_s=2.0, slo_tpot_s=0.1, ewma_alpha=0.5, seed_prefill_tps=1000.0, seed_decode_tps=300.0)
 

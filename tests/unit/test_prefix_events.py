@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cluster.wire.reports import ActorStats, PrefixEvents
+from cluster.wire.telemetry import ActorStats, PrefixEvents
 from engine.block_hash import hash_full_blocks
 from engine.block_pool import BlockPool
 from engine.prefix_events import PrefixEventLog

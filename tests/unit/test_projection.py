@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cluster.wire.reports import KVCounts, WorkerStats
+from cluster.wire.telemetry import KVCounts, WorkerStats
 from decode_worker.projection import OutputLengths, projected_growth
 from proxy.pools import ActorRef, Pools
 

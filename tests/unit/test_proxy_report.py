@@ -1,5 +1,5 @@
 """A proxy's report to the pool manager: arrivals with ages on its clock, 429s, the gate's backlog, finished prompts
-with their TTFT parts (proxy/report.py)."""
+with their TTFT parts (proxy/controller_feed.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from cluster.wire.messages import GenerateRequest, TokenDelta, Usage
 from proxy.jobs import Job, Leg
-from proxy.report import ReportCollector, finished_sample
+from proxy.controller_feed import ReportCollector, finished_sample
 
 
 class Clock:
@@ -64,7 +64,7 @@ def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
 
 def test_the_gate_counts_the_prompt_tokens_waiting_for_decode_kv() -> None:
     from cluster.wire.messages import ReserveRequest
-    from cluster.wire.reports import KVCounts, WorkerStats
+    from cluster.wire.telemetry import KVCounts, WorkerStats
     from proxy.admission import AdmissionConfig
     from proxy.gate import AdmissionGate
     from proxy.pools import ActorRef

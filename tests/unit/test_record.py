@@ -18,7 +18,7 @@ from cluster.record import (RECORD_VERSION, RecordWriter, decision_fields, heade
 from cluster.replay import (live_attainment, record_simulation, redecide, replay, side_by_side,
                             trace_from_recording)
 from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
-from cluster.wire.reports import ArrivalSample, FinishedSample, ProxyReport
+from cluster.wire.telemetry import ArrivalSample, FinishedSample, ProxyReport
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)
 CTRL = ControllerConfig(budget=3, interval_s=2.0, cooldown_s=4.0, slo_ttft_s=1.0, slo_tpot_s=0.05)

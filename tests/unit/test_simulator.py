@@ -13,7 +13,7 @@ import pytest
 from cluster.cli import main as cli_main
 from cluster.controller import ControllerConfig
 from cluster.sim_model import DEFAULT_PROFILE, CostProfile, Trace, load_trace, make_workload
-from cluster.sim_report import summarize
+from cluster.sim_summary import summarize
 from cluster.simulator import Simulation
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)

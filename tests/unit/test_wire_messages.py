@@ -7,7 +7,7 @@ import pytest
 
 from cluster.wire.messages import (WIRE_VERSION, AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
                                    ReserveGrant, ReserveRequest, TokenDelta, Usage, WireVersionError)
-from cluster.wire.reports import ActorStats
+from cluster.wire.telemetry import ActorStats
 
 REQ = GenerateRequest("r1", [1, 2, 3], max_tokens=4, stop=["x"], seed=1, logprobs=0, n=2, reply_to="tcp://h:1",
                       trace_id="abc")

@@ -13,11 +13,11 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cluster.bench.arrivals import PROCESSES, arrival_offsets
-from cluster.bench.datasets import KINDS, Conversation, DatasetSpec, make_dataset
-from cluster.bench.openai_stream import ENDPOINTS, base_url, build_body
-from cluster.bench.stats import Slo, summarize
-from cluster.bench.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
+from cluster.loadgen.arrivals import PROCESSES, arrival_offsets
+from cluster.loadgen.datasets import KINDS, Conversation, DatasetSpec, make_dataset
+from cluster.loadgen.openai_stream import ENDPOINTS, base_url, build_body
+from cluster.loadgen.stats import Slo, summarize
+from cluster.loadgen.sweep import SweepPoint, parse_list, plan_sweep, sweep_axis
 
 WARMUP_SEED = 1_000_003  # warm-up prompts are drawn with SEED + this + point index: never a measured prompt
 
@@ -165,10 +165,10 @@ def _document(args: argparse.Namespace, plan: _Plan, model: str, points: list[di
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench.progress import ProgressBar
-    from cluster.bench.report import format_table, point_dict
-    from cluster.bench.runner import Target, run_point
-    from cluster.bench.tokenizer import load_tokenizer
+    from cluster.loadgen.progress import ProgressBar
+    from cluster.loadgen.output import format_table, point_dict
+    from cluster.loadgen.runner import Target, run_point
+    from cluster.loadgen.tokenizer import load_tokenizer
 
     parser: argparse.ArgumentParser = args._parser
     plan = _plan(args, parser)
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(f"[bench] results -> {args.json}", file=sys.stderr)
     if args.plot:
-        from cluster.bench.plot import plot_sweep
+        from cluster.loadgen.plot import plot_sweep
 
         axis, xs = sweep_axis(plan.points)
         plot_sweep(results, axis, xs, args.plot, f"{model} at {plan.url} ({args.endpoint}, {args.dataset})")

@@ -1,4 +1,4 @@
-"""What a proxy tells the pool manager every refresh: a :class:`~cluster.wire.reports.ProxyReport` of the requests
+"""What a proxy tells the pool manager every refresh: a :class:`~cluster.wire.telemetry.ProxyReport` of the requests
 that arrived (admitted, queued and refused alike: the controller's demand), the ones refused with 429, what waits at
 the admission gate now, and the finished ones with their TTFT split into parts (:mod:`cluster.observe` reads them).
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from cluster.wire.reports import ArrivalSample, FinishedSample, ProxyReport
+from cluster.wire.telemetry import ArrivalSample, FinishedSample, ProxyReport
 from proxy.jobs import Job
 from cluster.wire.slo import counts_for_slo, request_latency
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from cluster.bench.openai_stream import parse_data_line
-from cluster.bench.stats import RequestRecord
+from cluster.loadgen.openai_stream import parse_data_line
+from cluster.loadgen.stats import RequestRecord
 
 
 async def stream_request(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],

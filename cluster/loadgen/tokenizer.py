@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from cluster.bench.datasets import Tokenizer, WordTokenizer
+from cluster.loadgen.datasets import Tokenizer, WordTokenizer
 
 
 class FolderTokenizer:

@@ -13,12 +13,12 @@ from typing import Any
 
 import aiohttp
 
-from cluster.bench.client import stream_request
-from cluster.bench.datasets import Conversation
-from cluster.bench.openai_stream import Exchange, build_body, endpoint_url
-from cluster.bench.progress import ProgressBar
-from cluster.bench.stats import RequestRecord
-from cluster.bench.sweep import SweepPoint
+from cluster.loadgen.client import stream_request
+from cluster.loadgen.datasets import Conversation
+from cluster.loadgen.openai_stream import Exchange, build_body, endpoint_url
+from cluster.loadgen.progress import ProgressBar
+from cluster.loadgen.stats import RequestRecord
+from cluster.loadgen.sweep import SweepPoint
 
 
 @dataclass(frozen=True)

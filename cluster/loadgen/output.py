@@ -6,8 +6,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from cluster.bench.stats import RequestRecord
-from cluster.bench.sweep import SweepPoint
+from cluster.loadgen.stats import RequestRecord
+from cluster.loadgen.sweep import SweepPoint
 
 
 def _ms(dist: dict[str, float] | None, key: str) -> str:
