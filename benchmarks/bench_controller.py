@@ -23,9 +23,9 @@ import os
 import time
 from pathlib import Path
 
-from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
-from cluster.sim_summary import plot, summarize
-from cluster.simulator import Simulation
+from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
+from cluster.control.sim_summary import plot, summarize
+from cluster.control.simulator import Simulation
 
 SLO_TTFT, SLO_TPOT = 5.0, 0.25
 GOAL_ATTAINMENT, GOAL_SIM_S = 0.95, 20.0

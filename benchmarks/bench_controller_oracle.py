@@ -17,8 +17,8 @@ import argparse
 
 import numpy as np
 
-from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
-from cluster.simulator import Simulation
+from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
+from cluster.control.simulator import Simulation
 
 
 def sizes(text: str) -> tuple[int, int]:

@@ -32,7 +32,7 @@ import ray
 
 from cluster.launcher import Cluster, ServeConfig
 from cluster.wire.proxy_settings import ProxySettings
-from cluster.record import Recording, read_record
+from cluster.control.record import Recording, read_record
 from cluster.wire.worker_config import WorkerConfig
 
 SHORT_PROMPT = "Count from one to one hundred."
@@ -152,8 +152,8 @@ def main() -> int:
     for name, rec, _ in rows:
         for d in (d for d in rec.decisions if d["changes"]):
             print(f"  {name:12} {d['t']:6.1f}s {'' if d['applied'] else '(dry run) '}{d['reason']}")
-    from cluster.replay import format_report, replay, side_by_side
-    from cluster.sim_model import DEFAULT_PROFILE, CostProfile
+    from cluster.control.replay import format_report, replay, side_by_side
+    from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
 
     profile = CostProfile.load(DEFAULT_PROFILE)
     rec = rows[0][1]

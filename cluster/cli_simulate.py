@@ -10,7 +10,7 @@ import time
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="simulate a cluster with a controller policy on a trace or workload",
-                       description="Discrete-event simulation of a disaggregated cluster (see cluster/simulator.py).")
+                       description="Discrete-event simulation of a disaggregated cluster (see cluster/control/simulator.py).")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="JSONL: one {\"t\", \"prompt_tokens\", \"output_tokens\"} per line")
     src.add_argument("--workload", help="a generated workload: diurnal | bursts | alternating | steady")
@@ -38,9 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from cluster.record import read_record
-    from cluster.replay import format_report, replay, side_by_side
-    from cluster.sim_model import DEFAULT_PROFILE, CostProfile
+    from cluster.control.record import read_record
+    from cluster.control.replay import format_report, replay, side_by_side
+    from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
 
     try:
         rec = read_record(args.replay)
@@ -61,9 +61,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.sim_model import DEFAULT_PROFILE, CostProfile, load_trace, make_workload
-    from cluster.sim_summary import plot, summarize
-    from cluster.simulator import Simulation
+    from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, load_trace, make_workload
+    from cluster.control.sim_summary import plot, summarize
+    from cluster.control.simulator import Simulation
 
     if args.replay:
         return _replay(args)
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
           f"policy {args.policy} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if args.record:
-        from cluster.replay import record_simulation
+        from cluster.control.replay import record_simulation
 
         result = record_simulation(args.record, trace, profile, cfg, args.workers, initial)
     else:

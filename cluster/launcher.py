@@ -174,11 +174,11 @@ def actor_options(cfg: ServeConfig, role: str) -> dict[str, Any]:
 
 
 def controller_config(cfg: ServeConfig) -> Any:
-    """The autoscale controller's :class:`~cluster.controller.ControllerConfig` for ``cfg``'s cluster. With different
-    TP sizes per pool no actor flips its role (:func:`cluster.pool_manager.flips_allowed`), so the controller prices a
+    """The autoscale controller's :class:`~cluster.control.controller.ControllerConfig` for ``cfg``'s cluster. With different
+    TP sizes per pool no actor flips its role (:func:`cluster.control.pool_manager.flips_allowed`), so the controller prices a
     move between pools as a start (``flip_s = start_s``: it plans no flips) rather than planning flips the manager
     would carry out as starts. Pure."""
-    from cluster.controller import ControllerConfig
+    from cluster.control.controller import ControllerConfig
 
     ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
                             cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.proxy.slo_ttft_s,
@@ -218,7 +218,7 @@ class Cluster:
     def _start(self, timeout_s: float) -> None:
         import ray
 
-        from cluster.flex_worker import FlexWorker
+        from cluster.runtime.flex_worker import FlexWorker
         from cluster.wire.ray_address import wait_reachable
         from kv_transfer.config import KVTransferConfig
         from cluster.wire.names import NAMESPACE, WORKER_PREFIX
@@ -255,7 +255,7 @@ class Cluster:
         actors = self.decode_actors + self.prefill_actors
         ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
         if disagg:
-            from cluster.pool_manager import PoolManager
+            from cluster.control.pool_manager import PoolManager
             from cluster.wire.names import MANAGER_NAME
 
             ctrl = controller_config(cfg)

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from cluster.sim_model import CostProfile
+from cluster.control.sim_model import CostProfile
 
 
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -87,7 +87,7 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
 
 def _flip_time(engine) -> float:  # type: ignore[no-untyped-def]
     """Seconds to build a decode role around a loaded, idle engine, drain it and release the engine (what
-    :meth:`cluster.flex_worker.FlexWorker.flip` does besides the drain). Leaves the engine as it was."""
+    :meth:`cluster.runtime.flex_worker.FlexWorker.flip` does besides the drain). Leaves the engine as it was."""
     from cluster.wire.worker_config import WorkerConfig
     from decode_worker.worker import DecodeWorker
 
@@ -110,7 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.sim_model import DEFAULT_PROFILE
+    from cluster.control.sim_model import DEFAULT_PROFILE
 
     base = CostProfile.load(DEFAULT_PROFILE)
     if args.link_gbps is not None:

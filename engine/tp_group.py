@@ -20,7 +20,7 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
   built, refused at start (:func:`check_device`).
 - **Death**: a follower exits when its driver's process is gone (EOF on its socket, a broken collective, or a watchdog
   that sees its parent change); a follower that dies breaks the driver's next collective or command
-  (``TPGroupError``), and a worker actor whose group broke exits (cluster/engine_loop.py), so the cluster treats the
+  (``TPGroupError``), and a worker actor whose group broke exits (cluster/runtime/engine_loop.py), so the cluster treats the
   whole group as one dead worker and moves its requests, as after a kill -9 of the actor.
 """
 

@@ -1,6 +1,6 @@
 """What a proxy tells the pool manager every refresh: a :class:`~cluster.wire.telemetry.ProxyReport` of the requests
 that arrived (admitted, queued and refused alike: the controller's demand), the ones refused with 429, what waits at
-the admission gate now, and the finished ones with their TTFT split into parts (:mod:`cluster.observe` reads them).
+the admission gate now, and the finished ones with their TTFT split into parts (:mod:`cluster.control.observe` reads them).
 
 :class:`ReportCollector` is the proxy's mutable collector (event-loop thread only; the clock is passed in), drained
 by :meth:`ReportCollector.take`. :func:`finished_sample` is pure.

@@ -27,14 +27,14 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"engine": ("engine",)},  # the paged-KV engine and its torch-free values (sampling_params, config, tokenization)
     {"wire": ("cluster.wire",)},  # the wire floor: torch-free messages, names, auth, worker config, SLO math
     {"kv_transfer": ("kv_transfer",)},  # moving K/V between actors
-    {"worker loop": ("cluster.engine_loop",)},  # the one engine loop both roles run
+    {"worker loop": ("cluster.runtime.engine_loop",)},  # the one engine loop both roles run
     {"prefill_worker": ("prefill_worker",), "decode_worker": ("decode_worker",)},  # the roles
-    {"worker actor": ("cluster.flex_worker", "cluster.evacuate")},  # the Ray actor hosting a role; its preStop hook
+    # the Ray actor hosting a role; its preStop hook (cluster/runtime/ holds them and the loop below the roles)
+    {"worker actor": ("cluster.runtime.flex_worker", "cluster.runtime.evacuate")},
     {
         "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
-        "control plane": ("cluster.controller", "cluster.observe", "cluster.record", "cluster.replay",
-                          "cluster.pool_manager", "cluster.simulator", "cluster.sim_model", "cluster.sim_state",
-                          "cluster.sim_summary"),  # decide(), its observations, the actor manager, the simulator
+        # decide(), its observations, the pool manager, record/replay, the simulator: cluster/control/
+        "control plane": ("cluster.control",),
         "load generator": ("cluster.loadgen",),  # pdcluster bench: a client of any OpenAI server
     },
     {"launcher/CLI": ("cluster.cli", "cluster.cli_scale", "cluster.cli_simulate", "cluster.launcher",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 NAMESPACE = "pdcluster"
 WORKER_PREFIX = "pdcluster-worker-"  # every FlexWorker actor, whatever its role: pdcluster-worker-<i>
-MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/pool_manager.py)
+MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/control/pool_manager.py)
 
 
 def worker_names() -> list[str]:

@@ -1,6 +1,6 @@
 """Goodput: which client requests met the TTFT and TPOT SLOs, counted since start and over a recent window.
 
-On the wire floor because both sides judge by it: the proxy counts its own goodput, the controller (``cluster.observe``)
+On the wire floor because both sides judge by it: the proxy counts its own goodput, the controller (``cluster.control.observe``)
 judges the latencies the proxies report, one definition for both. Torch-free. Pure apart from :class:`SloTracker`'s own counters (its clock is passed in); no I/O. The proxy records one outcome per
 client request when it ends (:mod:`proxy.server`) and renders the counters in ``/metrics`` (:mod:`proxy.metrics`).
 
@@ -21,7 +21,7 @@ client request when it ends (:mod:`proxy.server`) and renders the counters in ``
 **One number for the autoscaler.** :func:`judge` is the one definition of "met", :meth:`SloTracker.window` the
 window's counts and :func:`attainment` the ratio. The controller's objective is the same number over its own window:
 each proxy's ``ProxyReport`` carries every finished prompt's latencies (from :func:`request_latency`) and the counts
-of refused (429) and failed requests; ``cluster.observe`` sums them over the proxies and judges each with
+of refused (429) and failed requests; ``cluster.control.observe`` sums them over the proxies and judges each with
 :func:`judge` against the controller's SLOs, refused and failed ones as misses (never an average of ratios: proxies
 see different traffic). Prometheus does the same: ``sum(pdcluster_slo_window_goodput_requests) /
 sum(pdcluster_slo_window_requests)``. (The report counts prompts; a request with several prompts counts once here.)

@@ -228,7 +228,7 @@ class FinishedSample(_Wire):
 @dataclass(frozen=True)
 class ProxyReport(_Wire):
     """Proxy -> pool manager, every pool refresh: what this proxy saw since its last report (the controller's demand,
-    backlog at the admission gate and SLO samples; ``cluster.observe`` turns reports into an observation)."""
+    backlog at the admission gate and SLO samples; ``cluster.control.observe`` turns reports into an observation)."""
 
     proxy_id: str
     arrivals: tuple[ArrivalSample, ...] = ()  # every request that arrived since the last report

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster.flex_worker import FlexWorker
+from cluster.runtime.flex_worker import FlexWorker
 from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig

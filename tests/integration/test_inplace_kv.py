@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from cluster.flex_worker import FlexWorker
+from cluster.runtime.flex_worker import FlexWorker
 from cluster.wire.messages import GenerateRequest, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig

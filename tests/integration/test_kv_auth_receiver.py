@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.flex_worker import FlexWorker
+from cluster.runtime.flex_worker import FlexWorker
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest

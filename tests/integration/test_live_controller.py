@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
-from cluster.record import read_record  # noqa: E402
+from cluster.control.record import read_record  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
 INTERVAL_S = 2.0

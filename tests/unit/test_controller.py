@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide,
+from cluster.control.controller import (ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide,
                                 decode_headroom, kv_projected)
 
 MU_P, MU_D = 1000.0, 250.0
@@ -176,7 +176,7 @@ def test_config_names_the_bad_field(bad: dict) -> None:
 
 
 def test_attainment_counts_samples_within_each_slo() -> None:
-    from cluster.controller import attainment
+    from cluster.control.controller import attainment
 
     assert attainment([], 1.0, 0.1) == (1.0, 1.0)
     assert attainment([(0.5, 0.05), (1.5, 0.05), (0.9, 0.2), (1.0, 0.1)], 1.0, 0.1) == (0.75, 0.75)

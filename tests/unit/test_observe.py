@@ -1,4 +1,4 @@
-"""The one observation builder (cluster/observe.py) on fake counters and reports: per-actor deltas through flips,
+"""The one observation builder (cluster/control/observe.py) on fake counters and reports: per-actor deltas through flips,
 departures and newcomers, demand including queued and refused requests, capacity under load, TTFT parts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.observe import (ActorCounters, Demand, ObserverConfig, ObserverState, build, demand_from_reports,
+from cluster.control.observe import (ActorCounters, Demand, ObserverConfig, ObserverState, build, demand_from_reports,
                              observation_summary)
 from cluster.wire.telemetry import ArrivalSample, FinishedSample, KVCounts, ProxyReport, WorkerStats
 

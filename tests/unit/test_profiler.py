@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from cluster.cli import main as cli_main
-from cluster.sim_model import CostProfile
+from cluster.control.sim_model import CostProfile
 
 
 def test_quick_profile_of_a_tiny_model_is_a_usable_cost_profile(tiny_checkpoint, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The autoscale record (cluster/record.py) and its replay (cluster/replay.py): the format round-trips, another
+"""The autoscale record (cluster/control/record.py) and its replay (cluster/control/replay.py): the format round-trips, another
 version is refused clearly, a cut-off last line is tolerated, a simulated run's record replays to the same decisions,
 and a dry run logs decisions without carrying them out."""
 
@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from cluster.cli import main as cli_main
-from cluster.controller import ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide
-from cluster.observe import ObserverConfig
-from cluster.record import (RECORD_VERSION, RecordWriter, decision_fields, header_fields, observation_fields,
+from cluster.control.controller import ActorObservation, ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.control.observe import ObserverConfig
+from cluster.control.record import (RECORD_VERSION, RecordWriter, decision_fields, header_fields, observation_fields,
                             parse_record, read_record, report_records)
-from cluster.replay import (live_attainment, record_simulation, redecide, replay, side_by_side,
+from cluster.control.replay import (live_attainment, record_simulation, redecide, replay, side_by_side,
                             trace_from_recording)
-from cluster.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
+from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, make_workload
 from cluster.wire.telemetry import ArrivalSample, FinishedSample, ProxyReport
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)
@@ -155,7 +155,7 @@ def test_simulate_replay_on_the_command_line(tmp_path: Path, capsys: pytest.Capt
 def test_a_dry_run_logs_every_decision_and_carries_none_out(tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ray")
-    import cluster.pool_manager as pm
+    import cluster.control.pool_manager as pm
 
     monkeypatch.setattr(pm, "worker_names", lambda: [])  # no Ray: a manager with no actors of its own
     applied: list[tuple] = []

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from cluster.cli import main as cli_main
-from cluster.controller import ControllerConfig
-from cluster.sim_model import DEFAULT_PROFILE, CostProfile, Trace, load_trace, make_workload
-from cluster.sim_summary import summarize
-from cluster.simulator import Simulation
+from cluster.control.controller import ControllerConfig
+from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, Trace, load_trace, make_workload
+from cluster.control.sim_summary import summarize
+from cluster.control.simulator import Simulation
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)
 

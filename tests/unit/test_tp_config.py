@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.cli import build_parser, serve_config, serve_threads, tp_sizes
-from cluster.engine_loop import CPU_KV_CACHE_GIB, engine_kwargs_for
+from cluster.runtime.engine_loop import CPU_KV_CACHE_GIB, engine_kwargs_for
 from cluster.launcher import ServeConfig, actor_options
 from cluster.wire.worker_config import WorkerConfig, default_threads
 from engine.config import EngineConfig
@@ -141,8 +141,8 @@ def test_a_non_integer_size_is_an_argparse_error(capsys: pytest.CaptureFixture[s
 # -- flips ------------------------------------------------------------------------------------------------------------
 def test_no_flip_in_place_between_tp_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ray")
-    import cluster.pool_manager as pm
-    from cluster.controller import ActorObservation, ControllerConfig, Decision, Observation
+    import cluster.control.pool_manager as pm
+    from cluster.control.controller import ActorObservation, ControllerConfig, Decision, Observation
 
     assert pm.flips_allowed(WorkerConfig(prefill_tp=2, decode_tp=2), {"prefill": {}, "decode": {}})
     assert not pm.flips_allowed(WorkerConfig(prefill_tp=1, decode_tp=2), {"prefill": {}, "decode": {}})
@@ -183,7 +183,7 @@ def test_serve_refuses_a_size_the_model_cannot_split(tiny_checkpoint, tmp_path) 
 
 
 def test_the_controller_plans_no_flips_between_tp_sizes() -> None:
-    from cluster.controller import ActorObservation, ControllerState, Observation, decide
+    from cluster.control.controller import ActorObservation, ControllerState, Observation, decide
     from cluster.launcher import controller_config
 
     same, mixed = ServeConfig(prefill=2, budget=3), ServeConfig(prefill=2, budget=3, worker=WorkerConfig(decode_tp=2))

@@ -1,6 +1,6 @@
 """The controller's one observation builder, live and simulated: ``build(...) -> (Observation, ObserverState)``. Pure.
 
-Both the live pool manager (:mod:`cluster.pool_manager`) and the simulator (:mod:`cluster.simulator`) call
+Both the live pool manager (:mod:`cluster.control.pool_manager`) and the simulator (:mod:`cluster.control.simulator`) call
 :func:`build` every control interval with what they have at hand, in the same shape:
 
 - **per actor, cumulative counters** (:class:`ActorCounters`: from a :class:`~cluster.wire.telemetry.WorkerStats`
@@ -15,7 +15,7 @@ Both the live pool manager (:mod:`cluster.pool_manager`) and the simulator (:mod
   refused, with its prompt length and requested output; the finished ones with their cached tokens, output
   lengths, TTFT, TPOT and TTFT parts; what waits at the admission gates now.
 
-What comes out (see :class:`~cluster.controller.Observation`): arrival rate and mean lengths (output length from
+What comes out (see :class:`~cluster.control.controller.Observation`): arrival rate and mean lengths (output length from
 finished requests; the requested ``max_tokens`` only as an upper bound while nothing has finished yet), prefill
 demand in tokens/s after the prefix-cache hit rate the finished requests saw, decode demand in tokens/s, per-actor
 capacity as an EWMA of tokens per busy second taken only while the actor is under load (seeded from a cost profile
@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.controller import ActorObservation, Observation
+from cluster.control.controller import ActorObservation, Observation
 from cluster.wire.telemetry import ProxyReport, WorkerStats
 from cluster.wire.slo import RequestLatency, SloConfig, judge
 

@@ -1,6 +1,6 @@
 """Discrete-event simulation of a disaggregated cluster, with the controller core deciding inside it.
 
-The model (costs from a :class:`~cluster.sim_model.CostProfile`), in the order a request meets it:
+The model (costs from a :class:`~cluster.control.sim_model.CostProfile`), in the order a request meets it:
 
 - **Admission for decode KV** (as the proxies' gate does live): a request first reserves KV on the decode actor with
   the most free, its prompt plus ``reserve_headroom_tokens`` of output; growth past the headroom is counted as taken
@@ -18,8 +18,8 @@ The model (costs from a :class:`~cluster.sim_model.CostProfile`), in the order a
   At most ``max_batch`` sequences per actor; the rest wait on their actor for a slot (the decode backlog).
 - **Changes**: a new actor is ready after ``start_s``; a drained actor takes no new work and leaves when it holds
   nothing (no sequence, no reservation); a flipped one is drained, then changes role after ``flip_s`` (same
-  weights). Every ``interval_s`` the controller gets an :class:`~cluster.controller.Observation` of the last window,
-  built by :func:`cluster.observe.build` (the live builder) from the actors' counters and the window's demand, and
+  weights). Every ``interval_s`` the controller gets an :class:`~cluster.control.controller.Observation` of the last window,
+  built by :func:`cluster.control.observe.build` (the live builder) from the actors' counters and the window's demand, and
   its decision is applied.
 
 TTFT = first token - arrival (admission wait + prefill queue + prefill + exposed transfer). TPOT = (last token -
@@ -39,10 +39,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
-from cluster.observe import Demand, ObserverConfig, ObserverState, build
-from cluster.sim_model import CostProfile, Trace
-from cluster.sim_state import UNBOUNDED, SimResult, SimActor
+from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
+from cluster.control.observe import Demand, ObserverConfig, ObserverState, build
+from cluster.control.sim_model import CostProfile, Trace
+from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED = 0, 1, 2, 3, 4  # event kinds
 
@@ -244,7 +244,7 @@ class Simulation:
             self.timeline.append({"t": round(float(now), 3), "n_prefill": n_p, "n_decode": n_d})
 
     def _demand(self, upto: int) -> Demand:
-        """The window's demand, summed as :func:`cluster.observe.demand_from_reports` sums the proxies' reports."""
+        """The window's demand, summed as :func:`cluster.control.observe.demand_from_reports` sums the proxies' reports."""
         tr, cfg = self.trace, self.cfg
         lo = self.mark
         done = self.window_done

@@ -12,7 +12,7 @@ loop on what is observed:
    drain it in one; SLO attainment under target adds one actor to the pool that misses. Decode memory (the KV its
    actors hold, reservations for prompts still in prefill included) is a load like the token rate; requests waiting
    at admission for decode KV grow decode, and a TTFT miss goes to the pool whose part of the TTFT dominates
-   (``Observation.ttft_cause``). Observations come from :mod:`cluster.observe`, live and simulated alike.
+   (``Observation.ttft_cause``). Observations come from :mod:`cluster.control.observe`, live and simulated alike.
 4. Respect minimums and the total budget (split in proportion to demand when it binds).
 5. Hysteresis: grow at once, shrink only when the smaller pool would still run below ``1 - hysteresis`` of the target
    utilisation; a cooldown after each change; nothing new while a change is pending.

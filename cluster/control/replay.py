@@ -1,7 +1,7 @@
-"""Replay an autoscale record (:mod:`cluster.record`) through the simulator in closed loop, and compare.
+"""Replay an autoscale record (:mod:`cluster.control.record`) through the simulator in closed loop, and compare.
 
 ``pdcluster simulate --replay FILE`` re-runs the recorded arrivals (their times, prompt lengths and output lengths)
-through :class:`~cluster.simulator.Simulation` with the simulator's own controller deciding: the recorded
+through :class:`~cluster.control.simulator.Simulation` with the simulator's own controller deciding: the recorded
 controller config and SLOs, the recorded observer config, the recorded initial pool sizes and budget. It then puts
 the live decisions (times, reasons, whether applied) beside the simulated ones, and live attainment (the finished
 requests the proxies reported, 429s counted as misses) beside simulated attainment.
@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide
-from cluster.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
-from cluster.sim_model import CostProfile, Trace
-from cluster.simulator import SimResult, Simulation
+from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.control.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
+from cluster.control.sim_model import CostProfile, Trace
+from cluster.control.simulator import SimResult, Simulation
 from cluster.wire.slo import RequestLatency, SloConfig, judge
 
 

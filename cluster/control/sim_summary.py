@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from cluster.sim_model import Trace, mix_series
-from cluster.simulator import SimResult
+from cluster.control.sim_model import Trace, mix_series
+from cluster.control.simulator import SimResult
 
 
 def summarize(result: SimResult, trace: Trace) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The live connector: a Ray actor that adds and drains worker actors, by hand (``pdcluster scale``) or driven by
 the controller core (``pdcluster autoscale on``).
 
-Adding starts a named actor (``pdcluster-worker-<i>``, a :class:`cluster.flex_worker.FlexWorker`); proxies find it on
+Adding starts a named actor (``pdcluster-worker-<i>``, a :class:`cluster.runtime.flex_worker.FlexWorker`); proxies find it on
 their next pool refresh (every second) once its model is loaded. Draining tells the actor to take no new work (a
 decode actor refuses new reservations; both report ``draining``, so proxies stop routing to them), waits until it is
 idle (every request it holds has finished), then stops it: no request is lost. Flipping drains the same way, then
@@ -10,14 +10,14 @@ of a second against a model load), and proxies move it to its new pool on their 
 pool and shrinks the other, the manager flips rather than drains and starts, unless actors are pinned to role-specific
 Ray resources (``role_resources``: the pools live on different node groups), where a flip is a drain plus a start.
 
-Observations for the controller are built by :func:`cluster.observe.build`, the builder the simulator uses too, from
+Observations for the controller are built by :func:`cluster.control.observe.build`, the builder the simulator uses too, from
 two sources: every actor's cumulative counters (:class:`~cluster.wire.telemetry.WorkerStats`: tokens computed and
 generated, busy seconds, queued prompt tokens, KV blocks), differenced per actor so flips and departures never distort
 a rate, and the proxies' :class:`~cluster.wire.telemetry.ProxyReport` values, which each proxy hands to :meth:`report`
 every pool refresh (demand as it arrives, 429s, what waits for decode KV, finished requests with their TTFT parts).
 Per-actor capacity is measured under load, seeded from a ``pdcluster profile`` cost profile when one is given.
 
-``autoscale(True, record=FILE)`` writes the loop's record (:mod:`cluster.record`: every arrival and finished request
+``autoscale(True, record=FILE)`` writes the loop's record (:mod:`cluster.control.record`: every arrival and finished request
 the proxies report, on this actor's clock, every observation and every decision with its reason) for ``pdcluster
 simulate --replay``; ``dry_run=True`` decides and logs every decision without carrying any out.
 """
@@ -33,10 +33,10 @@ from typing import Any
 
 import ray
 
-from cluster.controller import ControllerConfig, ControllerState, Decision, Observation, decide
-from cluster.observe import (ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports,
+from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.control.observe import (ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports,
                              observation_summary)
-from cluster.record import (RecordWriter, decision_fields, header_fields, observation_fields, report_records)
+from cluster.control.record import (RecordWriter, decision_fields, header_fields, observation_fields, report_records)
 from cluster.wire.worker_config import WorkerConfig
 from cluster.wire.telemetry import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
@@ -83,7 +83,7 @@ class PoolManager:
         self._state = ControllerState()
         self.observer = ObserverConfig(slo_ttft_s=controller.slo_ttft_s, slo_tpot_s=controller.slo_tpot_s)
         if profile is not None:
-            from cluster.sim_model import CostProfile
+            from cluster.control.sim_model import CostProfile
 
             self.observer = CostProfile(**profile).observer_config(controller)
         # the live actors count K/V in blocks of the workers' block size (the simulator, in tokens)
@@ -246,7 +246,7 @@ class PoolManager:
         self._event(f"{name} flipped {old} -> {role} in {out['seconds']:.2f}s (same weights)")
 
     def _start(self, role: str) -> str:
-        from cluster.flex_worker import FlexWorker
+        from cluster.runtime.flex_worker import FlexWorker
 
         with self._lock:
             name = f"{WORKER_PREFIX}{self.next_index}"

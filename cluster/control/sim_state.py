@@ -1,5 +1,5 @@
 """The simulator's state: one simulated actor (prefill or decode, with the counters it reports as a live worker does)
-and a run's result. Mutable by design: :mod:`cluster.simulator` updates actors in place in its event loop."""
+and a run's result. Mutable by design: :mod:`cluster.control.simulator` updates actors in place in its event loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from cluster.observe import ActorCounters
+from cluster.control.observe import ActorCounters
 
 UNBOUNDED = 1e18  # a decode actor's KV tokens when the profile sets none
 
@@ -40,7 +40,7 @@ class SimActor:
         self.kv_reserved = 0.0  # decode: of those, by requests whose K/V has not arrived yet
         self.holds = 0  # decode: requests it owns (reserved, prefilling, waiting for a slot or running)
         self.pending: deque[int] = deque()  # decode: owned requests whose K/V arrived, waiting for a batch slot
-        # counters since its role started, as a live worker reports them (cluster.observe.ActorCounters)
+        # counters since its role started, as a live worker reports them (cluster.control.observe.ActorCounters)
         self.epoch = 0
         self.p_tokens = 0.0  # prefill: prompt tokens queued so far
         self.p_work = 0.0  # prefill: seconds of work queued so far

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from cluster.controller import ControllerConfig
-from cluster.observe import ObserverConfig
+from cluster.control.controller import ControllerConfig
+from cluster.control.observe import ObserverConfig
 
 WORKLOADS = ("diurnal", "bursts", "alternating", "steady")
-DEFAULT_PROFILE = Path(__file__).parent / "profiles" / "cpu-default.json"
+DEFAULT_PROFILE = Path(__file__).parents[1] / "profiles" / "cpu-default.json"
 
 
 @dataclass(frozen=True)

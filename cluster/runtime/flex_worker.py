@@ -1,5 +1,5 @@
 """A worker actor whose role can change in place: the engine (weights, KV cache, prefix cache) stays loaded, only the
-role's threads and sockets are rebuilt. :class:`cluster.pool_manager.PoolManager` flips a drained, idle actor this way
+role's threads and sockets are rebuilt. :class:`cluster.control.pool_manager.PoolManager` flips a drained, idle actor this way
 instead of stopping it and loading a new one.
 
 Ray-agnostic like the roles it hosts (:mod:`cluster.launcher` wraps it in a threaded ``ray.remote``), except that

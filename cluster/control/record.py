@@ -5,8 +5,8 @@ record started (the pool manager's monotonic clock live, simulated time in the s
 header; every other kind may come in any order (a reader sorts by ``t``). Version :data:`RECORD_VERSION`:
 
 - ``header``: ``version``, ``source`` (``live`` | ``simulator``), ``wall_time`` (when it started, for people only),
-  ``controller`` (the :class:`~cluster.controller.ControllerConfig` as a dict), ``observer`` (the
-  :class:`~cluster.observe.ObserverConfig`), ``initial`` (``[prefill, decode]`` actors when it started), ``dry_run``,
+  ``controller`` (the :class:`~cluster.control.controller.ControllerConfig` as a dict), ``observer`` (the
+  :class:`~cluster.control.observe.ObserverConfig`), ``initial`` (``[prefill, decode]`` actors when it started), ``dry_run``,
   ``profile`` (the cost profile the controller was seeded with, or null);
 - ``arrival``: one request (prompt) as it reached a proxy: ``proxy``, ``prompt_tokens``, ``max_tokens``, ``n`` and,
   when the recorder knows it (the simulator), ``output_tokens``. Live, ``t`` is the manager's receipt time of the
@@ -15,7 +15,7 @@ header; every other kind may come in any order (a reader sorts by ``t``). Versio
   (TTFT, TPOT and the TTFT parts, each a duration measured on one process's clock);
 - ``rejected``: ``count`` requests a proxy refused with 429 since its last report, and ``failed`` that failed
   otherwise (5xx, an error mid-stream, 499; absent: 0);
-- ``observation``: the :class:`~cluster.controller.Observation` the controller decided on (``observation``);
+- ``observation``: the :class:`~cluster.control.controller.Observation` the controller decided on (``observation``);
 - ``decision``: every decision, holds included: ``n_prefill``, ``n_decode``, ``add``, ``drain``, ``flip``,
   ``reason``, ``changes`` (it changes something), ``applied`` (False in a dry run or for a hold), ``manual``
   (``pdcluster scale``);
@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cluster.controller import ActorObservation, ControllerConfig, Decision, Observation
-from cluster.observe import ObserverConfig
+from cluster.control.controller import ActorObservation, ControllerConfig, Decision, Observation
+from cluster.control.observe import ObserverConfig
 from cluster.wire.telemetry import FinishedSample, ProxyReport
 
 RECORD_VERSION = 1
