@@ -65,7 +65,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
 #                2026-12-03).
 #   integration: the rest that CI runs: tests/integration, tests/helm, the unit tests listed in INTEGRATION, and any
 #                test marked @pytest.mark.integration (a test may also say @pytest.mark.fast itself).
-#                CI runs it on two pytest-xdist workers (14.3 min, 2026-12-04), then the tests marked `alone` (they
+#                CI runs it on two pytest-xdist workers (12.7-14.3 min, 2026-12-04), then the tests marked `alone` (they
 #                judge rates they measure on this machine) by themselves.
 #   slow:        marked @pytest.mark.slow; neither CI nor a plain `pytest` runs it (pyproject's addopts).
 # A plain `python3 -m pytest` runs fast + integration, one test at a time (.ci/run: one tier after the other).
