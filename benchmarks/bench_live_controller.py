@@ -116,7 +116,8 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--prefill-streams", type=int, default=2)
     ap.add_argument("--kv-blocks", type=int, default=None,
-                    help="K/V blocks per actor (16 tokens each; default 0.5 GiB): small enough and the decode phase is bound by decode K/V (reservations of prompt + 256 tokens), not by its token rate")
+                    help="K/V blocks per actor (16 tokens each; default 0.5 GiB): small enough and the decode phase "
+                         "is bound by decode K/V (reservations of prompt + 256 tokens), not by its token rate")
     ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-live-controller-"))

@@ -122,5 +122,4 @@ def settings_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     try:
         return ProxySettings.from_args(args)
     except ValueError as e:
-        parser.error(str(e))
-        raise  # (parser.error exits)
+        parser.error(str(e))  # exits (NoReturn)
