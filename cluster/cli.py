@@ -135,7 +135,8 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         share_node_gpus=not args.no_share_node_gpus,
         on_transfer_failure=args.on_transfer_failure,
         proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
-        budget=args.budget, controller_interval_s=args.controller_interval, role_resources=args.role_resources,
+        budget=args.budget, controller_interval_s=args.controller_interval,
+        season_window_s=args.season_window, role_resources=args.role_resources,
         controller_profile=args.controller_profile or "",
         proxy=ProxySettings.from_args(args), cluster_auth=not args.no_cluster_auth, cluster_secret=secret)
     if not args.threads:
@@ -409,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default="default")
     add_proxy_flags(sv)  # each proxy's queue, reservations, resumes, SLOs, tool calls, chat template
     sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
+    sv.add_argument("--season-window", type=float, default=None, metavar="SECONDS",
+                    help="seconds of load autoscale looks back over for a repeating pattern to move ahead of (0: off; "
+                         "default: two hours)")
     sv.add_argument("--controller-profile", default=None,
                     help="a pdcluster profile cost profile (JSON): autoscale's per-actor capacity until measured")
     sv.add_argument("--autoscale", action="store_true", help="start with the controller moving the ratio")

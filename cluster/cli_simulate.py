@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--duration", type=float, default=3600.0, help="seconds of generated workload")
     s.add_argument("--load", type=float, default=0.6, help="generated workload's load as a share of capacity")
     s.add_argument("--interval", type=float, default=15.0, help="controller interval, seconds")
+    s.add_argument("--season-window", type=float, default=None, metavar="SECONDS",
+                   help="seconds of load adaptive looks back over for a repeating pattern to move ahead of (0: off; "
+                        "default: two hours)")
     s.add_argument("--elastic", action="store_true", help="adaptive may also shrink below the budget")
     s.add_argument("--initial", default=None, metavar="P:D", help="initial pool sizes (default: half and half)")
     s.add_argument("--json", metavar="OUT", help="write the report here; required unless --replay")
@@ -85,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--initial: expected P:D, got {args.initial!r}")
             initial = (int(p), int(d))
         cfg = profile.controller_config(policy=args.policy, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                                        interval_s=args.interval, budget=args.workers, elastic=args.elastic)
+                                        interval_s=args.interval, budget=args.workers, elastic=args.elastic,
+                                        **({} if args.season_window is None else
+                                           {"season_window_s": args.season_window}))
         sim = Simulation(trace, profile, cfg, args.workers, initial)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

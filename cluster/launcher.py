@@ -76,6 +76,9 @@ class ServeConfig:
     budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
     # for it)
     controller_interval_s: float = 30.0  # how often autoscale decides
+    # seconds of each pool's load autoscale keeps to find a repeating pattern in and move ahead of it (0: off;
+    # None: the controller's default, ControllerConfig.season_window_s)
+    season_window_s: float | None = None
     # a ``pdcluster profile`` cost profile (JSON): seeds each actor's capacity until it is measured under load
     controller_profile: str = ""
     # place prefill actors only on Ray nodes that offer the custom resource "pdcluster_prefill", decode actors on
@@ -183,6 +186,8 @@ def controller_config(cfg: ServeConfig) -> Any:
     ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
                             cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.proxy.slo_ttft_s,
                             slo_tpot_s=cfg.proxy.slo_tpot_s)
+    if cfg.season_window_s is not None:
+        ctrl = dataclasses.replace(ctrl, season_window_s=cfg.season_window_s)
     return ctrl if cfg.worker.flips_keep_tp else dataclasses.replace(ctrl, flip_s=ctrl.start_s)
 
 

@@ -7,7 +7,8 @@ loop on what is observed:
 1. Smooth the arrival rates (EWMA) and take each pool's per-actor capacity as the median of its actors' measurements
    (prefill tokens/s within the TTFT SLO, decode tokens/s within the TPOT SLO).
 2. Size each pool for its load plus headroom: ``n = ceil(λ·(1 + headroom) / μ)``; decode's headroom is scaled
-   down by how fast a flip toward decode lands (``decode_headroom``: a prefill actor drains in seconds).
+   down by how fast a flip toward decode lands (``decode_headroom``: a prefill actor drains in seconds). A load that
+   repeats is sized for where it goes next, from one period ago (:mod:`cluster.control.forecast`).
 3. See queueing, which averages cannot: a prefill backlog that would not drain within a TTFT SLO adds the actors that
    drain it in one; SLO attainment under target adds one actor to the pool that misses. Decode memory (the KV its
    actors hold, reservations for prompts still in prefill included) is a load like the token rate; requests waiting
@@ -29,6 +30,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field, replace
+
+from cluster.control import forecast
 
 ROLES = ("prefill", "decode")
 POLICIES = ("fixed", "throughput", "adaptive")
@@ -61,6 +64,10 @@ class ControllerConfig:
     # output tokens the proxies reserve per request at admission beside its prompt (their --reserve-headroom); the
     # K/V projection counts a request as holding its prompt plus this or its output, whichever is more
     kv_headroom_tokens: float = 256.0
+    # adaptive: a load that repeats is met before it arrives (cluster.control.forecast): seconds of each pool's
+    # arriving load kept to find its period in (0: no forecasting), and the shortest period looked for
+    season_window_s: float = 7200.0
+    season_min_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES and fixed_sizes(self.policy) is None:
@@ -68,7 +75,8 @@ class ControllerConfig:
         for name in ("slo_ttft_s", "slo_tpot_s", "interval_s", "default_prefill_tps", "default_decode_tps"):
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)!r}")
-        for name in ("headroom", "cooldown_s", "start_s", "flip_s", "kv_headroom_tokens"):
+        for name in ("headroom", "cooldown_s", "start_s", "flip_s", "kv_headroom_tokens", "season_window_s",
+                     "season_min_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("hysteresis", "attainment_target"):
@@ -184,6 +192,9 @@ class ControllerState:
     decode_kv: float = 0.0  # decode KV in use in actors' worth (reservations included): at once up, smoothed down
     last_change_t: float = -math.inf
     history: tuple[Decision, ...] = field(default=())  # the last decisions that changed something (newest last)
+    # each window's arriving prefill and decode tokens/s, oldest first, at most season_window_s of them
+    prefill_seen: tuple[float, ...] = field(default=())
+    decode_seen: tuple[float, ...] = field(default=())
 
 
 def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s: float) -> tuple[float, float]:
@@ -304,6 +315,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         slope_p = a * (sp - state.prefill_tps) / dt + (1 - a) * slope_p
         slope_d = a * (sd - state.decode_tps) / dt + (1 - a) * slope_d
     state = replace(state, prefill_tps=sp, decode_tps=sd, prefill_slope=slope_p, decode_slope=slope_d, t=obs.t)
+    keep = int(cfg.season_window_s // cfg.interval_s)
+    if keep:  # every window's load, pending changes or not (a gap would shift the season)
+        state = replace(state, prefill_seen=(*state.prefill_seen, obs.prefill_tps)[-keep:],
+                        decode_seen=(*state.decode_seen, obs.decode_tps)[-keep:])
     hold = Decision(n_p, n_d)
     if cfg.policy == "fixed" or fixed_sizes(cfg.policy):
         return replace(hold, reason="fixed policy"), state
@@ -325,12 +340,23 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # (two intervals ahead); size down on the smoothed rate
     util, util_d = 1 / (1 + cfg.headroom), 1 / (1 + decode_headroom(obs, cfg))
     lead = 2 * cfg.interval_s
+    why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
     fast_p = max(obs.prefill_tps, sp + max(0.0, slope_p) * lead)  # the newest load, or where it is heading
     fast_d = max(obs.decode_tps, sd + max(0.0, slope_d) * lead)
+    # a load that repeats: what it reached one period ago over the time a change takes to land (forecast.py)
+    ahead = {role: forecast.expected(seen, cfg.interval_s, cfg.season_min_s, lead + cfg.flip_s) if seen else None
+             for role, seen in (("prefill", state.prefill_seen), ("decode", state.decode_seen))}
+    raised = {role: s is not None and s[0] > now for (role, s), now in zip(ahead.items(), (fast_p, fast_d))}
+    fast_p = max(fast_p, ahead["prefill"][0]) if ahead["prefill"] else fast_p
+    fast_d = max(fast_d, ahead["decode"][0]) if ahead["decode"] else fast_d
     lp, ld = max(sp, fast_p), max(sd, fast_d)
     want_p = math.ceil(lp / (mu_p * util)) if lp > 0 else cfg.min_prefill
     want_d = math.ceil(ld / (mu_d * util_d)) if ld > 0 else cfg.min_decode
-    why = [f"load {sp:.0f} prefill / {sd:.0f} decode tok/s over {mu_p:.0f} / {mu_d:.0f} per actor"]
+    # a pool the season grows beyond its present size moves now, even at a binding budget with no pool pressed
+    seasonal = (raised["prefill"] and want_p > n_p) or (raised["decode"] and want_d > n_d)
+    for role, s in ahead.items():
+        if raised[role] and s is not None:
+            why.append(f"{role} load repeats every {s[1]:.0f}s: {s[0]:.0f} tok/s ahead")
     # prompts waiting at the admission gates wait for decode KV, not for a prefill actor: prefill's queue is the rest
     kv_short = obs.kv_short()
     queued_p = max(0.0, obs.prefill_backlog_tokens - obs.admission_backlog_tokens)
@@ -424,7 +450,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # (requests caught in that queue have not finished yet, so attainment cannot show them)
     over_d = n_d * mu_d < max(sd, obs.decode_tps) or kv_wait or kv_ahead or obs.decode_backlog_tokens > clearable_d
     if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not (over_p or over_d) \
-            and not ttft_miss and not tpot_miss:
+            and not ttft_miss and not tpot_miss and not seasonal:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
     elif n_p + n_d == cfg.budget and t_p + t_d == cfg.budget and over_p and kv_wait:
         # both pools pressed at a binding budget: a move only shifts the bottleneck and costs a drain; let the

@@ -3,6 +3,7 @@ and a run's result. Mutable by design: :mod:`cluster.control.simulator` updates 
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -17,8 +18,9 @@ class SimActor:
     """One simulated actor; which fields matter depends on its role (see the comments). Mutable."""
 
     __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
-                 "sum_p", "sum_vj", "heap", "version", "ready_at", "left", "kv_total", "kv_held", "kv_reserved", "holds",
-                 "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy", "steps")
+                 "sum_p", "sum_vj", "heap", "version", "due", "next_t", "ready_at", "left", "kv_total", "kv_held",
+                 "kv_reserved", "holds", "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy",
+                 "steps")
 
     def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
         self.aid, self.role, self.ready_at = aid, role, ready_at
@@ -34,7 +36,9 @@ class SimActor:
         self.sum_p = 0  # decode: prompt tokens of the running sequences
         self.sum_vj = 0.0  # decode: sum of the virtual times they joined at
         self.heap: list[tuple[float, int]] = []  # decode: (virtual finish, request)
-        self.version = 0
+        self.version = 0  # decode: of its scheduled finish event (older ones are stale)
+        self.due = math.inf  # decode: when its next sequence finishes at the present step
+        self.next_t = math.inf  # decode: when its scheduled finish event comes (<= due; a join may have moved due)
         self.kv_total = kv_total  # decode: KV tokens it holds in all
         self.kv_held = 0.0  # decode: reserved by the requests it owns
         self.kv_reserved = 0.0  # decode: of those, by requests whose K/V has not arrived yet

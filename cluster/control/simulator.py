@@ -403,6 +403,10 @@ class Simulation:
                 a = actors[x]
                 if y != a.version or not a.live:
                     continue  # stale
+                if a.due > t:  # early: joins since it was scheduled moved the finish later (see _JOIN)
+                    a.next_t = a.due
+                    heappush(events, (a.due, _FINISH, next(seq), x, y))
+                    continue
                 b = a.b  # advance: as SimActor.advance
                 if b:
                     dv = (t - a.t_last) / a.step
@@ -431,7 +435,10 @@ class Simulation:
                     v = a.v
                     a.step = step = base + per_seq * b + per_kv * (a.sum_p + b * v - a.sum_vj)
                     left = heap[0][0] - v
-                    heappush(events, (t + (left if left > 0.0 else 0.0) * step, _FINISH, next(seq), x, a.version))
+                    a.due = a.next_t = due = t + (left if left > 0.0 else 0.0) * step
+                    heappush(events, (due, _FINISH, next(seq), x, a.version))
+                else:
+                    a.due = a.next_t = inf
                 heappush(kv_heap, (a.kv_held - a.kv_total, x))  # after the release: as _after_release
                 if len(kv_heap) > kv_cap:
                     self._compact_kv()
@@ -462,11 +469,16 @@ class Simulation:
                     a.sum_vj += v
                     heap = a.heap
                     heappush(heap, (v + o - 1, r))
-                    a.version += 1  # reschedule
                     a.step = step = base + per_seq * b + per_kv * (a.sum_p + b * v - a.sum_vj)
                     left = heap[0][0] - v
-                    heappush(events, (t + (left if left > 0.0 else 0.0) * step, _FINISH, next(seq), a.aid,
-                                      a.version))
+                    a.due = due = t + (left if left > 0.0 else 0.0) * step
+                    # one finish event per actor: a join mostly moves the next finish later (a longer step), so the
+                    # event already scheduled stays and re-schedules itself at a.due when it comes; only a finish
+                    # sooner than it (a short request) schedules anew. The same times as one event per join.
+                    if due < a.next_t:
+                        a.version += 1
+                        a.next_t = due
+                        heappush(events, (due, _FINISH, next(seq), a.aid, a.version))
                 else:
                     a.pending.append(r)
             elif kind == _READY:
