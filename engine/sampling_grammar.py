@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Sequence as Seq
 
 import llguidance
-import llguidance.torch
 import torch
 
 from engine.grammar import GrammarCompiler
@@ -46,6 +45,18 @@ class GrammarEnd:
 
     finish_reason: str  # "error" (the matcher failed, or admits no token), "stop" (the structure is whole)
     error: str | None = None  # why, for the client (finish "error")
+
+
+def fill_rows(executor: llguidance.LLExecutor, matchers: list[tuple[llguidance.LLMatcher, int]],
+              host: torch.Tensor) -> None:
+    """Write each ``(matcher, row)``'s allowed-token bits into ``host`` (int32 ``[N, W]``, contiguous, in host
+    memory), the rows in parallel on the executor's threads, straight into the tensor's memory. Mutates ``host``.
+    (``llguidance.torch`` makes the same executor call, but importing it imports ``torch._dynamo`` and Triton for
+    its ``torch.compile``'d helpers: ~3 s added to the start of every engine process, which never uses them.)"""
+    if host.dtype != torch.int32 or host.device.type != "cpu" or host.dim() != 2 or not host.is_contiguous():
+        raise ValueError(f"a grammar bitmask is a contiguous int32 [N, W] host tensor, got {host.dtype} "
+                         f"{tuple(host.shape)} on {host.device}")
+    executor.unsafe_compute_mask_ptr(matchers, host.data_ptr(), host.shape[1] * host.element_size(), host.shape[0])
 
 
 def dead_end(matcher: llguidance.LLMatcher, admits_nothing: bool, ignore_eos: bool) -> GrammarEnd | None:
@@ -86,7 +97,7 @@ class GrammarMasks:
         matchers = [(self._sync(q), i) for i, q in rows]
         host = torch.full((len(seqs), bitmask_width(self.compiler.vocab_size)), -1, dtype=torch.int32,
                           pin_memory=device.type == "cuda")
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, matchers, host)
+        fill_rows(self.executor, matchers, host)
         empty = host.eq(0).all(dim=1).tolist()
         for (m, i), (_, q) in zip(matchers, rows):
             end = dead_end(m, empty[i], q.params.ignore_eos)

@@ -12,9 +12,10 @@ from factories import build_checkpoint, build_tokenizer  # noqa: E402
 
 def _import_triton_for_its_interpreter() -> None:
     """Triton's CPU interpreter works only if ``triton`` was first imported with ``TRITON_INTERPRET=1`` (its own
-    ``@jit`` helpers are decorated at import). Test modules collected before tests/kernel_checks import it without
-    (engine -> llguidance.torch -> torch._dynamo -> triton), so on a machine without CUDA it is imported here, before
-    any test module, under the variable, which is then removed again (tests/kernel_checks/conftest.py explains)."""
+    ``@jit`` helpers are decorated at import). Test modules collected before tests/kernel_checks may import it without
+    (llguidance.torch -> torch._dynamo -> triton, in a grammar test), so on a machine without CUDA it is imported
+    here, before any test module, under the variable, which is then removed again (tests/kernel_checks/conftest.py
+    explains)."""
     import importlib.util
     import os
 

@@ -119,6 +119,29 @@ def test_grammars_compile_once_per_distinct_spec(llm: LLM) -> None:
     assert small.num_cached == 2
 
 
+def test_fill_rows_writes_what_llguidance_torch_does_and_refuses_a_bad_tensor(llm: LLM) -> None:
+    import llguidance
+    import llguidance.torch  # the reference only: the engine no longer imports it (torch._dynamo, ~3 s a process)
+
+    from engine.sampling_bitmask import bitmask_width
+    from engine.sampling_grammar import fill_rows
+
+    compiler = llm.engine.grammar_compiler()
+    specs = [GrammarSpec.json_schema(SCHEMAS[0]), GrammarSpec("regex", "ab+"), GrammarSpec.json_schema(SCHEMAS[4])]
+    executor = llguidance.LLExecutor(2)
+    width = bitmask_width(compiler.vocab_size)
+    ours, theirs = (torch.full((4, width), -1, dtype=torch.int32) for _ in range(2))
+    fill_rows(executor, [(compiler.matcher(spec), i) for i, spec in enumerate(specs)], ours)
+    llguidance.torch.fill_next_token_bitmask_par(executor, [(compiler.matcher(spec), i) for i, spec in
+                                                             enumerate(specs)], theirs)
+    assert torch.equal(ours, theirs) and not torch.equal(ours[0], ours[1])
+    assert (ours[3] == -1).all()  # a row without a matcher is left as it was: every token allowed
+    for bad in (torch.zeros((4, width), dtype=torch.int64), torch.zeros((width, 4), dtype=torch.int32).t(),
+                torch.zeros(width, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="contiguous int32"):
+            fill_rows(executor, [], bad)
+
+
 def test_bitmask_masks_exactly_the_cleared_bits() -> None:
     logits = torch.randn(2, 70)
     mask = torch.zeros(2, 3, dtype=torch.int32)
