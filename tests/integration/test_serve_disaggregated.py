@@ -65,14 +65,16 @@ def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: L
         # the same prompt twice: the second time the decode actor holds its head in its prefix cache (pinned at
         # reserve), so the prefill actor sends only the blocks after it, and the text is the same
         once = ["Name three rivers in Europe, one per line, then stop."]
+        want = expected(offline, once)
         sent = []
         for _ in range(2):
             before = ray.get(cluster.prefill_actors[0].stats.remote())["kv_bytes_sent"]
-            assert ask_all(cluster.urls[0], once) == expected(offline, once)
+            assert ask_all(cluster.urls[0], once) == want
             sent.append(ray.get(cluster.prefill_actors[0].stats.remote())["kv_bytes_sent"] - before)
         assert 0 < sent[1] < 0.75 * sent[0], sent
-        prompts = PROMPTS * (4 if backend == "shm" else 1)  # 16 concurrent requests on the default path
-        assert ask_all(cluster.urls[0], prompts) == expected(offline, prompts)
+        copies = 4 if backend == "shm" else 1  # 16 concurrent requests on the default path
+        prompts = PROMPTS * copies
+        assert ask_all(cluster.urls[0], prompts) == expected(offline, PROMPTS) * copies
         stats = ray.get(cluster.decode_actors[0].stats.remote())
         pstats = ray.get(cluster.prefill_actors[0].stats.remote())
         assert stats["kv_parts_installed"] > 0 and stats["kv_parts_rejected"] == 0
@@ -209,9 +211,8 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
         for t in streams:
             t.join(180)
         assert not errors and len(got) == 4, errors  # nothing lost
-        want = [offline.chat([[{"role": "user", "content": q}]], SamplingParams(max_tokens=64, ignore_eos=True,
-                                                                                 **sampling[i]))[0].text
-                for i, q in enumerate(questions)]
+        want = [o.text for o in offline.chat([[{"role": "user", "content": q}] for q in questions],
+                                             [SamplingParams(max_tokens=64, ignore_eos=True, **s) for s in sampling])]
         assert [got[i] for i in range(4)] == want  # nothing wrong: greedy and seeded equal the undisturbed run
         metrics = urllib.request.urlopen(f"{c.urls[0]}/metrics", timeout=10).read().decode()
         resumed = [line for line in metrics.splitlines() if line.startswith("pdcluster_resumed_total")]
