@@ -424,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--role-resources", action="store_true",
                     help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
     sv.add_argument("--budget", type=int, default=0,
-                    help="most actors `pdcluster scale` / autoscale may run (default: --prefill + --decode)")
+                    help="most ranks (GPUs) `pdcluster scale` / autoscale may run, a TP-N actor counting N "
+                         "(default: what --prefill and --decode start)")
     sv.add_argument("--ask", default=None, metavar="QUESTION",
                     help="send this one chat request over HTTP once ready, print the answer, shut down")
     sv.set_defaults(func=_cmd_serve)

@@ -73,8 +73,9 @@ class ServeConfig:
     # the flags `pdcluster serve` and `python -m proxy.main` share); autoscale aims for its SLOs
     proxy: ProxySettings = DEFAULTS
     corrupt_kv_every: int = 0  # fault injection: prefill actors flip a byte of every n-th KV part (tests, drills)
-    budget: int = 0  # most actors (prefill + decode) that scaling may run; 0: prefill + decode (a local Ray is sized
-    # for it)
+    # most ranks (GPUs; engine processes on the CPU) that scaling may run, a TP-N actor counting N (with TP 1
+    # everywhere: actors); 0: what --prefill and --decode start (a local Ray is sized for it)
+    budget: int = 0
     controller_interval_s: float = 30.0  # how often autoscale decides
     # seconds of each pool's load autoscale keeps to find a repeating pattern in and move ahead of it (0: off;
     # None: the controller's default, ControllerConfig.season_window_s)
@@ -90,18 +91,28 @@ class ServeConfig:
     cluster_secret: ClusterSecret | None = None  # None (with cluster_auth): a fresh one, made at start
 
     @property
-    def max_actors(self) -> int:
-        """The most worker actors this cluster may run at once: the budget when scaling may add some. Pure."""
-        return self.budget or self.decode + (self.prefill if self.mode == "disaggregated" else 0)
+    def ranks(self) -> tuple[int, int]:
+        """Ranks (devices) each prefill and each decode actor holds: their TP sizes. Pure."""
+        return self.worker.prefill_tp, self.worker.decode_tp
+
+    @property
+    def started_ranks(self) -> int:
+        """The ranks ``prefill`` and ``decode`` actors hold. Pure."""
+        return self.decode * self.worker.decode_tp + (self.prefill * self.worker.prefill_tp
+                                                      if self.mode == "disaggregated" else 0)
 
     @property
     def max_ranks(self) -> int:
         """The most engine processes (a tensor-parallel actor's ranks each count) this cluster may run at once: the
-        budget's actors each at the larger TP size when scaling may add some. Pure."""
-        disagg = self.mode == "disaggregated"
-        if self.budget:
-            return self.budget * (max(self.worker.prefill_tp, self.worker.decode_tp) if disagg else self.worker.decode_tp)
-        return self.decode * self.worker.decode_tp + (self.prefill * self.worker.prefill_tp if disagg else 0)
+        budget when scaling may add some. Pure."""
+        return self.budget or self.started_ranks
+
+    @property
+    def max_actors(self) -> int:
+        """The most worker actors this cluster may run at once: the budget's ranks at the smaller TP size. Pure."""
+        if not self.budget:
+            return self.decode + (self.prefill if self.mode == "disaggregated" else 0)
+        return self.budget // (min(self.ranks) if self.mode == "disaggregated" else self.worker.decode_tp)
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
@@ -147,8 +158,9 @@ class ServeConfig:
             raise ValueError(f"controller_profile: no such file {self.controller_profile!r}")
         if self.proxies < 0:
             raise ValueError(f"proxies: must be >= 0 (0: workers only, proxies run elsewhere), got {self.proxies}")
-        if self.budget and self.budget < self.prefill + self.decode:
-            raise ValueError(f"budget: must be 0 or >= prefill + decode ({self.prefill + self.decode}), got {self.budget}")
+        if self.budget and self.budget < self.started_ranks:
+            raise ValueError(f"budget: must be 0 or >= the ranks --prefill and --decode hold ({self.started_ranks}: a "
+                             f"TP-N actor counts N), got {self.budget}")
         if self.kv_host is not None and (not self.kv_host or is_wildcard(self.kv_host)):
             raise ValueError(f"kv_host: an address peers can dial (not a wildcard), or unset, got {self.kv_host!r}")
         if self.cluster_secret is not None and not self.cluster_auth:
@@ -183,7 +195,7 @@ def controller_config(cfg: ServeConfig) -> Any:
     would carry out as starts. Pure."""
     from cluster.control.controller import ControllerConfig
 
-    ctrl = ControllerConfig(budget=cfg.budget or cfg.prefill + cfg.decode, interval_s=cfg.controller_interval_s,
+    ctrl = ControllerConfig(budget=cfg.max_ranks, ranks=cfg.ranks, interval_s=cfg.controller_interval_s,
                             cooldown_s=2 * cfg.controller_interval_s, slo_ttft_s=cfg.proxy.slo_ttft_s,
                             slo_tpot_s=cfg.proxy.slo_tpot_s)
     if cfg.season_window_s is not None:

@@ -31,7 +31,7 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from cluster.control import forecast
+from cluster.control import budget, forecast
 
 ROLES = ("prefill", "decode")
 POLICIES = ("fixed", "throughput", "adaptive")
@@ -53,7 +53,8 @@ class ControllerConfig:
     attainment_target: float = 0.95  # below this in a window, the missing pool gets one more actor
     min_prefill: int = 1
     min_decode: int = 1
-    budget: int = 8  # most actors in all
+    budget: int = 8  # most ranks in all (cluster.control.budget): actors, when every actor is at TP 1
+    ranks: tuple[int, int] = (1, 1)  # ranks (GPUs) each prefill actor and each decode actor holds: their TP sizes
     # adaptive: False keeps every actor of the budget and only moves the ratio (flips, or adds up to the budget);
     # True also shrinks pools below the budget when load drops (saves actors, pays start_s when load returns)
     elastic: bool = False
@@ -86,8 +87,11 @@ class ControllerConfig:
             raise ValueError(f"ewma_alpha: must be in (0, 1], got {self.ewma_alpha!r}")
         if self.min_prefill < 1 or self.min_decode < 1:
             raise ValueError(f"min_prefill/min_decode: must be >= 1, got {self.min_prefill}/{self.min_decode}")
-        if self.budget < self.min_prefill + self.min_decode:
-            raise ValueError(f"budget: must be >= min_prefill + min_decode, got {self.budget}")
+        if len(self.ranks) != 2 or min(self.ranks) < 1:
+            raise ValueError(f"ranks: (prefill, decode) ranks per actor, each >= 1, got {self.ranks!r}")
+        if self.budget < budget.used(self.min_prefill, self.min_decode, self):
+            raise ValueError(f"budget: must hold min_prefill and min_decode actors at {self.ranks} ranks each, "
+                             f"got {self.budget}")
 
 
 @dataclass(frozen=True)
@@ -242,48 +246,12 @@ def _capacity(obs: Observation, role: str, default: float) -> float:
     return statistics.median(measured) if measured else default
 
 
-def _fit_budget(n_p: int, n_d: int, cfg: ControllerConfig, load_p: float, load_d: float,
-                floors: tuple[int, int] = (0, 0), keep: str | None = None) -> tuple[int, int]:
-    """Clamp to minimums and the budget; a binding budget is split in proportion to load, but never below a pool's
-    ``floors`` (the actors its present load needs at full utilisation). When both floors do not fit, ``keep``'s
-    floor is kept whole (the pool the window's SLO misses point at), or with no ``keep`` the smaller one (that pool
-    stays healthy; the other is short either way). Pure."""
-    n_p, n_d = max(n_p, cfg.min_prefill), max(n_d, cfg.min_decode)
-    if n_p + n_d <= cfg.budget:
-        return n_p, n_d
-    lo_p = min(max(floors[0], cfg.min_prefill), cfg.budget - cfg.min_decode)
-    lo_d = min(max(floors[1], cfg.min_decode), cfg.budget - cfg.min_prefill)
-    if lo_p + lo_d > cfg.budget:
-        keep_p = keep == "prefill" if keep in ROLES else lo_p <= lo_d
-        lo_p, lo_d = (lo_p, cfg.budget - lo_p) if keep_p else (cfg.budget - lo_d, lo_d)
-    share = load_p / (load_p + load_d) if load_p + load_d > 0 else 0.5
-    n_p = min(max(round(cfg.budget * share), lo_p), cfg.budget - lo_d)
-    return n_p, cfg.budget - n_p
-
-
 def _hysteresis(n: int, want: int, load_actors: float, util: float, band: float) -> int:
     """Keep ``n`` rather than shrink to ``want`` unless one actor fewer would still run below ``(1 - band)`` of the
     target utilisation (``load_actors`` is the load in actors' worth of capacity). Pure."""
     if want < n and n > 1 and load_actors / (n - 1) > util * (1 - band):
         return n
     return want
-
-
-def _keep_budget(now: tuple[int, int], need: tuple[int, int], loads: tuple[float, float],
-                 budget: int) -> tuple[int, int]:
-    """Sizes that use the whole budget and move as few actors as possible: a short pool takes exactly its shortfall
-    from the other's surplus; spare budget goes to the pools in proportion to ``loads``. ``sum(need) < budget``. Pure."""
-    g_p, g_d = max(now[0], need[0]), max(now[1], need[1])
-    over = g_p + g_d - budget
-    if over > 0:  # one pool grew: the other, which has at least this surplus, gives it
-        if g_p - need[0] >= over:
-            g_p -= over
-        else:
-            g_d -= over
-    elif over < 0 and sum(loads) > 0:  # with no load there is nothing to go by: leave the spare budget unused
-        extra_p = round(-over * loads[0] / sum(loads))
-        g_p, g_d = g_p + extra_p, g_d - over - extra_p
-    return g_p, g_d
 
 
 def _grew_lately(obs: Observation, cfg: ControllerConfig, state: ControllerState, role: str) -> bool:
@@ -331,7 +299,7 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         # Dynamo-style: size from the forecast (last interval's) request rate x lengths and profiled throughput
         want_p = math.ceil(obs.request_rate * obs.mean_prompt_tokens / mu_p) if obs.request_rate else n_p
         want_d = math.ceil(obs.request_rate * obs.mean_output_tokens / mu_d) if obs.request_rate else n_d
-        t_p, t_d = _fit_budget(want_p, want_d, cfg, want_p * mu_p, want_d * mu_d)
+        t_p, t_d = budget.fit(want_p, want_d, cfg, want_p * mu_p, want_d * mu_d)
         why = (f"forecast {obs.request_rate:.1f} req/s x ISL {obs.mean_prompt_tokens:.0f} / OSL "
                f"{obs.mean_output_tokens:.0f} over profiled {mu_p:.0f} / {mu_d:.0f} tok/s per actor")
         return _act(obs, cfg, state, t_p, t_d, why, allow_flip=False)
@@ -444,21 +412,21 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # miss decode); a burst's prefill lost an actor to decode's one-at-a-time K/V floor while its TTFT was at 0%
     keep = "decode" if tpot_miss else cause if ttft_miss and cause in ROLES else None
     if keep == "prefill":  # but decode keeps the K/V its actors hold now (fewer would only make admission wait)
-        floors = (min(floors[0], cfg.budget - math.ceil(kv_now - 1e-9)), floors[1])
-    t_p, t_d = _fit_budget(want_p, want_d, cfg, fast_p / mu_p, split_d, floors, keep)
+        floors = (min(floors[0], (cfg.budget - math.ceil(kv_now - 1e-9) * cfg.ranks[1]) // cfg.ranks[0]), floors[1])
+    t_p, t_d = budget.fit(want_p, want_d, cfg, fast_p / mu_p, split_d, floors, keep)
     # overloaded now: the newest load exceeds a pool's capacity, or work queues beyond what it clears in a TTFT SLO
     # (requests caught in that queue have not finished yet, so attainment cannot show them)
     over_d = n_d * mu_d < max(sd, obs.decode_tps) or kv_wait or kv_ahead or obs.decode_backlog_tokens > clearable_d
-    if t_p + t_d >= cfg.budget and n_p + n_d == cfg.budget and not (over_p or over_d) \
+    if budget.full(t_p, t_d, cfg) and budget.full(n_p, n_d, cfg) and not (over_p or over_d) \
             and not ttft_miss and not tpot_miss and not seasonal:
         t_p, t_d = n_p, n_d  # the budget binds but no pool is overloaded: a noisy re-split would only churn
-    elif n_p + n_d == cfg.budget and t_p + t_d == cfg.budget and over_p and kv_wait:
+    elif budget.full(n_p, n_d, cfg) and budget.full(t_p, t_d, cfg) and over_p and kv_wait:
         # both pools pressed at a binding budget: a move only shifts the bottleneck and costs a drain; let the
         # queues drain where they are
         t_p, t_d = n_p, n_d
         why.append("both pools pressed")
-    elif not cfg.elastic and t_p + t_d < cfg.budget:
-        t_p, t_d = _keep_budget((n_p, n_d), (t_p, t_d), (fast_p / mu_p, split_d), cfg.budget)
+    elif not cfg.elastic and not budget.full(t_p, t_d, cfg):
+        t_p, t_d = budget.keep_whole((n_p, n_d), (t_p, t_d), (fast_p / mu_p, split_d), cfg)
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s:
         # only the pool whose own SLO is missed may skip the cooldown (growing the other would feed a see-saw)
         pressing = (t_p > n_p and ((ttft_miss and cause == "prefill") or over_p)) or \
@@ -466,7 +434,9 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
                             or obs.decode_backlog_tokens > clearable_d))
         if not pressing:
             return replace(hold, reason=f"cooldown ({obs.t - state.last_change_t:.0f}s since the last change)"), state
-    return _act(obs, cfg, state, t_p, t_d, "; ".join(why), allow_flip=cfg.flip_s < cfg.start_s)
+    # a flip keeps the actor's TP size: pools of different sizes change by starts and drains
+    flips = cfg.flip_s < cfg.start_s and cfg.ranks[0] == cfg.ranks[1]
+    return _act(obs, cfg, state, t_p, t_d, "; ".join(why), allow_flip=flips)
 
 
 def _act(obs: Observation, cfg: ControllerConfig, state: ControllerState, t_p: int, t_d: int, why: str,
@@ -485,13 +455,14 @@ def _act(obs: Observation, cfg: ControllerConfig, state: ControllerState, t_p: i
                 flips.append((actor.actor_id, grow))
                 delta[grow] -= 1
                 delta[shrink] += 1
-    total = sum(len(v) for v in live.values()) + len(flips)
+    ranks = dict(zip(ROLES, cfg.ranks))
+    total = sum(len(v) * ranks[r] for r, v in live.items()) + sum(ranks[r] for _, r in flips)  # ranks in use
     adds: list[str] = []
     for role in ROLES:
-        while delta[role] > 0 and total < cfg.budget:
+        while delta[role] > 0 and total + ranks[role] <= cfg.budget:
             adds.append(role)
             delta[role] -= 1
-            total += 1
+            total += ranks[role]
     drains = [live[role].pop(0).actor_id for role in ROLES for _ in range(max(0, -delta[role]))]
     decision = Decision(t_p, t_d, tuple(adds), tuple(drains), tuple(flips),
                         reason=f"{before} -> {t_p}P:{t_d}D: {why}")

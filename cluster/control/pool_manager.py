@@ -33,6 +33,7 @@ from typing import Any
 
 import ray
 
+from cluster.control import budget
 from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide
 from cluster.control.observe import (ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports,
                              observation_summary)
@@ -131,8 +132,10 @@ class PoolManager:
         """Mutates: add or drain actors until the pools have these sizes. Blocks until done; returns the counts."""
         if n_prefill < 1 or n_decode < 1:
             raise ValueError(f"n_prefill/n_decode: need at least one of each, got {n_prefill}/{n_decode}")
-        if n_prefill + n_decode > self.controller.budget:
-            raise ValueError(f"n_prefill + n_decode: {n_prefill + n_decode} exceeds the budget {self.controller.budget}")
+        if budget.used(n_prefill, n_decode, self.controller) > self.controller.budget:
+            rp, rd = self.controller.ranks
+            raise ValueError(f"n_prefill + n_decode: {n_prefill}P x {rp} + {n_decode}D x {rd} ranks exceed the budget "
+                             f"{self.controller.budget}")
         with self._change:
             now = self.counts()
             adds = ["prefill"] * max(0, n_prefill - now["prefill"]) + ["decode"] * max(0, n_decode - now["decode"])

@@ -156,7 +156,10 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
         raise ValueError(f"{name}: record format version {head.get('version')!r}; this pdcluster reads version "
                          f"{RECORD_VERSION} (replay it with the pdcluster that wrote it, or record again)")
     try:
-        controller = ControllerConfig(**head["controller"])
+        fields = dict(head["controller"])
+        if "ranks" in fields:  # a tuple, written as a JSON list
+            fields["ranks"] = tuple(fields["ranks"])
+        controller = ControllerConfig(**fields)
         observer = ObserverConfig(**head["observer"])
         initial = (int(head["initial"][0]), int(head["initial"][1]))
     except (KeyError, TypeError, ValueError, IndexError) as e:

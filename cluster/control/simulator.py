@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cluster.control import budget
 from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
 from cluster.control.observe import Demand, ObserverConfig, ObserverState, build
 from cluster.control.sim_model import CostProfile, Trace
@@ -59,9 +60,12 @@ class Simulation:
         one); ``on_control``: called with every window's observation and decision, holds included (a record)."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
         self.on_control = on_control
-        sizes = fixed_sizes(cfg.policy) or initial or (max(1, workers // 2), workers - max(1, workers // 2))
-        if sizes[0] < 1 or sizes[1] < 1 or sum(sizes) > workers:
-            raise ValueError(f"initial sizes {sizes[0]}P:{sizes[1]}D must be >= 1 each and fit {workers} workers")
+        rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
+        half = max(1, workers // 2 // rp)
+        sizes = fixed_sizes(cfg.policy) or initial or (half, max(1, (workers - half * rp) // rd))
+        if sizes[0] < 1 or sizes[1] < 1 or budget.used(sizes[0], sizes[1], cfg) > workers:
+            raise ValueError(f"initial sizes {sizes[0]}P:{sizes[1]}D must be >= 1 each and fit {workers} workers "
+                             f"(ranks: {rp} per prefill actor, {rd} per decode actor)")
         self.kv_total = profile.decode_kv_tokens or UNBOUNDED
         self.actors: list[SimActor] = []
         for role, n in zip(("prefill", "decode"), sizes):

@@ -53,10 +53,15 @@ def pod_gpus(rc: dict[str, Any]) -> dict[str, tuple[str, int | None]]:
 
 
 def test_a_gpu_tp_pool_gets_one_gpu_per_rank_and_serve_asks_for_them() -> None:
-    rc = raycluster(example("gpu", prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4}))
+    vals = example("gpu", prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 4})
+    with pytest.raises(Exception, match="controller.budget: 12 ranks cannot hold the 24"):  # the example's 12 GPUs
+        raycluster(vals)
+    vals["controller"] = {**vals["controller"], "budget": 0}  # the default: each pool's maxReplicas x TP, summed
+    rc = raycluster(vals)
     assert pod_gpus(rc) == {"prefill": ("2", 2), "decode": ("4", 4)}
     argv = controller_argv(rc)
     assert "--prefill-tp=2" in argv and "--decode-tp=4" in argv and "--gpus-per-actor=1" in argv
+    assert "--budget=36" in argv  # 6 x 2 + 6 x 4 GPUs: the budget counts ranks
     cfg = serve_config(build_parser().parse_args(argv), environ=SECRET)  # the flags serve really parses
     assert (cfg.worker.prefill_tp, cfg.worker.decode_tp) == (2, 4)
     for role, (offered, _) in pod_gpus(rc).items():  # each actor fits its own pod exactly
@@ -80,7 +85,9 @@ def test_tp_one_renders_no_tp_flags() -> None:
 
 def test_a_tp_raycluster_validates_against_kuberay_crd() -> None:
     jsonschema, schema = raycluster_schema()
-    rc = raycluster(example("gpu", prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 8}))
+    vals = example("gpu", prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 8})
+    vals["controller"] = {**vals["controller"], "budget": 0}  # the example's 12 GPUs cannot hold 4 x 2 + 4 x 8
+    rc = raycluster(vals)
     jsonschema.validate(rc, schema)
     assert json.loads(json.loads(rc["spec"]["workerGroupSpecs"][1]["rayStartParams"]["resources"])) == \
         {"pdcluster_decode": 1}

@@ -82,7 +82,10 @@ def test_serve_config_refuses_what_a_tp_actor_cannot_run() -> None:
 def test_ranks_count_as_actors_for_threads() -> None:
     w = WorkerConfig(prefill_tp=2, decode_tp=4)
     assert ServeConfig(worker=w, prefill=1, decode=1).max_ranks == 6
-    assert ServeConfig(worker=w, prefill=1, decode=1, budget=3).max_ranks == 12  # any actor may be the larger size
+    budgeted = ServeConfig(worker=w, prefill=1, decode=1, budget=12)  # the budget counts ranks (GPUs)
+    assert budgeted.max_ranks == 12 and budgeted.max_actors == 6  # as many actors as fit at the smaller size
+    with pytest.raises(ValueError, match="budget: must be 0 or >= the ranks --prefill and --decode hold \\(6"):
+        ServeConfig(worker=w, prefill=1, decode=1, budget=3)
     assert ServeConfig(mode="colocated", worker=WorkerConfig(decode_tp=2), decode=3).max_ranks == 6
     assert ServeConfig().max_ranks == ServeConfig().max_actors == 2
     local = ServeConfig(worker=w, prefill=1, decode=1)
@@ -186,7 +189,8 @@ def test_the_controller_plans_no_flips_between_tp_sizes() -> None:
     from cluster.control.controller import ActorObservation, ControllerState, Observation, decide
     from cluster.launcher import controller_config
 
-    same, mixed = ServeConfig(prefill=2, budget=3), ServeConfig(prefill=2, budget=3, worker=WorkerConfig(decode_tp=2))
+    # budget 5 ranks: 2 TP-1 prefill actors and a TP-2 decode actor hold 4, so a second decode actor needs a drain
+    same, mixed = ServeConfig(prefill=2, budget=3), ServeConfig(prefill=2, budget=5, worker=WorkerConfig(decode_tp=2))
     assert controller_config(same).flip_s < controller_config(same).start_s  # one size: flips are cheap
     assert controller_config(mixed).flip_s == controller_config(mixed).start_s
     actors = (ActorObservation("w0", "prefill", 1000.0), ActorObservation("w1", "prefill", 1000.0),
@@ -197,7 +201,8 @@ def test_the_controller_plans_no_flips_between_tp_sizes() -> None:
     assert flip.flip == (("w0", "decode"),) and not flip.add  # decode is short: one prefill actor moves over...
     ctrl = controller_config(mixed)
     drain, state = decide(obs, ctrl, ControllerState())
-    assert not drain.flip and not drain.add and drain.drain == ("w0",)  # ...or, between sizes, is drained (budget 3)
+    assert ctrl.ranks == (1, 2) and ctrl.budget == 5
+    assert not drain.flip and not drain.add and drain.drain == ("w0",)  # ...or, between sizes, is drained
     later = dataclasses.replace(obs, t=5.0 + ctrl.cooldown_s + 1,
                                 actors=(dataclasses.replace(actors[0], draining=True), *actors[1:]))
     start, _ = decide(later, ctrl, state)
