@@ -283,10 +283,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         slope_p = a * (sp - state.prefill_tps) / dt + (1 - a) * slope_p
         slope_d = a * (sd - state.decode_tps) / dt + (1 - a) * slope_d
     state = replace(state, prefill_tps=sp, decode_tps=sd, prefill_slope=slope_p, decode_slope=slope_d, t=obs.t)
-    keep = int(cfg.season_window_s // cfg.interval_s)
-    if keep:  # every window's load, pending changes or not (a gap would shift the season)
-        state = replace(state, prefill_seen=(*state.prefill_seen, obs.prefill_tps)[-keep:],
-                        decode_seen=(*state.decode_seen, obs.decode_tps)[-keep:])
+    kept = int(cfg.season_window_s // cfg.interval_s)  # windows of load kept
+    if kept:  # every window's load, pending changes or not (a gap would shift the season)
+        state = replace(state, prefill_seen=(*state.prefill_seen, obs.prefill_tps)[-kept:],
+                        decode_seen=(*state.decode_seen, obs.decode_tps)[-kept:])
     hold = Decision(n_p, n_d)
     if cfg.policy == "fixed" or fixed_sizes(cfg.policy):
         return replace(hold, reason="fixed policy"), state
