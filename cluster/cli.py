@@ -11,22 +11,38 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.wire.proxy_settings import ProxySettings
 from cluster.wire.proxy_settings import add_flags as add_proxy_flags
+from cluster.wire.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
     from cluster.launcher import ServeConfig
 
 
+def _default(cls: Any, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name``: a flag takes its default from the config it fills, never
+    restates it."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _serve_default(name: str) -> Any:
+    from cluster.launcher import ServeConfig
+
+    return _default(ServeConfig, name)
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    p.add_argument("--model", default=_default(WorkerConfig, "model"),
+                   help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
+    p.add_argument("--dtype", default=_default(WorkerConfig, "dtype"), choices=["auto", "float32", "bfloat16"],
                    help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
                         "there is opt-in: faster where native, but it loses near-ties)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    p.add_argument("--device", default=_default(WorkerConfig, "device"),
+                   help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
+    p.add_argument("--gpu-memory-utilization", type=float, default=_default(WorkerConfig, "gpu_memory_utilization"),
                    help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "
                         "it by a fractional --gpus-per-actor, so actors sharing a GPU split it)")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"],
+    p.add_argument("--kv-cache-dtype", default=_default(WorkerConfig, "kv_cache_dtype"),
+                   choices=["auto", "fp8", "int8"],
                    help="KV storage: auto (= --dtype), fp8 (float8_e4m3fn, a scale per block and kv head) or int8 (a "
                         "scale per token and kv head: closer to the unquantized text); about half of bfloat16's bytes")
     p.add_argument("--threads", type=int, default=None,
@@ -365,14 +381,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_cmd_generate)
     sv = sub.add_parser("serve", help="start a cluster on Ray and serve the OpenAI API")
     _add_engine_args(sv)
-    sv.add_argument("--decode", type=int, default=1, help="decode actors")
-    sv.add_argument("--prefill", type=int, default=1, help="prefill actors (disaggregated mode)")
-    sv.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    sv.add_argument("--kv-backend", default="auto", choices=["auto", "torch_dist", "ucx", "shm", "cuda_ipc"],
+    sv.add_argument("--decode", type=int, default=_serve_default("decode"), help="decode actors")
+    sv.add_argument("--prefill", type=int, default=_serve_default("prefill"),
+                    help="prefill actors (disaggregated mode)")
+    sv.add_argument("--mode", default=_serve_default("mode"), choices=["disaggregated", "colocated"])
+    sv.add_argument("--kv-backend", default=_serve_default("kv_backend"),
+                    choices=["auto", "torch_dist", "ucx", "shm", "cuda_ipc"],
                     help="how K/V moves from prefill to decode actors: auto (per pair: written in place into the "
                          "decode actor's cache on one node, shm on CPU / cuda_ipc on GPU; else --kv-fallback), or one "
                          "backend for every pair")
-    sv.add_argument("--kv-fallback", default="torch_dist", choices=["torch_dist", "ucx"],
+    sv.add_argument("--kv-fallback", default=_serve_default("kv_fallback"), choices=["torch_dist", "ucx"],
                     help="auto: the socket backend between actors on different nodes (torch_dist: gloo / NCCL)")
     sv.add_argument("--kv-inplace-checksum", action="store_true",
                     help="in-place backends: checksum every written part (socket backends always do)")
@@ -380,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not MAC K/V transfers and token streams (default: every part, in-place handshake and "
                          "token frame carries an HMAC under the cluster secret, PDCLUSTER_CLUSTER_SECRET or one made "
                          "at start; unauthenticated messages are dropped and counted in /metrics)")
-    sv.add_argument("--on-transfer-failure", default="recompute", choices=["recompute", "fail"],
+    sv.add_argument("--on-transfer-failure", default=_serve_default("on_transfer_failure"),
+                    choices=["recompute", "fail"],
                     help="what a decode actor does when a request's KV does not arrive intact")
     sv.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                     help="ranks each actor's model is sharded over, in both pools (colocated: its actors); each rank "
@@ -390,26 +409,29 @@ def build_parser() -> argparse.ArgumentParser:
                          "at different sizes never flip roles in place: scaling starts and drains actors")
     sv.add_argument("--decode-tp", type=int, default=None, metavar="M",
                     help="the decode pool's TP size (overrides --tensor-parallel-size)")
-    sv.add_argument("--cpus-per-actor", type=float, default=1.0)
-    sv.add_argument("--gpus-per-actor", type=float, default=0.0,
+    sv.add_argument("--cpus-per-actor", type=float, default=_serve_default("cpus_per_actor"))
+    sv.add_argument("--gpus-per-actor", type=float, default=_serve_default("gpus_per_actor"),
                     help="Ray GPUs per actor, per rank of a tensor-parallel one (0: CPU; 1 with TP > 1)")
     sv.add_argument("--no-share-node-gpus", action="store_true",
                     help="GPU actors see only their own GPUs (Ray's CUDA_VISIBLE_DEVICES) instead of every GPU of "
                          "their node (each still runs on the one Ray assigned it); actors on different GPUs of one "
                          "node then move K/V over --kv-fallback instead of writing it in place")
-    sv.add_argument("--host", default="127.0.0.1", help="where the proxies serve HTTP (0.0.0.0: every interface)")
+    sv.add_argument("--host", default=_serve_default("host"),
+                    help="where the proxies serve HTTP (0.0.0.0: every interface)")
     sv.add_argument("--kv-host", default=None,
                     help="the address every actor's KV endpoint binds and advertises (default: each actor's own node "
                          "address, PDCLUSTER_NODE_IP or Ray's node IP; 127.0.0.1 without --ray-address); one address "
                          "for all actors fits only a cluster on one machine")
-    sv.add_argument("--port", type=int, default=8000, help="first proxy's port; proxy i listens on port + i (0: free ports, printed)")
-    sv.add_argument("--proxies", type=int, default=1)
+    sv.add_argument("--port", type=int, default=_serve_default("port"),
+                    help="first proxy's port; proxy i listens on port + i (0: free ports, printed)")
+    sv.add_argument("--proxies", type=int, default=_serve_default("proxies"))
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV cache per actor (default: 1 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)")
-    sv.add_argument("--served-model-name", default="default")
+    sv.add_argument("--served-model-name", default=_serve_default("model_name"))
     add_proxy_flags(sv)  # each proxy's queue, reservations, resumes, SLOs, tool calls, chat template
-    sv.add_argument("--controller-interval", type=float, default=30.0, help="seconds between autoscale decisions")
+    sv.add_argument("--controller-interval", type=float, default=_serve_default("controller_interval_s"),
+                    help="seconds between autoscale decisions")
     sv.add_argument("--season-window", type=float, default=None, metavar="SECONDS",
                     help="seconds of load autoscale looks back over for a repeating pattern to move ahead of (0: off; "
                          "default: two hours)")
@@ -423,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --autoscale: decide and log every decision without carrying any out")
     sv.add_argument("--role-resources", action="store_true",
                     help="place actors on Ray nodes offering the custom resource pdcluster_prefill / pdcluster_decode")
-    sv.add_argument("--budget", type=int, default=0,
+    sv.add_argument("--budget", type=int, default=_serve_default("budget"),
                     help="most ranks (GPUs) `pdcluster scale` / autoscale may run, a TP-N actor counting N "
                          "(default: what --prefill and --decode start)")
     sv.add_argument("--ask", default=None, metavar="QUESTION",
