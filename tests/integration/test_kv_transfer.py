@@ -300,7 +300,8 @@ def test_dead_receiver_fails_sends_instead_of_hanging(kind: str) -> None:
         pytest.skip(reason)
     receiver = ReceiverProcess(KVTransferConfig(name="decode", recv_buffer_bytes=MIB16, num_recv_buffers=2, **cfg),
                                SPEC)
-    sender = make_backend(KVTransferConfig(name="prefill", io_timeout_s=5.0, **cfg))
+    # short timeouts bound each failing send (a reconnect to the dead peer waited the default 30 s: one run took 78 s)
+    sender = make_backend(KVTransferConfig(name="prefill", io_timeout_s=5.0, connect_timeout_s=5.0, **cfg))
     try:
         expected = make_expected("req-dead", "rsv-dead", [1, 2])
         header, payload = part(SPEC.make(seed=3), [0, 1], expected, 0, 0, 20)
