@@ -184,7 +184,7 @@ def actor_options(cfg: ServeConfig, role: str) -> dict[str, Any]:
             "max_concurrency": 16,
             "concurrency_groups": {CONTROL_GROUP: CONTROL_THREADS}, "enable_task_events": False,
             **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {}),
-            # Ray leaves CUDA_VISIBLE_DEVICES as the node has it; the actor picks its GPU (flex_worker.on_assigned_gpu)
+            # Ray leaves CUDA_VISIBLE_DEVICES as the node has it; the actor picks its GPU (worker_actor.on_assigned_gpu)
             **({"runtime_env": node_gpus.runtime_env()} if cfg.worker.share_node_gpus else {})}
 
 
@@ -235,7 +235,7 @@ class Cluster:
     def _start(self, timeout_s: float) -> None:
         import ray
 
-        from cluster.runtime.flex_worker import FlexWorker
+        from cluster.runtime.worker_actor import WorkerActor
         from cluster.wire.ray_address import wait_reachable
         from kv_transfer.config import KVTransferConfig
         from cluster.wire.names import NAMESPACE, WORKER_PREFIX
@@ -262,7 +262,7 @@ class Cluster:
 
         def start(role: str) -> Any:
             name = next(names)
-            cls = ray.remote(**roles[role])(FlexWorker)
+            cls = ray.remote(**roles[role])(WorkerActor)
             return cls.options(name=name).remote(name, role, worker, kv, cfg.on_transfer_failure,
                                                  cfg.corrupt_kv_every)
 

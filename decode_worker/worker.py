@@ -6,7 +6,7 @@ the prompt when a part failed), runs continuous batching, and is the only place 
 and usage are decided: its one detokenizer makes every :class:`~cluster.wire.messages.TokenDelta`, the first token's
 text included. Deltas leave through a :class:`~cluster.wire.token_stream.TokenSender`, never blocking a step.
 
-Ray-agnostic (:class:`cluster.runtime.flex_worker.FlexWorker` hosts it). Threads: the engine loop (owns the engine, the
+Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine, the
 records and the trackers), the KV receiver (installs parts into pending records under ``_intake_lock``) and the token
 sender's. Ray calls post to the loop (:mod:`cluster.runtime.engine_loop`).
 """

@@ -2,7 +2,7 @@
 the blocks a decode actor reserved, and returns a typed :class:`~cluster.wire.messages.PrefillResult`: the first token
 of each completion, never text (the decode actor's detokenizer owns the text).
 
-Ray-agnostic (:class:`cluster.runtime.flex_worker.FlexWorker` hosts it): a ``prefill`` call posts the request to the engine
+Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it): a ``prefill`` call posts the request to the engine
 loop and waits on its own Ray thread; the loop thread keeps stepping for every other prompt meanwhile, and the wait for
 the wire happens on the caller's thread, not the loop's.
 """

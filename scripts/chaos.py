@@ -11,7 +11,7 @@ launcher's settings, proxy on a free port), sends ``--streams`` streaming chat r
 ``--stagger`` seconds (even ones greedy, odd ones sampled at temperature 0.8, top-p 0.95 with a seed, so each has exactly one
 correct text; every fourth one carries a long prompt, so prefill takes a while), and once the streams have received
 about ``--kill-after-tokens`` tokens in all, sends SIGKILL to the process of the busiest actor of the ``--kill`` role
-(the actor's own pid, from ``FlexWorker.info()``). The reference texts come from the offline engine (``engine.LLM``)
+(the actor's own pid, from ``WorkerActor.info()``). The reference texts come from the offline engine (``engine.LLM``)
 with the same prompts, chat template and sampling, computed once before the first round. After the streams end, the
 surviving actors' KV blocks are checked: ``free + reserved + used == total`` (``check_integrity()`` on decode actors)
 and nothing reserved, used or quarantined once idle. Then the cluster is stopped (only what this script started).

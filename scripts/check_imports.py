@@ -30,7 +30,7 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"worker loop": ("cluster.runtime.engine_loop",)},  # the one engine loop both roles run
     {"prefill_worker": ("prefill_worker",), "decode_worker": ("decode_worker",)},  # the roles
     # the Ray actor hosting a role; its preStop hook (cluster/runtime/ holds them and the loop below the roles)
-    {"worker actor": ("cluster.runtime.flex_worker", "cluster.runtime.evacuate")},
+    {"worker actor": ("cluster.runtime.worker_actor", "cluster.runtime.evacuate")},
     {
         "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
         # decide(), its observations, the pool manager, record/replay, the simulator: cluster/control/

@@ -10,7 +10,7 @@ completions, streaming and not, short and long (~400-token) prompts, n=1 and n=2
 with stop strings, and ``--disconnect`` (20%) streaming ones whose client closes the connection after 1-4 chunks.
 
 Every ``--sample-every`` seconds it records the RSS (``/proc/<pid>/status``: VmRSS, and its anonymous / file / shmem
-parts) of every process this script started: the proxies, each worker actor (its pid from ``FlexWorker.info()``) and
+parts) of every process this script started: the proxies, each worker actor (its pid from ``WorkerActor.info()``) and
 Ray's own processes (GCS, raylet, idle workers: the descendants of this process), and each actor's KV counts; a line
 per sample. Once the traffic stops and the cluster is idle it takes a last sample and checks every actor's blocks
 (``free + reserved + used == total``, ``check_integrity()`` on decode actors, nothing reserved or used).

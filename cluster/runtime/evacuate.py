@@ -1,13 +1,13 @@
 """Hand a machine's worker actors' requests over before it goes away: SIGTERM each, wait until they have exited.
 
-A worker actor (``FlexWorker``) that gets SIGTERM *evacuates*: it takes no new work, reports ``evacuating``, the
+A worker actor (``WorkerActor``) that gets SIGTERM *evacuates*: it takes no new work, reports ``evacuating``, the
 proxies resume its requests on other actors from what their clients already have, and it exits once it holds none
-(``cluster/runtime/flex_worker.py``). Kubernetes sends SIGTERM to a pod's first process (``ray start``), not to the actor
+(``cluster/runtime/worker_actor.py``). Kubernetes sends SIGTERM to a pod's first process (``ray start``), not to the actor
 processes Ray started, so the chart runs this as the worker pods' ``preStop`` hook::
 
     python -m cluster.runtime.evacuate --timeout 45
 
-It finds this user's processes whose command line Ray titled ``ray::FlexWorker`` (in a pod: exactly its actors),
+It finds this user's processes whose command line Ray titled ``ray::WorkerActor`` (in a pod: exactly its actors),
 sends each SIGTERM, and waits until all have exited or ``--timeout`` ran out (exit status 1 then; 0 when none was
 running). ``--dry-run`` lists them only. Meant for a pod or a machine dedicated to one cluster: on a shared machine
 it would reach every cluster of this user.
@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-TITLE = b"ray::FlexWorker"
+TITLE = b"ray::WorkerActor"
 
 
 def worker_pids(proc: Path = Path("/proc")) -> list[int]:
-    """Process ids of this user's ``ray::FlexWorker`` processes (never this process). Pure apart from reading
+    """Process ids of this user's ``ray::WorkerActor`` processes (never this process). Pure apart from reading
     ``proc``."""
     me, uid = os.getpid(), os.getuid()
     out = []

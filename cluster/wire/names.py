@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 NAMESPACE = "pdcluster"
-WORKER_PREFIX = "pdcluster-worker-"  # every FlexWorker actor, whatever its role: pdcluster-worker-<i>
+WORKER_PREFIX = "pdcluster-worker-"  # every WorkerActor actor, whatever its role: pdcluster-worker-<i>
 MANAGER_NAME = "pdcluster-manager"  # the PoolManager actor (cluster/control/pool_manager.py)
 
 
 def worker_names() -> list[str]:
-    """Every FlexWorker actor Ray knows in our namespace, by name (ask each for its role: it can change)."""
+    """Every WorkerActor actor Ray knows in our namespace, by name (ask each for its role: it can change)."""
     import ray
 
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)

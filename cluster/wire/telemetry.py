@@ -111,7 +111,7 @@ class KVCounts(_Wire):
 
 @dataclass(frozen=True)
 class WorkerStats(_Wire):
-    """What a worker actor (either role) reports about itself: ``FlexWorker.stats()`` sends this, proxies and the pool
+    """What a worker actor (either role) reports about itself: ``WorkerActor.stats()`` sends this, proxies and the pool
     manager read it. Counters are cumulative since the actor started (a reader takes differences); the other role's
     counters stay 0."""
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cluster.runtime.flex_worker import FlexWorker
+from cluster.runtime.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
@@ -35,10 +35,10 @@ def model(tiny_checkpoint: Any) -> str:
 
 
 def _workers(model: str, corrupt_every: int = 0, policy: str = "recompute",
-             **cfg: Any) -> tuple[FlexWorker, FlexWorker]:
+             **cfg: Any) -> tuple[WorkerActor, WorkerActor]:
     config = WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, **cfg)
-    return (FlexWorker("pf", "prefill", config, KV, corrupt_every=corrupt_every),
-            FlexWorker("dc", "decode", config, KV, on_transfer_failure=policy))
+    return (WorkerActor("pf", "prefill", config, KV, corrupt_every=corrupt_every),
+            WorkerActor("dc", "decode", config, KV, on_transfer_failure=policy))
 
 
 @pytest.fixture()
@@ -48,7 +48,7 @@ def inbox() -> Iterator[TokenInbox]:
     box.close()
 
 
-def _run(prefill: FlexWorker, decode: FlexWorker, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
+def _run(prefill: WorkerActor, decode: WorkerActor, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
     return run_request(prefill, decode, inbox, rid, PROMPT, 12, **sampling)
 
 
@@ -56,7 +56,7 @@ def _eventually(cond: Any, timeout_s: float = 5.0) -> None:
     eventually(cond, timeout_s)
 
 
-def _leak_free(decode: FlexWorker) -> None:
+def _leak_free(decode: WorkerActor) -> None:
     counts = decode.check_integrity()
     assert counts["reserved"] == 0 and counts["used"] == 0, counts
 
@@ -104,7 +104,7 @@ def test_a_result_delivered_twice_is_taken_once(model: str, inbox: TokenInbox) -
 
 def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: str, inbox: TokenInbox) -> None:
     prefill, decode = _workers(model, reservation_ttl_s=600.0)
-    strict = FlexWorker("dc2", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, reservation_ttl_s=600.0),
+    strict = WorkerActor("dc2", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, reservation_ttl_s=600.0),
                         KV,
                         on_transfer_failure="fail")
     try:
@@ -129,7 +129,7 @@ def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: 
 
 
 def test_reservation_without_kv_expires_with_an_error(model: str, inbox: TokenInbox) -> None:
-    _, decode = None, FlexWorker("dc3", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64), KV)
+    _, decode = None, WorkerActor("dc3", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64), KV)
     try:
         req = GenerateRequest("lost", PROMPT, max_tokens=5, reply_to=inbox.address)
         assert decode.reserve(ReserveRequest(req, 6, ttl_s=0.5).to_dict()) is not None
@@ -147,7 +147,7 @@ def test_a_proxy_that_stops_reading_loses_its_requests_not_others(model: str, in
     dead = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     dead.bind(("127.0.0.1", 0))
     port = dead.getsockname()[1]
-    decode = FlexWorker("dc4", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128), None)
+    decode = WorkerActor("dc4", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128), None)
     try:
         # long enough that it cannot finish before the stall is seen: the sender's queue is full after 256 steps,
         # and on a loaded host its thread may wait a while for the GIL before it reports (CI once saw it finish 400)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from cluster.runtime.flex_worker import FlexWorker
+from cluster.runtime.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
@@ -44,13 +44,13 @@ def inbox() -> Iterator[TokenInbox]:
     box.close()
 
 
-def _pair(model: str, kv: KVTransferConfig, corrupt_every: int = 0, **cfg: Any) -> tuple[FlexWorker, FlexWorker]:
+def _pair(model: str, kv: KVTransferConfig, corrupt_every: int = 0, **cfg: Any) -> tuple[WorkerActor, WorkerActor]:
     config = WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True, **cfg)
-    return (FlexWorker("pf", "prefill", config, kv, corrupt_every=corrupt_every),
-            FlexWorker("dc", "decode", config, kv))
+    return (WorkerActor("pf", "prefill", config, kv, corrupt_every=corrupt_every),
+            WorkerActor("dc", "decode", config, kv))
 
 
-def _run(prefill: FlexWorker, decode: FlexWorker, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
+def _run(prefill: WorkerActor, decode: WorkerActor, inbox: TokenInbox, rid: str, **sampling: Any) -> tuple[Any, Any]:
     return run_request(prefill, decode, inbox, rid, PROMPT, 10, **sampling)
 
 
@@ -58,7 +58,7 @@ def _eventually(cond: Any, timeout_s: float = 10.0) -> None:
     eventually(cond, timeout_s)
 
 
-def _counts(decode: FlexWorker) -> dict[str, int]:
+def _counts(decode: WorkerActor) -> dict[str, int]:
     return decode.check_integrity()
 
 
@@ -131,14 +131,14 @@ def test_checksummed_in_place_write_that_is_corrupted_is_recomputed(model: str, 
             d.shutdown()
 
 
-def _writer(decode: FlexWorker) -> WriterProcess:
+def _writer(decode: WorkerActor) -> WriterProcess:
     """A writer process whose cache has the decode actor's block shape and dtype."""
     k = decode.impl.engine.kv_layer(0)[0]
     spec = CacheSpec(decode.impl.engine.model_config.num_layers, 8, *k.shape[1:], str(k.dtype).removeprefix("torch."))
     return WriterProcess(KVTransferConfig(backend="shm", name="w"), spec)
 
 
-def _reserve(decode: FlexWorker, inbox: TokenInbox, rid: str, ttl_s: float) -> ReserveGrant:
+def _reserve(decode: WorkerActor, inbox: TokenInbox, rid: str, ttl_s: float) -> ReserveGrant:
     req = GenerateRequest(rid, PROMPT, max_tokens=4, reply_to=inbox.address)
     return ReserveGrant.from_dict(decode.reserve(ReserveRequest(req, 6, ttl_s=ttl_s).to_dict()))
 
@@ -151,7 +151,7 @@ def _write_one(writer: WriterProcess, grant: ReserveGrant, fingerprint: str) -> 
 
 
 def test_quarantine_follows_the_writer_not_the_lease(model: str, inbox: TokenInbox) -> None:
-    decode = FlexWorker("dq", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True),
+    decode = WorkerActor("dq", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64, shared_kv=True),
                         SHM)
     killed, stopped = _writer(decode), _writer(decode)
     try:

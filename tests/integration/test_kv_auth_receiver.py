@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.runtime.flex_worker import FlexWorker
+from cluster.runtime.worker_actor import WorkerActor
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
@@ -34,8 +34,8 @@ SECRET = ClusterSecret.generate()
 OTHER = ClusterSecret.generate()
 
 
-def _worker(model: str, kv: KVTransferConfig) -> FlexWorker:
-    return FlexWorker("dc", "decode", WorkerConfig(model=model, num_kv_blocks=32, shared_kv=True,
+def _worker(model: str, kv: KVTransferConfig) -> WorkerActor:
+    return WorkerActor("dc", "decode", WorkerConfig(model=model, num_kv_blocks=32, shared_kv=True,
                                                    cluster_secret=SECRET), kv)
 
 
@@ -45,20 +45,20 @@ def model(tiny_checkpoint: Any) -> str:
 
 
 @pytest.fixture()
-def decode(model: str) -> Iterator[FlexWorker]:
+def decode(model: str) -> Iterator[WorkerActor]:
     w = _worker(model, KVTransferConfig(backend="fake"))
     yield w
     w.shutdown()
 
 
-def _reserve(decode: FlexWorker, rid: str) -> ReserveGrant:
+def _reserve(decode: WorkerActor, rid: str) -> ReserveGrant:
     req = GenerateRequest(rid, tuple(range(40, 60)), reply_to="tcp://127.0.0.1:1", max_tokens=4)
     grant = decode.reserve(ReserveRequest(req, 2).to_dict())
     assert grant is not None
     return ReserveGrant.from_dict(grant)
 
 
-def _part(decode: FlexWorker, grant: ReserveGrant, src: torch.Tensor, **overrides: Any) -> tuple[KVTransferHeader,
+def _part(decode: WorkerActor, grant: ReserveGrant, src: torch.Tensor, **overrides: Any) -> tuple[KVTransferHeader,
                                                                                                    torch.Tensor]:
     """The genuine part of layer 0's first block of ``grant`` (its payload tagged under the part's key, the header
     unsigned; ``overrides`` replace header fields)."""
@@ -70,7 +70,7 @@ def _part(decode: FlexWorker, grant: ReserveGrant, src: torch.Tensor, **override
     return dataclasses.replace(header, **overrides), payload
 
 
-def _deliver(decode: FlexWorker, header: KVTransferHeader, payload: torch.Tensor) -> None:
+def _deliver(decode: WorkerActor, header: KVTransferHeader, payload: torch.Tensor) -> None:
     backend = decode.impl.receiver.backend
     # the fake backend never blocks: a part sent while every receive buffer is still being checked fails as
     # back-pressure, which is not what these tests check, so wait for a free buffer first
@@ -78,7 +78,7 @@ def _deliver(decode: FlexWorker, header: KVTransferHeader, payload: torch.Tensor
     assert backend.deliver("mallory", header, as_bytes(payload)) is None
 
 
-def test_forged_replayed_and_tampered_parts_are_dropped_counted_and_write_nothing(decode: FlexWorker) -> None:
+def test_forged_replayed_and_tampered_parts_are_dropped_counted_and_write_nothing(decode: WorkerActor) -> None:
     a, b = _reserve(decode, "a"), _reserve(decode, "b")
     engine = decode.impl.engine
     ids = list(a.block_ids + b.block_ids)
@@ -107,7 +107,7 @@ def test_forged_replayed_and_tampered_parts_are_dropped_counted_and_write_nothin
     assert decode.stats()["kv_parts_unauthenticated"] == len(forged)
 
 
-def _result(decode: FlexWorker, grant: ReserveGrant, secret: ClusterSecret = SECRET,
+def _result(decode: WorkerActor, grant: ReserveGrant, secret: ClusterSecret = SECRET,
             **overrides: Any) -> tuple[KVTransferHeader, torch.Tensor]:
     """The genuine prefill result message of ``grant`` (header unsigned; ``overrides`` replace grant fields)."""
     fields: dict[str, Any] = {"request_id": grant.request_id, "reservation_id": grant.reservation_id,
@@ -117,7 +117,7 @@ def _result(decode: FlexWorker, grant: ReserveGrant, secret: ClusterSecret = SEC
                        prompt_tokens=20, secret=secret, **fields)
 
 
-def test_forged_results_are_dropped_and_a_duplicate_is_taken_once(decode: FlexWorker) -> None:
+def test_forged_results_are_dropped_and_a_duplicate_is_taken_once(decode: WorkerActor) -> None:
     a, b = _reserve(decode, "a"), _reserve(decode, "b")
     genuine, payload = _result(decode, a)
     signed = sign_header(genuine, SECRET)

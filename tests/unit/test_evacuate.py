@@ -12,8 +12,8 @@ from cluster.runtime.evacuate import evacuate, worker_pids
 
 
 def test_worker_pids_match_the_ray_title_only(tmp_path: Path) -> None:
-    for pid, cmdline in ((101, b"ray::FlexWorker\x00"), (102, b"ray::PoolManager\x00"), (103, b"python\x00x.py\x00"),
-                         (104, b"ray::FlexWorker.reserve\x00")):
+    for pid, cmdline in ((101, b"ray::WorkerActor\x00"), (102, b"ray::PoolManager\x00"), (103, b"python\x00x.py\x00"),
+                         (104, b"ray::WorkerActor.reserve\x00")):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "cmdline").write_bytes(cmdline)
     (tmp_path / "self").mkdir()
@@ -26,7 +26,7 @@ def test_evacuate_waits_for_a_sigtermed_process_to_exit() -> None:
             "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.0), sys.exit(0)))\n"
             "print('up', flush=True)\n"
             "time.sleep(60)\n")
-    child = subprocess.Popen(["ray::FlexWorker", "-c", code], executable=sys.executable, stdout=subprocess.PIPE)
+    child = subprocess.Popen(["ray::WorkerActor", "-c", code], executable=sys.executable, stdout=subprocess.PIPE)
     try:
         assert child.stdout is not None and child.stdout.readline() == b"up\n"
         assert evacuate(10.0, [child.pid], progress=False) == 0

@@ -45,7 +45,7 @@ def on_assigned_gpu(config: WorkerConfig) -> WorkerConfig:
     return dataclasses.replace(config, device=f"cuda:{index}")
 
 
-class FlexWorker:
+class WorkerActor:
     """Hosts a :class:`prefill_worker.worker.PrefillWorker` or a :class:`decode_worker.worker.DecodeWorker`."""
 
     def __init__(self, actor_id: str, role: str, config: WorkerConfig, kv: Any = None,

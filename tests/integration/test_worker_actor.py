@@ -1,6 +1,6 @@
 """A worker flips role in place: same engine object (no reload), new role's sockets, real KV over gloo both ways.
 
-In one process, without Ray: two FlexWorkers on the default model, the prefill one streaming a prompt's K/V into the
+In one process, without Ray: two WorkerActors on the default model, the prefill one streaming a prompt's K/V into the
 decode one's reservation; then both flip and the transfer runs the other way.
 """
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster.runtime.flex_worker import FlexWorker
+from cluster.runtime.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
@@ -21,7 +21,7 @@ CFG = WorkerConfig(dtype=EXACT_DTYPE, num_kv_blocks=64)
 PROMPT = tuple(range(200, 260))
 
 
-def _transfer(prefill: FlexWorker, decode: FlexWorker, request_id: str) -> None:
+def _transfer(prefill: WorkerActor, decode: WorkerActor, request_id: str) -> None:
     """Prefill on one, KV into the other's reservation; the decode side must take it as transferred, not recompute,
     and stream the prefill's first token then the rest."""
     inbox = TokenInbox()
@@ -50,8 +50,8 @@ def _transfer(prefill: FlexWorker, decode: FlexWorker, request_id: str) -> None:
 @pytest.fixture()
 def pair():  # type: ignore[no-untyped-def]
     kv = KVTransferConfig(backend="torch_dist", connect_timeout_s=20, io_timeout_s=30)
-    a = FlexWorker("worker-a", "decode", CFG, kv)
-    b = FlexWorker("worker-b", "prefill", CFG, kv)
+    a = WorkerActor("worker-a", "decode", CFG, kv)
+    b = WorkerActor("worker-b", "prefill", CFG, kv)
     yield a, b
     for w in (a, b):
         w.shutdown()
