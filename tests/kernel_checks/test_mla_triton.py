@@ -77,7 +77,10 @@ def _case(rank: int, rope: int, heads: int, bs: int, dtype: torch.dtype, kv_dtyp
     want = mla.decode_attention_reference(q.float(), deq[0], deq[1], tables, lens_t, scale, rank)
     assert got.dtype == dtype and got.shape == (len(lens), heads, rank)
     assert not got[1].any(), "a row of length 0 must be zeros"
-    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    # the latents span ~1e-2..1e2 (scores up to ~100): rounding in a softmax weight scales with the score and the sum
+    # with the values, so the absolute tolerance is relative to the largest output (float32 ~3e-5 apart at |want| 43)
+    scale_of = max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype] * scale_of)
 
 
 GRID = list(itertools.product([(21, 8), (32, 16), (48, 6)], [3, 20], [8, 16]))  # (rank, rope), heads, block size
