@@ -1,7 +1,9 @@
 """The KV transfer wire header (msgpack) and the receiver's check of every field. Torch-free.
 
 One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
-``pdkernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``; for an MLA model (``kv_layout``
+``pdkernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``, ``kv_heads`` the part's heads:
+the model's KV heads ``[head_start, head_start + kv_heads)`` (all of them, or a tensor-parallel rank's share:
+:mod:`kv_transfer.head_routes`); for an MLA model (``kv_layout``
 "mla") the two planes hold each token's latent in two halves instead (``kv_heads`` 1, ``head_dim`` half the latent:
 :mod:`pdkernels.mla`). A scaled payload carries its float32
 scales right after the blocks: ``[2, len(block_ids), kv_heads]`` for FP8 (``float8_e4m3fn``), ``[2, len(block_ids),
@@ -27,8 +29,9 @@ from cluster.wire.auth import ClusterSecret
 # the header's MAC; 5: int8 payloads, followed by their per-token scales; 6: the checksum is the payload's 16-byte
 # polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold;
 # 8: 8-bit payloads hold each head's K/V rotated, pdkernels/kv_rotation.py; 9: ``kind``, a message is a K/V part or
-# the request's prefill result, kv_transfer/result_message.py)
-WIRE_VERSION = 9
+# the request's prefill result, kv_transfer/result_message.py; 10: ``head_start``, a part carries a range of the
+# model's KV heads, so a tensor-parallel rank receives only the heads it holds, kv_transfer/head_routes.py)
+WIRE_VERSION = 10
 # what a message carries: one (layer, chunk) of K/V; or, after a request's last part, its prefill result (msgpack'd
 # cluster.wire.messages.PrefillResult as a uint8 payload, bound by the tag like a part's bytes)
 KINDS = ("part", "result")
@@ -90,6 +93,7 @@ class KVTransferHeader:
     # other
     kv_layout: str = "kv"  # what the payload's planes hold (KV_LAYOUTS): a receiver of another layout refuses it
     kind: str = "part"  # KINDS: a K/V part, or the request's prefill result (no blocks; shape is the bytes' count)
+    head_start: int = 0  # the model's first KV head in the payload (it holds ``shape[3]`` of them from there on)
     mac: bytes = b""  # HMAC-SHA256 of every other field under the cluster secret (sign_header); empty: unauthenticated
 
     def __post_init__(self) -> None:
@@ -107,7 +111,7 @@ class KVTransferHeader:
         for name in ("request_id", "reservation_id", "model_fingerprint", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
-        for name in ("layer", "token_start", "token_end", "epoch"):
+        for name in ("layer", "token_start", "token_end", "epoch", "head_start"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {getattr(self, name)!r}")
         if self.token_end <= self.token_start:
@@ -202,8 +206,12 @@ class ExpectedTransfer:
     epoch: int = 0  # the reservation's epoch: a header with another one is from a stale writer
     require_checksum: bool = True  # False only for parts written in place (their checksum is optional)
     kv_layout: str = "kv"  # the receiver's cache layout (KV_LAYOUTS); a part of another layout is refused
+    head_start: int = 0  # the model's first KV head the receiver's cache holds (``block_shape[1]`` from there on):
+    # a tensor-parallel rank's share; a part with heads outside it is refused
 
     def __post_init__(self) -> None:
+        if not _is_int(self.head_start) or self.head_start < 0:
+            raise ValueError(f"head_start: must be an int >= 0, got {self.head_start!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout: must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         if not self.block_ids or len(set(self.block_ids)) != len(self.block_ids):
@@ -218,6 +226,11 @@ class ExpectedTransfer:
     @property
     def block_size(self) -> int:
         return self.block_shape[0]
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """``[start, end)`` of the model's KV heads the receiver's cache holds. Pure."""
+        return self.head_start, self.head_start + self.block_shape[1]
 
     def blocks_for_tokens(self, token_start: int, token_end: int) -> tuple[int, ...]:
         """The reserved block ids holding token positions ``[token_start, token_end)``. Pure."""
@@ -249,7 +262,13 @@ def verify_fields(header: KVTransferHeader, expected: ExpectedTransfer) -> None:
     need("block_ids", header.block_ids == want_blocks, want_blocks, header.block_ids,
          f"not the blocks of tokens [{header.token_start}, {header.token_end})")
     need("dtype", header.dtype == expected.dtype, expected.dtype, header.dtype)
-    want_shape = (2, len(header.block_ids), *expected.block_shape)
+    # the part's heads: within those the receiver holds (a tensor-parallel rank holds a share of them)
+    start, end = expected.heads
+    part_heads = header.shape[3] if len(header.shape) == 5 else 0
+    need("head_start", start <= header.head_start and header.head_start + part_heads <= end,
+         f"heads within [{start}, {end})", (header.head_start, header.head_start + part_heads),
+         "a part for KV heads this receiver does not hold")
+    want_shape = (2, len(header.block_ids), expected.block_shape[0], max(1, part_heads), expected.block_shape[2])
     need("shape", header.shape == want_shape, want_shape, header.shape)
     need("checksum", header.checksum is not None or not expected.require_checksum, "a checksum", None,
          "this transport's parts must carry one")

@@ -55,6 +55,8 @@ def pack_layer_part(
     secret: ClusterSecret | None = None,
     src_index: torch.Tensor | None = None,
     kv_layout: str = "kv",
+    cache_head_start: int = 0,
+    heads: tuple[int, int] | None = None,
 ) -> tuple[KVTransferHeader, torch.Tensor]:
     """Gather one layer's K/V of ``src_block_ids`` (the sender's) addressed to ``dst_block_ids`` (the receiver's).
 
@@ -66,20 +68,25 @@ def pack_layer_part(
     ``src_index``: ``src_block_ids`` as an index tensor on the cache's device, built once per chunk
     (:func:`~kv_transfer.streams.block_index`) and reused for every layer; None: built here. ``kv_layout``: what the
     cache's planes hold (the engine's ``kv_layout``), said in the header.
+
+    Tensor parallelism (:mod:`kv_transfer.head_routes`): ``cache_head_start`` is the model's KV head the cache's first
+    head is (a rank's share starts there); ``heads`` the model's heads ``[a, b)`` to send, within what the cache holds
+    (None: all of them). The header names the first (``head_start``), the payload's shape the count.
     """
     if len(src_block_ids) != len(dst_block_ids):
         raise ValueError(f"dst_block_ids: {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
     ids = src_index if src_index is not None else block_index(src_block_ids, k_cache.device)
     if ids.numel() != len(src_block_ids):
         raise ValueError(f"src_index: {ids.numel()} ids for {len(src_block_ids)} source blocks")
-    blocks = pdkernels.pack_blocks(k_cache, v_cache, ids).contiguous()
+    a, b = local_heads(k_cache, cache_head_start, heads)
+    blocks = pdkernels.pack_blocks(k_cache, v_cache, ids, (a, b)).contiguous()
     payload = blocks
-    if scales is not None:
-        payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids].contiguous())))
+    if scales is not None:  # a scale per head (and token for int8): the last dimension
+        payload = torch.cat((as_bytes(blocks), as_bytes(scales[:, ids][..., a:b].contiguous())))
     header = part_header(k_cache, dst_block_ids, None, layer=layer,
                          token_start=token_start, token_end=token_end, request_id=request_id,
                          reservation_id=reservation_id, model_fingerprint=model_fingerprint, epoch=epoch,
-                         nonce=nonce, kv_layout=kv_layout)
+                         nonce=nonce, kv_layout=kv_layout, head_start=cache_head_start + a, heads=b - a)
     if checksum:
         header = dataclasses.replace(header, checksum=payload_tag(payload, part_key(secret, header)))
     return header, payload
@@ -87,9 +94,12 @@ def pack_layer_part(
 
 def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: bytes | None, *, layer: int,
                 token_start: int, token_end: int, request_id: str, reservation_id: str, model_fingerprint: str,
-                epoch: int = 0, nonce: str = "", kv_layout: str = "kv") -> KVTransferHeader:
+                epoch: int = 0, nonce: str = "", kv_layout: str = "kv", head_start: int = 0,
+                heads: int | None = None) -> KVTransferHeader:
     """The header of one layer's part of ``dst_block_ids`` for a cache like ``k_cache`` (no MAC yet: the backend
-    signs it once its tag is in). Pure."""
+    signs it once its tag is in): ``heads`` of the model's KV heads from ``head_start`` (None: as many as the cache
+    holds). Pure."""
+    block_size, cache_heads, head_dim = k_cache.shape[1:]
     return KVTransferHeader(
         request_id=request_id,
         reservation_id=reservation_id,
@@ -98,13 +108,27 @@ def part_header(k_cache: torch.Tensor, dst_block_ids: Sequence[int], checksum: b
         token_end=token_end,
         block_ids=tuple(map(int, dst_block_ids)),
         dtype=dtype_name(k_cache.dtype),
-        shape=(2, len(dst_block_ids), *k_cache.shape[1:]),
+        shape=(2, len(dst_block_ids), block_size, cache_heads if heads is None else heads, head_dim),
         checksum=checksum,
         model_fingerprint=model_fingerprint,
         epoch=epoch,
         nonce=nonce,
         kv_layout=kv_layout,
+        head_start=head_start,
     )
+
+
+def local_heads(k_cache: torch.Tensor, cache_head_start: int, heads: tuple[int, int] | None) -> tuple[int, int]:
+    """``heads`` (the model's KV heads ``[a, b)``; None: all the cache holds) as indices into ``k_cache``, whose
+    first head is the model's ``cache_head_start``; ``ValueError`` for heads the cache does not hold. Pure."""
+    held = k_cache.shape[2]
+    if heads is None:
+        return 0, held
+    a, b = heads[0] - cache_head_start, heads[1] - cache_head_start
+    if not 0 <= a < b <= held:
+        raise ValueError(f"heads: {tuple(heads)} not within the cache's [{cache_head_start}, "
+                         f"{cache_head_start + held})")
+    return a, b
 
 
 def blocks_checksum(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence[int],
@@ -174,6 +198,13 @@ def install_layer_part(
     ids = index if index is not None else block_index(header.block_ids, k_cache.device)
     if ids.numel() != len(header.block_ids):
         raise ValueError(f"index: {ids.numel()} ids for the part's {len(header.block_ids)} blocks")
-    pdkernels.unpack_blocks(payload, k_cache, v_cache, ids)
+    # the part's heads within the receiver's (verify_part held them inside): all of them, or a rank's share
+    a = header.head_start - expected.head_start
+    b = a + header.shape[3]
+    pdkernels.unpack_blocks(payload, k_cache, v_cache, ids, (a, b))
     if scales is not None:
-        scales[:, ids] = raw[split:].view(torch.float32).view(2, len(header.block_ids), *scales.shape[2:])
+        got = raw[split:].view(torch.float32).view(2, len(header.block_ids), *scales.shape[2:-1], b - a)
+        if (a, b) == (0, scales.shape[-1]):
+            scales[:, ids] = got
+        else:  # advanced indexing then a slice would write into a copy: index the head slice's view instead
+            scales[..., a:b][:, ids] = got

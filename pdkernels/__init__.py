@@ -83,6 +83,15 @@ def _check(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
+def _head_slice(k_cache: torch.Tensor, heads: tuple[int, int] | None) -> bool:
+    """Whether ``heads`` names fewer than all of the cache's KV heads; raises on a range outside them. Pure."""
+    if heads is None:
+        return False
+    a, b = heads
+    _check(0 <= a < b <= k_cache.shape[2], "heads", f"expected [a, b) within [0, {k_cache.shape[2]}), got {heads}")
+    return (a, b) != (0, k_cache.shape[2])
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, contiguous_blocks: bool = True) -> None:
     """A paged cache pair. ``contiguous_blocks``: each block must be contiguous (the Triton stores, block copies);
     otherwise any strides with a unit head_dim stride serve (a tensor-parallel rank's head slice of the group's
@@ -335,22 +344,33 @@ def store_kv_quantized(
         reference.store_kv_quantized(key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping)
 
 
-def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Gather blocks into ``[2, n, block_size, kv_heads, head_dim]``. Pure."""
+def pack_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """Gather blocks into ``[2, n, block_size, kv_heads, head_dim]``; ``heads``: only the cache's heads ``[a, b)``
+    (``[2, n, block_size, b - a, head_dim]``, a tensor-parallel rank's share of what the cache holds). Pure."""
     _check_cache(k_cache, v_cache)
     _check(block_ids.dim() == 1 and not block_ids.is_floating_point(), "block_ids", "must be a 1-D integer tensor")
+    if _head_slice(k_cache, heads):
+        a, b = heads  # type: ignore[misc]
+        return reference.pack_blocks(k_cache[:, :, a:b], v_cache[:, :, a:b], block_ids)  # indexing reads any strides
     if uses_triton(k_cache):
         return _triton().pack_blocks(k_cache, v_cache, block_ids)
     return reference.pack_blocks(k_cache, v_cache, block_ids)
 
 
-def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """Scatter a packed buffer into blocks. Mutates the caches."""
+def unpack_blocks(buf: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                  heads: tuple[int, int] | None = None) -> None:
+    """Scatter a packed buffer into blocks; ``heads``: into the cache's heads ``[a, b)`` only (the buffer holds
+    ``b - a`` heads). Mutates the caches."""
     _check_cache(k_cache, v_cache)
     _check(block_ids.dim() == 1 and not block_ids.is_floating_point(), "block_ids", "must be a 1-D integer tensor")
-    expected = (2, block_ids.shape[0], *k_cache.shape[1:])
+    sliced = _head_slice(k_cache, heads)
+    a, b = heads if sliced else (0, k_cache.shape[2])  # type: ignore[misc]
+    expected = (2, block_ids.shape[0], *k_cache.shape[1:2], b - a, k_cache.shape[3])
     _check(tuple(buf.shape) == expected, "buf", f"expected {expected}, got {tuple(buf.shape)}")
-    if uses_triton(k_cache):
+    if sliced:  # index_put into the head slice's view writes through its strides
+        reference.unpack_blocks(buf, k_cache[:, :, a:b], v_cache[:, :, a:b], block_ids)
+    elif uses_triton(k_cache):
         _triton().unpack_blocks(buf, k_cache, v_cache, block_ids)
     else:
         reference.unpack_blocks(buf, k_cache, v_cache, block_ids)

@@ -84,8 +84,8 @@ def test_a_signed_header_round_trips_and_any_changed_field_fails() -> None:
 
 def test_the_header_wire_version_moved_and_a_bad_mac_field_is_malformed() -> None:
     # 6: the payload's 16-byte MAC tag replaces its CRC-32; 7: kv_layout; 8: 8-bit payloads hold rotated K/V;
-    # 9: kind (a part, or the prefill result after the last part)
-    assert WIRE_VERSION == 9
+    # 9: kind (a part, or the prefill result after the last part); 10: head_start (a TP rank's share of the heads)
+    assert WIRE_VERSION == 10
     with pytest.raises(ValueError, match="mac"):
         _header(mac=b"\x00" * 5)
     import msgpack
