@@ -1,1 +1,1 @@
-"""The decode actor (`worker.DecodeWorker`): reservations, KV receipt (`kv_receiver`), continuous decoding."""
+"""The decode actor (`worker.DecodeWorker`): a request's owner, continuous decoding; its K/V intake is `kv_transfer.connector`."""

@@ -1,23 +1,24 @@
 """The decode role: the owner of every request it reserved, from ``reserve`` to its last token.
 
-It holds one :class:`~decode_worker.intake.IntakeRecord` per request (blocks, expected K/V parts, lease, state), joins
-a request to the running batch once its K/V is complete and the prefill actor's first tokens are here (or recomputes
-the prompt when a part failed), runs continuous batching, and is the only place where a request's text, stops, finish
-and usage are decided: its one detokenizer makes every :class:`~cluster.wire.messages.TokenDelta`, the first token's
-text included. Deltas leave through a :class:`~cluster.wire.token_stream.TokenSender`, never blocking a step.
+It holds one :class:`~kv_transfer.connector.intake.IntakeRecord` per request (blocks, expected K/V parts, lease, state),
+joins a request to the running batch once its K/V is complete and the prefill actor's first tokens are here (or
+recomputes the prompt when a part failed), runs continuous batching, and is the only place where a request's text,
+stops, finish and usage are decided: its one detokenizer makes every :class:`~cluster.wire.messages.TokenDelta`, the
+first token's text included. Deltas leave through a :class:`~cluster.wire.token_stream.TokenSender`, never blocking a
+step.
 
-Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine, the
-records and the trackers), the KV receiver (installs parts into pending records under ``_intake_lock``) and the token
-sender's. Ray calls post to the loop (:mod:`cluster.runtime.engine_loop`).
+Its K/V intake is the decode side of the K/V connector (:class:`~kv_transfer.connector.decode_side.DecodeConnector`):
+reservations, the receiver, and what finished loading; this keeps the request's lifecycle.
+
+Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine,
+the records and the trackers), the connector's K/V receiver (installs parts into pending records under its lock) and the
+token sender's. Ray calls post to the loop (:mod:`cluster.runtime.engine_loop`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
-from collections import Counter
 from typing import Any
 
 from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine
@@ -26,10 +27,11 @@ from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker
-from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from decode_worker.projection import OutputLengths, projected_growth
-from decode_worker.reservations import ReservationManager
 from kv_transfer.config import KVTransferConfig
+from kv_transfer.connector import endpoint_config
+from kv_transfer.connector.decode_side import DecodeConnector
+from kv_transfer.connector.intake import IntakeRecord, IntakeState
 
 log = logging.getLogger(__name__)
 S = IntakeState
@@ -52,8 +54,6 @@ class DecodeWorker(EngineLoop):
         super().__init__(actor_id, engine if engine is not None else load_engine(config, self.role, kv))
         self.config = config
         self.on_transfer_failure = on_transfer_failure
-        self.reservations = ReservationManager(self.engine.kv.pool)
-        self._intake_lock = threading.Lock()  # pending records: the loop and the KV receiver
         self._records: dict[str, IntakeRecord] = {}  # request id -> its one record, reserve to end (loop thread)
         self._trackers: dict[str, DeltaTracker] = {}
         self._outbox: dict[str, list[TokenDelta]] = {}  # proxy address -> this step's deltas
@@ -68,17 +68,9 @@ class DecodeWorker(EngineLoop):
         self.results_via_ray = 0  # ... and from the proxy's ``prefilled`` call
         self._started = time.monotonic()
         self._lengths = OutputLengths(initial=128.0)  # finished completions' output lengths: the growth projection
-        self.kv_endpoint = ""
-        self.receiver = None
-        if kv is not None:
-            from decode_worker.kv_receiver import KVReceiver
-
-            self.receiver = KVReceiver(self.engine, dataclasses.replace(kv, name=actor_id,
-                                                                        device=str(self.engine.device),
-                                                                        secret=config.cluster_secret),
-                                       self._intake_lock, self.reservations, self._part_arrived,
-                                       self._result_arrived)
-            self.kv_endpoint = self.receiver.address
+        own_kv = None if kv is None else endpoint_config(kv, actor_id, str(self.engine.device), config.cluster_secret)
+        self.connector = DecodeConnector(self.engine, own_kv, config.kv_wait_s, self._result_arrived)
+        self.kv_endpoint = self.connector.endpoint
         self._stats: WorkerStats
         self._publish_stats()
         self._start_loop()
@@ -115,14 +107,7 @@ class DecodeWorker(EngineLoop):
 
     def check_integrity(self) -> dict[str, int]:
         """Raise ``AssertionError`` unless free + reserved + used == total and every refcount has a holder."""
-        def check() -> dict[str, int]:
-            with self._intake_lock:
-                self.reservations.check_integrity()
-                held = dict(Counter(self.reservations.held_blocks()))  # a prefix block pinned twice: 2
-                self.engine.scheduler.check_integrity(held)
-                return self.reservations.counts()
-
-        return self.call(check)
+        return self.call(lambda: self.connector.check_integrity(self.engine.scheduler.check_integrity))
 
     # -- the loop's own work ----------------------------------------------------------------------------------------
     def _reserve(self, msg: ReserveRequest) -> dict[str, Any] | None:
@@ -137,10 +122,8 @@ class DecodeWorker(EngineLoop):
         ttl = msg.ttl_s or self.config.reservation_ttl_s
         # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
         prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(list(req.prompt_token_ids))
-        with self._intake_lock:
-            rec = self.reservations.reserve(req.request_id, msg.num_blocks, ttl, time.monotonic(),
-                                            len(req.prompt_token_ids), self.engine.model_config.num_layers, req,
-                                            prefix, self.engine.config.block_size)
+        rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.model_config.num_layers,
+                                     prefix, self.engine.config.block_size)
         if rec is None:
             return None
         self.reservations_made += 1
@@ -149,7 +132,7 @@ class DecodeWorker(EngineLoop):
         log.info("reserve %s (trace %s): %d blocks, %s", req.request_id, req.trace_id, rec.num_blocks,
                  "colocated" if msg.colocated else f"awaiting KV ({rec.cached} prefix blocks held here)")
         if msg.colocated:
-            with self._intake_lock:
+            with self.connector.lock:
                 self._start(rec, None)
         return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
                             ttl, rec.epoch, rec.nonce, rec.cached).to_dict()
@@ -178,41 +161,27 @@ class DecodeWorker(EngineLoop):
             self.results_via_ray += 1
         tracker = self._trackers[result.request_id]
         tracker.cached_tokens = result.cached_tokens
-        with self._intake_lock:
-            rec.result = result
-            if rec.state in TAKES_PARTS and result.failed_parts:
-                rec.advance(S.FAILED, f"{len(result.failed_parts)} KV parts failed: {result.failed_parts[0]}")
-            elif rec.state in TAKES_PARTS:  # the sender is done: what is missing now has little time left
-                self.reservations.touch(rec.reservation_id, time.monotonic(), self.config.kv_wait_s)
-
-    def _part_arrived(self, rec: IntakeRecord) -> None:
-        """KV receiver thread, under the intake lock: K/V is flowing, the reservation is not orphaned."""
-        self.reservations.touch(rec.reservation_id, time.monotonic())
+        self.connector.take_result(rec, result, time.monotonic())
 
     def _intake(self) -> None:
-        """Join what is complete, recompute what failed, expire what waited too long (loop thread)."""
-        now = time.monotonic()
-        with self._intake_lock:
-            for rec in [r for r in self._records.values() if r.pending]:  # no sort on this per-iteration path
-                late = rec.result is not None and rec.state in TAKES_PARTS and rec.expires_at <= now
-                if late:
-                    rec.advance(S.FAILED, f"KV incomplete (layers {rec.missing_layers()[:4]}...) "
-                                          f"{self.config.kv_wait_s}s after the prefill finished")
-                if rec.ready_to_join():
-                    self._start(rec, rec.result)
-                elif rec.ready_to_recompute():
-                    if self.on_transfer_failure == "fail":
-                        self.reservations.release(rec.reservation_id, S.ABORTED, rec.failure)
-                        self._fail(rec, f"KV transfer failed: {rec.failure}")
-                    else:
-                        log.warning("%s: recomputing the prompt here: %s", rec.request_id, rec.failure)
-                        self.recomputes += 1
-                        self._start(rec, rec.result, recompute=True)
-            for rec in self.reservations.expire(now):
-                self._fail(rec, f"no KV arrived within the reservation's lease ({rec.ttl_s:.0f}s)")
+        """Join what finished loading, recompute (or fail) what failed, fail what never came (loop thread)."""
+        self.connector.poll(self._records.values(), time.monotonic(), lambda rec: self._start(rec, rec.result),
+                            self._transfer_failed,
+                            lambda rec: self._fail(rec, f"no KV arrived within the reservation's lease "
+                                                        f"({rec.ttl_s:.0f}s)"))
+
+    def _transfer_failed(self, rec: IntakeRecord) -> None:
+        """``rec``'s K/V failed to arrive (under the connector's lock): recompute its prompt here, or fail it."""
+        if self.on_transfer_failure == "fail":
+            self.connector.release(rec, rec.failure, locked=True)
+            self._fail(rec, f"KV transfer failed: {rec.failure}")
+        else:
+            log.warning("%s: recomputing the prompt here: %s", rec.request_id, rec.failure)
+            self.recomputes += 1
+            self._start(rec, rec.result, recompute=True)
 
     def _start(self, rec: IntakeRecord, result: PrefillResult | None, recompute: bool = False) -> None:
-        """Commit ``rec``'s blocks to the engine (caller holds the intake lock): computed here (colocated, or a
+        """Commit ``rec``'s blocks to the engine (caller holds the connector's lock): computed here (colocated, or a
         recompute with the prefill's seed, so the same first tokens come out), or joined with the prefill's first
         tokens over the received K/V."""
         from engine.sampling_params import SamplingParams
@@ -224,7 +193,7 @@ class DecodeWorker(EngineLoop):
             if not recompute:  # its prompt logprobs came in the PrefillResult: a preempted recompute skips them
                 kwargs["prompt_logprobs"] = None
         params = SamplingParams(**kwargs)
-        blocks = list(self.reservations.commit(rec.reservation_id))
+        blocks = self.connector.commit(rec)
         pinned = rec.cached
         pool = self.engine.kv.pool
         try:
@@ -248,9 +217,7 @@ class DecodeWorker(EngineLoop):
         self._trackers.pop(request_id, None)
         if rec is None:
             return False
-        with self._intake_lock:
-            if rec.pending:
-                self.reservations.release(rec.reservation_id, S.ABORTED, why)
+        self.connector.release(rec, why)
         if not rec.final:
             self.engine.abort_request(request_id)
             rec.advance(S.ABORTED, why)
@@ -323,7 +290,7 @@ class DecodeWorker(EngineLoop):
             self._outbox.setdefault(address, []).extend(deltas)
 
     def _idle(self) -> bool:
-        return not self._records and not self.reservations.counts()["reserved"] \
+        return not self._records and not self.connector.counts()["reserved"] \
             and not self.engine.has_unfinished_requests()
 
     def _publish_stats(self) -> None:
@@ -331,10 +298,10 @@ class DecodeWorker(EngineLoop):
         states: dict[str, int] = {}
         for rec in self._records.values():
             states[rec.state.value] = states.get(rec.state.value, 0) + 1
-        rx = self.receiver.stats() if self.receiver is not None else {}
+        rx = self.connector.stats()
         self._stats = WorkerStats(
             actor_id=self.actor_id, role="decode", draining=self.draining, idle=self._idle(),
-            kv=KVCounts(**self.reservations.counts(), cached=self.engine.kv.pool.counts()["cached"]),
+            kv=KVCounts(**self.connector.counts(), cached=self.engine.kv.pool.counts()["cached"]),
             kv_growth=projected_growth(sched.running, self.engine.config.block_size, self._lengths.expected,
                                        self.engine.max_model_len),
             running=len(sched.running), waiting=len(sched.waiting), requests=states,
@@ -348,5 +315,4 @@ class DecodeWorker(EngineLoop):
 
     def _close(self) -> None:
         self._sender.close()
-        if self.receiver is not None:
-            self.receiver.close()
+        self.connector.close()

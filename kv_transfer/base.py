@@ -263,7 +263,7 @@ class KVTransferBackend(ABC):
         self._stats_lock = threading.Lock()  # I/O threads of several peers count sends concurrently
         self.peer_errors: dict[str, str] = {}  # receiving side: peer name -> why its channel ended abnormally
         # receiving side: handshakes and in-place opens dropped for a wrong or missing MAC (parts are checked, and
-        # counted, by their consumer: decode_worker.kv_receiver)
+        # counted, by their consumer: kv_transfer.connector.receiver)
         self.unauthenticated = 0
 
     @abstractmethod

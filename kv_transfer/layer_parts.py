@@ -1,5 +1,5 @@
 """Per-(layer, chunk) KV parts: pack on the prefill side, verify and install on the decode side (which parts of a
-reservation have arrived is its intake record's business: ``decode_worker.intake.IntakeRecord.add_part``).
+reservation have arrived is its intake record's business: ``kv_transfer.connector.intake.IntakeRecord.add_part``).
 
 Sender, after a layer's forward for a chunk covering tokens ``[s, e)``::
 

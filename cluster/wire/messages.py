@@ -242,7 +242,7 @@ class ReserveRequest(_Wire):
 @dataclass(frozen=True)
 class ReserveGrant(_Wire):
     """Decode actor -> proxy -> prefill actor: where one request's K/V goes. The decode actor keeps the one record
-    of the reservation (``decode_worker.intake``); this is only what others need to address it."""
+    of the reservation (``kv_transfer.connector.intake``); this is only what others need to address it."""
 
     reservation_id: str  # names the reservation in transfer headers and the PrefillResult
     request_id: str

@@ -85,7 +85,7 @@ def test_in_place_text_equals_the_socket_backend_and_auto_picks_it(model: str, i
             assert _counts(d)["reserved"] == 0 and _counts(d)["used"] == 0
         p, d = pairs["auto"]
         assert d.info()["kv_address"].startswith("auto|inplace+shm://")
-        assert p.impl.backend.in_place(d.info()["kv_address"])  # same node, probe passed: written in place
+        assert p.impl.connector.backend.in_place(d.info()["kv_address"])  # same node, probe passed: written in place
     finally:
         for p, d in pairs.values():
             p.shutdown()

@@ -20,7 +20,7 @@ from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
-from decode_worker.intake import TAKES_PARTS
+from kv_transfer.connector.intake import TAKES_PARTS
 from kv_transfer.base import as_bytes
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferError, KVTransferHeader, sign_header
@@ -71,7 +71,7 @@ def _part(decode: WorkerActor, grant: ReserveGrant, src: torch.Tensor, **overrid
 
 
 def _deliver(decode: WorkerActor, header: KVTransferHeader, payload: torch.Tensor) -> None:
-    backend = decode.impl.receiver.backend
+    backend = decode.impl.connector.receiver.backend
     # the fake backend never blocks: a part sent while every receive buffer is still being checked fails as
     # back-pressure, which is not what these tests check, so wait for a free buffer first
     eventually(lambda: backend.recv_side.has_free_buffer())
@@ -100,7 +100,7 @@ def test_forged_replayed_and_tampered_parts_are_dropped_counted_and_write_nothin
     assert stats["kv_parts_installed"] == 0 and stats["kv_parts_rejected"] == 0
     assert torch.equal(engine.kv_layer(0)[:, ids], before)  # nothing written
     for g in (a, b):  # and no reservation failed for them
-        assert decode.impl.reservations.get(g.reservation_id).state in TAKES_PARTS
+        assert decode.impl.connector.reservations.get(g.reservation_id).state in TAKES_PARTS
     _deliver(decode, signed, payload)  # the genuine part still goes in
     eventually(lambda: decode.stats()["kv_parts_installed"] == 1)
     assert torch.equal(engine.kv_layer(0)[:, a.block_ids[0]], src[:, 1])
@@ -134,7 +134,7 @@ def test_forged_results_are_dropped_and_a_duplicate_is_taken_once(decode: Worker
                and decode.stats()["kv_parts_rejected"] == 1)
     assert decode.stats()["results_via_channel"] == 0
     for g in (a, b):  # no result was taken for them
-        assert decode.impl.reservations.get(g.reservation_id).result is None
+        assert decode.impl.connector.reservations.get(g.reservation_id).result is None
     _deliver(decode, signed, payload)  # the genuine result goes in ...
     eventually(lambda: decode.stats()["results_via_channel"] == 1)
     _deliver(decode, signed, payload)  # ... once: again over the channel, and through the proxy's Ray call
@@ -144,7 +144,7 @@ def test_forged_results_are_dropped_and_a_duplicate_is_taken_once(decode: Worker
     decode.check_integrity()  # ... and a loop round trip after their posts: the loop handled both duplicates
     stats = decode.stats()
     assert stats["results_via_channel"] == 1 and stats["results_via_ray"] == 0
-    assert decode.impl.reservations.get(b.reservation_id).result is None
+    assert decode.impl.connector.reservations.get(b.reservation_id).result is None
 
 
 def pack_result_dict(grant: ReserveGrant) -> dict[str, Any]:
@@ -187,7 +187,7 @@ def test_in_place_writers_must_authenticate_before_they_get_memory_or_a_reservat
         assert reply["error"] == "unauthenticated"
         sock.close()
         eventually(lambda: decode.stats()["kv_parts_unauthenticated"] == 4)  # (stats are published by the loop)
-        assert decode.impl.reservations.get(a.reservation_id).writer is None
+        assert decode.impl.connector.reservations.get(a.reservation_id).writer is None
     finally:
         for w in writers:
             w.close()

@@ -17,7 +17,7 @@ from kv_transfer import make_backend
 from kv_transfer.base import TransferState, as_bytes
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.fake import FakeFabric
-from decode_worker.intake import IntakeRecord
+from kv_transfer.connector.intake import IntakeRecord
 from kv_transfer.header import (
     ChecksumError,
     ExpectedTransfer,

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from decode_worker.intake import FINAL, PENDING, TRANSITIONS, IllegalTransition, IntakeRecord, IntakeState as S
+from kv_transfer.connector.intake import FINAL, PENDING, TRANSITIONS, IllegalTransition, IntakeRecord, IntakeState as S
 
 
 def record(prompt_len: int = 40, num_layers: int = 2) -> IntakeRecord:

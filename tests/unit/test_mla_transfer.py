@@ -28,7 +28,7 @@ def prompts(seed: int = 5) -> list[list[int]]:
 
 
 def expected_for(engine, rid: str, blocks: list[int]) -> ExpectedTransfer:  # type: ignore[no-untyped-def]
-    """What the decode actor's receiver expects (decode_worker/kv_receiver.py builds it the same way)."""
+    """What the decode actor's receiver expects (kv_transfer/connector/receiver.py builds it the same way)."""
     k0 = engine.kv_layer(0)[0]
     return ExpectedTransfer(rid, f"rsv-{rid}", tuple(blocks), tuple(k0.shape[1:]), dtype_name(k0.dtype),
                             engine.model_config.num_layers, engine.fingerprint,

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from decode_worker.intake import IntakeRecord as Reservation
-from decode_worker.reservations import ReservationManager
+from kv_transfer.connector.intake import IntakeRecord as Reservation
+from kv_transfer.connector.reservations import ReservationManager
 from engine.block_pool import BlockPool
 
 

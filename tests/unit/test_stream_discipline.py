@@ -339,11 +339,11 @@ def test_prefill_hook_builds_no_tensor_per_layer(backend: str, tiny_checkpoint: 
         mem, decode, _ = _in_place_pair(KVLayout(num_layers, 64, 8, k.shape[2], k.shape[3], "int8", scaled=True),
                                         None)
         endpoint, dst_blocks = decode.listen(), tuple(range(30, 40))
-        worker.backend.streams = fake  # the writer's copies: ordered on fake streams
+        worker.connector.backend.streams = fake  # the writer's copies: ordered on fake streams
     built: list[int] = []  # the layer of each torch.tensor call made inside the hook
     layers: list[int] = []
     steps: list[int] = []  # len(fake.ops) at each step's end
-    real_tensor, ship, order = torch.tensor, worker._ship, worker.backend.order_after_writes
+    real_tensor, ship, order = torch.tensor, worker._ship, worker.connector.backend.order_after_writes
 
     def counting_tensor(*args: Any, **kwargs: Any) -> torch.Tensor:
         if layers and layers[-1] >= 0:
@@ -363,7 +363,7 @@ def test_prefill_hook_builds_no_tensor_per_layer(backend: str, tiny_checkpoint: 
 
     monkeypatch.setattr(torch, "tensor", counting_tensor)
     worker._ship = counted_ship  # the loop looks the hook up at each step
-    worker.backend.order_after_writes = logged_order  # at each step's end
+    worker.connector.backend.order_after_writes = logged_order  # at each step's end
     try:
         req = GenerateRequest("r1", tuple(range(40, 110)), max_tokens=4)
         grant = ReserveGrant("rsv", "r1", "dc", dst_blocks, endpoint, 60.0)

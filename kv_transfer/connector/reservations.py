@@ -1,7 +1,7 @@
 """KV block reservations on a decode actor: reserve before prefill, commit when the KV has arrived, release on abort.
 
 Pure bookkeeping: no I/O, no torch, no clock of its own (callers pass ``now``, any monotonic seconds). The records
-are :class:`~decode_worker.intake.IntakeRecord` (one per reservation, with its state); this manager indexes the
+are :class:`~kv_transfer.connector.intake.IntakeRecord` (one per reservation, with its state); this manager indexes the
 pending ones and keeps the block accounting.
 
 Accounting. Every block of the wrapped :class:`~engine.block_pool.BlockPool` is in exactly one bucket:
@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
+from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from engine.block_pool import Block, BlockPool
 
 

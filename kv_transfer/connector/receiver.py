@@ -1,5 +1,5 @@
 """The decode actor's receiving end of KV transfer: a thread that verifies each incoming (layer, chunk) part against
-its reservation's :class:`~decode_worker.intake.IntakeRecord` and installs it into the reserved blocks.
+its reservation's :class:`~kv_transfer.connector.intake.IntakeRecord` and installs it into the reserved blocks.
 
 It holds no reservation state of its own: it looks the record up, checks it still takes parts, installs and records
 the part, all under the decode actor's intake lock. The loop thread takes the same lock before it releases, expires or
@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.wire.messages import PrefillResult
-from decode_worker.intake import TAKES_PARTS, IntakeRecord, IntakeState
-from decode_worker.reservations import ReservationManager
+from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
+from kv_transfer.connector.reservations import ReservationManager
 from kv_transfer.base import dtype_name
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHeader, header_authentic,
