@@ -74,6 +74,16 @@ class OwnProcesses:
                                                  f"{self.log_tail(proc)}"
             time.sleep(0.2)
 
+    def listening_port(self, proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+        """The port a proxy started with ``--port 0`` (by itself, or by ``pdcluster serve``) bound, read back from the
+        line it prints once listening; raise ``AssertionError`` if it exits or ``timeout_s`` passes first."""
+        import re
+
+        self.wait_for_output(proc, "proxy listening on http://", timeout_s)
+        found = re.search(r"proxy listening on http://[^\s:]+:(\d+)", self.log_tail(proc, chars=1 << 20))
+        assert found is not None, self.log_tail(proc)
+        return int(found.group(1))
+
     def marked(self) -> list[int]:
         """Live processes carrying this object's mark: started by it or by what it started. Reads /proc."""
         needle = f"{MARK_ENV}={self.mark}".encode()

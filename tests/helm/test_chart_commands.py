@@ -37,7 +37,8 @@ def ray_start(params: dict[str, str], head: bool, address: str) -> list[str]:
 
 
 def localize(cmd: list[str], head_in_chart: str, head_here: str, port: int | None = None) -> list[str]:
-    """Point a container command at this machine: the head's address, the pod IP, a free proxy port."""
+    """Point a container command at this machine: the head's address, the pod IP, the proxy's port (0: the OS
+    picks one, read back from what the proxy prints)."""
     out = []
     for arg in cmd:
         arg = arg.replace(head_in_chart, head_here).replace("$(POD_IP)", "127.0.0.1")
@@ -59,7 +60,6 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
     head_in_chart = "demo-pdcluster-head-svc.llm.svc:6379"
     head = f"127.0.0.1:{free_port()}"
-    proxy_port = free_port()
     containers = {c["name"]: c for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]}
     pod = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
     env_list = containers["controller"]["env"]
@@ -92,8 +92,8 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
                 start_ray_node(own, ray_start(group["rayStartParams"], False, head))
         own.start(localize(containers["controller"]["command"], "127.0.0.1:6379", head))
         start_ray_node(own, localize(pod["ray-node"]["command"], head_in_chart, head))  # --block, as in the pod
-        own.start(localize(pod["proxy"]["command"], head_in_chart, head, proxy_port), cwd=ROOT)
-        url = f"http://127.0.0.1:{proxy_port}"
+        proxy = own.start(localize(pod["proxy"]["command"], head_in_chart, head, 0), cwd=ROOT)
+        url = f"http://127.0.0.1:{own.listening_port(proxy, 300)}"  # the proxy bound port 0: read back
         deadline = time.monotonic() + 300
         while True:  # the readiness probe's own check
             assert not own.exited(), own.exited()

@@ -51,7 +51,6 @@ def _get(url: str) -> dict[str, Any]:
 @pytest.mark.skipif(not _loopback_aliases_work(), reason="127.0.0.2/127.0.0.3 are not loopback aliases here")
 def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> None:
     gcs = f"127.0.0.1:{free_port()}"
-    http_port = free_port()
     tmp = tempfile.mkdtemp(prefix="rm", dir="/tmp")  # short: Ray's unix socket paths must fit in 107 bytes
     env = {k: v for k, v in os.environ.items() if k != NODE_IP_ENV}  # the addresses under test come from Ray here
     # token auth off for this throwaway cluster, the same for `ray start` and the pdcluster drivers
@@ -64,9 +63,9 @@ def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> Non
             start_ray_node(own, ray_start(f"--address={gcs}", f"--node-ip-address={ip}", "--num-cpus=1",
                                           f"--resources={json.dumps({f'pdcluster_{role}': 1})}", head=False))
         serve = own.start([sys.executable, "-m", "cluster.cli", "serve", "--ray-address", gcs, "--role-resources",
-                           "--prefill=1", "--decode=1", f"--port={http_port}", "--kv-cache-gib=0.25",
+                           "--prefill=1", "--decode=1", "--port=0", "--kv-cache-gib=0.25",
                            "--on-transfer-failure=fail"], cwd=ROOT)
-        url = f"http://127.0.0.1:{http_port}"
+        url = f"http://127.0.0.1:{own.listening_port(serve, 300)}"  # bound to 0 and read back, never probed
         deadline = time.monotonic() + 300
         while True:
             assert not own.exited(), own.exited()
