@@ -20,21 +20,6 @@ from pathlib import Path
 MARK_ENV = "PDCLUSTER_TEST_PROCESS_MARK"
 # ports a `ray start` on this machine takes by default (GCS, its metrics and client servers, the dashboard and its
 # agent's HTTP, the worker range): a free port picked for a Ray head must not be one of them, or Ray refuses to start
-RAY_DEFAULT_PORTS = frozenset({6379, 8076, 8265, 10001, 52365, 52366, *range(10002, 20000)})
-
-
-def free_ray_port() -> int:
-    """A free TCP port on 127.0.0.1 that none of Ray's default components will also ask for."""
-    import socket
-
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in RAY_DEFAULT_PORTS:
-            return port
-
-
 class OwnProcesses:
     """Start commands (:meth:`start`), then :meth:`stop` them and everything they started. Not thread-safe."""
 
@@ -150,6 +135,16 @@ RAY_STARTED = "Ray runtime started"  # what `ray start` prints once its node has
 def ray_start(*args: str, head: bool) -> list[str]:
     """A ``ray start ... --block`` command line: the process stays in front, so stopping it stops its Ray node."""
     return ["ray", "start", *(["--head"] if head else []), *args, "--block", "--disable-usage-stats"]
+
+
+def ray_head_port(own: OwnProcesses, head: subprocess.Popen[bytes]) -> int:
+    """The GCS port a head started with ``--port=0`` took, read back from the ``ray start --address='...'`` line it
+    prints (call after :func:`start_ray_node`)."""
+    import re
+
+    found = re.search(r"ray start --address='[^':]+:(\d+)'", own.log_tail(head, chars=1 << 20))
+    assert found is not None, own.log_tail(head)
+    return int(found.group(1))
 
 
 def start_ray_node(own: OwnProcesses, cmd: Sequence[str], timeout_s: float = 180.0) -> subprocess.Popen[bytes]:

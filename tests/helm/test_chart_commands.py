@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from own_processes import OwnProcesses, start_ray_node
-from own_processes import free_ray_port as free_port
+from own_processes import OwnProcesses, ray_head_port, start_ray_node
 
 helm = pytest.importorskip("helm_python")
 pytest.importorskip("ray")
@@ -59,7 +58,7 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
     (rc,) = [d for d in docs if d["kind"] == "RayCluster"]
     (deploy,) = [d for d in docs if d["kind"] == "Deployment"]
     head_in_chart = "demo-pdcluster-head-svc.llm.svc:6379"
-    head = f"127.0.0.1:{free_port()}"
+    head = "127.0.0.1:0"  # the head binds a port of the OS's choosing, read back once it runs
     containers = {c["name"]: c for c in rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"]}
     pod = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
     env_list = containers["controller"]["env"]
@@ -86,7 +85,8 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
     own = OwnProcesses(env, tmp)
 
     try:
-        start_ray_node(own, ray_start(rc["spec"]["headGroupSpec"]["rayStartParams"], True, head))
+        head_node = start_ray_node(own, ray_start(rc["spec"]["headGroupSpec"]["rayStartParams"], True, head))
+        head = f"127.0.0.1:{ray_head_port(own, head_node)}"
         for group in rc["spec"]["workerGroupSpecs"]:
             for _ in range(group["replicas"]):
                 start_ray_node(own, ray_start(group["rayStartParams"], False, head))

@@ -25,8 +25,7 @@ import pytest
 
 from cluster.wire.node import NODE_IP_ENV
 from kv_transfer.auto import split_address
-from own_processes import OwnProcesses, ray_start, start_ray_node
-from own_processes import free_ray_port as free_port
+from own_processes import OwnProcesses, ray_head_port, ray_start, start_ray_node
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = {"prefill": "127.0.0.2", "decode": "127.0.0.3"}  # each worker node offers its role's resource
@@ -50,15 +49,14 @@ def _get(url: str) -> dict[str, Any]:
 @pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not on PATH")
 @pytest.mark.skipif(not _loopback_aliases_work(), reason="127.0.0.2/127.0.0.3 are not loopback aliases here")
 def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> None:
-    gcs = f"127.0.0.1:{free_port()}"
     tmp = tempfile.mkdtemp(prefix="rm", dir="/tmp")  # short: Ray's unix socket paths must fit in 107 bytes
     env = {k: v for k, v in os.environ.items() if k != NODE_IP_ENV}  # the addresses under test come from Ray here
     # token auth off for this throwaway cluster, the same for `ray start` and the pdcluster drivers
     own = OwnProcesses({**env, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled"}, tmp)
     try:
-        head = ray_start(f"--port={gcs.rsplit(':', 1)[1]}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
+        head = ray_start("--port=0", "--node-ip-address=127.0.0.1", "--num-cpus=0",
                          "--include-dashboard=false", head=True)  # no actors on the head, as in the chart
-        start_ray_node(own, head)
+        gcs = f"127.0.0.1:{ray_head_port(own, start_ray_node(own, head))}"  # Ray bound port 0: read back
         for role, ip in NODES.items():
             start_ray_node(own, ray_start(f"--address={gcs}", f"--node-ip-address={ip}", "--num-cpus=1",
                                           f"--resources={json.dumps({f'pdcluster_{role}': 1})}", head=False))
