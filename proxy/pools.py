@@ -62,6 +62,8 @@ class Pools:
         # not alive until it answers again, so its requests are resumed elsewhere
         self.stats_timeout_s = stats_timeout_s
         self.prefill_timeout_s = 300.0
+        self.refreshes = 0  # refreshes completed (stats and prefix caches): /status shows it, so a caller can wait
+        # for a view taken after something happened (two more: one that began after it and ended)
 
     async def refresh(self) -> None:
         """Mutates: pick up new named actors, drop dead ones, update each one's stats, and move an actor whose role
@@ -106,6 +108,7 @@ class Pools:
                 pools[new_role][name] = pool.pop(name)
                 ref.info = {**ref.info, "role": new_role}
         await self._refresh_prefix_caches()
+        self.refreshes += 1
 
     async def _refresh_prefix_caches(self) -> None:
         """Mutates: bring each live actor's known cached block hashes up to date from its prefix events (the router

@@ -189,13 +189,15 @@ class Proxy:
             for m in self.proto.served_models]})
 
     async def status(self, _: web.Request) -> web.Response:
-        """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters; this
-        proxy's goodput against its SLOs (:meth:`cluster.wire.slo.SloTracker.status`)."""
+        """The pools as this proxy sees them: every actor, whether it is alive, its KV blocks and token counters; how
+        many times this view was refreshed (``pool_refreshes``); this proxy's goodput against its SLOs
+        (:meth:`cluster.wire.slo.SloTracker.status`)."""
         actors = [{**(_plain_stats(a.stats) if a.stats else {}), "name": a.name, "role": role, "alive": a.alive}
                   for role, pool in (("prefill", self.pools.prefill), ("decode", self.pools.decode))
                   for a in pool.values()]
         return web.json_response({"mode": "disaggregated" if self.disaggregated else "colocated",
                                   "waiting_for_blocks": self.gate.waiting, "actors": actors,
+                                  "pool_refreshes": self.pools.refreshes,
                                   "slo": self.metrics.slo.status(),
                                   "controller": await self.pools.manager_status()})
 

@@ -7,6 +7,7 @@ which first checks that a conversation's next turn goes back to the decode actor
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -113,6 +114,19 @@ def resumed(url: str) -> int:
     return int(next(line for line in text.splitlines() if line.startswith("pdcluster_resumed_total")).split()[1])
 
 
+def fresh_view(url: str, timeout_s: float = 30.0) -> None:
+    """Wait until the proxy's view of the pools (actors' stats, prefix caches) was taken wholly after this call: two
+    more completed refreshes (/status ``pool_refreshes``), the first of which may have begun before."""
+    def refreshes() -> int:
+        with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
+            return int(json.loads(r.read())["pool_refreshes"])
+
+    want, deadline = refreshes() + 2, time.monotonic() + timeout_s
+    while refreshes() < want:
+        assert time.monotonic() < deadline, "the proxy did not refresh its view of the pools"
+        time.sleep(0.05)
+
+
 def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
                             decode=2, port=0, mode="colocated"))
@@ -127,7 +141,7 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
         history = [{"role": "system", "content": "You are a patient tutor who explains every step. " * 70},
                    {"role": "user", "content": "What is 2+2?"}]
         first = client.chat.completions.create(model="default", messages=history, max_tokens=4, temperature=0)
-        time.sleep(1.5)  # the proxy's next refresh reads the actors' stats and prefix-cache events
+        fresh_view(url)  # the proxy's view now holds the actors' stats and prefix-cache events after turn 1
         reservations = [ray.get(a.stats.remote())["reservations"] for a in c.decode_actors]
         holder = next(i for i, (a, n) in enumerate(zip(c.decode_actors, reservations)) if n)
         busy_errors: list[str] = []
@@ -146,7 +160,7 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
             assert time.monotonic() < deadline and busy.is_alive(), busy_errors
             time.sleep(0.05)
         assert running[holder] == 1 and sum(running) == 1, (holder, running)  # the long answer shares the holder
-        time.sleep(1.2)  # and the proxy's view of the holder includes it
+        fresh_view(url)  # and the proxy's view of the holder includes it
         second = client.chat.completions.create(
             model="default", max_tokens=4, temperature=0,
             messages=[*history, {"role": "assistant", "content": first.choices[0].message.content or ""},
