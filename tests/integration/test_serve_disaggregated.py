@@ -187,7 +187,6 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
     import os
     import signal
     import threading
-    import time
     import urllib.request
 
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
@@ -213,8 +212,9 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
         streams = [threading.Thread(target=long_stream, args=(i,)) for i in range(4)]
         for t in streams:
             t.start()
-        time.sleep(1.5)
         victim = c.decode_actors[0]
+        # mid-stream: the victim decodes at least one of them (two actors, four streams: the router spreads them)
+        eventually(lambda: ray.get(victim.stats.remote())["tokens_generated"] > 0, timeout_s=60.0)
         os.kill(ray.get(victim.info.remote())["pid"], signal.SIGKILL)  # kill -9 of the decode actor's process
         for t in streams:
             t.join(180)
