@@ -48,9 +48,9 @@ def head_routes(prefill: Sequence[tuple[int, int]], decode: Sequence[tuple[int, 
     """The routes that give every decode rank its heads (``decode[r]``: the ``[start, stop)`` rank ``r`` holds), each
     head from one prefill rank holding it (``prefill[r]``); a decode rank's heads from one prefill rank are one
     route. Ordered by decode rank, then head. Raises ``ValueError`` when the two groups cover different heads. Pure."""
-    heads = _check_ranges("prefill", prefill)
-    if _check_ranges("decode", decode) != heads:
-        raise ValueError(f"decode: its ranks hold {_check_ranges('decode', decode)} heads, the prefill ranks {heads}")
+    heads, decode_heads = _check_ranges("prefill", prefill), _check_ranges("decode", decode)
+    if decode_heads != heads:
+        raise ValueError(f"decode: its ranks hold {decode_heads} heads, the prefill ranks {heads}")
     holders = [[r for r, (a, b) in enumerate(prefill) if a <= h < b] for h in range(heads)]
     routes: list[HeadRoute] = []
     for dst, (a, b) in enumerate(decode):

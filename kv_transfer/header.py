@@ -268,6 +268,7 @@ def verify_fields(header: KVTransferHeader, expected: ExpectedTransfer) -> None:
     need("head_start", start <= header.head_start and header.head_start + part_heads <= end,
          f"heads within [{start}, {end})", (header.head_start, header.head_start + part_heads),
          "a part for KV heads this receiver does not hold")
+    # (at least one head: a part of none is refused by its shape)
     want_shape = (2, len(header.block_ids), expected.block_shape[0], max(1, part_heads), expected.block_shape[2])
     need("shape", header.shape == want_shape, want_shape, header.shape)
     need("checksum", header.checksum is not None or not expected.require_checksum, "a checksum", None,

@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     request: GenerateRequest
-    grant: ReserveGrant
-    transfer: Transfer  # its sends, the connector's record
+    transfer: Transfer  # its sends to the grant's blocks, the connector's record (it holds the grant)
     done: threading.Event = field(default_factory=threading.Event)
     output: Any = None  # the engine's RequestOutput once the prompt is computed and the first tokens sampled
     seed: int = 0
@@ -45,6 +44,10 @@ class _Job:
     submitted_at: float = 0.0
     started_at: float | None = None
     computed_at: float = 0.0
+
+    @property
+    def grant(self) -> ReserveGrant:
+        return self.transfer.grant
 
 
 class PrefillWorker(EngineLoop):
@@ -84,7 +87,7 @@ class PrefillWorker(EngineLoop):
         msg = PrefillRequest.from_dict(message)
         req = msg.request
         # in place, the decode actor records this writer (and refuses a reservation already gone)
-        job = _Job(req, msg.grant, self.connector.open(msg.grant), submitted_at=time.monotonic())
+        job = _Job(req, self.connector.open(msg.grant), submitted_at=time.monotonic())
 
         def add() -> None:  # also while draining: a proxy may have routed it here before it saw the drain
             params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1})

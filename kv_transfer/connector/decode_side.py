@@ -21,6 +21,7 @@ The decode actor keeps the request's lifecycle (its text, joins, recomputes, fai
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -100,15 +101,12 @@ class DecodeConnector:
         for a request that starts at once)."""
         return list(self.reservations.commit(rec.reservation_id))
 
-    def release(self, rec: IntakeRecord, why: str | None, state: IntakeState = S.ABORTED, locked: bool = False) -> None:
-        """``rec``'s blocks back to the pool if it still holds them (``locked``: the caller holds the lock)."""
-        if locked:
+    def release(self, rec: IntakeRecord, why: str | None, locked: bool = False) -> None:
+        """``rec``'s blocks back to the pool if it still holds them, the record ``ABORTED`` with ``why`` (``locked``:
+        the caller holds the lock)."""
+        with contextlib.nullcontext() if locked else self.lock:
             if rec.pending:
-                self.reservations.release(rec.reservation_id, state, why)
-            return
-        with self.lock:
-            if rec.pending:
-                self.reservations.release(rec.reservation_id, state, why)
+                self.reservations.release(rec.reservation_id, S.ABORTED, why)
 
     def check_integrity(self, engine_check: Callable[[dict[int, int]], None]) -> dict[str, int]:
         """Raise ``AssertionError`` unless free + reserved + used == total; ``engine_check(held)`` checks the
