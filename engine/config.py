@@ -8,6 +8,7 @@ from dataclasses import dataclass
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+TP_KV_CACHES = ("shared", "per_rank")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class EngineConfig:
     # this process drives rank 0 and starts size - 1 follower processes (engine/tp_group.py); on the CPU the ranks
     # meet over gloo and share one K/V cache file (each rank a head-slice view), on CUDA over NCCL, rank r on cuda:r
     tensor_parallel_size: int = 1
+    # where a group's K/V cache lives: "shared" (the CPU: one file of every head, each rank a head-slice view of it)
+    # or "per_rank" (each rank allocates its own heads' cache, the layout CUDA ranks need: block copies go to every
+    # rank, and a K/V transfer goes rank to rank by head range, kv_transfer/head_routes.py)
+    tp_kv_cache: str = "shared"
     seed: int = 0  # seeds unseeded sampling, so a run as a whole is reproducible
     cache_dir: str | None = None  # where the default model is converted; None: ~/.cache/pdcluster
 
@@ -87,5 +92,7 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or not 1 <= self.tensor_parallel_size <= 64:
             raise bad("tensor_parallel_size", "must be an int in [1, 64]")
+        if self.tp_kv_cache not in TP_KV_CACHES:
+            raise bad("tp_kv_cache", f"must be one of {TP_KV_CACHES}")
         if self.num_threads is not None and self.num_threads < 1:
             raise bad("num_threads", "must be >= 1")

@@ -71,6 +71,12 @@ class KVLayout:
                 "kv_heads": self.kv_heads, "head_dim": self.head_dim, "dtype": self.dtype, "scaled": self.scaled,
                 "kind": self.kind}
 
+    def allocate(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(kv, scales)`` as plain zeroed allocations on ``device`` (a private cache: a tensor-parallel rank's own
+        heads, or a cache no peer maps). Pure apart from allocating."""
+        kv = torch.zeros(self.kv_shape, dtype=getattr(torch, self.dtype), device=device)
+        return kv, torch.zeros(self.scales_shape, device=device) if self.scaled else None
+
     def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(kv, scales)`` viewing a flat uint8 region of :attr:`nbytes` (no copy). Pure."""
         if flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
@@ -112,3 +118,12 @@ def map_fd(fd: int, nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor mapping ``nbytes`` of the shared file ``fd`` (``MAP_SHARED``: writes are seen by every
     process mapping it). The mapping outlives ``fd``."""
     return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def copy_blocks(kv: torch.Tensor, scales: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Mutates ``kv`` (``[layers, 2, blocks, ...]``) and its ``scales``: every layer's K/V of blocks ``src`` copied
+    into blocks ``dst`` (index tensors on the cache's device). Every rank of a group with its own cache runs this
+    same call on its heads (engine/tp_group.py)."""
+    kv[:, :, dst] = kv[:, :, src]
+    if scales is not None:
+        scales[:, :, dst] = scales[:, :, src]

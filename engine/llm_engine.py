@@ -90,7 +90,8 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or num_kv_blocks(
             self.device, model, config.kv_cache_gib, config.gpu_memory_utilization, config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
-            kv_block_bytes(mc, config.block_size, kv_dtype), graphs, config.reserved_device_bytes)
+            kv_block_bytes(model.local if config.tp_kv_cache == "per_rank" else mc, config.block_size, kv_dtype),
+            graphs, config.reserved_device_bytes)
         extra = f"{self.fingerprint}:{config.block_size}".encode()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
         self.prefix_hash_extra = extra  # what block hashes bind besides tokens: a router hashes prompts with it
@@ -104,9 +105,14 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
         tp = self.tp_group
+        per_rank = tp is not None and config.tp_kv_cache == "per_rank"
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype,
-                                  config.shared_kv or tp is not None)
-        if tp is not None:  # the followers map the cache file (each rank's model attends over its heads of it)
+                                  config.shared_kv or (tp is not None and not per_rank),
+                                  model.local.cache_heads if per_rank else None,
+                                  tp.copy_blocks if tp is not None and per_rank else None)
+        if per_rank:  # each follower allocates its own heads' cache, laid out as rank 0's
+            tp.own_caches(self.runner.layout)
+        elif tp is not None:  # the followers map the cache file (each rank's model attends over its heads of it)
             tp.share_cache(self.runner.shared_kv)
         if graphs:
             self.enable_decode_graphs()

@@ -20,7 +20,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphRunner
 from pdkernels.reference import SCALED_DTYPES, scale_dims
 from engine.kv_cache_manager import cdiv
-from engine.kv_memory import KVLayout, SharedKVMemory
+from engine.kv_memory import KVLayout, SharedKVMemory, copy_blocks
 from engine.model import AttentionMetadata, DecoderModel
 from engine.model_config import ModelConfig
 from engine.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
@@ -78,32 +78,33 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
-                 kv_dtype: torch.dtype | None = None, shared_kv: bool = False) -> None:
+                 kv_dtype: torch.dtype | None = None, shared_kv: bool = False, cache_heads: int | None = None,
+                 on_copy: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
         """``shared_kv`` (CPU): the KV cache lives in a shared-memory file same-node peers can map
-        (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it. The cache holds every head (a tensor-parallel rank's
-        model attends over its own head slice of it: engine/model.py)."""
+        (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it. ``cache_heads``: the heads this cache holds, every
+        cache head by default (a tensor-parallel rank's model attends over its own head slice of it:
+        engine/model.py), or a tensor-parallel rank's own heads (``tp_kv_cache="per_rank"``). ``on_copy(pairs)``:
+        called before this cache's block copies (a group whose ranks hold their own caches copies on each)."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        self.on_copy = on_copy
         dtype = kv_dtype or model.dtype
-        self.shared_kv: SharedKVMemory | None = None
-        if shared_kv and self.device.type == "cpu":
-            self.shared_kv = SharedKVMemory(KVLayout(cfg.num_layers, num_blocks, block_size, cfg.cache_heads,
-                                                     cfg.cache_head_dim, str(dtype).removeprefix("torch."),
-                                                     dtype in SCALED_DTYPES, cfg.kv_layout))
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim] (MLA: [..., 1, half the latent]); layer i's view
         # is the contract's per-layer layout
-        self.kv = (self.shared_kv.kv if self.shared_kv is not None else
-                   torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.cache_heads, cfg.cache_head_dim,
-                               dtype=dtype, device=self.device))
+        self.layout = KVLayout(cfg.num_layers, num_blocks, block_size, cache_heads or cfg.cache_heads,
+                               cfg.cache_head_dim, str(dtype).removeprefix("torch."), dtype in SCALED_DTYPES,
+                               cfg.kv_layout)
+        self.shared_kv: SharedKVMemory | None = None
+        if shared_kv and self.device.type == "cpu":
+            self.shared_kv = SharedKVMemory(self.layout)
+            self.kv, self.kv_scales = self.shared_kv.kv, self.shared_kv.scales
+        else:
+            # a scaled cache's float32 scales (zero where never written): FP8 [layers, 2, num_blocks, kv_heads],
+            # int8 [layers, 2, num_blocks, block_size, kv_heads]
+            self.kv, self.kv_scales = self.layout.allocate(self.device)
         self.kv_caches = list(self.kv.unbind(0))
-        # a scaled cache's float32 scales (zero where never written): FP8 [layers, 2, num_blocks, kv_heads], int8
-        # [layers, 2, num_blocks, block_size, kv_heads]
-        dims = scale_dims(dtype, num_blocks, block_size, cfg.cache_heads)
-        self.kv_scales = (torch.zeros(cfg.num_layers, 2, *dims, device=self.device)
-                          if dtype in SCALED_DTYPES and self.shared_kv is None else
-                          self.shared_kv.scales if self.shared_kv is not None else None)
         self.kv_scale_layers = list(self.kv_scales.unbind(0)) if self.kv_scales is not None else None
         self.seed = seed  # keys the draws of a sequence added without a seed (the engine always gives one)
         self.sampler = Sampler()
@@ -119,12 +120,13 @@ class ModelRunner:
                                                max_num_seqs, max_model_len, capture)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Mutates the KV cache: copy every layer's K/V of block ``src`` into block ``dst``."""
+        """Mutates the KV cache: copy every layer's K/V of block ``src`` into block ``dst`` (and first hands the
+        pairs to ``on_copy``: the group's other ranks copy theirs)."""
         if pairs:
+            if self.on_copy is not None:
+                self.on_copy(pairs)
             src, dst = to_device([s for s, _ in pairs] + [d for _, d in pairs], torch.int64, self.device).chunk(2)
-            self.kv[:, :, dst] = self.kv[:, :, src]
-            if self.kv_scales is not None:
-                self.kv_scales[:, :, dst] = self.kv_scales[:, :, src]
+            copy_blocks(self.kv, self.kv_scales, src, dst)
 
     def _slots(self, table: list[int], start: int, n: int) -> list[int]:
         bs = self.block_size

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.kv_memory import PROBE_REGION, KVLayout, copy_blocks
+
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective (one layer's all-reduce) that waits longer than this is a hung rank
 START_TIMEOUT_S = 600.0  # every follower loaded its shard and joined the group by then
 
@@ -172,6 +174,18 @@ class TPGroup:
         self.send("kv", os.getpid(), shared.fd, shared.layout.to_dict())
         self._replies("loading its shard and mapping the cache", START_TIMEOUT_S)
 
+    def own_caches(self, layout: Any) -> None:
+        """Each follower allocates its own heads' cache, laid out as rank 0's (``layout``, an
+        :class:`engine.kv_memory.KVLayout` of this rank's heads: every rank holds as many), and answers once it did,
+        which also means it loaded its shard: a rank that failed to start raises ``TPGroupError``."""
+        self.send("kv_own", layout.to_dict())
+        self._replies("loading its shard and allocating its cache", START_TIMEOUT_S)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Every follower copies blocks ``src`` -> ``dst`` in its own cache (``per_rank``), before the next step's
+        forward reads them: commands run in the order sent."""
+        self.send("copy", pairs)
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -297,6 +311,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                          tp=TPShard(rank, spec.size, comm))
     caches: list[torch.Tensor] = []
     scales: list[torch.Tensor] | None = None
+    kv, scale_all = torch.empty(0), None  # the whole cache (every layer) for block copies
     with torch.inference_mode():
         while True:
             try:
@@ -306,13 +321,18 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
             op = command[0]
             if op == "stop":
                 return
-            if op == "kv":
+            if op in ("kv", "kv_own"):
                 try:
-                    caches, scales = _map_cache(*command[1:])
+                    kv, scale_all = _map_cache(*command[1:]) if op == "kv" else _own_cache(command[1])
                 except Exception as e:  # say why to the driver, which is waiting for this answer
                     conn.send_bytes(f"{type(e).__name__}: {e}".encode())
                     return
+                caches, scales = list(kv.unbind(0)), None if scale_all is None else list(scale_all.unbind(0))
                 conn.send_bytes(b"ok")
+            elif op == "copy":
+                pairs = command[1]
+                src, dst = torch.tensor([s for s, _ in pairs] + [d for _, d in pairs], dtype=torch.int64).chunk(2)
+                copy_blocks(kv, scale_all, src, dst)
             elif op == "forward":
                 _, ids, positions, meta = command
                 model.forward(ids, positions, meta, caches, None, scales)
@@ -320,15 +340,17 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                 model.logits(command[1])
 
 
-def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """Per layer, the driver's shared cache file (every head) and its scales: the rank's model attends over its own
-    head slice of them (``DecoderModel`` takes it, ``engine.tp.kv_head_range``)."""
-    from engine.kv_memory import KVLayout, PROBE_REGION
-
+def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The driver's shared cache file (every head) and its scales: the rank's model attends over its own head slice
+    of them (``DecoderModel`` takes it, ``engine.tp.kv_head_range``)."""
     lay = KVLayout(**layout)
     flat = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=lay.nbytes + PROBE_REGION, dtype=torch.uint8)
-    kv, scales = lay.views(flat)
-    return list(kv.unbind(0)), None if scales is None else list(scales.unbind(0))
+    return lay.views(flat)
+
+
+def _own_cache(layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's own cache of its heads (``per_rank``), allocated as rank 0 allocates its own."""
+    return KVLayout(**layout).allocate(torch.device("cpu"))
 
 
 def start_group(cfg: Any, state: Any, path: Any, dtype: torch.dtype, max_len: int, config: Any,

@@ -83,6 +83,29 @@ def test_tp2_scaled_cache(tiny_checkpoint, kv_dtype: str) -> None:  # type: igno
                     _run(folder, 2, params, kv_cache_dtype=kv_dtype)) <= 1
 
 
+@pytest.mark.parametrize("arch,size,kv_dtype", [("qwen3", 2, "auto"), ("gemma3", 2, "auto"), ("qwen2", 4, "int8")])
+def test_per_rank_caches(tiny_checkpoint, arch: str, size: int, kv_dtype: str) -> None:  # type: ignore
+    """``tp_kv_cache="per_rank"`` (the layout CUDA ranks need): each rank allocates only its heads' cache (and
+    scales); parallel sampling (``n=2``) copies a shared block on write, which every rank must do on its own cache;
+    a prefix-cache hit reads blocks another request wrote. Equal to TP=1; qwen2 at TP 4 replicates its 2 kv heads."""
+    folder = str(tiny_checkpoint(arch))
+    params = [SamplingParams(max_tokens=MAX_NEW, logprobs=2, ignore_eos=True) for _ in _prompts()]
+    params[3] = SamplingParams(max_tokens=MAX_NEW, logprobs=2, ignore_eos=True, n=2, temperature=0.8, seed=5)
+    with LLM(folder, tensor_parallel_size=size, tp_kv_cache="per_rank", kv_cache_dtype=kv_dtype,
+             **ENGINE) as llm:  # type: ignore[arg-type]
+        heads = llm.engine.model_config.cache_heads
+        assert llm.engine.kv_layer(0).shape[-2] == max(1, heads // size) and llm.engine.runner.shared_kv is None
+        outs = llm.generate(_prompts(), params)
+        llm.engine.check_integrity()
+    got = [(o.outputs[k].whole.token_ids, o.outputs[k].whole.logprobs) for o in outs
+           for k in range(len(o.outputs))]  # type: ignore[union-attr]
+    with LLM(folder, kv_cache_dtype=kv_dtype, **ENGINE) as llm:  # type: ignore[arg-type]
+        base = [(o.outputs[k].whole.token_ids, o.outputs[k].whole.logprobs) for o in llm.generate(_prompts(), params)
+                for k in range(len(o.outputs))]  # type: ignore[union-attr]
+    assert len(got) == len(base) == len(params) + 1
+    assert _compare(base, got) <= 1
+
+
 def test_indivisible_layout_refused_before_start(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="tensor|heads|divid"):
         LLM(str(tiny_checkpoint("mixtral")), tensor_parallel_size=2, **ENGINE)  # 5 q heads
