@@ -143,7 +143,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
                             gpu_memory_utilization=args.gpu_memory_utilization * (
                                 args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
                             cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib,
-                            prefill_tp=prefill_tp, decode_tp=decode_tp),
+                            prefill_tp=prefill_tp, decode_tp=decode_tp, tp_kv_cache=tp_kv_cache(args)),
         decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
         kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
         kv_host=args.kv_host,
@@ -158,6 +158,16 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
     if not args.threads:
         cfg = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, num_threads=serve_threads(cfg)))
     return cfg
+
+
+def tp_kv_cache(args: argparse.Namespace) -> str:
+    """``--tp-kv-cache``, checked against the K/V backend: ranks holding their own heads send and receive them over
+    sockets (``auto`` uses its socket backend for them; ``shm`` writes one full-head cache in place and cannot).
+    ``ValueError`` naming both flags. Pure."""
+    if args.tp_kv_cache == "per_rank" and args.kv_backend in ("shm", "cuda_ipc"):
+        raise ValueError(f"--tp-kv-cache per_rank: each rank sends its own heads over a socket backend; --kv-backend "
+                         f"{args.kv_backend} writes one full-head cache in place (use torch_dist, ucx or auto)")
+    return str(args.tp_kv_cache)
 
 
 def check_model_tp(cfg: ServeConfig) -> None:
@@ -409,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "at different sizes never flip roles in place: scaling starts and drains actors")
     sv.add_argument("--decode-tp", type=int, default=None, metavar="M",
                     help="the decode pool's TP size (overrides --tensor-parallel-size)")
+    sv.add_argument("--tp-kv-cache", choices=("shared", "per_rank"), default="shared",
+                    help="a TP actor's K/V cache: one file of every head on rank 0 (shared, the CPU) or each rank's "
+                         "own heads (per_rank: the layout GPUs need; K/V goes rank to rank over sockets)")
     sv.add_argument("--cpus-per-actor", type=float, default=_serve_default("cpus_per_actor"))
     sv.add_argument("--gpus-per-actor", type=float, default=_serve_default("gpus_per_actor"),
                     help="Ray GPUs per actor, per rank of a tensor-parallel one (0: CPU; 1 with TP > 1)")

@@ -29,7 +29,7 @@ from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker
 from decode_worker.projection import OutputLengths, projected_growth
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.connector import endpoint_config
+from kv_transfer.connector import endpoint_config, per_rank_group
 from kv_transfer.connector.decode_side import DecodeConnector
 from kv_transfer.connector.intake import IntakeRecord, IntakeState
 
@@ -69,7 +69,8 @@ class DecodeWorker(EngineLoop):
         self._started = time.monotonic()
         self._lengths = OutputLengths(initial=128.0)  # finished completions' output lengths: the growth projection
         own_kv = None if kv is None else endpoint_config(kv, actor_id, str(self.engine.device), config.cluster_secret)
-        self.connector = DecodeConnector(self.engine, own_kv, config.kv_wait_s, self._result_arrived)
+        self.connector = DecodeConnector(self.engine, own_kv, config.kv_wait_s, self._result_arrived,
+                                         self.engine.model_config.cache_heads, per_rank_group(self.engine))
         self.kv_endpoint = self.connector.endpoint
         self._stats: WorkerStats
         self._publish_stats()
@@ -135,7 +136,7 @@ class DecodeWorker(EngineLoop):
             with self.connector.lock:
                 self._start(rec, None)
         return ReserveGrant(rec.reservation_id, req.request_id, self.actor_id, rec.block_ids, self.kv_endpoint,
-                            ttl, rec.epoch, rec.nonce, rec.cached).to_dict()
+                            ttl, rec.epoch, rec.nonce, rec.cached, self.connector.rank_endpoints).to_dict()
 
     def _result_arrived(self, result: PrefillResult) -> None:
         """KV receiver thread: a prefill result came over the K/V channel, after the request's parts; the loop takes

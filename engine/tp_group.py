@@ -4,24 +4,25 @@ other ranks' shards of the model (engine/tp.py shards it, engine/model.py runs i
 Only rank 0 schedules, samples and talks to the cluster; a follower does what rank 0's model does, step by step:
 
 - **Commands** go over one socket pair per follower as pickled tuples (``forward`` with the step's inputs and
-  attention metadata, ``logits`` with the hidden rows, ``stop``): a follower blocks on its socket between steps and
-  reads EOF when the driver's process is gone. A follower is ``python -m engine.tp_group``, a fresh interpreter
-  (multiprocessing's spawn would re-run the caller's ``__main__``), and loads the whole checkpoint before it keeps
-  its shard (a loader that reads only its slices is a follow-up). The driver sends a command before it runs the
-  same call itself, so every rank enters the call's collectives (one all-reduce after each layer's attention and one after its MLP, one all-gather of the
-  vocabulary) in the same order.
+  attention metadata, ``logits`` with the hidden rows, ``copy``, ``stop``; the follower's side is
+  :mod:`engine.tp_follower`, a fresh interpreter: multiprocessing's spawn would re-run the caller's ``__main__``): a
+  follower blocks on its socket between steps and reads EOF when the driver's process is gone. The driver sends a
+  command before it runs the same call itself, so every rank enters the call's collectives (one all-reduce after
+  each layer's attention and one after its MLP, one all-gather of the vocabulary) in the same order. After start-up
+  the same sockets carry each follower's *notices* back (:meth:`TPGroup.start_extension`: the K/V connector's rank
+  ends say what they sent and installed), read by one thread here.
 - **Collectives** run on a process group built without ``init_process_group`` (no global state: two engines may live
   in one process): gloo on the CPU, rendezvous through a ``TCPStore`` the driver binds on port 0 and reads back.
-- **The K/V cache** is one file on the CPU: the driver allocates the whole group's cache as shared memory
-  (:mod:`engine.kv_memory`, every head), each rank reads and writes a head-slice view of it (``engine.tp.
-  kv_head_range``). So block copies, the prefix cache, preemption and every K/V transfer backend see one full-head
-  cache on the driver, and a prefill group at one TP size hands K/V to a decode group at another with no re-slicing
-  on the wire. On CUDA each rank's cache would live on its own GPU and the transfer would need per-rank parts: not
-  built, refused at start (:func:`check_device`).
+- **The K/V cache** (``EngineConfig.tp_kv_cache``): ``shared``, one file on the CPU: the driver allocates the whole
+  group's cache as shared memory (:mod:`engine.kv_memory`, every head), each rank reads and writes a head-slice view
+  of it (``engine.tp.kv_head_range``), so block copies and every K/V transfer backend see one full-head cache on the
+  driver. ``per_rank``: each rank allocates its own heads' cache (what CUDA ranks need, each on its GPU); block
+  copies are sent to every rank (``copy``), and K/V transfers go rank to rank by head range through the
+  connector's rank ends (kv_transfer/connector/rank_ends.py). CUDA ranks are still refused (:func:`check_device`).
 - **Death**: a follower exits when its driver's process is gone (EOF on its socket, a broken collective, or a watchdog
   that sees its parent change); a follower that dies breaks the driver's next collective or command
-  (``TPGroupError``), and a worker actor whose group broke exits (cluster/runtime/engine_loop.py), so the cluster treats the
-  whole group as one dead worker and moves its requests, as after a kill -9 of the actor.
+  (``TPGroupError``), and a worker actor whose group broke exits (cluster/runtime/engine_loop.py), so the cluster
+  treats the whole group as one dead worker and moves its requests, as after a kill -9 of the actor.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.kv_memory import PROBE_REGION, KVLayout, copy_blocks
 
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective (one layer's all-reduce) that waits longer than this is a hung rank
 START_TIMEOUT_S = 600.0  # every follower loaded its shard and joined the group by then
@@ -114,6 +114,13 @@ class TPGroup:
         self._procs = procs
         self._conns = conns
         self.comm: DistComm | None = None
+        self._send_lock = threading.Lock()  # commands from the loop thread and a connector's calls
+        # rank extensions (start_extension): each follower's notices go to ``_on_notice`` from a reader thread
+        self._on_notice: Callable[[int, Any], None] | None = None
+        self._hellos: dict[int, Any] = {}
+        self._hello_cv = threading.Condition()
+        self._reader: threading.Thread | None = None
+        self.ships = False  # a forward with a K/V hook makes every follower run its extension's hook too
         self._closer = weakref.finalize(self, _stop, procs, conns)
 
     @classmethod
@@ -129,7 +136,7 @@ class TPGroup:
         procs, conns = [], []
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
-            proc = subprocess.Popen([sys.executable, "-m", "engine.tp_group", str(rank), str(theirs.fileno()),
+            proc = subprocess.Popen([sys.executable, "-m", "engine.tp_follower", str(rank), str(theirs.fileno()),
                                      str(os.getpid())], pass_fds=[theirs.fileno()], env=_follower_env())
             theirs.close()
             procs.append(proc)
@@ -186,6 +193,60 @@ class TPGroup:
         forward reads them: commands run in the order sent."""
         self.send("copy", pairs)
 
+    def start_extension(self, factory: str, args: tuple[Any, ...], on_notice: Callable[[int, Any], None],
+                        ships: bool = False) -> list[Any]:
+        """Every follower imports ``factory`` (``"module:function"``, a layer above the engine: the K/V connector's
+        rank ends) and calls it with its :class:`RankContext` and ``args``; what it returns replaces the follower's
+        previous extension (closed). Returns each follower's ``hello()`` in rank order. From now on each follower's
+        notices (:meth:`RankContext.notify`) reach ``on_notice(rank, notice)`` on a reader thread, and with ``ships``
+        every forward given a K/V hook runs the extension's ``after_kv_store`` on each follower as well. Raises
+        ``TPGroupError`` naming a follower that failed to start it."""
+        with self._hello_cv:
+            self._hellos.clear()
+        self._on_notice = on_notice
+        self.ships = ships
+        if self._reader is None:  # the startup replies are read; from here on a thread reads what followers send
+            self._reader = threading.Thread(target=self._read_notices, name="tp-notices", daemon=True)
+            self._reader.start()
+        self.send("ext_start", factory, args)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with self._hello_cv:
+            while len(self._hellos) < len(self._procs):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TPGroupError(f"tensor parallel: no answer to {factory} after {START_TIMEOUT_S:.0f} s")
+                self._hello_cv.wait(0.2)
+            hellos = [self._hellos[r] for r in range(1, len(self._procs) + 1)]
+        for rank, (kind, value) in enumerate(hellos, start=1):
+            if kind == "error":
+                raise TPGroupError(f"tensor parallel rank {rank} could not start {factory}: {value}")
+        return [value for _, value in hellos]
+
+    def _read_notices(self) -> None:
+        """Reader thread: each follower's notices to the extension's handler (hellos to :meth:`start_extension`).
+        A follower that is gone stops being read; its death reaches the driver through the next command."""
+        from multiprocessing.connection import wait
+
+        live = {conn: rank for rank, conn in enumerate(self._conns, start=1)}
+        while live:
+            for conn in wait(list(live), timeout=1.0):
+                try:
+                    kind, value = pickle.loads(conn.recv_bytes())  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    live.pop(conn)  # type: ignore[call-overload]
+                    continue
+                rank = live[conn]  # type: ignore[index]
+                if kind in ("hello", "error"):
+                    with self._hello_cv:
+                        self._hellos[rank] = (kind, value)
+                        self._hello_cv.notify_all()
+                elif self._on_notice is not None:
+                    try:
+                        self._on_notice(rank, value)
+                    except Exception:  # a handler's bug must not stop the notices of every later request
+                        import logging
+                        logging.getLogger(__name__).exception("tensor parallel notice from rank %d", rank)
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
@@ -194,11 +255,12 @@ class TPGroup:
         """Sends ``command`` to every follower. Raises ``TPGroupError`` if one is gone."""
         self._check_alive()
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                conn.send_bytes(data)
-            except OSError as e:
-                raise TPGroupError(f"tensor parallel rank {rank}: {e}") from e
+        with self._send_lock:
+            for rank, conn in enumerate(self._conns, start=1):
+                try:
+                    conn.send_bytes(data)
+                except OSError as e:
+                    raise TPGroupError(f"tensor parallel rank {rank}: {e}") from e
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -240,7 +302,7 @@ class DriverModel:
                 after_kv_store: Callable[[int], None] | None = None,
                 kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
         """As :meth:`DecoderModel.forward`; the followers run it on their heads' views of the same cache."""
-        self._group.send("forward", input_ids, positions, meta)
+        self._group.send("forward", input_ids, positions, meta, after_kv_store is not None and self._group.ships)
         return self._collective(self._model.forward, input_ids, positions, meta, kv_caches, after_kv_store, kv_scales)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -264,93 +326,11 @@ class DriverModel:
             raise TPGroupError(f"tensor parallel step failed on rank 0: {type(e).__name__}: {e}") from e
 
 
-# -- the follower process -------------------------------------------------------------------------------------------
-def _exit_with_parent(parent: int) -> None:
-    """Starts a daemon thread that ends this process once its parent (the driver) is gone: a follower blocked in a
-    collective that its driver never joins would otherwise wait out the collective's timeout. (Not
-    ``PR_SET_PDEATHSIG``: it fires when the *thread* that spawned the child exits, which in a Ray actor is not the
-    process.)"""
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
-
-
 def _follower_env() -> dict[str, str]:
     """The follower's environment: this one, with this process's import path (so ``engine`` imports as here)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     return env
-
-
-def follower_main(conn: Any, rank: int, parent: int) -> None:
-    """A follower rank's process: take its spec, join the group, load the shard, map the cache, then run commands
-    until ``stop`` or EOF."""
-    _exit_with_parent(parent)
-    try:
-        op, spec = pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        return
-    assert op == "spec"
-    conn.send_bytes(b"ok")
-    from engine.model import DecoderModel
-    from engine.model_config import load_model_config
-    from engine.model_loader import load_shard
-    from engine.tp import TPShard
-
-    if spec.num_threads:
-        torch.set_num_threads(spec.num_threads)
-    path = __import__("pathlib").Path(spec.model_path)
-    dtype = getattr(torch, spec.dtype)
-    cfg = load_model_config(path)
-    pg = _process_group(spec.store_host, spec.store_port, rank, spec.size)
-    comm = DistComm(pg)
-    model = DecoderModel(cfg, load_shard(path, cfg, dtype, rank, spec.size), dtype, spec.max_len,
-                         tp=TPShard(rank, spec.size, comm))
-    caches: list[torch.Tensor] = []
-    scales: list[torch.Tensor] | None = None
-    kv, scale_all = torch.empty(0), None  # the whole cache (every layer) for block copies
-    with torch.inference_mode():
-        while True:
-            try:
-                command = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                return
-            op = command[0]
-            if op == "stop":
-                return
-            if op in ("kv", "kv_own"):
-                try:
-                    kv, scale_all = _map_cache(*command[1:]) if op == "kv" else _own_cache(command[1])
-                except Exception as e:  # say why to the driver, which is waiting for this answer
-                    conn.send_bytes(f"{type(e).__name__}: {e}".encode())
-                    return
-                caches, scales = list(kv.unbind(0)), None if scale_all is None else list(scale_all.unbind(0))
-                conn.send_bytes(b"ok")
-            elif op == "copy":
-                pairs = command[1]
-                src, dst = torch.tensor([s for s, _ in pairs] + [d for _, d in pairs], dtype=torch.int64).chunk(2)
-                copy_blocks(kv, scale_all, src, dst)
-            elif op == "forward":
-                _, ids, positions, meta = command
-                model.forward(ids, positions, meta, caches, None, scales)
-            elif op == "logits":
-                model.logits(command[1])
-
-
-def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The driver's shared cache file (every head) and its scales: the rank's model attends over its own head slice
-    of them (``DecoderModel`` takes it, ``engine.tp.kv_head_range``)."""
-    lay = KVLayout(**layout)
-    flat = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=lay.nbytes + PROBE_REGION, dtype=torch.uint8)
-    return lay.views(flat)
-
-
-def _own_cache(layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's own cache of its heads (``per_rank``), allocated as rank 0 allocates its own."""
-    return KVLayout(**layout).allocate(torch.device("cpu"))
 
 
 def start_group(cfg: Any, state: Any, path: Any, dtype: torch.dtype, max_len: int, config: Any,
@@ -373,7 +353,3 @@ def start_group(cfg: Any, state: Any, path: Any, dtype: torch.dtype, max_len: in
         group.close()
         raise
     return group, DriverModel(model, group)
-
-
-if __name__ == "__main__":  # a follower rank: python -m engine.tp_group RANK FD PARENT_PID (TPGroup.start)
-    follower_main(Connection(int(sys.argv[2])), int(sys.argv[1]), int(sys.argv[3]))

@@ -27,7 +27,7 @@ from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResul
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.connector import endpoint_config
+from kv_transfer.connector import endpoint_config, per_rank_group
 from kv_transfer.connector.prefill_side import LayerPart, PrefillConnector, Transfer
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class PrefillWorker(EngineLoop):
         self.config = config
         # every part's header (and in-place handshake) is MACed with the cluster secret, which binds the grant's nonce
         self.connector = PrefillConnector(endpoint_config(kv, actor_id, str(self.engine.device),
-                                                          config.cluster_secret), corrupt_every)
+                                                          config.cluster_secret), self.engine.model_config,
+                                          corrupt_every, per_rank_group(self.engine))
         self._jobs: dict[str, _Job] = {}  # loop thread only
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0  # of prompt_tokens, served from the prefix cache (not computed)

@@ -25,8 +25,9 @@ ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine ended the completion (its grammar's dead end)
 # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce; 5: token-stream
 # messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop; 7:
-# prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs)
-WIRE_VERSION = 7
+# prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs; 8:
+# ReserveGrant.rank_endpoints, which an older prefill actor would drop and send every head to rank 0)
+WIRE_VERSION = 8
 
 
 class WireVersionError(ValueError):
@@ -255,6 +256,10 @@ class ReserveGrant(_Wire):
     # the first ``cached_blocks`` of ``block_ids`` already hold the prompt's head (the decode actor's own prefix
     # cache, pinned at reserve): a prefill actor sends the K/V of the blocks after them only
     cached_blocks: int = 0
+    # a tensor-parallel decode actor whose ranks hold their own heads (``tp_kv_cache="per_rank"``): each rank's
+    # socket address, rank 0's first; a prefill rank sends each its heads (kv_transfer/head_routes.py). Empty: the
+    # decode actor's rank 0 holds every head at ``kv_endpoint``
+    rank_endpoints: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("reservation_id", "request_id", "decode_actor_id"):
@@ -275,6 +280,11 @@ class ReserveGrant(_Wire):
         if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
             raise ValueError(f"ReserveGrant.epoch: must be an int >= 0, got {self.epoch!r}")
         _check_int("ReserveGrant", "cached_blocks", self.cached_blocks)
+        if not isinstance(self.rank_endpoints, (list, tuple)) or len(self.rank_endpoints) == 1 \
+                or not all(isinstance(e, str) and e for e in self.rank_endpoints):
+            raise ValueError("ReserveGrant.rank_endpoints: must be empty or two or more non-empty addresses, got "
+                             f"{self.rank_endpoints!r}")
+        _set(self, "rank_endpoints", tuple(self.rank_endpoints))
         if self.cached_blocks >= len(self.block_ids):
             raise ValueError(f"ReserveGrant.cached_blocks: {self.cached_blocks} of {len(self.block_ids)} blocks "
                              "leaves nothing to send")

@@ -11,6 +11,7 @@ from engine.config import KV_CACHE_DTYPES
 
 TP_ROLES = {"prefill": "prefill_tp", "decode": "decode_tp"}  # a worker role -> the WorkerConfig field of its TP size
 MAX_TP = 64  # EngineConfig.tensor_parallel_size's bound
+TP_KV_CACHES = ("shared", "per_rank")  # EngineConfig.tp_kv_cache's values (this module imports no engine)
 
 
 def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:
@@ -51,6 +52,9 @@ class WorkerConfig:
     # one GPU per rank. A flexible actor keeps its size, so with different sizes roles are never flipped in place
     prefill_tp: int = 1
     decode_tp: int = 1
+    # where a TP actor's K/V cache lives (EngineConfig.tp_kv_cache): "shared" (the CPU: one file of every head on rank
+    # 0) or "per_rank" (each rank its own heads, the layout CUDA ranks need; K/V goes rank to rank over sockets)
+    tp_kv_cache: str = "shared"
     # CUDA: the share of the device's memory this actor's engine may take (weights + activations + KV cache); actors
     # sharing one GPU (a fractional --gpus-per-actor) get their share of it
     gpu_memory_utilization: float = 0.9
@@ -82,6 +86,8 @@ class WorkerConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TP:
                 raise ValueError(f"{name}: must be an int in [1, {MAX_TP}], got {v!r}")
+        if self.tp_kv_cache not in TP_KV_CACHES:
+            raise ValueError(f"tp_kv_cache: must be one of {TP_KV_CACHES}, got {self.tp_kv_cache!r}")
         for name in ("reservation_ttl_s", "kv_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

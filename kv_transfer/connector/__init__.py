@@ -23,3 +23,10 @@ def endpoint_config(kv: KVTransferConfig, name: str, device: str, secret: Any) -
     """``kv`` for one actor's end of the connector: its name (in headers and stats), its engine's device and the
     cluster secret that MACs every part and handshake. Pure."""
     return dataclasses.replace(kv, name=name, device=device, secret=secret)
+
+
+def per_rank_group(engine: Any) -> Any:
+    """The engine's tensor-parallel group when its ranks hold their own caches (``tp_kv_cache="per_rank"``: each rank
+    sends and receives its own heads through a rank end), else None (TP 1, or one shared cache on rank 0). Pure."""
+    group = getattr(engine, "tp_group", None)
+    return group if group is not None and engine.config.tp_kv_cache == "per_rank" else None

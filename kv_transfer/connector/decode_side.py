@@ -31,6 +31,7 @@ from typing import Any
 from cluster.wire.messages import PrefillResult
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
+from kv_transfer.connector.ranks import RankExpect, RankNotice, group_ranges
 from kv_transfer.connector.reservations import ReservationManager
 
 S = IntakeState
@@ -41,21 +42,43 @@ class DecodeConnector:
     say Pure; the scheduler side runs on the actor's loop thread."""
 
     def __init__(self, engine: Any, kv: KVTransferConfig | None, kv_wait_s: float,
-                 on_result: Callable[[PrefillResult], None] | None = None) -> None:
+                 on_result: Callable[[PrefillResult], None] | None = None, heads: int = 1, group: Any = None) -> None:
         """``kv``: the actor's K/V transfer config (its name, device and secret filled in), or None for an actor that
         takes no K/V from prefill actors (colocated only). ``kv_wait_s``: how long a request's missing parts may
         take once its prefill finished. ``on_result``: the receiver thread's hand-off of a result that came over
-        the channel."""
+        the channel. ``heads``: the model's cache heads (each record counts each head's parts). ``group``: the
+        engine's tensor-parallel group when its ranks hold their own caches (``tp_kv_cache="per_rank"``): each
+        follower receives its own heads on a rank end of its own (kv_transfer/connector/rank_ends.py), told which
+        reservations it may write (``expect`` / ``forget``), and its installed parts count in the one record here."""
+        self._engine = engine
         self.reservations = ReservationManager(engine.kv.pool)
-        self.lock = threading.Lock()  # pending records: the loop and the K/V receiver
+        self.lock = threading.Lock()  # pending records: the loop, the K/V receiver and the followers' notices
         self.kv_wait_s = kv_wait_s
+        self.group = group if kv is not None else None
+        # a record counts each receiving rank's heads apart (replicated heads: every copy must land), rank r's
+        # ``per_rank`` slots from ``r * per_rank``; rank 0 holds every head unless its ranks hold their own
+        self._rank_starts: tuple[int, ...] = (0,)
+        self._local = self.slots = heads
+        if self.group is not None:
+            ranges = group_ranges(engine.model_config, self.group.spec.size, True)
+            self._rank_starts = tuple(a for a, _ in ranges)
+            self._local = ranges[0][1] - ranges[0][0]
+            self.slots = len(ranges) * self._local
+        self._expected: set[str] = set()  # reservations the followers may install parts for (loop thread)
         self.receiver = None
         self.endpoint = ""
+        self.rank_endpoints: tuple[str, ...] = ()  # per rank, rank 0's first (a per-rank group)
         if kv is not None:
+            from kv_transfer.connector.rank_ends import rank_config
             from kv_transfer.connector.receiver import KVReceiver
 
-            self.receiver = KVReceiver(engine, kv, self.lock, self.reservations, self._part_arrived, on_result)
+            own = kv if self.group is None else rank_config(kv)
+            self.receiver = KVReceiver(engine, own, self.lock, self.reservations, self._part_arrived, on_result)
             self.endpoint = self.receiver.address
+            if self.group is not None:
+                ends = self.group.start_extension("kv_transfer.connector.rank_ends:start", ("decode", kv),
+                                                  self._rank_notice)
+                self.rank_endpoints = (self.endpoint, *ends)
 
     # -- scheduler side ----------------------------------------------------------------------------------------------
     def reserve(self, request: Any, num_blocks: int, ttl_s: float, now: float, num_layers: int,
@@ -64,8 +87,14 @@ class DecodeConnector:
         the ``prefix`` blocks (this pool's cache of the prompt's head) pinned instead of sent; None when the blocks
         are not free."""
         with self.lock:
-            return self.reservations.reserve(request.request_id, num_blocks, ttl_s, now,
-                                             len(request.prompt_token_ids), num_layers, request, prefix, block_size)
+            rec = self.reservations.reserve(request.request_id, num_blocks, ttl_s, now, len(request.prompt_token_ids),
+                                            num_layers, request, prefix, block_size, self.slots)
+        if rec is not None and self.group is not None:  # before the grant leaves: no part can come before this
+            self.group.send("ext", "expect", RankExpect(rec.reservation_id, rec.request_id, rec.block_ids, rec.epoch,
+                                                        rec.nonce, num_layers, rec.cached, rec.cached_tokens,
+                                                        self._engine.fingerprint, self._engine.model_config.kv_layout))
+            self._expected.add(rec.reservation_id)
+        return rec
 
     def take_result(self, rec: IntakeRecord, result: PrefillResult, now: float) -> None:
         """``result`` (the first tokens, and which parts failed on the way) arrived for ``rec``: a failed part fails
@@ -95,6 +124,7 @@ class DecodeConnector:
                     failed(rec)
             for rec in self.reservations.expire(now):
                 expired(rec)
+            self._forget_done()
 
     def commit(self, rec: IntakeRecord) -> list[int]:
         """``rec``'s blocks, now the engine's (call under :attr:`lock`: from a :meth:`poll` callback, or holding it
@@ -107,6 +137,7 @@ class DecodeConnector:
         with contextlib.nullcontext() if locked else self.lock:
             if rec.pending:
                 self.reservations.release(rec.reservation_id, S.ABORTED, why)
+            self._forget_done()
 
     def check_integrity(self, engine_check: Callable[[dict[int, int]], None]) -> dict[str, int]:
         """Raise ``AssertionError`` unless free + reserved + used == total; ``engine_check(held)`` checks the
@@ -128,8 +159,33 @@ class DecodeConnector:
         if self.receiver is not None:
             self.receiver.close()
 
+    def _forget_done(self) -> None:
+        """Under :attr:`lock`: the followers stop installing parts of reservations that take none any more (joined, failed, released,
+        expired): sent before any later command, so no later step or reservation can meet a late part there."""
+        if not self._expected:
+            return
+        done = [rid for rid in self._expected
+                if (rec := self.reservations.get(rid)) is None or rec.state not in TAKES_PARTS]
+        if done:
+            self._expected.difference_update(done)
+            self.group.send("ext", "forget", done)  # type: ignore[union-attr]
+
     # -- worker side -------------------------------------------------------------------------------------------------
     def _part_arrived(self, rec: IntakeRecord) -> None:
         """K/V receiver thread, under the intake lock: K/V is flowing, the reservation is not orphaned."""
         self.reservations.touch(rec.reservation_id, time.monotonic())
+
+    def _rank_notice(self, rank: int, notice: RankNotice) -> None:
+        """A follower installed (or refused) a part of its heads (the group's reader thread): it counts in the one
+        record as the receiver's own parts do."""
+        with self.lock:
+            rec = self.reservations.get(notice.reservation_id)
+            if rec is None or rec.state not in TAKES_PARTS:
+                return
+            if notice.kind == "failed":
+                rec.advance(S.FAILED, f"KV part rejected on rank {rank}: {notice.failed[0]}")
+            elif notice.kind == "part":
+                first = rank * self._local + notice.head_start - self._rank_starts[rank]  # the rank's own slots
+                rec.add_part(notice.layer, notice.token_start, notice.token_end, first, notice.heads)
+                self._part_arrived(rec)
 

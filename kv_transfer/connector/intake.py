@@ -69,9 +69,13 @@ class IntakeRecord:
     expires_at: float  # in the owner's clock; a pending record is released (EXPIRED) from then on
     prompt_len: int  # tokens every layer's parts must cover, known at reserve time
     num_layers: int
+    # what a part covers a range of: the model's cache heads, or with a decode group whose ranks hold their own heads
+    # each rank's heads apart (rank r's from r * heads-per-rank: a replicated head counts once per rank holding it).
+    # Every layer's every one must cover the prompt, whichever ranks sent and received it (kv_transfer/head_routes.py)
+    heads: int = 1
     request: Any = None  # the GenerateRequest it serves (cluster.wire.messages): text, stops, reply_to
     state: IntakeState = IntakeState.RESERVED
-    covered: list[int] = field(default_factory=list)  # per layer: tokens [0, covered) installed
+    covered: list[int] = field(default_factory=list)  # per layer and head (layer * heads + head): tokens installed
     out_of_order: int = 0  # parts that did not extend their layer's prefix (a gap or a repeat)
     result: Any = None  # the PrefillResult, once the prefill actor's first tokens are here
     failure: str | None = None  # why it FAILED / was ABORTED / EXPIRED
@@ -91,8 +95,10 @@ class IntakeRecord:
         if not 0 <= self.cached < len(self.block_ids) or not 0 <= self.cached_tokens < self.prompt_len:
             raise ValueError(f"cached: {self.cached} blocks / {self.cached_tokens} tokens must leave a block and a "
                              f"token of the prompt ({self.prompt_len}) to send")
+        if not isinstance(self.heads, int) or self.heads < 1:
+            raise ValueError(f"heads: must be an int >= 1, got {self.heads!r}")
         if not self.covered:
-            self.covered = [self.cached_tokens] * self.num_layers
+            self.covered = [self.cached_tokens] * (self.num_layers * self.heads)
 
     @property
     def num_blocks(self) -> int:
@@ -123,8 +129,9 @@ class IntakeRecord:
         return all(c >= self.prompt_len for c in self.covered)
 
     def missing_layers(self) -> list[int]:
-        """Layers not yet covering the prompt. Pure."""
-        return [i for i, c in enumerate(self.covered) if c < self.prompt_len]
+        """Layers not yet covering the prompt (in some head). Pure."""
+        h = self.heads
+        return [i for i in range(self.num_layers) if min(self.covered[i * h:(i + 1) * h]) < self.prompt_len]
 
     def advance(self, new: IntakeState, why: str | None = None) -> None:
         """Mutates: move to ``new``; raises :class:`IllegalTransition` if the table forbids it."""
@@ -134,18 +141,26 @@ class IntakeRecord:
         if why is not None:
             self.failure = why
 
-    def add_part(self, layer: int, token_start: int, token_end: int) -> None:
-        """Mutates: record an installed part (parts of a layer come in token order); RESERVED -> RECEIVING ->
-        COMPLETE as they arrive. Raises ``ValueError`` for a layer out of range, :class:`IllegalTransition` unless
-        the record still takes parts (RESERVED or RECEIVING)."""
+    def add_part(self, layer: int, token_start: int, token_end: int, head_start: int = 0,
+                 num_heads: int | None = None) -> None:
+        """Mutates: record an installed part of heads ``[head_start, head_start + num_heads)`` (None: every head;
+        parts of a layer's head come in token order); RESERVED -> RECEIVING -> COMPLETE as they arrive. Raises
+        ``ValueError`` for a layer or heads out of range, :class:`IllegalTransition` unless the record still takes
+        parts (RESERVED or RECEIVING)."""
         if self.state not in TAKES_PARTS:
             raise IllegalTransition(f"{self.reservation_id}: a part arrived in state {self.state.name}")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer: {layer} outside [0, {self.num_layers})")
-        if token_start <= self.covered[layer]:
-            self.covered[layer] = max(self.covered[layer], min(token_end, self.prompt_len))
-        else:
-            self.out_of_order += 1
+        stop = self.heads if num_heads is None else head_start + num_heads
+        if not 0 <= head_start < stop <= self.heads:
+            raise ValueError(f"heads: [{head_start}, {stop}) outside [0, {self.heads})")
+        gap = False
+        for i in range(layer * self.heads + head_start, layer * self.heads + stop):
+            if token_start <= self.covered[i]:
+                self.covered[i] = max(self.covered[i], min(token_end, self.prompt_len))
+            else:
+                gap = True
+        self.out_of_order += gap
         if self.kv_complete:
             self.advance(S.COMPLETE)
         elif self.state is S.RESERVED:

@@ -40,6 +40,17 @@ log = logging.getLogger(__name__)
 _KEEP_INDICES = 32
 
 
+def check_part_bounds(header: KVTransferHeader, num_layers: int, cached_tokens: int,
+                      pinned_ids: tuple[int, ...]) -> None:
+    """Raises ``ValueError`` for a part outside its reservation: a layer it does not have, or tokens (blocks) of the
+    prefix-cache head the decode actor holds, which are never written. Pure."""
+    if not 0 <= header.layer < num_layers:
+        raise ValueError(f"layer {header.layer} outside [0, {num_layers})")
+    if header.token_start < cached_tokens or not set(header.block_ids).isdisjoint(pinned_ids):
+        raise ValueError(f"tokens [{header.token_start}, ...) reach the {len(pinned_ids)} prefix blocks held "
+                         "here, which are never written")
+
+
 class KVReceiver:
     """Owns the backend endpoint and its thread."""
 
@@ -117,11 +128,7 @@ class KVReceiver:
                                    require_checksum=not handle.in_place,
                                    kv_layout=self.engine.model_config.kv_layout)
             try:
-                if not 0 <= header.layer < rec.num_layers:
-                    raise ValueError(f"layer {header.layer} outside [0, {rec.num_layers})")
-                if header.token_start < rec.cached_tokens or not set(header.block_ids).isdisjoint(rec.pinned_ids):
-                    raise ValueError(f"tokens [{header.token_start}, ...) reach the {rec.cached} prefix blocks held "
-                                     "here, which are never written")
+                check_part_bounds(header, rec.num_layers, rec.cached_tokens, rec.pinned_ids)
                 layer = self.engine.kv_layer(header.layer)
                 scales = self.engine.kv_layer_scales(header.layer)
                 if handle.in_place:
@@ -140,7 +147,7 @@ class KVReceiver:
                 log.warning("KV part for %s rejected: %s", header.request_id, e)
                 rec.advance(IntakeState.FAILED, f"KV part rejected: {e}")
                 return
-            rec.add_part(header.layer, header.token_start, header.token_end)
+            rec.add_part(header.layer, header.token_start, header.token_end, header.head_start, header.shape[3])
             self.parts_installed += 1
             self.bytes_received += handle.nbytes
             self._on_part(rec)

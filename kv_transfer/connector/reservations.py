@@ -90,9 +90,9 @@ class ReservationManager:
     # -- mutations --------------------------------------------------------------------------------------------
     def reserve(self, request_id: str, num_blocks: int, ttl_s: float, now: float, prompt_len: int = 1,
                 num_layers: int = 1, request: Any = None, prefix: Sequence[Block] = (),
-                block_size: int = 1) -> IntakeRecord | None:
+                block_size: int = 1, heads: int = 1) -> IntakeRecord | None:
         """Mutates: take ``num_blocks`` blocks for ``request_id`` until ``now + ttl_s``; the record expects K/V for
-        ``prompt_len`` tokens in each of ``num_layers`` layers and serves ``request``.
+        ``prompt_len`` tokens in each of ``num_layers`` layers' ``heads`` cache heads and serves ``request``.
 
         ``prefix``: this pool's prefix-cache blocks already holding the prompt's first ``len(prefix)`` blocks (of
         ``block_size`` tokens): they are pinned (one reference each) as the reservation's first blocks, count as used
@@ -130,6 +130,7 @@ class ReservationManager:
             expires_at=float(now) + float(ttl_s),
             ttl_s=float(ttl_s),
             prompt_len=prompt_len,
+            heads=heads,
             num_layers=num_layers,
             request=request,
             epoch=self._epoch,

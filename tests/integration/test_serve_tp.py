@@ -35,13 +35,18 @@ SAMPLING = [dict(temperature=0.0), dict(temperature=0.0), dict(temperature=0.8, 
 MAX_TOKENS = 16
 LONG = 300  # tokens per stream in the kill test: long enough to be mid-stream when the rank dies
 
-# name -> (arch, mode, prefill_tp, decode_tp, kv_backend)
+# name -> (arch, mode, prefill_tp, decode_tp, kv_backend, tp_kv_cache)
 CONFIGS = {
-    "p1d2-shm": ("qwen2", "disaggregated", 1, 2, "shm"),
-    "p2d1-torch_dist": ("qwen2", "disaggregated", 2, 1, "torch_dist"),
-    "p1d2-torch_dist": ("qwen2", "disaggregated", 1, 2, "torch_dist"),
-    "colocated-tp2": ("qwen2", "colocated", 1, 2, "auto"),  # serve --mode colocated --tensor-parallel-size 2
-    "moe-p2d2-shm": ("qwen3_moe", "disaggregated", 2, 2, "shm"),
+    "p1d2-shm": ("qwen2", "disaggregated", 1, 2, "shm", "shared"),
+    "p2d1-torch_dist": ("qwen2", "disaggregated", 2, 1, "torch_dist", "shared"),
+    "p1d2-torch_dist": ("qwen2", "disaggregated", 1, 2, "torch_dist", "shared"),
+    "colocated-tp2": ("qwen2", "colocated", 1, 2, "auto", "shared"),  # serve --mode colocated --tensor-parallel-size 2
+    "moe-p2d2-shm": ("qwen3_moe", "disaggregated", 2, 2, "shm", "shared"),
+    # each rank its own heads (the layout CUDA ranks need): every prefill rank sends its heads, every decode rank
+    # receives its own, each on its own socket endpoint (kv_transfer/connector/rank_ends.py)
+    "p2d1-per_rank": ("qwen2", "disaggregated", 2, 1, "torch_dist", "per_rank"),
+    "p1d2-per_rank": ("qwen3", "disaggregated", 1, 2, "auto", "per_rank"),
+    "p2d4-per_rank": ("qwen2", "disaggregated", 2, 4, "torch_dist", "per_rank"),  # 2 kv heads, each on 2 decode ranks
 }
 
 
@@ -64,11 +69,11 @@ SLOW = {"p1d2-torch_dist"}
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CONFIGS])
 def test_tp_pools_serve_what_tp1_offline_does(tiny_checkpoint: Any, name: str) -> None:
-    arch, mode, ptp, dtp, backend = CONFIGS[name]
+    arch, mode, ptp, dtp, backend, tp_kv = CONFIGS[name]
     folder = tiny_checkpoint(arch)
     want = _offline(folder)
     worker = WorkerConfig(dtype=EXACT_DTYPE, model=str(folder), num_kv_blocks=256, max_num_batched_tokens=32,
-                          prefill_tp=ptp, decode_tp=dtp)
+                          prefill_tp=ptp, decode_tp=dtp, tp_kv_cache=tp_kv)
     cluster = Cluster(ServeConfig(worker=worker, decode=1, prefill=1, port=0, mode=mode, kv_backend=backend))
     try:
         cluster.start()
