@@ -68,6 +68,27 @@ def test_gap_counts_out_of_order_and_bad_layer_refused() -> None:
     assert r.state is S.COMPLETE
 
 
+def test_every_slot_must_cover_the_prompt() -> None:
+    """A decode group whose 2 ranks each hold a replica of 1 kv head (slots: rank 0's head, rank 1's head): one
+    rank's parts complete nothing; the record is complete once every rank's copy of every layer has landed."""
+    r = IntakeRecord("rsv-1", "req-1", (3, 4, 5), ttl_s=5.0, expires_at=10.0, prompt_len=40, num_layers=2, heads=2)
+    for layer in (0, 1):
+        r.add_part(layer, 0, 40, head_start=0, num_heads=1)  # rank 0's slot
+    assert r.state is S.RECEIVING and r.missing_layers() == [0, 1]
+    r.add_part(0, 0, 40, head_start=1, num_heads=1)
+    assert r.missing_layers() == [1] and not r.kv_complete
+    r.add_part(1, 0, 24, head_start=1, num_heads=1)
+    r.add_part(1, 16, 40, head_start=1, num_heads=1)  # overlapping chunk of the same slot extends it
+    assert r.state is S.COMPLETE and r.covered == [40, 40, 40, 40]
+    r2 = IntakeRecord("rsv-2", "req-2", (3, 4, 5), ttl_s=5.0, expires_at=10.0, prompt_len=40, num_layers=1, heads=2)
+    r2.add_part(0, 0, 40)  # a part of every head (a TP-1 sender to a receiver holding both) covers both slots
+    assert r2.state is S.COMPLETE
+    with pytest.raises(ValueError, match="heads"):
+        record().add_part(0, 0, 40, head_start=1, num_heads=1)  # one slot only
+    with pytest.raises(ValueError, match="heads"):
+        IntakeRecord("rsv-3", "req-3", (3,), ttl_s=5.0, expires_at=10.0, prompt_len=4, num_layers=1, heads=0)
+
+
 def test_failed_record_waits_for_result_then_recomputes() -> None:
     r = record()
     r.advance(S.FAILED, "checksum mismatch")
