@@ -8,6 +8,7 @@ manager's scale); only whether sizes fit, and how a binding budget is split, are
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 ROLES = ("prefill", "decode")
@@ -72,3 +73,15 @@ def keep_whole(now: tuple[int, int], need: tuple[int, int], loads: tuple[float, 
         extra_p = round(-over * w_p / (w_p + w_d) / rp)
         g_p, g_d = g_p + extra_p, g_d + (-over - extra_p * rp) // rd
     return g_p, g_d
+
+
+def spare(now: tuple[int, int], need_d: int, cfg: Budgeted, band: float) -> int:
+    """Decode actors to flip to prefill at a whole budget while neither pool needs them: a flip toward prefill waits
+    for a decode actor's sequences (tens of seconds), one toward decode for a prefill actor's prompts (seconds), so
+    spare actors wait in prefill. Decode keeps one actor over ``need_d`` and gives a surplus of at least ``max(2,
+    band x its size)`` only (no churn on noise). Actors at one TP size (a flip keeps it). Pure."""
+    n_p, n_d = now
+    surplus = n_d - max(need_d, cfg.min_decode)
+    if not full(n_p, n_d, cfg) or cfg.ranks[0] != cfg.ranks[1] or surplus < max(2, math.ceil(band * n_d)):
+        return 0
+    return surplus - 1

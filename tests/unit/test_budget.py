@@ -71,3 +71,14 @@ def test_config_refuses_ranks_and_a_budget_that_cannot_hold_the_minimums() -> No
         ControllerConfig(ranks=(0, 1))
     with pytest.raises(ValueError, match="budget"):
         ControllerConfig(budget=3, ranks=(2, 2))
+
+
+def test_spare_decode_actors_go_to_prefill_past_a_margin_keeping_one() -> None:
+    cfg = ControllerConfig(budget=16)
+    assert budget.spare((8, 8), 5, cfg, 0.2) == 2  # a surplus of 3: two move, decode keeps one over its need
+    assert budget.spare((8, 8), 7, cfg, 0.2) == 0  # a surplus of 1 is noise
+    assert budget.spare((7, 8), 5, cfg, 0.2) == 0  # the budget does not bind: keep_whole places free ranks
+    big = ControllerConfig(budget=1000)
+    assert budget.spare((800, 200), 170, big, 0.2) == 0  # 30 over, under the band's 40: no churn at scale
+    assert budget.spare((800, 200), 150, big, 0.2) == 49
+    assert budget.spare((4, 4), 1, ControllerConfig(budget=12, ranks=(2, 1)), 0.2) == 0  # a flip keeps the TP size

@@ -324,3 +324,40 @@ def test_when_both_floors_do_not_fit_the_pool_the_misses_name_keeps_its_floor() 
     full = replace(obs, prefill_tps=14000.0, actors=kv_actors(13, 3, free=0.0, reserved=0.0), admission_wait_s=0.0)
     d, _ = decide(full, cfg, ControllerState())
     assert d.n_decode >= 3 and d.n_prefill == 13, d.reason
+
+
+def test_a_prefill_backlog_it_cannot_clear_keeps_prefills_floor() -> None:
+    """A burst's first window: nothing has missed yet (the queued prompts have not finished), prefill's newest load
+    needs 12 actors and decode's 5: both floors cannot fit 16. The queue prefill cannot clear within a TTFT SLO is
+    a TTFT miss on its way, so prefill keeps its floor (it used to be decode's, the smaller: 11P:5D, and on
+    ``bursts`` seed 1 the burst's first move stopped there for 75 s)."""
+    cfg = ControllerConfig(budget=16, cooldown_s=60, slo_ttft_s=5.0)
+    state = decide(observe(0.0, 3000.0, 1200.0, 8, 8), cfg, ControllerState())[1]
+    burst = observe(15.0, 12000.0, 1200.0, 8, 8, prefill_backlog_tokens=50000.0)  # 8 actors clear 40,000 in 5 s
+    d, _ = decide(burst, cfg, state)
+    assert (d.n_prefill, d.n_decode) == (12, 4), d.reason
+    d, _ = decide(replace(burst, prefill_backlog_tokens=30000.0), cfg, state)  # one it clears: the smaller floor
+    assert (d.n_prefill, d.n_decode) == (11, 5), d.reason
+
+
+def test_spare_decode_actors_wait_in_prefill_while_the_loads_are_steady() -> None:
+    """8P:8D where 4 prefill and 5 decode actors carry the load: the spare waits in prefill, which grows only by
+    draining decode actors (tens of seconds), while decode takes a prefill actor in seconds; decode keeps one actor
+    over its need, and nothing moves again on the same load."""
+    cfg = ControllerConfig(budget=16, cooldown_s=60)
+    steps = run(cfg, [(3000.0, 1000.0)] * 12, 8, 8)
+    assert steps[0][:2] == (10, 6) and "2 spare decode actor(s) to prefill" in steps[0][2].reason
+    assert all(s[:2] == (10, 6) and not s[2].changes for s in steps[1:])
+    # not on a window whose load moved by more than a quarter (a new mix's first window misleads), nor with a
+    # surplus of one actor only
+    smooth = ControllerState(prefill_tps=3000.0, decode_tps=1000.0, t=0.0)
+    d, _ = decide(observe(30.0, 1000.0, 1000.0, 8, 8), cfg, smooth)
+    assert not d.changes, d.reason
+    d, _ = decide(observe(30.0, 3000.0, 1000.0, 10, 6), cfg, smooth)
+    assert not d.changes, d.reason
+    # decode keeps what the most it carried over the last cooldown (two windows) needs: 1,500 tok/s a window ago
+    peak = ControllerState(prefill_tps=3000.0, decode_tps=1000.0, t=0.0, decode_seen=(1000.0, 1500.0))
+    d, _ = decide(observe(30.0, 3000.0, 1000.0, 8, 8), cfg, peak)
+    assert not d.changes, d.reason
+    d, _ = decide(observe(30.0, 3000.0, 1000.0, 8, 8), cfg, replace(peak, decode_seen=(1500.0, 1000.0)))
+    assert d.changes, d.reason  # three windows ago: no longer

@@ -63,3 +63,27 @@ def test_the_controller_moves_to_prefill_before_a_burst_it_has_seen_twice() -> N
     assert not any("repeats" in d.reason for _, _, d in without)
     # before the pattern was seen twice nothing is forecast: the first two bursts are met as they come
     assert not any("repeats" in d.reason for _, _, d in with_season[:100])
+
+
+def test_split_is_the_sizes_that_served_the_load_one_period_ago() -> None:
+    seen = square(3.0, noise=0.0)[:160]  # bursts at windows 40, 100 and 160: the third starts next window
+    # the sizes a reactive controller held: the burst's first two windows still at the calm split, then 12P:4D
+    sizes = [(12, 4) if v > 5000 and i % 60 > 41 else (8, 8) for i, v in enumerate(seen)]
+    assert forecast.split(seen, sizes, 15.0, 300.0, 20.0) == (12, 4)
+    assert forecast.split(seen[:158], sizes[:158], 15.0, 300.0, 20.0) == (8, 8)  # calm ahead: the calm split
+    # 2.5 periods of history at least: at 2.2 the period is found, but no longer lag could have been tested
+    assert forecast.period(seen[:132], 20) == 60 and forecast.split(seen[:132], sizes[:132], 15.0, 300.0, 20.0) is None
+    assert forecast.split([], [], 15.0, 300.0, 20.0) is None
+
+
+def test_the_controller_moves_to_the_whole_split_the_last_burst_needed() -> None:
+    """Before the third burst the season's prefill load used to move only prefill's side (8P:8D -> 10P:6D: decode
+    kept its floor, its present load); now the pools move to the sizes the controller held through the second
+    burst, decode given up as the calm's sequences drain (the burst needs 13P:3D here)."""
+    cfg = ControllerConfig(budget=16, interval_s=15.0, cooldown_s=60.0, flip_s=5.0)
+    loads = [(p, 1500.0 if p < 5000 else 400.0) for p in square(3.0, noise=0.0)]
+    steps = run(cfg, loads, 8, 8)
+    held = sorted(s[:2] for s in steps[100:120])[9]  # the sizes through the second burst
+    assert steps[158][:2] == held and held[0] > 16 - 1500 // 250, [s[:2] for s in steps[150:162]]
+    assert "served the prefill load ahead one period ago" in steps[158][2].reason
+    assert not any("one period ago" in d.reason for _, _, d in steps[:150])  # 2.5 periods of history first
