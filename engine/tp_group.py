@@ -28,6 +28,7 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import socket
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
+log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective (one layer's all-reduce) that waits longer than this is a hung rank
 START_TIMEOUT_S = 600.0  # every follower loaded its shard and joined the group by then
 
@@ -244,8 +245,7 @@ class TPGroup:
                     try:
                         self._on_notice(rank, value)
                     except Exception:  # a handler's bug must not stop the notices of every later request
-                        import logging
-                        logging.getLogger(__name__).exception("tensor parallel notice from rank %d", rank)
+                        log.exception("tensor parallel notice from rank %d", rank)
 
     @property
     def pids(self) -> list[int]:

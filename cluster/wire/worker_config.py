@@ -6,12 +6,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from cluster.wire.auth import ClusterSecret
-from engine.config import KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES, TP_KV_CACHES
 
 
 TP_ROLES = {"prefill": "prefill_tp", "decode": "decode_tp"}  # a worker role -> the WorkerConfig field of its TP size
 MAX_TP = 64  # EngineConfig.tensor_parallel_size's bound
-TP_KV_CACHES = ("shared", "per_rank")  # EngineConfig.tp_kv_cache's values (this module imports no engine)
 
 
 def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:

@@ -160,8 +160,9 @@ class DecodeConnector:
             self.receiver.close()
 
     def _forget_done(self) -> None:
-        """Under :attr:`lock`: the followers stop installing parts of reservations that take none any more (joined, failed, released,
-        expired): sent before any later command, so no later step or reservation can meet a late part there."""
+        """Under :attr:`lock`: the followers stop installing parts of reservations that take none any more (joined,
+        failed, released, expired): sent before any later command, so no later step or reservation can meet a late
+        part there."""
         if not self._expected:
             return
         done = [rid for rid in self._expected

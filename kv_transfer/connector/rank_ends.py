@@ -29,7 +29,7 @@ from kv_transfer.base import TransferState, dtype_name
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.connector.prefill_side import send_routes
 from kv_transfer.connector.ranks import RankExpect, RankNotice, RankPart
-from kv_transfer.connector.receiver import check_part_bounds
+from kv_transfer.connector.receiver import check_part_bounds, receive_loop
 from kv_transfer.header import ExpectedTransfer, KVTransferError, header_authentic
 from kv_transfer.layer_parts import install_layer_part
 
@@ -61,7 +61,7 @@ class RankEnd:
         self.role = role
         self.backend = make_backend(kv)
         self._secret = kv.secret
-        self._parts: list[RankPart] = []  # the current step's (prefill)
+        self._parts: list[tuple[RankPart, Any]] = []  # the current step's, each with its source index (prefill)
         self._handles: dict[str, list[Any]] = {}  # the current step's sends per reservation (prefill)
         self._done: queue.Queue[dict[str, list[Any]] | None] = queue.Queue()
         self._expected: dict[str, RankExpect] = {}  # decode: reservations parts may come for
@@ -84,16 +84,20 @@ class RankEnd:
     # -- prefill -----------------------------------------------------------------------------------------------------
     def after_kv_store(self, layer: int) -> None:
         """Inside the forward, after ``layer`` stored this rank's heads: send this rank's routes of every part."""
+        kv = self.ctx.caches[layer]
         if layer == 0:
+            from kv_transfer.streams import block_index
+
             op, parts = self.ctx.next_command()
             if op != "parts":
                 raise RuntimeError(f"rank {self.ctx.rank}: expected the step's parts, got {op!r}")
-            self._parts = parts
+            # each part's source blocks on the cache's device once for the step, as rank 0 does (no per-layer copy)
+            self._parts = [(part, block_index(part.src, kv.device)) for part in parts]
         scales = None if self.ctx.scales is None else self.ctx.scales[layer]
-        kv = self.ctx.caches[layer]
-        for part in self._parts:
+        for part, src_index in self._parts:
             self._handles.setdefault(part.reservation_id, []).extend(
-                send_routes(self.backend, self.ctx.rank, self.ctx.head_start, part, layer, kv[0], kv[1], scales))
+                send_routes(self.backend, self.ctx.rank, self.ctx.head_start, part, layer, kv[0], kv[1], scales,
+                            src_index))
 
     def end_step(self) -> None:
         """The forward is done: its sends are waited for (and reported) off this thread."""
@@ -124,15 +128,8 @@ class RankEnd:
         import torch
 
         # the rank's cache was allocated under the follower's inference mode: writes to it need the same
-        with torch.inference_mode(), self.backend.streams.use(self.backend.streams.current()):
-            while not self._stop.is_set():
-                handle = self.backend.recv(0.2)
-                if handle is None:
-                    continue
-                try:
-                    self._install(handle)
-                finally:
-                    self.backend.release(handle)
+        with torch.inference_mode():
+            receive_loop(self.backend, self.backend.streams.current(), self._stop, self._install)
 
     def _install(self, handle: Any) -> None:
         header = handle.header

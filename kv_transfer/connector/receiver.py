@@ -51,6 +51,21 @@ def check_part_bounds(header: KVTransferHeader, num_layers: int, cached_tokens: 
                          "here, which are never written")
 
 
+def receive_loop(backend: Any, stream: Any, stop: threading.Event, install: Callable[[Any], None]) -> None:
+    """A receiver thread's body until ``stop``: each incoming part to ``install``, then back to ``backend``. Recv,
+    install and release run on one stream (``stream``): recv makes it wait for the comm stream's write, and release's
+    fence (recorded there) covers the unpack, so the buffer's next transfer cannot overwrite it mid-install."""
+    with backend.streams.use(stream):
+        while not stop.is_set():
+            handle = backend.recv(0.2)
+            if handle is None:
+                continue
+            try:
+                install(handle)
+            finally:
+                backend.release(handle)
+
+
 class KVReceiver:
     """Owns the backend endpoint and its thread."""
 
@@ -89,17 +104,7 @@ class KVReceiver:
         self._thread.start()
 
     def _run(self) -> None:
-        # recv, install and release on one stream: recv makes it wait for the comm stream's write, and release's fence
-        # (recorded there) covers the unpack, so the buffer's next transfer cannot overwrite it mid-install
-        with self.backend.streams.use(self._compute_stream):
-            while not self._stop.is_set():
-                handle = self.backend.recv(0.2)
-                if handle is None:
-                    continue
-                try:
-                    self._install(handle)
-                finally:
-                    self.backend.release(handle)
+        receive_loop(self.backend, self._compute_stream, self._stop, self._install)
 
     def _install(self, handle: Any) -> None:
         header = handle.header
