@@ -204,7 +204,8 @@ def check_model_tp(cfg: ServeConfig) -> None:
 def check_tp_device(cfg: ServeConfig) -> None:
     """``ValueError`` when the engine cannot run a pool's TP size on the device its actors will use (CUDA for
     ``--device cuda[:N]``, or ``auto`` with GPUs from Ray), asked of the engine's own rule
-    (``engine.tp_group.check_device``) before any actor starts. Nothing with TP 1 or on the CPU. Pure."""
+    (``engine.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
+    GPUs per rank and sees those. Nothing with TP 1 or on the CPU. Pure."""
     tp = max(cfg.worker.decode_tp, cfg.worker.prefill_tp if cfg.mode == "disaggregated" else 1)
     cuda = cfg.worker.device.startswith("cuda") or (cfg.worker.device == "auto" and cfg.gpus_per_actor > 0)
     if tp == 1 or not cuda:
@@ -213,7 +214,7 @@ def check_tp_device(cfg: ServeConfig) -> None:
 
     from engine.tp_group import check_device
 
-    check_device(torch.device("cuda"), tp)
+    check_device(torch.device("cuda", 0), tp, cfg.worker.tp_kv_cache, int(cfg.gpus_per_actor * tp))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -149,7 +149,9 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     a top-p sampling pass over them (float32 probabilities sorted with their indices, their cumulative sum: the
     sampler's largest temporaries): the activation peak of the largest step the engine will run. Writes nothing the
     engine keeps."""
-    from engine.model import AttentionMetadata  # engine.model imports kernels; keep this module light to import
+    # engine.model (which step_wire imports) imports kernels; keep this module light to import
+    from engine.step_wire import StepLayout, pack, unpack
+    from pdkernels.host_copy import to_device
     from pdkernels.reference import SCALED_DTYPES, scale_dims
 
     cfg, dev = model.cfg, model.device
@@ -159,15 +161,17 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     scales = (list(torch.zeros(cfg.num_layers, 2, *scale_dims(kv_dtype, num_blocks, block_size, cfg.cache_heads),
                                device=dev).unbind(0))
               if kv_dtype in SCALED_DTYPES else None)
-    table = torch.arange(num_blocks, dtype=torch.int32, device=dev)
-    varlen = (table[None], torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-              torch.zeros(1, dtype=torch.int32, device=dev), num_tokens) if dev.type == "cuda" else None
-    meta = AttentionMetadata(slot_mapping=torch.arange(num_tokens, device=dev), num_decodes=0, decode_groups=[],
-                             prefills=[(num_tokens, 0, table)], prefill_varlen=varlen)
+    # one chunk of token 0 at positions 0.. over blocks 0.., as the runner sends a step (a TP group's ranks each
+    # unpack it on their own device)
+    table = list(range(num_blocks))
+    tables = [table] if dev.type == "cpu" else [table, [0, num_tokens], [0]]
+    host = pack([[0] * num_tokens, list(range(num_tokens)), list(range(num_tokens)), [], *tables],
+                StepLayout((num_tokens, num_tokens, num_tokens, 0, *(len(t) for t in tables)), 0, (),
+                           ((num_tokens, 0),), 0 if dev.type == "cpu" else num_blocks))
     with torch.inference_mode():
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = model.forward(ids, torch.arange(num_tokens, device=dev), meta, list(kv.unbind(0)), None, scales)
-        logits = model.logits(hidden[-num_rows:]).float()
+        ids, positions, meta, _ = unpack(to_device(host.ints, torch.int32, dev), host)
+        hidden = model.forward(ids, positions, meta, list(kv.unbind(0)), None, scales)
+        logits = model.logits(hidden, slice(-num_rows, None)).float()
         logprobs = logits.log_softmax(dim=-1)
         probs, order = logprobs.exp().sort(dim=-1, descending=True)
         probs.cumsum(dim=-1).gather(-1, order.argsort(dim=-1))

@@ -29,7 +29,7 @@ from engine.sampling_grammar import GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
-from engine.tp_group import TPGroup, check_device, start_group
+from engine.tp_group import TPGroup, check_device, start_group, visible_gpus
 
 
 def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
@@ -80,7 +80,8 @@ class LLMEngine:
         # only its part of the checkpoint
         self.tp_group: TPGroup | None = None
         if config.tensor_parallel_size > 1:
-            check_device(self.device, config.tensor_parallel_size)  # refused before any weight is read
+            # refused before any weight is read
+            check_device(self.device, config.tensor_parallel_size, config.tp_kv_cache, visible_gpus())
             shard = load_shard(path, mc, dtype, 0, config.tensor_parallel_size, self.device)
             self.tp_group, model = start_group(mc, shard, path, dtype, self.max_model_len, config, self.device, progress)
         else:

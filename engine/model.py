@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from engine.moe import SparseMoE, load_sparse_moe
 from engine.mla import MLAttention
 from engine.moe_deepseek import load_deepseek_moe
 from engine.rope import RotaryEmbedding
+from pdkernels.host_copy import to_device
 from engine.tp import RankState, TPShard, head_source, kv_head_range, shard_config, shard_state
 
 
@@ -62,6 +64,8 @@ class AttentionMetadata:
     # start positions [n], and the longest chunk (sizes the kernel grid without a host sync); None: one call per chunk
     prefill_varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
     decode_num_splits: int | None = None  # split-K of decode attention; None lets the kernel pick (fixed in a graph)
+    # the host ints this metadata was read from (engine.step_wire.HostStep): what a TP driver sends its followers
+    host: Any = None
 
 
 class DecoderModel:
@@ -307,9 +311,16 @@ class DecoderModel:
         """The width of :meth:`logits`: the head's rows at TP 1 (a checkpoint may pad them past vocab_size)."""
         return self._vocab_width
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab_width]`` for the given final hidden states, the same on every TP rank (each
-        computes its vocabulary slice; they are all-gathered). Pure apart from the collective."""
+    def logits(self, hidden: torch.Tensor, rows: slice | list[int] | None = None,
+               index: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits ``[N, vocab_width]`` of the final hidden states ``hidden`` (of the rows ``rows``: a slice,
+        or host row numbers with ``index``, their int64 twin on the device, sent here where missing), the same on
+        every TP rank (each computes its vocabulary slice; they are all-gathered). Pure apart from the collective.
+        A TP driver names the rows so that each follower takes the same rows of its own (equal) hidden states."""
+        if isinstance(rows, slice):
+            hidden = hidden[rows]
+        elif rows is not None:
+            hidden = hidden.index_select(0, index if index is not None else to_device(rows, torch.int64, hidden.device))
         logits = self.lm_head(hidden).float()
         if self.tp is not None:
             logits = self.tp.comm.all_gather_last(logits)[..., : self._vocab_width]

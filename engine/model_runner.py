@@ -28,6 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_wire import StepLayout, pack, unpack
 from pdkernels.host_copy import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -50,13 +51,6 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int
     if dtype not in SCALED_DTYPES:
         return values
     return values + 2 * cfg.num_layers * math.prod(scale_dims(dtype, 1, block_size, heads)) * 4
-
-
-def send_sections(sections: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Int lists as int32 tensors on ``device``, in one host -> device copy: one list, one tensor, then a view per
-    section. Pure. int32 holds every token id, position, slot and block id an engine has."""
-    flat = to_device([v for section in sections for v in section], torch.int32, device)
-    return list(flat.split([len(section) for section in sections]))
 
 
 def padded_tables(tables: Iterable[list[int]], width: int) -> list[int]:
@@ -141,7 +135,7 @@ class ModelRunner:
         return step.input_ids, step.positions, step.attention, step.order, step.sample_rows
 
     def step_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """The step's flattened batch (see :class:`StepInputs`), sent in one copy. Pure."""
+        """The step's flattened batch (see :class:`StepInputs`), sent in one copy (:mod:`engine.step_wire`). Pure."""
         dev = self.device
         decodes = sorted(out.decodes, key=lambda s: s.start)  # similar lengths side by side
         order = decodes + out.prefills
@@ -177,19 +171,10 @@ class ModelRunner:
             varlen_width = max(cdiv(s.start + s.num_tokens, self.block_size) for s in out.prefills)
             sections += [padded_tables((s.seq.block_table for s in out.prefills), varlen_width),
                          [0, *accumulate(s.num_tokens for s in out.prefills)], [s.start for s in out.prefills]]
-        views = iter(send_sections(sections, dev))
-        ids_t, pos_t, slots_t, rows_t = (next(views).long() for _ in range(4))
-        groups = [(a, b, next(views).view(b - a, width), next(views)) for a, b, width in group_shapes]
-        prefills: list[tuple[int, int, torch.Tensor]] = []
-        varlen = None
-        if dev.type == "cpu":
-            prefills = [(s.num_tokens, s.start, next(views)) for s in out.prefills]
-        elif out.prefills:
-            prefills = [(s.num_tokens, s.start, torch.empty(0)) for s in out.prefills]  # read through the varlen
-            varlen = (next(views).view(len(out.prefills), varlen_width), next(views), next(views),
-                      max(s.num_tokens for s in out.prefills))
-        meta = AttentionMetadata(slot_mapping=slots_t, num_decodes=len(decodes), decode_groups=groups,
-                                 prefills=prefills, prefill_varlen=varlen)
+        layout = StepLayout(tuple(len(s) for s in sections), len(decodes), tuple(group_shapes),
+                            tuple((s.num_tokens, s.start) for s in out.prefills), varlen_width)
+        host = pack(sections, layout)
+        ids_t, pos_t, meta, rows_t = unpack(to_device(host.ints, torch.int32, dev), host)
         return StepInputs(ids_t, pos_t, meta, order, sample_rows, rows_t)
 
     @torch.inference_mode()
@@ -218,10 +203,10 @@ class ModelRunner:
                                     self.kv_scale_layers)
         prompt_rows = plan_prompt_rows(len(out.decodes), out.prefills)
         if prompt_rows:  # echo with logprobs: the prompt positions' logits too, for the sequences that ask
-            compute_prompt_logprobs(self.model.logits, hidden, prompt_rows)
+            compute_prompt_logprobs(lambda rows: self.model.logits(hidden, rows), prompt_rows)
         if sampling[0] is None:
             return {}
-        logits = self.model.logits(hidden.index_select(0, step.sample_index))
+        logits = self.model.logits(hidden, step.sample_rows, step.sample_index)
         return self._sample(logits, sampling)
 
     def _sampling_batch(self, scheduled: list[tuple[int, ScheduledSeq]]) -> tuple[SamplingBatch | None, list[int]]:

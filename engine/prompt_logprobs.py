@@ -49,16 +49,15 @@ def plan_prompt_rows(num_decode_rows: int, prefills: list[ScheduledSeq]) -> list
     return plan
 
 
-def compute_prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, plan: list[PromptRows]) -> None:
+def compute_prompt_logprobs(logits_of: Callable[[slice], torch.Tensor], plan: list[PromptRows]) -> None:
     """Mutates each planned sequence's ``prompt_logprobs``: appends, per planned row, ``{prompt token: logprob}``
-    plus the top-k (``params.prompt_logprobs``). ``logits_of(hidden_rows)`` is the model's float32 logits. One host
-    read per slice of rows."""
+    plus the top-k (``params.prompt_logprobs``). ``logits_of(rows)`` is the model's float32 logits of the step's hidden
+    states ``rows`` (a slice). One host read per slice of rows."""
     for p in plan:
         k = p.seq.params.prompt_logprobs or 0
         for a in range(p.lo, p.hi, ROWS_PER_SLICE):
             b = min(p.hi, a + ROWS_PER_SLICE)
-            rows = hidden[p.first_row + a - p.lo : p.first_row + b - p.lo]
-            lp = logits_of(rows).float().log_softmax(dim=-1)
+            lp = logits_of(slice(p.first_row + a - p.lo, p.first_row + b - p.lo)).float().log_softmax(dim=-1)
             targets = torch.tensor(p.seq.prompt_token_ids[a + 1 : b + 1], dtype=torch.int64, device=lp.device)
             own = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
             if k:

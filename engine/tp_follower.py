@@ -2,7 +2,9 @@
 :meth:`engine.tp_group.TPGroup.start`): it joins the group, loads its shard, maps the group's cache file or allocates
 its own heads' cache, then runs the driver's commands in the order sent until ``stop`` or EOF:
 
-- ``forward`` / ``logits``: the same call as rank 0's model, meeting it in the same collectives;
+- ``forward``: the step's host ints (:class:`engine.step_wire.HostStep`), copied to this rank's device and unpacked
+  as rank 0 unpacks them, then the same call as rank 0's model, meeting it in the same collectives;
+- ``logits``: the named rows of this rank's last hidden states (equal to rank 0's after the last all-reduce);
 - ``copy``: block copies on its own cache (``per_rank``), before the next forward reads them;
 - ``ext_start`` / ``ext``: an extension from a layer above the engine (the K/V connector's rank end,
   kv_transfer/connector/rank_ends.py), given a :class:`RankContext`; a forward the driver runs with a K/V hook runs
@@ -25,7 +27,9 @@ from typing import Any
 import torch
 
 from engine.kv_memory import PROBE_REGION, KVLayout, copy_blocks
-from engine.tp_group import DistComm, _process_group
+from engine.step_wire import unpack
+from engine.tp_group import DistComm, _process_group, rank_device
+from pdkernels.host_copy import to_device
 
 
 @dataclass
@@ -37,6 +41,7 @@ class RankContext:
 
     rank: int
     size: int
+    device: torch.device  # where this rank's model and cache live
     cfg: Any  # engine.model_config.ModelConfig (the whole model's)
     head_start: int  # the model's first cache head this rank's cache holds
     caches: list[torch.Tensor]
@@ -78,14 +83,18 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
         torch.set_num_threads(spec.num_threads)
     path = __import__("pathlib").Path(spec.model_path)
     dtype = getattr(torch, spec.dtype)
+    device = rank_device(spec.device_type, spec.first_index, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL, the kernels and every allocation without a device go here
     cfg = load_model_config(path)
-    pg = _process_group(spec.store_host, spec.store_port, rank, spec.size)
+    pg = _process_group(spec.store_host, spec.store_port, rank, spec.size, device)
     comm = DistComm(pg)
-    model = DecoderModel(cfg, load_shard(path, cfg, dtype, rank, spec.size), dtype, spec.max_len,
+    model = DecoderModel(cfg, load_shard(path, cfg, dtype, rank, spec.size, device), dtype, spec.max_len,
                          tp=TPShard(rank, spec.size, comm))
     caches: list[torch.Tensor] = []
     scales: list[torch.Tensor] | None = None
     kv, scale_all = torch.empty(0), None  # the whole cache (every layer) for block copies
+    hidden = torch.empty(0)  # the last forward's, whose rows ``logits`` names
     ext: Any = None  # the extension the driver started (start_extension), e.g. the K/V connector's rank end
     lock = threading.Lock()
 
@@ -118,7 +127,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                     module, _, name = command[1].partition(":")
                     heads = kv.shape[-2] if caches else cfg.cache_heads
                     start = kv_head_range(cfg, rank, spec.size)[0] if heads != cfg.cache_heads else 0
-                    ctx = RankContext(rank, spec.size, cfg, start, caches, scales, notify, next_command)
+                    ctx = RankContext(rank, spec.size, device, cfg, start, caches, scales, notify, next_command)
                     ext = getattr(importlib.import_module(module), name)(ctx, *command[2])
                     notify(ext.hello(), "hello")
                 except Exception as e:  # the driver waits for this answer
@@ -129,7 +138,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                 continue
             if op in ("kv", "kv_own"):
                 try:
-                    kv, scale_all = _map_cache(*command[1:]) if op == "kv" else _own_cache(command[1])
+                    kv, scale_all = _map_cache(*command[1:]) if op == "kv" else _own_cache(command[1], device)
                 except Exception as e:  # say why to the driver, which is waiting for this answer
                     conn.send_bytes(f"{type(e).__name__}: {e}".encode())
                     return
@@ -137,15 +146,16 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                 conn.send_bytes(b"ok")
             elif op == "copy":
                 pairs = command[1]
-                src, dst = torch.tensor([s for s, _ in pairs] + [d for _, d in pairs], dtype=torch.int64).chunk(2)
+                src, dst = to_device([s for s, _ in pairs] + [d for _, d in pairs], torch.int64, device).chunk(2)
                 copy_blocks(kv, scale_all, src, dst)
             elif op == "forward":
-                _, ids, positions, meta, ship = command
-                model.forward(ids, positions, meta, caches, ext.after_kv_store if ship else None, scales)
+                _, host, ship = command
+                ids, positions, meta, _ = unpack(to_device(host.ints, torch.int32, device), host)
+                hidden = model.forward(ids, positions, meta, caches, ext.after_kv_store if ship else None, scales)
                 if ship:
                     ext.end_step()
             elif op == "logits":
-                model.logits(command[1])
+                model.logits(hidden, command[1])
 
 
 def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -156,9 +166,9 @@ def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[torch.Tensor,
     return lay.views(flat)
 
 
-def _own_cache(layout: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's own cache of its heads (``per_rank``), allocated as rank 0 allocates its own."""
-    return KVLayout(**layout).allocate(torch.device("cpu"))
+def _own_cache(layout: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's own cache of its heads (``per_rank``) on its device, allocated as rank 0 allocates its own."""
+    return KVLayout(**layout).allocate(device)
 
 
 if __name__ == "__main__":  # a follower rank (TPGroup.start)

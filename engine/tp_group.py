@@ -3,8 +3,10 @@ other ranks' shards of the model (engine/tp.py shards it, engine/model.py runs i
 
 Only rank 0 schedules, samples and talks to the cluster; a follower does what rank 0's model does, step by step:
 
-- **Commands** go over one socket pair per follower as pickled tuples (``forward`` with the step's inputs and
-  attention metadata, ``logits`` with the hidden rows, ``copy``, ``stop``; the follower's side is
+- **Commands** go over one socket pair per follower as pickled tuples (``forward`` with the step's host ints and
+  their layout, :class:`engine.step_wire.HostStep`, which each rank copies to its own device and unpacks;
+  ``logits`` with the rows to project of the last forward's hidden states, which are equal on every rank; ``copy``
+  with block pairs; ``stop``: no command holds a device tensor; the follower's side is
   :mod:`engine.tp_follower`, a fresh interpreter: multiprocessing's spawn would re-run the caller's ``__main__``): a
   follower blocks on its socket between steps and reads EOF when the driver's process is gone. The driver sends a
   command before it runs the same call itself, so every rank enters the call's collectives (one all-reduce after
@@ -12,13 +14,17 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
   the same sockets carry each follower's *notices* back (:meth:`TPGroup.start_extension`: the K/V connector's rank
   ends say what they sent and installed), read by one thread here.
 - **Collectives** run on a process group built without ``init_process_group`` (no global state: two engines may live
-  in one process): gloo on the CPU, rendezvous through a ``TCPStore`` the driver binds on port 0 and reads back.
+  in one process): gloo on the CPU, NCCL on CUDA, rendezvous through a ``TCPStore`` the driver binds on port 0 and
+  reads back.
+- **Devices**: on CUDA, rank ``r`` runs on the driver's GPU index plus ``r`` (a Ray actor of ``num_gpus = N`` sees its
+  N GPUs as ``cuda:0..N-1``); its weights, its cache and each step's inputs live there. CUDA ranks need
+  ``per_rank`` caches (:func:`check_device`).
 - **The K/V cache** (``EngineConfig.tp_kv_cache``): ``shared``, one file on the CPU: the driver allocates the whole
   group's cache as shared memory (:mod:`engine.kv_memory`, every head), each rank reads and writes a head-slice view
   of it (``engine.tp.kv_head_range``), so block copies and every K/V transfer backend see one full-head cache on the
   driver. ``per_rank``: each rank allocates its own heads' cache (what CUDA ranks need, each on its GPU); block
   copies are sent to every rank (``copy``), and K/V transfers go rank to rank by head range through the
-  connector's rank ends (kv_transfer/connector/rank_ends.py). CUDA ranks are still refused (:func:`check_device`).
+  connector's rank ends (kv_transfer/connector/rank_ends.py).
 - **Death**: a follower exits when its driver's process is gone (EOF on its socket, a broken collective, or a watchdog
   that sees its parent change); a follower that dies breaks the driver's next collective or command
   (``TPGroupError``), and a worker actor whose group broke exits (cluster/runtime/engine_loop.py), so the cluster
@@ -54,11 +60,25 @@ class TPGroupError(RuntimeError):
     """A rank of the group is gone or failed; the group cannot run another step."""
 
 
-def check_device(device: torch.device, size: int) -> None:
-    """Raises ``ValueError`` where a group of ``size`` ranks cannot run on ``device``. Pure."""
-    if size > 1 and device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size: {size} ranks on {device.type} are not built yet (the CPU runtime "
-                         "shares one K/V file among its ranks; CUDA needs per-rank caches and per-rank K/V parts)")
+def check_device(device: torch.device, size: int, tp_kv_cache: str, visible_gpus: int) -> None:
+    """Raises ``ValueError`` where a group of ``size`` ranks cannot run on ``device`` (rank 0's) with
+    ``visible_gpus`` GPUs visible to this process. Pure."""
+    if size <= 1 or device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(f"tensor_parallel_size: {size} ranks on {device.type}: only the CPU and CUDA run groups")
+    if tp_kv_cache != "per_rank":
+        raise ValueError(f"tensor_parallel_size: {size} CUDA ranks need tp_kv_cache='per_rank' (each rank's heads "
+                         f"on its own GPU), got {tp_kv_cache!r}")
+    last = (device.index or 0) + size - 1
+    if last >= visible_gpus:
+        raise ValueError(f"tensor_parallel_size: {size} ranks from cuda:{device.index or 0} need cuda:{last}, but "
+                         f"{visible_gpus} GPU(s) are visible (a worker of TP N asks Ray for N GPUs)")
+
+
+def rank_device(device_type: str, first_index: int, rank: int) -> torch.device:
+    """Rank ``rank``'s device: the CPU, or the GPU ``rank`` places after rank 0's (``first_index``). Pure."""
+    return torch.device("cpu") if device_type == "cpu" else torch.device(device_type, first_index + rank)
 
 
 @dataclass(frozen=True)
@@ -72,10 +92,13 @@ class RankSpec:
     store_host: str
     store_port: int
     size: int
+    device_type: str = "cpu"  # rank 0's device type; rank r runs on rank_device(device_type, first_index, r)
+    first_index: int = 0  # rank 0's device index
 
 
 class DistComm:
-    """:class:`engine.tp.Communicator` over a gloo process group."""
+    """:class:`engine.tp.Communicator` over a process group (gloo on the CPU, NCCL on CUDA: a collective's ``wait``
+    there orders the current stream after it, without a host wait)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -96,10 +119,15 @@ class DistComm:
         return torch.cat(out, dim=-1)
 
 
-def _process_group(host: str, port: int, rank: int, size: int, master: dist.TCPStore | None = None) -> Any:
-    """A gloo group of ``size`` ranks meeting at the driver's store (the group keeps its store alive); blocks until
-    every rank joined."""
+def _process_group(host: str, port: int, rank: int, size: int, device: torch.device,
+                   master: dist.TCPStore | None = None) -> Any:
+    """The group of ``size`` ranks meeting at the driver's store (the group keeps its store alive): NCCL for ranks
+    on CUDA (each on its current device, set before this), else gloo, which blocks until every rank joined."""
     store = master or dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    if device.type == "cuda":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        return dist.ProcessGroupNCCL(dist.PrefixStore("pdtp/", store), rank, size, nccl)
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)]
     opts._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
@@ -126,14 +154,15 @@ class TPGroup:
 
     @classmethod
     def start(cls, model_path: str, dtype: torch.dtype, max_len: int, num_threads: int | None, size: int,
-              progress: Callable[[str], None] | None = None) -> TPGroup:
+              progress: Callable[[str], None] | None = None, device: torch.device = torch.device("cpu")) -> TPGroup:
         """Starts ranks 1..size-1 (``python -m engine.tp_group``: a fresh interpreter, so no forked threads, locks or
         Ray state, and the caller's ``__main__`` is not re-run as ``multiprocessing``'s spawn would) and joins the
         group as rank 0. Raises ``TPGroupError`` naming a rank that exits before it joins."""
         host = "127.0.0.1"
         store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
-        spec = RankSpec(model_path, str(dtype).removeprefix("torch."), max_len, num_threads, host, store.port, size)
+        spec = RankSpec(model_path, str(dtype).removeprefix("torch."), max_len, num_threads, host, store.port, size,
+                        device.type, device.index or 0)
         procs, conns = [], []
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
@@ -149,7 +178,7 @@ class TPGroup:
         try:
             group.send("spec", spec)
             group._replies("joining", START_TIMEOUT_S)
-            pg = _process_group(host, store.port, 0, size, master=store)
+            pg = _process_group(host, store.port, 0, size, device, master=store)
         except Exception as e:
             group.close()
             raise e if isinstance(e, TPGroupError) else TPGroupError(f"tensor parallel group did not form: {e}") from e
@@ -294,6 +323,7 @@ class DriverModel:
     def __init__(self, model: Any, group: TPGroup) -> None:
         self._model = model
         self._group = group
+        self._hidden: torch.Tensor | None = None  # the last forward's: the followers hold equal ones
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -301,14 +331,27 @@ class DriverModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list[torch.Tensor],
                 after_kv_store: Callable[[int], None] | None = None,
                 kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """As :meth:`DecoderModel.forward`; the followers run it on their heads' views of the same cache."""
-        self._group.send("forward", input_ids, positions, meta, after_kv_store is not None and self._group.ships)
-        return self._collective(self._model.forward, input_ids, positions, meta, kv_caches, after_kv_store, kv_scales)
+        """As :meth:`DecoderModel.forward`; the followers run it on their heads of their caches, each from the step's
+        host ints (``meta.host``: the metadata must come from :func:`engine.step_wire.unpack`)."""
+        if meta.host is None:
+            raise ValueError("tensor parallel forward: the step's metadata holds no host ints to send the followers "
+                             "(build it with engine.step_wire.unpack)")
+        self._group.send("forward", meta.host, after_kv_store is not None and self._group.ships)
+        self._hidden = None
+        hidden = self._collective(self._model.forward, input_ids, positions, meta, kv_caches, after_kv_store,
+                                  kv_scales)
+        self._hidden = hidden
+        return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """As :meth:`DecoderModel.logits`: every rank projects its slice of the vocabulary, gathered here."""
-        self._group.send("logits", hidden)
-        return self._collective(self._model.logits, hidden)
+    def logits(self, hidden: torch.Tensor, rows: slice | list[int] | None = None,
+               index: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`DecoderModel.logits` of the last forward's hidden states: every rank projects its slice of the
+        vocabulary for the same ``rows`` of its own, gathered here."""
+        if hidden is not self._hidden:
+            raise ValueError("tensor parallel logits: pass the last forward's hidden states and name the rows, so "
+                             "that each follower projects the same rows of its own")
+        self._group.send("logits", rows)
+        return self._collective(self._model.logits, hidden, rows, index)
 
     def _collective(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         """``fn(*args)``; any failure is the group's: the followers entered the same call, and a driver that left it
@@ -324,6 +367,11 @@ class DriverModel:
                 self._group._check_alive()
                 time.sleep(0.05)
             raise TPGroupError(f"tensor parallel step failed on rank 0: {type(e).__name__}: {e}") from e
+
+
+def visible_gpus() -> int:
+    """How many CUDA devices this process sees (0 on a CPU build)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _follower_env() -> dict[str, str]:
@@ -343,9 +391,9 @@ def start_group(cfg: Any, state: Any, path: Any, dtype: torch.dtype, max_len: in
     from engine.tp import TPShard, check_tp
 
     size = config.tensor_parallel_size
-    check_device(device, size)
+    check_device(device, size, config.tp_kv_cache, visible_gpus())
     check_tp(cfg, size)
-    group = TPGroup.start(str(path), dtype, max_len, config.num_threads, size, progress)
+    group = TPGroup.start(str(path), dtype, max_len, config.num_threads, size, progress, device)
     assert group.comm is not None
     try:
         model = DecoderModel(cfg, state, dtype, max_len, tp=TPShard(0, size, group.comm))

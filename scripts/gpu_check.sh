@@ -8,8 +8,8 @@
 #   5. host syncs per decode step (scripts/gpu_sync_check.py): a mixed batch at 8 and 32 under torch's sync debug
 #      mode, budget 2 reads per step, the host reaching its read while queued GPU work still runs; then the stream
 #      discipline's CUDA test and the sync-budget tests on the device,
-#   6. tensor parallelism: n/a on one GPU (said in the report with the reason); on 2+ GPUs the TP engine tests, once
-#      the engine runs TP ranks on CUDA (engine/tp_group.check_device says it does not yet).
+#   6. tensor parallelism: n/a on one GPU (said in the report with the reason); on 2+ GPUs two CUDA ranks (per-rank
+#      caches, NCCL) against TP=1 on several head layouts (tests/integration/test_tp_engine.py::test_cuda_ranks).
 # Each stage appends its result to the report as soon as it finishes (docs/gpu-results.md, also copied to $OUT when
 # that is set, as on the lent device machine); a failing or timed-out stage does not stop the later ones.
 # Needs torch with CUDA, triton and transformers; no Ray, no pyzmq. pytest is installed if missing.
@@ -123,35 +123,29 @@ appending_stage "Engine benchmark" "${budget[3]}" "$logs/engine.log" 25 \
 # 5. host syncs per decode step (its section is written also when it fails)
 appending_stage "Host syncs per decode step" "${budget[4]}" "$logs/sync.log" 25 \
   python scripts/gpu_sync_check.py "${sync_args[@]}"
-# 6. tensor parallelism (issue 29): needs >= 2 GPUs and an engine that runs TP ranks on CUDA; says which is missing
+# 6. tensor parallelism (issue 29): two CUDA ranks (per-rank caches, NCCL) against TP=1; needs >= 2 GPUs
 set +e
 if [ "$smoke" = 1 ]; then  # nothing to probe on the CPU: the line says where the CPU TP tests are
   tp_line="smoke: the CPU TP tests are tests/integration/test_tp_engine.py and test_serve_tp.py (CI)"
 else
-tp_line=$(python - "$smoke" <<'PY'
-import sys, torch
+tp_line=$(python - <<'PY'
+import torch
 from engine.tp_group import check_device
 gpus = torch.cuda.device_count()
 try:
-    check_device(torch.device("cuda" if gpus else "cpu") if sys.argv[1] != "1" else torch.device("cpu"), 2)
-    runs = True
+    check_device(torch.device("cuda", 0), 2, "per_rank", gpus)
+    print("run: python -m pytest -q -m gpu tests/integration/test_tp_engine.py -k cuda_ranks (2 CUDA ranks, NCCL)")
 except ValueError as e:
-    runs, why = False, str(e)
-if sys.argv[1] == "1":
-    print("smoke: the CPU TP tests are tests/integration/test_tp_engine.py and test_serve_tp.py (CI)")
-elif gpus < 2:
-    print(f"n/a: this machine has {gpus} GPU(s); a TP=2 check needs 2 or more")
-elif not runs:
-    print(f"n/a: {why}")
-else:
-    print("run: python -m pytest -q tests/integration/test_tp_engine.py (CUDA)")
+    print(f"n/a: this machine has {gpus} GPU(s); two CUDA ranks need 2 or more ({e})")
 PY
 )
 fi
 set -e
 { echo; echo "## Tensor parallelism"; echo; echo "$tp_line"; } >> "$report"
 if [[ "$tp_line" == run:* ]]; then
-  set +e; timeout 120 python -m pytest -q -p no:cacheprovider tests/integration/test_tp_engine.py > "$logs/tp.log" 2>&1
+  set +e
+  timeout 180 python -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_tp_engine.py -k cuda_ranks \
+    > "$logs/tp.log" 2>&1
   tp_rc=$?; set -e; [ "$tp_rc" = 0 ] || rc=1
   { echo; echo '```'; tail -n 10 "$logs/tp.log"; echo '```'; } >> "$report"
 fi

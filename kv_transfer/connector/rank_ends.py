@@ -45,8 +45,10 @@ def rank_config(kv: KVTransferConfig) -> KVTransferConfig:
 
 
 def start(ctx: Any, role: str, kv: KVTransferConfig) -> RankEnd:
-    """The factory a follower calls (``ctx``: its ``engine.tp_follower.RankContext``)."""
-    return RankEnd(ctx, role, dataclasses.replace(rank_config(kv), name=f"{kv.name}-rank{ctx.rank}"))
+    """The factory a follower calls (``ctx``: its ``engine.tp_follower.RankContext``): rank 0's config, named for
+    the rank, its payloads on the rank's own GPU where rank 0's are on a GPU."""
+    device = str(ctx.device) if kv.device != "cpu" else "cpu"
+    return RankEnd(ctx, role, dataclasses.replace(rank_config(kv), name=f"{kv.name}-rank{ctx.rank}", device=device))
 
 
 class RankEnd:

@@ -106,6 +106,30 @@ def test_per_rank_caches(tiny_checkpoint, arch: str, size: int, kv_dtype: str) -
     assert _compare(base, got) <= 1
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3_moe", "deepseek_v3"])
+def test_cuda_ranks(tiny_checkpoint, arch: str) -> None:  # type: ignore[no-untyped-def]
+    """Two ranks on two GPUs (NCCL between them, each rank's weights, heads and step inputs on its own GPU): equal to
+    TP=1 on one GPU, a copy-on-write fork and a prefix hit included. Needs two GPUs (scripts/gpu_check.sh, stage 6)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"{torch.cuda.device_count()} GPU(s): two CUDA ranks need two")
+    folder = str(tiny_checkpoint(arch))
+    params = [SamplingParams(max_tokens=MAX_NEW, logprobs=2, ignore_eos=True) for _ in _prompts()]
+    params[3] = SamplingParams(max_tokens=MAX_NEW, logprobs=2, ignore_eos=True, n=2, temperature=0.8, seed=5)
+    engine = {**ENGINE, "device": "cuda:0", "enforce_eager": True}
+
+    def run(**tp: object) -> list:
+        with LLM(folder, **{**engine, **tp}) as llm:  # type: ignore[arg-type]
+            outs = llm.generate(_prompts(), params)
+            llm.engine.check_integrity()
+        return [(o.outputs[k].whole.token_ids, o.outputs[k].whole.logprobs) for o in outs
+                for k in range(len(o.outputs))]  # type: ignore[union-attr]
+
+    assert _compare(run(), run(tensor_parallel_size=2, tp_kv_cache="per_rank")) <= 1
+
+
 def test_indivisible_layout_refused_before_start(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="tensor|heads|divid"):
         LLM(str(tiny_checkpoint("mixtral")), tensor_parallel_size=2, **ENGINE)  # 5 q heads

@@ -210,22 +210,29 @@ def test_the_controller_plans_no_flips_between_tp_sizes() -> None:
 
 
 def test_serve_asks_the_engine_whether_it_runs_tp_on_the_actors_device() -> None:
-    import torch
-
     from cluster.cli import check_tp_device
-    from engine.tp_group import check_device
 
     check_tp_device(serve("--tensor-parallel-size", "2"))  # the CPU: the runtime there
     check_tp_device(serve("--device", "cuda", "--gpus-per-actor", "1"))  # TP 1: nothing to ask
-    try:
-        check_device(torch.device("cuda"), 2)
-        engine_runs_it = True
-    except ValueError:
-        engine_runs_it = False
     for argv in (("--device", "cuda"), ("--device", "auto")):  # auto with GPUs from Ray: CUDA in the actor
-        cfg = serve(*argv, "--decode-tp", "2", "--gpus-per-actor", "1")
-        if engine_runs_it:
-            check_tp_device(cfg)
-        else:
-            with pytest.raises(ValueError, match="tensor_parallel_size"):
-                check_tp_device(cfg)
+        # CUDA ranks hold their own heads, one GPU each
+        check_tp_device(serve(*argv, "--decode-tp", "2", "--gpus-per-actor", "1", "--tp-kv-cache", "per_rank"))
+        with pytest.raises(ValueError, match="tp_kv_cache='per_rank'"):
+            check_tp_device(serve(*argv, "--decode-tp", "2", "--gpus-per-actor", "1"))
+    with pytest.raises(ValueError, match="one GPU per rank"):  # the config refuses GPUs shared among ranks
+        serve("--device", "cuda", "--decode-tp", "2", "--gpus-per-actor", "0.5", "--tp-kv-cache", "per_rank")
+
+
+def test_cuda_ranks_follow_rank_zeros_gpu() -> None:
+    import torch
+
+    from engine.tp_group import check_device, rank_device
+
+    assert [rank_device("cuda", 2, r) for r in range(2)] == [torch.device("cuda", 2), torch.device("cuda", 3)]
+    assert rank_device("cpu", 0, 1) == torch.device("cpu")
+    check_device(torch.device("cuda", 2), 2, "per_rank", 4)
+    with pytest.raises(ValueError, match="need cuda:4, but 4 GPU"):
+        check_device(torch.device("cuda", 2), 3, "per_rank", 4)
+    with pytest.raises(ValueError, match="only the CPU and CUDA"):
+        check_device(torch.device("mps"), 2, "per_rank", 4)
+    check_device(torch.device("cpu"), 4, "shared", 0)  # the CPU runtime: either layout
