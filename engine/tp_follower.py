@@ -149,9 +149,12 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                 src, dst = to_device([s for s, _ in pairs] + [d for _, d in pairs], torch.int64, device).chunk(2)
                 copy_blocks(kv, scale_all, src, dst)
             elif op == "forward":
-                _, host, ship = command
+                _, host, ship, scratch = command
                 ids, positions, meta, _ = unpack(to_device(host.ints, torch.int32, device), host)
-                hidden = model.forward(ids, positions, meta, caches, ext.after_kv_store if ship else None, scales)
+                step_caches, step_scales = (caches, scales) if scratch is None else _scratch(*scratch, device)
+                hidden = model.forward(ids, positions, meta, step_caches, ext.after_kv_store if ship else None,
+                                       step_scales)
+                del step_caches, step_scales
                 if ship:
                     ext.end_step()
             elif op == "logits":
@@ -164,6 +167,14 @@ def _map_cache(pid: int, fd: int, layout: dict[str, Any]) -> tuple[torch.Tensor,
     lay = KVLayout(**layout)
     flat = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=lay.nbytes + PROBE_REGION, dtype=torch.uint8)
     return lay.views(flat)
+
+
+def _scratch(kv: list[tuple[tuple[int, ...], str]], scales: list[tuple[int, ...]] | None, device: torch.device
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Zeroed caches (and float32 scales) of the shapes rank 0 gave for a forward before the group has its cache:
+    the memory profile's throwaway cache, as rank 0 allocates it."""
+    return ([torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in kv],
+            None if scales is None else [torch.zeros(shape, device=device) for shape in scales])
 
 
 def _own_cache(layout: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -150,6 +150,7 @@ class TPGroup:
         self._hello_cv = threading.Condition()
         self._reader: threading.Thread | None = None
         self.ships = False  # a forward with a K/V hook makes every follower run its extension's hook too
+        self.has_cache = False  # the followers mapped or allocated their cache (share_cache / own_caches)
         self._closer = weakref.finalize(self, _stop, procs, conns)
 
     @classmethod
@@ -210,6 +211,7 @@ class TPGroup:
         mapped it, which also means each loaded its shard: a rank that failed to start raises ``TPGroupError``."""
         self.send("kv", os.getpid(), shared.fd, shared.layout.to_dict())
         self._replies("loading its shard and mapping the cache", START_TIMEOUT_S)
+        self.has_cache = True
 
     def own_caches(self, layout: Any) -> None:
         """Each follower allocates its own heads' cache, laid out as rank 0's (``layout``, an
@@ -217,6 +219,7 @@ class TPGroup:
         which also means it loaded its shard: a rank that failed to start raises ``TPGroupError``."""
         self.send("kv_own", layout.to_dict())
         self._replies("loading its shard and allocating its cache", START_TIMEOUT_S)
+        self.has_cache = True
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Every follower copies blocks ``src`` -> ``dst`` in its own cache (``per_rank``), before the next step's
@@ -332,11 +335,16 @@ class DriverModel:
                 after_kv_store: Callable[[int], None] | None = None,
                 kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
         """As :meth:`DecoderModel.forward`; the followers run it on their heads of their caches, each from the step's
-        host ints (``meta.host``: the metadata must come from :func:`engine.step_wire.unpack`)."""
+        host ints (``meta.host``: the metadata must come from :func:`engine.step_wire.unpack`). Before the group has
+        its cache (the memory profile that sizes it: engine/device.py), each follower runs it on zeroed caches shaped
+        as ``kv_caches`` and ``kv_scales`` on its own device, dropped after the step."""
         if meta.host is None:
             raise ValueError("tensor parallel forward: the step's metadata holds no host ints to send the followers "
                              "(build it with engine.step_wire.unpack)")
-        self._group.send("forward", meta.host, after_kv_store is not None and self._group.ships)
+        scratch = None if self._group.has_cache else (
+            [(tuple(c.shape), str(c.dtype).removeprefix("torch.")) for c in kv_caches],
+            None if kv_scales is None else [tuple(c.shape) for c in kv_scales])
+        self._group.send("forward", meta.host, after_kv_store is not None and self._group.ships, scratch)
         self._hidden = None
         hidden = self._collective(self._model.forward, input_ids, positions, meta, kv_caches, after_kv_store,
                                   kv_scales)

@@ -130,6 +130,33 @@ def test_cuda_ranks(tiny_checkpoint, arch: str) -> None:  # type: ignore[no-unty
     assert _compare(run(), run(tensor_parallel_size=2, tp_kv_cache="per_rank")) <= 1
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_memory_profile_runs_on_every_rank_before_the_cache(tiny_checkpoint, kv_dtype: str) -> None:  # type: ignore
+    """The memory profile (engine/device.py's ``profile_forward``, what sizes a CUDA cache) runs a forward before any
+    rank has its cache: each follower runs it on a throwaway cache shaped as rank 0's, and the group goes on."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.device import profile_forward
+    from engine.model_config import load_model_config
+    from engine.model_loader import load_shard
+    from engine.model_runner import KV_DTYPES
+    from engine.tp_group import start_group
+
+    folder = tiny_checkpoint("qwen3")
+    cfg = load_model_config(folder)
+    config = EngineConfig(model=str(folder), tensor_parallel_size=2, num_threads=1)
+    group, model = start_group(cfg, load_shard(folder, cfg, torch.float32, 0, 2), folder, torch.float32, 256, config,
+                               torch.device("cpu"))
+    try:
+        assert not group.has_cache
+        for tokens in (40, 17):
+            profile_forward(model, tokens, 4, 8, KV_DTYPES.get(kv_dtype, torch.float32))
+        group._check_alive()
+    finally:
+        group.close()
+
+
 def test_indivisible_layout_refused_before_start(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="tensor|heads|divid"):
         LLM(str(tiny_checkpoint("mixtral")), tensor_parallel_size=2, **ENGINE)  # 5 q heads
