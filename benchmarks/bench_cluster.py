@@ -14,6 +14,12 @@ With ``--prefill-tp`` / ``--decode-tp`` (tensor parallelism, issue 29) each back
 beside its TP=1 run (TTFT against it, and the transfer share of each). The sizes must split the model (the default
 model's 9 heads and 3 kv heads: 3; a model they do not split is refused before anything starts). On the CPU each rank
 is a process running ``--threads`` torch threads, so TP n takes n times the cores of TP 1.
+
+    python benchmarks/bench_cluster.py --prefill-tp 3 --decode-tp 3 --backends torch_dist --tp-kv-cache shared,per_rank
+
+``--tp-kv-cache`` picks the TP rows' K/V cache layout (``WorkerConfig.tp_kv_cache``): ``shared`` (one file of every
+head on rank 0), ``per_rank`` (each rank its own heads, sent rank to rank over sockets: not with shm or cuda_ipc), or
+both, comma separated: a TP row per layout, side by side in one run.
 """
 
 from __future__ import annotations
@@ -63,11 +69,12 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def serve_config(mode: str, backend: str, args: argparse.Namespace, tp: tuple[int, int] = (1, 1)) -> ServeConfig:
+def serve_config(mode: str, backend: str, args: argparse.Namespace, tp: tuple[int, int] = (1, 1),
+                 layout: str = "shared") -> ServeConfig:
     """The cluster one row runs: one prefill and one decode actor (colocated: one decode actor) at TP sizes ``tp``
-    (prefill, decode; colocated: the decode size). Pure."""
+    (prefill, decode; colocated: the decode size), its TP ranks' K/V caches laid out as ``layout``. Pure."""
     worker = WorkerConfig(model=args.model, kv_cache_gib=0.5, dtype=args.dtype, num_threads=args.threads,
-                          prefill_tp=tp[0] if mode == "disaggregated" else 1, decode_tp=tp[1])
+                          prefill_tp=tp[0] if mode == "disaggregated" else 1, decode_tp=tp[1], tp_kv_cache=layout)
     kv_backend = backend if mode == "disaggregated" else "torch_dist"  # colocated: no transfer ("-")
     return ServeConfig(worker=worker, mode=mode, decode=1, prefill=1, kv_backend=kv_backend, port=0)  # 0: free port
 
@@ -95,16 +102,21 @@ def run(cfg: ServeConfig, args: argparse.Namespace) -> dict[str, Any]:
         cluster.stop()
 
 
-def label(mode: str, backend: str, tp: tuple[int, int], with_tp: bool) -> str:
-    """A row's name: ``colocated``, ``disaggregated/shm``, with TP sizes ``TP p:d`` (colocated ``TP d``). Pure."""
+def label(mode: str, backend: str, tp: tuple[int, int], with_tp: bool, layout: str = "shared") -> str:
+    """A row's name: ``colocated``, ``disaggregated/shm``, with TP sizes ``TP p:d`` (colocated ``TP d``), and
+    ``per_rank`` after a TP row whose ranks hold their own heads. Pure."""
     name = mode if mode == "colocated" else f"{mode}/{backend}"
     if not with_tp:
         return name
-    return f"{name} TP {tp[1]}" if mode == "colocated" else f"{name} TP {tp[0]}:{tp[1]}"
+    name = f"{name} TP {tp[1]}" if mode == "colocated" else f"{name} TP {tp[0]}:{tp[1]}"
+    return f"{name} per_rank" if layout == "per_rank" else name
 
 
-def table(rows: list[tuple[str, str, tuple[int, int], dict[str, Any]]], with_tp: bool) -> list[str]:
-    """The printed table for ``rows`` of (mode, backend, (prefill TP, decode TP), result): TTFT and TPOT p50 / p99,
+Row = tuple[str, str, tuple[int, int], str]  # mode, backend, (prefill TP, decode TP), the TP ranks' K/V cache layout
+
+
+def table(rows: list[tuple[str, str, tuple[int, int], str, dict[str, Any]]], with_tp: bool) -> list[str]:
+    """The printed table for ``rows`` of (*Row, result): TTFT and TPOT p50 / p99,
     TTFT against the colocated TP 1 row and, with ``with_tp``, against the same backend's TP 1 row; for
     disaggregated rows the transfer's GiB/s over its wire time, the share of that hidden behind prefill compute and
     the K/V parts' summed wire time against the requests' summed TTFT ("wire/TTFT": parts overlap each other and
@@ -114,19 +126,19 @@ def table(rows: list[tuple[str, str, tuple[int, int], dict[str, Any]]], with_tp:
     def p50(r: dict[str, Any]) -> float:
         return statistics.median(r["ttft"])
 
-    col = next((p50(r) for m, _, tp, r in rows if m == "colocated" and tp == (1, 1) and "ttft" in r), None)
-    tp1 = {b: p50(r) for m, b, tp, r in rows if m == "disaggregated" and tp == (1, 1) and "ttft" in r}
-    head = (f"{'mode':<34}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'TTFT/coloc':>12}"
+    col = next((p50(r) for m, _, tp, _, r in rows if m == "colocated" and tp == (1, 1) and "ttft" in r), None)
+    tp1 = {b: p50(r) for m, b, tp, _, r in rows if m == "disaggregated" and tp == (1, 1) and "ttft" in r}
+    head = (f"{'mode':<43}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}{'TTFT/coloc':>12}"
             + (f"{'TTFT/TP1':>10}" if with_tp else "") + f"{'KV GiB/s':>10}{'hidden':>8}{'wire/TTFT':>10}"
             f"{'KV/TTFT':>9}")
     out = [head]
-    for mode, b, tp, r in rows:
-        name = label(mode, b, tp, with_tp)
+    for mode, b, tp, layout, r in rows:
+        name = label(mode, b, tp, with_tp, layout)
         if "error" in r:
-            out.append(f"{name:<34}failed: {r['error']}")
+            out.append(f"{name:<43}failed: {r['error']}")
             continue
         t50 = p50(r)
-        line = (f"{name:<34}{t50 * 1e3:>8.0f}ms{pct(r['ttft'], .99) * 1e3:>6.0f}ms"
+        line = (f"{name:<43}{t50 * 1e3:>8.0f}ms{pct(r['ttft'], .99) * 1e3:>6.0f}ms"
                 f"{statistics.median(r['tpot']) * 1e3:>8.1f}ms{pct(r['tpot'], .99) * 1e3:>6.1f}ms"
                 + (f"{t50 / col:>11.2f}x" if col else f"{'-':>12}"))
         if with_tp:
@@ -150,24 +162,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per actor (per rank with TP)")
     ap.add_argument("--prefill-tp", type=int, default=1, help="also run each backend at this prefill TP size")
     ap.add_argument("--decode-tp", type=int, default=1, help="also run each backend at this decode TP size")
+    ap.add_argument("--tp-kv-cache", default="shared", metavar="shared,per_rank",
+                    help="the TP rows' K/V cache layouts, a row each: shared (one file on rank 0) and/or per_rank "
+                         "(each rank its own heads; socket backends only)")
     return ap.parse_args(argv)
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, str, tuple[int, int]]]:
+def plan(args: argparse.Namespace) -> list[Row]:
     """The rows to run, in order: colocated TP 1, then per backend disaggregated TP 1 and, when a TP size is given,
-    the same backend at (``--prefill-tp``, ``--decode-tp``). ``ValueError`` naming the flag for a size outside
-    [1, 64]. Pure."""
+    the same backend at (``--prefill-tp``, ``--decode-tp``), once per ``--tp-kv-cache`` layout. ``ValueError``
+    naming the flag for a size outside [1, 64], an unknown layout, or per_rank beside an in-place backend. Pure."""
     from cluster.wire.worker_config import MAX_TP
+    from engine.config import TP_KV_CACHES
 
     for flag, v in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         if not 1 <= v <= MAX_TP:
             raise ValueError(f"{flag}: must be in [1, {MAX_TP}], got {v}")
+    layouts = args.tp_kv_cache.split(",")
+    if bad := [x for x in layouts if x not in TP_KV_CACHES]:
+        raise ValueError(f"--tp-kv-cache: each must be one of {TP_KV_CACHES}, got {bad[0]!r}")
     tp = (args.prefill_tp, args.decode_tp)
-    rows = [("colocated", "-", (1, 1))]
-    for b in args.backends.split(","):
-        rows.append(("disaggregated", b, (1, 1)))
+    backends = args.backends.split(",")
+    if tp != (1, 1) and "per_rank" in layouts and (inplace := [b for b in backends if b in ("shm", "cuda_ipc")]):
+        raise ValueError(f"--tp-kv-cache per_rank: each rank sends its own heads over a socket backend; --backends "
+                         f"{inplace[0]} writes one full-head cache in place (use torch_dist, ucx or auto)")
+    rows: list[Row] = [("colocated", "-", (1, 1), "shared")]
+    for b in backends:
+        rows.append(("disaggregated", b, (1, 1), "shared"))
         if tp != (1, 1):
-            rows.append(("disaggregated", b, tp))
+            rows += [("disaggregated", b, tp, layout) for layout in layouts]
     return rows
 
 
@@ -176,16 +199,16 @@ def main() -> None:
 
     args = parse_args()
     rows = plan(args)
-    with_tp = any(tp != (1, 1) for _, _, tp in rows)
+    with_tp = any(tp != (1, 1) for _, _, tp, _ in rows)
     if with_tp:  # a size the model cannot split: refused before any cluster starts
         check_model_tp(serve_config("disaggregated", "torch_dist", args, (args.prefill_tp, args.decode_tp)))
     results = []
-    for mode, b, tp in rows:
-        print(f"running {label(mode, b, tp, with_tp)} ...", file=sys.stderr, flush=True)
+    for mode, b, tp, layout in rows:
+        print(f"running {label(mode, b, tp, with_tp, layout)} ...", file=sys.stderr, flush=True)
         try:
-            results.append((mode, b, tp, run(serve_config(mode, b, args, tp), args)))
+            results.append((mode, b, tp, layout, run(serve_config(mode, b, args, tp, layout), args)))
         except Exception as e:  # one configuration failing (a backend not installed) leaves the others' rows
-            results.append((mode, b, tp, {"error": f"{type(e).__name__}: {e}"}))
+            results.append((mode, b, tp, layout, {"error": f"{type(e).__name__}: {e}"}))
     print(f"\n{args.requests} sequential requests, ~{args.prompt_tokens} prompt tokens, {args.max_tokens} output "
           f"tokens, {args.dtype}, model {args.model}, {args.threads} thread(s) per rank, 1 prefill + 1 decode actor "
           f"(colocated: 1 decode actor)")

@@ -232,12 +232,11 @@ def kv_projected(obs: Observation, cfg: ControllerConfig, at_slo: bool = False) 
 
 def decode_headroom(obs: Observation, cfg: ControllerConfig) -> float:
     """The headroom decode's token rate is sized with. Headroom covers the load's growth until a change lands, and
-    the pools do not grow at the same speed: decode grows by flipping a prefill actor, which drains within its
-    prompts' TTFT parts, while prefill grows by flipping a decode actor, which drains only when its sequences have
-    produced their outputs (tens of seconds). So decode's headroom is ``headroom`` scaled by the time a flip toward
-    decode takes over one interval (at most 1); prefill keeps all of it. On ``bursts`` at 16 workers (a prompt-heavy
-    burst every 15 minutes) decode's full headroom held actors that the burst's prefill then waited ~50 s to get.
-    Pure."""
+    the pools grow at different speeds: decode by flipping a prefill actor (drained within its prompts' TTFT parts),
+    prefill by flipping a decode actor (drained only when its sequences have produced their outputs: tens of
+    seconds). So decode's headroom is ``headroom`` scaled by a flip toward decode's time over one interval (at most
+    1); prefill keeps all of it. On ``bursts`` at 16 workers (a prompt-heavy burst every 15 minutes) decode's full
+    headroom held actors that the burst's prefill then waited ~50 s to get. Pure."""
     prefill_drain = obs.prefill_queue_wait_s + obs.prefill_compute_s
     if prefill_drain <= 0:  # nothing measured yet: a prompt at the default rate
         prefill_drain = obs.mean_prompt_tokens / cfg.default_prefill_tps

@@ -102,3 +102,36 @@ def test_a_tp_raycluster_validates_against_kuberay_crd() -> None:
 def test_bad_tp_values_fail_naming_the_key(pools: dict[str, Any], key: str) -> None:
     with pytest.raises(helm.HelmError, match=key):
         raycluster(example("gpu", **pools))
+
+
+def with_tp_kv_cache(layout: str, backend: str = "auto") -> dict[str, Any]:
+    vals = example("cpu", prefill={"tensorParallelSize": 2}, decode={"tensorParallelSize": 2})
+    vals["engine"] = {**vals.get("engine", {}), "tpKvCache": layout}
+    vals["kvTransfer"] = {**vals.get("kvTransfer", {}), "backend": backend}
+    return vals
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch_dist", "ucx"])
+def test_a_per_rank_cache_reaches_serve(backend: str) -> None:
+    argv = controller_argv(raycluster(with_tp_kv_cache("per_rank", backend)))
+    assert "--tp-kv-cache=per_rank" in argv
+    cfg = serve_config(build_parser().parse_args(argv), environ=SECRET)  # serve's own check of the pair passes too
+    assert cfg.worker.tp_kv_cache == "per_rank" and cfg.kv_backend == backend
+
+
+def test_the_shared_cache_renders_no_flag() -> None:
+    argv = controller_argv(raycluster(with_tp_kv_cache("shared")))
+    assert not any(a.startswith("--tp-kv-cache") for a in argv)
+    assert serve_config(build_parser().parse_args(argv), environ=SECRET).worker.tp_kv_cache == "shared"
+
+
+@pytest.mark.parametrize("backend", ["shm", "cuda_ipc"])
+def test_a_per_rank_cache_with_an_in_place_backend_fails(backend: str) -> None:
+    with pytest.raises(helm.HelmError, match=f"engine.tpKvCache per_rank: .* kvTransfer.backend {backend}"):
+        raycluster(with_tp_kv_cache("per_rank", backend))
+    raycluster(with_tp_kv_cache("shared", backend))  # the shared cache is written in place
+
+
+def test_a_bad_tp_kv_cache_fails_naming_the_key() -> None:
+    with pytest.raises(helm.HelmError, match="/engine/tpKvCache': value must be one of 'shared', 'per_rank'"):
+        raycluster(with_tp_kv_cache("per_head"))
