@@ -13,7 +13,7 @@ import yaml
 
 from kuberay_crd import raycluster_schema
 
-from cluster.cli import build_parser, serve_config
+from cluster.cli import build_parser, check_tp_device, serve_config
 from cluster.launcher import actor_options
 
 helm = pytest.importorskip("helm_python")
@@ -23,9 +23,12 @@ SECRET = {"PDCLUSTER_CLUSTER_SECRET": "x" * 40}  # the controller's env in the p
 
 
 def example(name: str, **pools: dict[str, Any]) -> dict[str, Any]:
+    """An example's values with ``pools``' overrides; a GPU pool of TP > 1 gets ``engine.tpKvCache: per_rank``."""
     vals = yaml.safe_load((CHART / "examples" / f"values-{name}.yaml").read_text())
     for role, extra in pools.items():
         vals[role] = {**vals[role], **extra}
+    if name == "gpu" and any(p.get("tensorParallelSize", 1) != 1 for p in pools.values()):
+        vals["engine"] = {**vals.get("engine", {}), "tpKvCache": "per_rank"}
     return vals
 
 
@@ -63,7 +66,8 @@ def test_a_gpu_tp_pool_gets_one_gpu_per_rank_and_serve_asks_for_them() -> None:
     assert "--prefill-tp=2" in argv and "--decode-tp=4" in argv and "--gpus-per-actor=1" in argv
     assert "--budget=36" in argv  # 6 x 2 + 6 x 4 GPUs: the budget counts ranks
     cfg = serve_config(build_parser().parse_args(argv), environ=SECRET)  # the flags serve really parses
-    assert (cfg.worker.prefill_tp, cfg.worker.decode_tp) == (2, 4)
+    assert (cfg.worker.prefill_tp, cfg.worker.decode_tp) == (2, 4) and cfg.worker.tp_kv_cache == "per_rank"
+    check_tp_device(cfg)  # and the engine's rule for CUDA ranks, asked before any actor starts, passes
     for role, (offered, _) in pod_gpus(rc).items():  # each actor fits its own pod exactly
         assert actor_options(cfg, role)["num_gpus"] == int(offered)
 
@@ -130,6 +134,13 @@ def test_a_per_rank_cache_with_an_in_place_backend_fails(backend: str) -> None:
     with pytest.raises(helm.HelmError, match=f"engine.tpKvCache per_rank: .* kvTransfer.backend {backend}"):
         raycluster(with_tp_kv_cache("per_rank", backend))
     raycluster(with_tp_kv_cache("shared", backend))  # the shared cache is written in place
+
+
+def test_a_gpu_tp_pool_with_the_shared_cache_fails() -> None:
+    vals = example("gpu", decode={"tensorParallelSize": 2})
+    vals["engine"]["tpKvCache"] = "shared"  # one CPU file of every head: CUDA ranks each hold theirs on their GPU
+    with pytest.raises(helm.HelmError, match="engine.tpKvCache: decode.tensorParallelSize 2 on GPUs needs per_rank"):
+        raycluster(vals)
 
 
 def test_a_bad_tp_kv_cache_fails_naming_the_key() -> None:
