@@ -21,6 +21,7 @@ from kv_transfer.connector import receiver as receiver_module
 from kv_transfer.connector.decode_side import DecodeConnector
 from kv_transfer.connector.intake import IntakeRecord, IntakeState
 from kv_transfer.connector.ranks import RankExpect, RankNotice
+from test_connector import poll  # the poll callbacks recorded by name (commit asserted under the intake lock)
 
 LAYERS, BS, T0, PROMPT = 2, 4, 100.0, 10
 
@@ -85,21 +86,6 @@ def reserve(c: DecodeConnector, rid: str, ttl: float = 30.0) -> IntakeRecord:
 def part(rec: IntakeRecord, layer: int, head_start: int, heads: int) -> RankNotice:
     """A follower installed ``layer``'s whole prompt of heads ``[head_start, head_start + heads)``."""
     return RankNotice("part", rec.reservation_id, layer, 0, PROMPT, head_start, heads)
-
-
-def poll(c: DecodeConnector, records: list[IntakeRecord], now: float) -> dict[str, list[str]]:
-    seen: dict[str, list[str]] = {"join": [], "failed": [], "expired": []}
-
-    def join(rec: IntakeRecord) -> None:
-        c.commit(rec)
-        seen["join"].append(rec.request_id)
-
-    def failed(rec: IntakeRecord) -> None:
-        c.release(rec, rec.failure, locked=True)
-        seen["failed"].append(rec.request_id)
-
-    c.poll(records, now, join, failed, lambda rec: seen["expired"].append(rec.request_id))
-    return seen
 
 
 @pytest.mark.parametrize("kv_heads,size,local,notices", [
