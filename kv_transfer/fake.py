@@ -13,6 +13,7 @@ import torch
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
+from kv_transfer.streams import HostStreams
 
 
 class FakeFabric:
@@ -45,8 +46,8 @@ class FakeFabric:
 class FakeBackend(KVTransferBackend):
     """Copies payloads straight into the peer's receive buffers in the caller's thread."""
 
-    def __init__(self, config: KVTransferConfig, fabric: FakeFabric) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, fabric: FakeFabric, streams: HostStreams | None = None) -> None:
+        super().__init__(config, streams)
         self.fabric = fabric
         self.address: str | None = None
         self._connected: set[str] = set()
@@ -55,7 +56,7 @@ class FakeBackend(KVTransferBackend):
     def listen(self) -> str:
         """Mutates: register with the fabric and allocate receive buffers; returns ``fake://name/n``."""
         if self.address is None:
-            self.recv_side = RecvSide(self.config)
+            self.recv_side = RecvSide(self.config, self.streams)
             self.address = self.fabric.register(self)
         return self.address
 

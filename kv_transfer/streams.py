@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from engine.device_threads import DeviceThreads
 from pdkernels.host_copy import to_device
 
 Stream = Any  # torch.cuda.Stream, FakeStream, or None: the host
@@ -56,7 +57,13 @@ HOST_DONE = _HostDone()
 
 
 class HostStreams:
-    """The CPU: work is finished when the call that did it returns, so there is nothing to order."""
+    """The CPU: work is finished when the call that did it returns, so there is nothing to order.
+
+    ``threads``: how the threads of whoever uses this seam enter its device (:mod:`engine.device_threads`); every
+    backend and connector thread is started through it. Default: the CPU's (entering does nothing)."""
+
+    def __init__(self, threads: DeviceThreads | None = None) -> None:
+        self.threads = threads if threads is not None else DeviceThreads("cpu")
 
     def current(self) -> Stream:
         return None
@@ -86,8 +93,9 @@ class HostStreams:
 class CudaStreams(HostStreams):
     """torch.cuda streams and events of one device. ``None`` as a stream means the calling thread's current one."""
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, threads: DeviceThreads | None = None) -> None:
         self.device = torch.device(device)
+        super().__init__(threads if threads is not None else DeviceThreads(self.device))
 
     def current(self) -> Stream:
         return torch.cuda.current_stream(self.device)
@@ -175,7 +183,8 @@ class FakeStreams(HostStreams):
 
     Each thread's current stream starts as ``default`` (CUDA's default stream: the engine's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: DeviceThreads | None = None) -> None:
+        super().__init__(threads)
         self.ops: list[StreamOp] = []
         self.violations: list[str] = []
         self._lock = threading.Lock()

@@ -76,7 +76,7 @@ class SendPair:
         self._on_done = on_done
         self._groups: tuple[Any, ...] = ()  # (store, control group, data group)
         self._stream: Any = None  # the send stream (None on the host)
-        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
+        self.thread = streams.threads.thread(self._run, f"kv-send-{peer}")  # enters the pair's device first
         self.thread.start()
 
     def _run(self) -> None:
@@ -162,7 +162,7 @@ class RecvPair:
         self._streams = side.streams
         self._stream = side.streams.new_stream("kv-recv")  # NCCL receives run here (None on the host)
         self._envelopes = [torch.empty(_ENVELOPE, dtype=torch.uint8) for _ in range(2)]
-        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
+        self.thread = side.streams.threads.thread(self._run, f"kv-recv-{peer}")  # enters the pair's device first
         self.thread.start()
 
     def _run(self) -> None:

@@ -23,7 +23,6 @@ fence has passed; a sent payload is dropped (back to the caching allocator) only
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -65,7 +64,7 @@ class UCXBackend(KVTransferBackend):
 
         self._ucxx = ucxx
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-ucx-loop", daemon=True)
+        self._thread = self.streams.threads.thread(self._loop.run_forever, "kv-ucx-loop")
         self._thread.start()
         self._listener: Any = None
         self._address: str | None = None

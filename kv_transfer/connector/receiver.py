@@ -33,6 +33,7 @@ from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHea
 from kv_transfer.layer_parts import blocks_checksum, install_layer_part
 from kv_transfer.payload_mac import part_key
 from kv_transfer.result_message import unpack_result
+from kv_transfer.streams import HostStreams
 
 log = logging.getLogger(__name__)
 # chunks whose block-index tensor is kept: a chunk's parts (one per layer) share their block ids, and the parts of a
@@ -71,10 +72,12 @@ class KVReceiver:
 
     def __init__(self, engine: Any, config: KVTransferConfig, lock: threading.Lock,
                  reservations: ReservationManager, on_part: Callable[[IntakeRecord], None],
-                 on_result: Callable[[PrefillResult], None] | None = None) -> None:
+                 on_result: Callable[[PrefillResult], None] | None = None, streams: HostStreams | None = None) -> None:
         """``reservations`` holds the pending records (looked up, opened and ended under ``lock``); ``on_part(record)``
         runs (under ``lock``) after each installed part, e.g. to renew the lease; ``on_result(result)`` (not under
-        it) for each authentic prefill result that came over the channel (None: such results are dropped)."""
+        it) for each authentic prefill result that came over the channel (None: such results are dropped).
+        ``streams``: the backend's stream seam, whose ``threads`` start this receiver's thread and the backend's
+        (None: the one for ``config.device``)."""
         from kv_transfer import make_backend
 
         self.engine = engine
@@ -84,7 +87,7 @@ class KVReceiver:
         self._lookup = reservations.get
         self._on_part = on_part
         self._on_result = on_result
-        self.backend = make_backend(config)
+        self.backend = make_backend(config, streams=streams)
         self.backend.export_cache(*engine.kv_memory())
         self.backend.set_writer_hooks(self._writer_open, self._writer_end, self._writer_gone)
         self.address = self.backend.listen()
@@ -100,7 +103,7 @@ class KVReceiver:
         self.parts_unauthenticated = 0  # dropped before anything was touched: no MAC, a wrong one, or another nonce
         self.bytes_received = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+        self._thread = self.backend.streams.threads.thread(self._run, "kv-receiver")  # installs on the engine's device
         self._thread.start()
 
     def _run(self) -> None:
