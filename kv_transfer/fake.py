@@ -52,6 +52,7 @@ class FakeBackend(KVTransferBackend):
         self.address: str | None = None
         self._connected: set[str] = set()
         self._closed = False
+        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac.tag_beside)
 
     def listen(self) -> str:
         """Mutates: register with the fabric and allocate receive buffers; returns ``fake://name/n``."""
@@ -77,7 +78,9 @@ class FakeBackend(KVTransferBackend):
             handle.mark_failed(f"no fake endpoint listens at {peer_address!r}")
             return handle
         self._connected.add(peer_address)
-        sealed = sealed_header(header, payload, secret=self.config.secret)
+        # the payload was written on the caller's stream: the MAC stream waits for it there, and for nothing after
+        sealed = sealed_header(header, payload, self.streams.record(), secret=self.config.secret, streams=self.streams,
+                               stream=self._mac_stream)
         error = peer.deliver(self.config.name, KVTransferHeader.decode(sealed), as_bytes(payload))
         if error is None:
             self._send_done(handle)

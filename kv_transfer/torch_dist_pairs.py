@@ -76,6 +76,7 @@ class SendPair:
         self._on_done = on_done
         self._groups: tuple[Any, ...] = ()  # (store, control group, data group)
         self._stream: Any = None  # the send stream (None on the host)
+        self._mac_stream: Any = None  # where payload tags are computed (kv_transfer.payload_mac.tag_beside)
         self.thread = streams.threads.thread(self._run, f"kv-send-{peer}")  # enters the pair's device first
         self.thread.start()
 
@@ -87,6 +88,7 @@ class SendPair:
         self.connected.set()
         if self.error is None:
             self._stream = self._streams.new_stream("kv-send")
+            self._mac_stream = self._streams.new_stream("kv-mac")
         io = datetime.timedelta(seconds=self.config.io_timeout_s)
         in_flight: collections.deque[tuple[TransferHandle, list[Any]]] = collections.deque()
         while True:
@@ -116,7 +118,8 @@ class SendPair:
     def _post(self, head: KVTransferHeader, payload: torch.Tensor, event: Any, nbytes: int) -> list[Any]:
         """Start one message's sends (checksumming the payload first if its header has none); returns [works...,
         tensors to keep alive until they finish]."""
-        header = sealed_header(head, payload, event, secret=self.config.secret)
+        header = sealed_header(head, payload, event, secret=self.config.secret, streams=self._streams,
+                               stream=self._mac_stream)
         _, ctrl, data = self._groups
         env, rest = _envelope(header, nbytes)
         works = [ctrl.send([env], RECEIVER, TAG)]
