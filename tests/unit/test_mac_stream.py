@@ -168,3 +168,49 @@ def test_a_decode_rank_end_verifies_each_part_on_its_mac_stream(monkeypatch: pyt
     # each part's write: its *ready* event, recorded for its buffer
     ready = [o.event for o in fake.ops if o.kind == "record" and o.stream == "kv-recv" and o.buffer is not None]
     assert_beside(fake, spy.on("kv-rank-receiver"), ready)
+
+
+def test_the_decode_receiver_checks_an_in_place_part_on_its_mac_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part written straight into the blocks (shm, with its writer's tag): the receiver tags the blocks as they
+    landed on its MAC stream (the writer's copy ran before it announced the part: nothing to wait for there), never
+    on the engine's."""
+    import time
+
+    from engine.block_pool import BlockPool
+    from engine.kv_memory import KVLayout, SharedKVMemory
+    from kv_transfer.connector.receiver import KVReceiver
+    from kv_transfer.connector.reservations import ReservationManager
+    from kv_transfer.inplace import InPlaceBackend
+
+    fake = FakeStreams()
+    mem = SharedKVMemory(KVLayout(1, 4, 4, 2, 8, "float32"))
+    engine = SimpleNamespace(kv_memory=lambda: (mem.kv, mem.scales, mem), kv_layer=lambda i: mem.kv[i],
+                             kv_layer_scales=lambda i: None, fingerprint="fp",
+                             model_config=SimpleNamespace(kv_layout="kv"))
+    reservations = ReservationManager(BlockPool(4))
+    rec = reservations.reserve("r", 2, 60.0, time.monotonic(), prompt_len=8, heads=2)
+    assert rec is not None
+    installed: queue.Queue[Any] = queue.Queue()
+    receiver = KVReceiver(engine, KVTransferConfig(backend="shm", name="d"), threading.Lock(), reservations,
+                          installed.put, streams=fake)
+    writer = InPlaceBackend(KVTransferConfig(backend="shm", name="w", inplace_checksum=True))
+    src = torch.randn(2, 4, 4, 2, 8)
+    spy = MacSpy(fake, monkeypatch)
+    try:
+        assert writer.open(receiver.address, rec.reservation_id, rec.epoch, rec.nonce) is None
+        handle = writer.write_part(receiver.address, src[0], src[1], [0, 1], list(rec.block_ids), None, layer=0,
+                                   token_start=0, token_end=8, request_id="r", reservation_id=rec.reservation_id,
+                                   model_fingerprint="fp", epoch=rec.epoch, nonce=rec.nonce)
+        assert handle.wait(10) is TransferState.DONE, handle.error
+        assert installed.get(timeout=30) is rec
+    finally:
+        writer.close()
+        receiver.close()
+        mem.close()
+    assert receiver.parts_installed == 1 and receiver.parts_rejected == 0
+    launches = spy.on("kv-receiver")
+    assert launches and {stream for _, stream, _ in launches} == {"kv-mac"}, launches
+    assert not [o for o in fake.ops if o.kind == "wait" and o.stream == "kv-mac"]
+    (n,) = [n for what, _, n in launches if what == "tag"]
+    last = [o for o in fake.ops[:n] if o.kind == "host_wait"][-1]  # the host waited for the MAC stream's event
+    assert last.event in {o.event for o in fake.ops if o.kind == "record" and o.stream == "kv-mac"}
