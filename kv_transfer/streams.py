@@ -12,6 +12,14 @@ there); the decode side's receiver takes a finished transfer (``recv``), install
 stream the engine's forward runs on. ``recv`` makes that stream wait for the comm stream's *ready* event; ``release``
 records the buffer's *fence* there; the pool makes the next writer wait for the fence before it hands the buffer out.
 
+**Side streams.** A payload's tag (:func:`kv_transfer.payload_mac.tag_beside`) is computed on a stream of its own
+that waits for the part's producer event only, never on the engine's: its read back would otherwise wait for the
+compute queued after the part.
+
+**Threads.** Each seam carries the :class:`~engine.device_threads.DeviceThreads` of its device (``threads``): every
+backend and connector thread is started through it and enters the device before it runs (CUDA's current device is
+per thread; a new one starts on device 0).
+
 :class:`CudaStreams` is the real thing. :class:`HostStreams` is the CPU's: no streams, every use is finished when the
 call returns, so events are already complete and waits are no-ops. :class:`FakeStreams` records every record / wait /
 handoff with its buffer and stream, and raises :class:`StreamDisciplineError` (also kept in ``violations``) the
