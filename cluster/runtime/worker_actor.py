@@ -20,19 +20,18 @@ from typing import Any
 
 from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
-from engine.device_threads import DeviceThreads, SetDevice, entering_device
+from engine.device_threads import DeviceThreads, entering_device
 
 ROLES = ("prefill", "decode")
 EVACUATE_GRACE_S = 30.0  # how long a SIGTERM'd worker waits for its requests to be resumed elsewhere before it exits
 log = logging.getLogger(__name__)
 
 
-def on_assigned_gpu(config: WorkerConfig, set_device: SetDevice | None = None) -> WorkerConfig:
+def on_assigned_gpu(config: WorkerConfig) -> WorkerConfig:
     """With ``config.share_node_gpus`` (this actor sees every GPU of its node): make the GPU Ray assigned it (the N-th
     for ``cuda:N``) the calling thread's current CUDA device, before anything builds on CUDA, and return the config
     naming it (``cuda:<local index>``). Without: the config unchanged. Mutates the calling thread's current CUDA
-    device (every other thread enters it itself: :mod:`engine.device_threads`; ``set_device``: how, None:
-    ``torch.cuda.set_device``); asks Ray."""
+    device (every other thread enters it itself: :mod:`engine.device_threads`); asks Ray."""
     if not config.share_node_gpus:
         return config
     import ray
@@ -41,7 +40,7 @@ def on_assigned_gpu(config: WorkerConfig, set_device: SetDevice | None = None) -
 
     ordinal = int(config.device.split(":", 1)[1]) if config.device.startswith("cuda:") else 0
     index = assigned_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), ordinal)
-    DeviceThreads(f"cuda:{index}", set_device).enter()  # bare "cuda" tensors, streams and NCCL use it
+    DeviceThreads(f"cuda:{index}").enter()  # bare "cuda" tensors, streams and NCCL use it
     log.info("GPU(s) %s assigned by Ray: cuda:%d of CUDA_VISIBLE_DEVICES=%s", ray.get_gpu_ids(), index,
              os.environ.get("CUDA_VISIBLE_DEVICES"))
     return dataclasses.replace(config, device=f"cuda:{index}")
