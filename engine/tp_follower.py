@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from engine.device_threads import DeviceThreads
 from engine.kv_memory import PROBE_REGION, KVLayout, copy_blocks
 from engine.step_wire import unpack
 from engine.tp_group import DistComm, _process_group, rank_device
@@ -61,7 +62,7 @@ def _exit_with_parent(parent: int) -> None:
             time.sleep(1.0)
         os._exit(0)
 
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+    DeviceThreads("cpu").start(watch, "tp-parent-watch")  # launches no device work
 
 
 def follower_main(conn: Any, rank: int, parent: int) -> None:
@@ -84,8 +85,7 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
     path = __import__("pathlib").Path(spec.model_path)
     dtype = getattr(torch, spec.dtype)
     device = rank_device(spec.device_type, spec.first_index, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL, the kernels and every allocation without a device go here
+    DeviceThreads(device).enter()  # NCCL, the kernels and every allocation without a device go here
     cfg = load_model_config(path)
     pg = _process_group(spec.store_host, spec.store_port, rank, spec.size, device)
     comm = DistComm(pg)

@@ -51,6 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.device_threads import DeviceThreads
+
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective (one layer's all-reduce) that waits longer than this is a hung rank
 START_TIMEOUT_S = 600.0  # every follower loaded its shard and joined the group by then
@@ -152,6 +154,8 @@ class TPGroup:
         self.ships = False  # a forward with a K/V hook makes every follower run its extension's hook too
         self.has_cache = False  # the followers mapped or allocated their cache (share_cache / own_caches)
         self._closer = weakref.finalize(self, _stop, procs, conns)
+        # rank 0's device: the notice reader enters it (engine/device_threads.py)
+        self.threads = DeviceThreads(rank_device(spec.device_type, spec.first_index, 0))
 
     @classmethod
     def start(cls, model_path: str, dtype: torch.dtype, max_len: int, num_threads: int | None, size: int,
@@ -239,8 +243,7 @@ class TPGroup:
         self._on_notice = on_notice
         self.ships = ships
         if self._reader is None:  # the startup replies are read; from here on a thread reads what followers send
-            self._reader = threading.Thread(target=self._read_notices, name="tp-notices", daemon=True)
-            self._reader.start()
+            self._reader = self.threads.start(self._read_notices, "tp-notices")  # the handler may launch device work
         self.send("ext_start", factory, args)
         deadline = time.monotonic() + START_TIMEOUT_S
         with self._hello_cv:

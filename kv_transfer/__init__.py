@@ -26,6 +26,7 @@ from kv_transfer.header import (
 if TYPE_CHECKING:
     from kv_transfer.base import KVTransferBackend
     from kv_transfer.fake import FakeFabric
+    from kv_transfer.streams import HostStreams
 
 __all__ = [
     "ChecksumError",
@@ -39,26 +40,28 @@ __all__ = [
 ]
 
 
-def make_backend(config: KVTransferConfig, fabric: FakeFabric | None = None) -> KVTransferBackend:
+def make_backend(config: KVTransferConfig, fabric: FakeFabric | None = None,
+                 streams: HostStreams | None = None) -> KVTransferBackend:
     """A new endpoint of ``config.backend`` (the fake one needs the ``fabric`` its peers share); an unset
     ``config.host`` becomes this process's node address (``KVTransferConfig.resolved``), so call it on the actor's own
-    node."""
+    node. ``streams``: its stream seam, whose ``threads`` start its threads (None: the one for ``config.device``;
+    tests pass fakes or recorders)."""
     if config.backend == "torch_dist":
         from kv_transfer.torch_dist import TorchDistBackend
 
-        return TorchDistBackend(config)
+        return TorchDistBackend(config, streams)
     if config.backend == "ucx":
         from kv_transfer.ucx import UCXBackend
 
-        return UCXBackend(config)
+        return UCXBackend(config, streams)
     if config.backend in ("shm", "cuda_ipc"):
         from kv_transfer.inplace import InPlaceBackend
 
-        return InPlaceBackend(config)
+        return InPlaceBackend(config, streams)
     if config.backend == "auto":
         from kv_transfer.auto import AutoBackend
 
-        return AutoBackend(config)
+        return AutoBackend(config, streams)
     from kv_transfer.fake import FakeBackend, FakeFabric
 
-    return FakeBackend(config, fabric if fabric is not None else FakeFabric())
+    return FakeBackend(config, fabric if fabric is not None else FakeFabric(), streams)

@@ -23,6 +23,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
 from kv_transfer.inplace import InPlaceBackend
 from kv_transfer.inplace_channel import fallback_reason
+from kv_transfer.streams import HostStreams
 
 log = logging.getLogger(__name__)
 PREFIX = "auto|"
@@ -41,13 +42,14 @@ def split_address(address: str) -> tuple[str | None, str]:
 class AutoBackend(KVTransferBackend):
     """An in-place endpoint and a socket endpoint behind one interface; routes each peer to one of them."""
 
-    def __init__(self, config: KVTransferConfig) -> None:
+    def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
+        """``streams``: the stream seam both endpoints share (None: the one for ``config.device``)."""
         from kv_transfer import make_backend
 
-        super().__init__(config)
+        super().__init__(config, streams)
         kind = "cuda_ipc" if config.is_cuda else "shm"
-        self.inplace = InPlaceBackend(dataclasses.replace(self.config, backend=kind))
-        self.socket = make_backend(dataclasses.replace(self.config, backend=config.fallback_backend))
+        self.inplace = InPlaceBackend(dataclasses.replace(self.config, backend=kind), streams)
+        self.socket = make_backend(dataclasses.replace(self.config, backend=config.fallback_backend), streams=streams)
         self._exported = False
         self._routes: dict[str, tuple[KVTransferBackend, str]] = {}  # advertised address -> (backend, its address)
         # peers offered in place but routed to the socket backend, by reason (inplace_channel.fallback_reason): a

@@ -119,18 +119,26 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object | None = None, *,
-                  secret: ClusterSecret | None) -> bytes:
+                  secret: ClusterSecret | None, streams: HostStreams | None = None, stream: Stream = None) -> bytes:
     """The header's wire bytes, with the payload's tag filled in when the sender left it out (``checksum`` None; the
     part's key under ``secret``: :mod:`kv_transfer.payload_mac`) and then its MAC under ``secret`` (None:
     authentication off): socket backends call this on their I/O thread, so the tag's pass over the bytes (on their
-    device) and its small read back are off the compute thread. ``ready``: a CUDA event the payload's producer
-    recorded; waited for first. Pure apart from that wait."""
+    device) and its small read back are off the compute thread. ``ready``: the event the payload's producer recorded
+    after writing it. ``streams`` and ``stream``: the tag is computed on ``stream``, a side stream that waits for
+    ``ready`` and nothing else (:func:`~kv_transfer.payload_mac.tag_beside`: never on the engine's stream, whose later
+    compute it would wait for); without ``streams``, on the calling thread's current stream after the host waited for
+    ``ready``. Blocks until the tag is read; pure apart from that."""
     if header.checksum is None:
-        from kv_transfer.payload_mac import part_key, payload_tag
+        from kv_transfer.payload_mac import part_key, payload_mac, payload_tag, tag_beside
 
-        if ready is not None:
-            ready.synchronize()  # type: ignore[attr-defined]
-        header = dataclasses.replace(header, checksum=payload_tag(payload, part_key(secret, header)))
+        key = part_key(secret, header)
+        if streams is not None:
+            tag = tag_beside(streams, stream, ready, lambda: payload_mac(payload, key))
+        else:
+            if ready is not None:
+                ready.synchronize()  # type: ignore[attr-defined]
+            tag = payload_tag(payload, key)
+        header = dataclasses.replace(header, checksum=tag)
     return sign_header(header, secret).encode()
 
 

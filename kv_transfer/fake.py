@@ -13,6 +13,7 @@ import torch
 from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
+from kv_transfer.streams import HostStreams
 
 
 class FakeFabric:
@@ -45,17 +46,18 @@ class FakeFabric:
 class FakeBackend(KVTransferBackend):
     """Copies payloads straight into the peer's receive buffers in the caller's thread."""
 
-    def __init__(self, config: KVTransferConfig, fabric: FakeFabric) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVTransferConfig, fabric: FakeFabric, streams: HostStreams | None = None) -> None:
+        super().__init__(config, streams)
         self.fabric = fabric
         self.address: str | None = None
         self._connected: set[str] = set()
         self._closed = False
+        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac.tag_beside)
 
     def listen(self) -> str:
         """Mutates: register with the fabric and allocate receive buffers; returns ``fake://name/n``."""
         if self.address is None:
-            self.recv_side = RecvSide(self.config)
+            self.recv_side = RecvSide(self.config, self.streams)
             self.address = self.fabric.register(self)
         return self.address
 
@@ -76,7 +78,9 @@ class FakeBackend(KVTransferBackend):
             handle.mark_failed(f"no fake endpoint listens at {peer_address!r}")
             return handle
         self._connected.add(peer_address)
-        sealed = sealed_header(header, payload, secret=self.config.secret)
+        # the payload was written on the caller's stream: the MAC stream waits for it there, and for nothing after
+        sealed = sealed_header(header, payload, self.streams.record(), secret=self.config.secret, streams=self.streams,
+                               stream=self._mac_stream)
         error = peer.deliver(self.config.name, KVTransferHeader.decode(sealed), as_bytes(payload))
         if error is None:
             self._send_done(handle)

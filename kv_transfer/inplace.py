@@ -154,7 +154,7 @@ class InPlaceBackend(InPlaceEndpoint):
             raise ConnectionError(f"in-place channel to {address}: {e}") from e
         sock.settimeout(None)
         peer = _Peer(address, sock, kv, scales)
-        peer.thread = threading.Thread(target=self._notify_loop, args=(peer,), name="kv-inplace-notify", daemon=True)
+        peer.thread = self.streams.threads.thread(self._notify_loop, "kv-inplace-notify", (peer,))
         peer.thread.start()
         return peer
 

@@ -102,7 +102,7 @@ class InPlaceEndpoint(KVTransferBackend):
             srv.settimeout(0.2)
             self._server = srv
             self._address = str(InPlaceAddress(self.kind, self.node, name))
-            threading.Thread(target=self._accept_loop, name="kv-inplace-accept", daemon=True).start()
+            self.streams.threads.start(self._accept_loop, "kv-inplace-accept")
         return self._address
 
     def _accept_loop(self) -> None:
@@ -116,7 +116,7 @@ class InPlaceEndpoint(KVTransferBackend):
                 return
             conn.settimeout(None)
             self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kv-inplace-writer", daemon=True).start()
+            self.streams.threads.start(self._serve, "kv-inplace-writer", (conn,))
 
     def _serve(self, conn: socket.socket) -> None:
         """One writer's channel, until it closes: answer opens, queue announced parts, pass ends on.

@@ -14,7 +14,9 @@ Receiver, for each DONE handle from ``backend.recv()``::
 
 Streams (:mod:`kv_transfer.streams`): both run on the calling thread's current stream. The sender's backend waits
 for that stream's event before it reads the payload; the receiver calls ``recv``, ``install_layer_part`` and
-``release`` on one stream (the engine's), so the buffer's fence covers the unpack.
+``release`` on one stream (the engine's), so the buffer's fence covers the unpack. The payload's tag is the exception
+on both sides: computed on a side stream that waits for the part's producer event only (``tag_of``,
+:func:`kv_transfer.payload_mac.tag_beside`), so reading it back never waits for the engine's later compute.
 
 A scaled cache passes its layer's scales (``scales=``: FP8 ``[2, num_blocks, kv_heads]``, int8 ``[2, num_blocks,
 block_size, kv_heads]``) to both: the payload then carries the blocks' scales after the blocks, about half the bytes of
@@ -24,7 +26,7 @@ bfloat16.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -34,6 +36,8 @@ from cluster.wire.auth import ClusterSecret
 from kv_transfer.header import ExpectedTransfer, KVTransferHeader, verify_checksum, verify_fields, verify_length
 from kv_transfer.payload_mac import PartKey, PayloadMac, part_key, payload_tag
 from kv_transfer.streams import block_index
+
+TagOf = Callable[[torch.Tensor, PartKey], bytes]  # a payload's bytes and its part's key -> its tag
 
 
 def pack_layer_part(
@@ -159,14 +163,15 @@ def blocks_mac(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence
 
 
 def verify_part(header: KVTransferHeader, raw: torch.Tensor, expected: ExpectedTransfer,
-                secret: ClusterSecret | None) -> None:
+                secret: ClusterSecret | None, tag_of: TagOf | None = None) -> None:
     """Raise the :class:`~kv_transfer.header.HeaderMismatchError` of the first thing not as ``expected``: the header's
     fields, the payload's length (``raw``: its bytes, uint8), then its tag under ``secret``'s key for the part (a pass
-    over the bytes on their device: last). Pure."""
+    over the bytes on their device: last). ``tag_of(raw, key)``: how the tag is computed (a receiver's, on its MAC
+    stream: :func:`~kv_transfer.payload_mac.tag_beside`); None: on the current stream. Pure."""
     verify_fields(header, expected)
     verify_length(header, raw.numel() * raw.element_size())
     if header.checksum is not None:
-        verify_checksum(header, payload_tag(raw, part_key(secret, header)))
+        verify_checksum(header, (tag_of or payload_tag)(raw, part_key(secret, header)))
 
 
 def install_layer_part(
@@ -178,11 +183,12 @@ def install_layer_part(
     scales: torch.Tensor | None = None,
     secret: ClusterSecret | None = None,
     index: torch.Tensor | None = None,
+    tag_of: TagOf | None = None,
 ) -> None:
     """Verify ``header`` and the payload bytes ``raw`` against ``expected`` (the tag under ``secret``'s key for the
     part: :func:`verify_part`), then scatter them into the caches (and a scaled payload's scales into ``scales``, the
     layer's ``[2, num_blocks, ...]``). ``index``: ``header.block_ids`` on the caches' device, built once for a chunk's
-    parts (None: built here).
+    parts (None: built here). ``tag_of``: how the tag is computed (:func:`verify_part`).
 
     Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
     :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
@@ -192,7 +198,7 @@ def install_layer_part(
     if (scales is not None) != (header.scales_nbytes > 0):
         raise ValueError(f"scales: a {header.dtype} payload into a {k_cache.dtype} cache "
                          f"{'without' if scales is None else 'with'} scales")
-    verify_part(header, raw, expected, secret)
+    verify_part(header, raw, expected, secret, tag_of)
     split = raw.numel() - header.scales_nbytes
     payload = raw[:split].view(k_cache.dtype).view(header.shape)
     ids = index if index is not None else block_index(header.block_ids, k_cache.device)

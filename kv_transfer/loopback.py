@@ -106,6 +106,7 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
     An in-place backend (``shm``, ``auto``) gets the caches in shared memory and accepts every writer.
     """
     backend = make_backend(config)
+    backend.streams.threads.enter()  # this process's main thread works on the endpoint's device too
     caches = spec.make()
     if config.backend in ("shm", "cuda_ipc", "auto"):
         from engine.kv_memory import KVLayout, SharedKVMemory
@@ -193,6 +194,7 @@ def writer_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -> 
     ``("open", (address, reservation_id, epoch))`` -> None or the refusal; ``("write", (address, src_ids, dst_ids,
     header_fields))`` -> the handle's state and error; ``("end", (address, reservation_id))``; ``("close", None)``."""
     backend = make_backend(config)
+    backend.streams.threads.enter()  # this process's main thread works on the endpoint's device too
     caches = spec.make(seed=1)
     conn.send("ready")
     try:

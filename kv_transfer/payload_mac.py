@@ -29,10 +29,18 @@ it replaces, and forgeable, like the CRC was.
 on the CPU; its key's powers reach the device without a host sync); the host reads back two int64s per part
 (``PayloadMac.tag``): on the backend's I/O thread for socket sends and for in-place writes (whose device work is queued
 on the writer's copy stream), on the receiving thread for installs and in-place checks.
+
+**On which stream** (:func:`tag_beside`): never the engine's. A tag is computed on a side stream of its own
+(``kv-mac``, one per endpoint) that waits for the part's producer event (the sender's: recorded after the K/V store
+or the pack; the receiver's: the comm stream's write) and for nothing else; the host waits for that stream's event,
+then reads the tag there. On the engine's stream (or the legacy default stream an I/O thread starts on, which every
+blocking stream syncs with) the tag would wait for all compute queued after the part: a sender would lose the layer
+overlap, a receiver would install about one part per decode step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -42,6 +50,7 @@ from cluster.wire.auth import ClusterSecret
 from pdkernels import poly_mac
 from pdkernels.poly_mac import P
 from kv_transfer.header import TAG_BYTES, KVTransferHeader
+from kv_transfer.streams import HOST_DONE, Event, HostStreams, Stream
 
 MARKER = 384  # added to each int8 byte: every coefficient in [256, 512), never zero (see the module docstring)
 # the key's source when authentication is off: public on purpose (it then detects corruption, nothing more)
@@ -118,3 +127,27 @@ def payload_tag(payload: torch.Tensor, key: PartKey) -> bytes:
     mac = PayloadMac(key, payload.device)
     mac.update(payload)
     return mac.tag()
+
+
+def payload_mac(payload: torch.Tensor, key: PartKey) -> PayloadMac:
+    """The MAC of ``payload``'s bytes, fed on the current stream of its device; its tag not read yet. Pure apart from
+    the device work."""
+    mac = PayloadMac(key, payload.device)
+    mac.update(payload)
+    return mac
+
+
+def tag_beside(streams: HostStreams, stream: Stream, after: Event, mac: Callable[[], PayloadMac]) -> bytes:
+    """The tag of the MAC ``mac()`` feeds, fed on ``stream`` (a side stream of the payload's device, never the
+    engine's) once it has waited for ``after`` (the event the payload's producer recorded after writing it; None or
+    ``HOST_DONE``: nothing to wait for) and for nothing else; the host then waits for ``stream``'s event and reads the
+    tag there (one small read that waits for that stream alone). Blocks the calling thread (an I/O or receiving
+    thread). On the CPU (:class:`~kv_transfer.streams.HostStreams`) it is ``mac().tag()``."""
+    with streams.use(stream):
+        if after is not None and after is not HOST_DONE:
+            streams.wait(stream, after)
+        fed = mac()
+        done = streams.record(stream)
+    streams.host_wait(done)
+    with streams.use(stream):
+        return fed.tag()

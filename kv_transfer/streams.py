@@ -12,6 +12,14 @@ there); the decode side's receiver takes a finished transfer (``recv``), install
 stream the engine's forward runs on. ``recv`` makes that stream wait for the comm stream's *ready* event; ``release``
 records the buffer's *fence* there; the pool makes the next writer wait for the fence before it hands the buffer out.
 
+**Side streams.** A payload's tag (:func:`kv_transfer.payload_mac.tag_beside`) is computed on a stream of its own
+that waits for the part's producer event only, never on the engine's: its read back would otherwise wait for the
+compute queued after the part.
+
+**Threads.** Each seam carries the :class:`~engine.device_threads.DeviceThreads` of its device (``threads``): every
+backend and connector thread is started through it and enters the device before it runs (CUDA's current device is
+per thread; a new one starts on device 0).
+
 :class:`CudaStreams` is the real thing. :class:`HostStreams` is the CPU's: no streams, every use is finished when the
 call returns, so events are already complete and waits are no-ops. :class:`FakeStreams` records every record / wait /
 handoff with its buffer and stream, and raises :class:`StreamDisciplineError` (also kept in ``violations``) the
@@ -29,6 +37,7 @@ from typing import Any
 
 import torch
 
+from engine.device_threads import DeviceThreads
 from pdkernels.host_copy import to_device
 
 Stream = Any  # torch.cuda.Stream, FakeStream, or None: the host
@@ -56,7 +65,13 @@ HOST_DONE = _HostDone()
 
 
 class HostStreams:
-    """The CPU: work is finished when the call that did it returns, so there is nothing to order."""
+    """The CPU: work is finished when the call that did it returns, so there is nothing to order.
+
+    ``threads``: how the threads of whoever uses this seam enter its device (:mod:`engine.device_threads`); every
+    backend and connector thread is started through it. Default: the CPU's (entering does nothing)."""
+
+    def __init__(self, threads: DeviceThreads | None = None) -> None:
+        self.threads = threads if threads is not None else DeviceThreads("cpu")
 
     def current(self) -> Stream:
         return None
@@ -86,8 +101,9 @@ class HostStreams:
 class CudaStreams(HostStreams):
     """torch.cuda streams and events of one device. ``None`` as a stream means the calling thread's current one."""
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, threads: DeviceThreads | None = None) -> None:
         self.device = torch.device(device)
+        super().__init__(threads if threads is not None else DeviceThreads(self.device))
 
     def current(self) -> Stream:
         return torch.cuda.current_stream(self.device)
@@ -175,7 +191,8 @@ class FakeStreams(HostStreams):
 
     Each thread's current stream starts as ``default`` (CUDA's default stream: the engine's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: DeviceThreads | None = None) -> None:
+        super().__init__(threads)
         self.ops: list[StreamOp] = []
         self.violations: list[str] = []
         self._lock = threading.Lock()

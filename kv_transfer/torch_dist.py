@@ -66,7 +66,7 @@ class TorchDistBackend(KVTransferBackend):
                                         timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
             self._address = f"{self.config.host}:{self._store.port}"
             self._rendezvous = authenticated(self._store, self.config.secret, self._address, self._refused)
-            self._acceptor = threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True)
+            self._acceptor = self.streams.threads.thread(self._accept_loop, "kv-accept")
             self._acceptor.start()
         return self._address
 

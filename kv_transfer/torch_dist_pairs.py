@@ -76,7 +76,8 @@ class SendPair:
         self._on_done = on_done
         self._groups: tuple[Any, ...] = ()  # (store, control group, data group)
         self._stream: Any = None  # the send stream (None on the host)
-        self.thread = threading.Thread(target=self._run, name=f"kv-send-{peer}", daemon=True)
+        self._mac_stream: Any = None  # where payload tags are computed (kv_transfer.payload_mac.tag_beside)
+        self.thread = streams.threads.thread(self._run, f"kv-send-{peer}")  # enters the pair's device first
         self.thread.start()
 
     def _run(self) -> None:
@@ -87,6 +88,7 @@ class SendPair:
         self.connected.set()
         if self.error is None:
             self._stream = self._streams.new_stream("kv-send")
+            self._mac_stream = self._streams.new_stream("kv-mac")
         io = datetime.timedelta(seconds=self.config.io_timeout_s)
         in_flight: collections.deque[tuple[TransferHandle, list[Any]]] = collections.deque()
         while True:
@@ -116,7 +118,8 @@ class SendPair:
     def _post(self, head: KVTransferHeader, payload: torch.Tensor, event: Any, nbytes: int) -> list[Any]:
         """Start one message's sends (checksumming the payload first if its header has none); returns [works...,
         tensors to keep alive until they finish]."""
-        header = sealed_header(head, payload, event, secret=self.config.secret)
+        header = sealed_header(head, payload, event, secret=self.config.secret, streams=self._streams,
+                               stream=self._mac_stream)
         _, ctrl, data = self._groups
         env, rest = _envelope(header, nbytes)
         works = [ctrl.send([env], RECEIVER, TAG)]
@@ -162,7 +165,7 @@ class RecvPair:
         self._streams = side.streams
         self._stream = side.streams.new_stream("kv-recv")  # NCCL receives run here (None on the host)
         self._envelopes = [torch.empty(_ENVELOPE, dtype=torch.uint8) for _ in range(2)]
-        self.thread = threading.Thread(target=self._run, name=f"kv-recv-{peer}", daemon=True)
+        self.thread = side.streams.threads.thread(self._run, f"kv-recv-{peer}")  # enters the pair's device first
         self.thread.start()
 
     def _run(self) -> None:

@@ -23,7 +23,6 @@ fence has passed; a sent payload is dropped (back to the caching allocator) only
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -65,7 +64,8 @@ class UCXBackend(KVTransferBackend):
 
         self._ucxx = ucxx
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-ucx-loop", daemon=True)
+        self._thread = self.streams.threads.thread(self._loop.run_forever, "kv-ucx-loop")
+        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac.tag_beside)
         self._thread.start()
         self._listener: Any = None
         self._address: str | None = None
@@ -253,8 +253,9 @@ class UCXBackend(KVTransferBackend):
             while not self.streams.query(ready):
                 await asyncio.sleep(0.0001)
             self.streams.host_wait(ready)  # instant now; says so to a logging seam
-            # a missing checksum (and the MAC over it) is computed here, off the caller
-            header_bytes = sealed_header(header, payload, secret=self.config.secret)
+            # a missing checksum (and the MAC over it) is computed here, off the caller, on the MAC stream
+            header_bytes = sealed_header(header, payload, ready, secret=self.config.secret, streams=self.streams,
+                                         stream=self._mac_stream)
             try:
                 ep = await self._endpoint(peer)
             except Exception as e:

@@ -5,6 +5,9 @@ to the inbox and, when they need an answer, wait for it. The loop thread runs ev
 then asks the role to step. Drain, idleness and handing the engine over (a role flip) live here, once; the roles
 (:class:`prefill_worker.worker.PrefillWorker`, :class:`decode_worker.worker.DecodeWorker`) supply ``_step``,
 ``_idle`` and ``_close``. The shape is vLLM's ``EngineCoreProc.run_busy_loop``.
+
+The loop thread enters the engine's device before anything else (:mod:`engine.device_threads`): CUDA's current
+device is per thread, and on GPU N a thread that did not enter it would launch the step's kernels on GPU 0.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from engine.device_threads import DeviceThreads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,14 +99,18 @@ class EngineLoop:
     idle_wait_s = 0.01  # how long an idle loop sleeps when nothing wakes it
     stats_interval_s = 0.1  # the loop republishes its stats at most this often (counting cached blocks is O(cache))
 
-    def __init__(self, actor_id: str, engine: Any) -> None:
+    def __init__(self, actor_id: str, engine: Any, threads: DeviceThreads | None = None) -> None:
+        """``threads``: how the loop thread enters the engine's device (None: ``engine.device``'s; a test passes a
+        recorder)."""
         self.actor_id = actor_id
         self.engine = engine
+        self.threads = threads if threads is not None else DeviceThreads(getattr(engine, "device", "cpu"))
         self.draining = False  # set by drain(): no new work is accepted; work already accepted finishes
         self._inbox: queue.SimpleQueue[_Command[Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"{self.role}-{actor_id}", daemon=True)
+        # the loop thread enters the engine's device first: a new thread starts on device 0 (engine/device_threads.py)
+        self._thread = self.threads.thread(self._run, f"{self.role}-{actor_id}")
         self._published_at = float("-inf")
         # the time spent in steps that had work, and their number (loop thread; stats report them: the controller's
         # measured capacity is tokens per busy second)

@@ -20,6 +20,7 @@ from typing import Any
 
 from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
+from engine.device_threads import DeviceThreads, entering_device
 
 ROLES = ("prefill", "decode")
 EVACUATE_GRACE_S = 30.0  # how long a SIGTERM'd worker waits for its requests to be resumed elsewhere before it exits
@@ -28,32 +29,45 @@ log = logging.getLogger(__name__)
 
 def on_assigned_gpu(config: WorkerConfig) -> WorkerConfig:
     """With ``config.share_node_gpus`` (this actor sees every GPU of its node): make the GPU Ray assigned it (the N-th
-    for ``cuda:N``) this process's current CUDA device, before anything builds on CUDA, and return the config naming
-    it (``cuda:<local index>``). Without: the config unchanged. Mutates the process's current CUDA device; asks Ray."""
+    for ``cuda:N``) the calling thread's current CUDA device, before anything builds on CUDA, and return the config
+    naming it (``cuda:<local index>``). Without: the config unchanged. Mutates the calling thread's current CUDA
+    device (every other thread enters it itself: :mod:`engine.device_threads`); asks Ray."""
     if not config.share_node_gpus:
         return config
     import ray
-    import torch
 
     from cluster.wire.node_gpus import assigned_cuda_index
 
     ordinal = int(config.device.split(":", 1)[1]) if config.device.startswith("cuda:") else 0
     index = assigned_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), ordinal)
-    torch.cuda.set_device(index)  # bare "cuda" tensors, streams and NCCL use the current device
+    DeviceThreads(f"cuda:{index}").enter()  # bare "cuda" tensors, streams and NCCL use it
     log.info("GPU(s) %s assigned by Ray: cuda:%d of CUDA_VISIBLE_DEVICES=%s", ray.get_gpu_ids(), index,
              os.environ.get("CUDA_VISIBLE_DEVICES"))
     return dataclasses.replace(config, device=f"cuda:{index}")
 
 
 class WorkerActor:
-    """Hosts a :class:`prefill_worker.worker.PrefillWorker` or a :class:`decode_worker.worker.DecodeWorker`."""
+    """Hosts a :class:`prefill_worker.worker.PrefillWorker` or a :class:`decode_worker.worker.DecodeWorker`.
+
+    Ray runs each call on one of the actor's threads, which starts on CUDA device 0: every call that may launch device
+    work (building a role and its graphs in a flip, draining, aborting, reserving, prefilling, evacuating) enters the
+    actor's device first (``@entering_device``, through ``self.threads``)."""
 
     def __init__(self, actor_id: str, role: str, config: WorkerConfig, kv: Any = None,
-                 on_transfer_failure: str = "recompute", corrupt_every: int = 0) -> None:
+                 on_transfer_failure: str = "recompute", corrupt_every: int = 0,
+                 threads: DeviceThreads | None = None) -> None:
+        """``threads``: how this actor's threads and Ray calls enter its device (None: the device its config
+        resolves to; a test passes one with a recording ``set_device``)."""
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
         self.actor_id = actor_id
         self.config, self.kv = on_assigned_gpu(config), kv
+        if threads is None:
+            from engine.device import resolve_device
+
+            threads = DeviceThreads(resolve_device(self.config.device))
+        self.threads = threads
+        self.threads.enter()  # the engine (and its role) are built on this thread
         self.on_transfer_failure, self.corrupt_every = on_transfer_failure, corrupt_every
         self._flip_lock = threading.Lock()
         self.node_ip = node_ip()  # this actor's node, wherever Ray placed it (what ops look at first)
@@ -69,8 +83,9 @@ class WorkerActor:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if not self.evacuating:
             self.evacuating = True
-            threading.Thread(target=self.evacuate, name=f"evacuate-{self.actor_id}", daemon=True).start()
+            self.threads.start(self.evacuate, f"evacuate-{self.actor_id}")
 
+    @entering_device
     def evacuate(self, grace_s: float = EVACUATE_GRACE_S, exit_process: bool = True) -> bool:
         """Mutates: stop taking work and report ``evacuating`` (the proxies resume this actor's requests elsewhere
         and abort them here), wait until it holds none (at most ``grace_s``), then stop the role and, with
@@ -102,6 +117,7 @@ class WorkerActor:
             raise ValueError("role: a prefill worker needs a KV transfer config (disaggregated mode)")
         return PrefillWorker(self.actor_id, self.config, self.kv, self.corrupt_every, engine=engine)
 
+    @entering_device
     def flip(self, role: str) -> dict[str, Any]:
         """Mutates: become ``role``, keeping the loaded engine. The actor must be drained and idle (``RuntimeError``
         otherwise, changing nothing); it comes back undrained. Returns ``{"role", "seconds"}``.
@@ -157,17 +173,21 @@ class WorkerActor:
         return dataclasses.replace(self.impl.stats(), flips=self.flips, node_ip=self.node_ip,
                                    evacuating=self.evacuating).to_dict()
 
+    @entering_device
     def drain(self) -> None:
         self.impl.drain()
 
+    @entering_device
     def abort(self, request_id: str) -> bool:
         """Mutates: stop a request (reserved, prefilling or decoding) and free its blocks. Whether it was known."""
         return bool(self.impl.abort(request_id))
 
+    @entering_device
     def shutdown(self) -> None:
         self.impl.shutdown()
 
     # -- decode --------------------------------------------------------------------------------------------------
+    @entering_device
     def reserve(self, message: dict[str, Any]) -> dict[str, Any] | None:
         """A :class:`~cluster.wire.messages.ReserveRequest` -> its ``ReserveGrant`` (wire forms), or None (no room
         here; also when this actor is not a decode worker now: the proxy tries another)."""
@@ -175,14 +195,17 @@ class WorkerActor:
             return None
         return self.impl.reserve(message)
 
+    @entering_device
     def prefilled(self, message: dict[str, Any]) -> None:
         """A :class:`~cluster.wire.messages.PrefillResult` for a request this decode actor reserved."""
         self._as("decode").prefilled(message)
 
+    @entering_device
     def check_integrity(self) -> dict[str, int]:
         return self._as("decode").check_integrity()
 
     # -- prefill -------------------------------------------------------------------------------------------------
+    @entering_device
     def prefill(self, message: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         """A :class:`~cluster.wire.messages.PrefillRequest` -> its ``PrefillResult`` (wire forms)."""
         return self._as("prefill").prefill(message, timeout_s)

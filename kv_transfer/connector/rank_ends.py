@@ -32,6 +32,8 @@ from kv_transfer.connector.ranks import RankExpect, RankNotice, RankPart
 from kv_transfer.connector.receiver import check_part_bounds, receive_loop
 from kv_transfer.header import ExpectedTransfer, KVTransferError, header_authentic
 from kv_transfer.layer_parts import install_layer_part
+from kv_transfer.payload_mac import payload_mac, tag_beside
+from kv_transfer.streams import HostStreams
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +56,17 @@ def start(ctx: Any, role: str, kv: KVTransferConfig) -> RankEnd:
 class RankEnd:
     """One follower's connector end: a sender (prefill) or a receiver (decode) over its own backend endpoint."""
 
-    def __init__(self, ctx: Any, role: str, kv: KVTransferConfig) -> None:
+    def __init__(self, ctx: Any, role: str, kv: KVTransferConfig, streams: HostStreams | None = None) -> None:
+        """``streams``: the backend's stream seam, whose ``threads`` start this end's thread and the backend's
+        (None: the one for ``kv.device``, the rank's)."""
         from kv_transfer import make_backend
 
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: 'prefill' or 'decode', got {role!r}")
         self.ctx = ctx
         self.role = role
-        self.backend = make_backend(kv)
+        self.backend = make_backend(kv, streams=streams)
+        self._mac_stream = self.backend.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac)
         self._secret = kv.secret
         self._parts: list[tuple[RankPart, Any]] = []  # the current step's, each with its source index (prefill)
         self._handles: dict[str, list[Any]] = {}  # the current step's sends per reservation (prefill)
@@ -74,9 +79,9 @@ class RankEnd:
         self.address = ""
         if role == "decode":
             self.address = self.backend.listen()
-            self._thread = threading.Thread(target=self._receive, name="kv-rank-receiver", daemon=True)
+            self._thread = self.backend.streams.threads.thread(self._receive, "kv-rank-receiver")
         else:
-            self._thread = threading.Thread(target=self._wait_sends, name="kv-rank-sends", daemon=True)
+            self._thread = self.backend.streams.threads.thread(self._wait_sends, "kv-rank-sends")
         self._thread.start()
 
     def hello(self) -> str:
@@ -154,7 +159,9 @@ class RankEnd:
                 check_part_bounds(header, exp.num_layers, exp.cached_tokens, exp.block_ids[:exp.cached])
                 kv = self.ctx.caches[header.layer]
                 scales = None if self.ctx.scales is None else self.ctx.scales[header.layer]
-                install_layer_part(header, handle.raw, want, kv[0], kv[1], scales, secret=self._secret)
+                install_layer_part(header, handle.raw, want, kv[0], kv[1], scales, secret=self._secret,
+                                   tag_of=lambda raw, key: tag_beside(self.backend.streams, self._mac_stream,
+                                                                      handle.ready, lambda: payload_mac(raw, key)))
             except (KVTransferError, ValueError, IndexError, RuntimeError) as e:
                 self._expected.pop(exp.reservation_id, None)
                 self.ctx.notify(RankNotice("failed", exp.reservation_id, failed=(f"rank {self.ctx.rank}: {e}",)))

@@ -30,9 +30,10 @@ from kv_transfer.base import dtype_name
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHeader, header_authentic,
                                 verify_checksum, verify_fields)
-from kv_transfer.layer_parts import blocks_checksum, install_layer_part
-from kv_transfer.payload_mac import part_key
+from kv_transfer.layer_parts import blocks_mac, install_layer_part
+from kv_transfer.payload_mac import part_key, payload_mac, tag_beside
 from kv_transfer.result_message import unpack_result
+from kv_transfer.streams import HostStreams
 
 log = logging.getLogger(__name__)
 # chunks whose block-index tensor is kept: a chunk's parts (one per layer) share their block ids, and the parts of a
@@ -71,10 +72,12 @@ class KVReceiver:
 
     def __init__(self, engine: Any, config: KVTransferConfig, lock: threading.Lock,
                  reservations: ReservationManager, on_part: Callable[[IntakeRecord], None],
-                 on_result: Callable[[PrefillResult], None] | None = None) -> None:
+                 on_result: Callable[[PrefillResult], None] | None = None, streams: HostStreams | None = None) -> None:
         """``reservations`` holds the pending records (looked up, opened and ended under ``lock``); ``on_part(record)``
         runs (under ``lock``) after each installed part, e.g. to renew the lease; ``on_result(result)`` (not under
-        it) for each authentic prefill result that came over the channel (None: such results are dropped)."""
+        it) for each authentic prefill result that came over the channel (None: such results are dropped).
+        ``streams``: the backend's stream seam, whose ``threads`` start this receiver's thread and the backend's
+        (None: the one for ``config.device``)."""
         from kv_transfer import make_backend
 
         self.engine = engine
@@ -84,13 +87,15 @@ class KVReceiver:
         self._lookup = reservations.get
         self._on_part = on_part
         self._on_result = on_result
-        self.backend = make_backend(config)
+        self.backend = make_backend(config, streams=streams)
         self.backend.export_cache(*engine.kv_memory())
         self.backend.set_writer_hooks(self._writer_open, self._writer_end, self._writer_gone)
         self.address = self.backend.listen()
         # the stream the engine forwards on: its loop thread's current one, the device's default stream (nothing in
         # engine/ forwards on another); parts are installed there, queued with the decode steps (kv_transfer.streams)
         self._compute_stream = self.backend.streams.current()
+        # payload tags are computed beside it, on a stream that waits for each part's write only (payload_mac)
+        self._mac_stream = self.backend.streams.new_stream("kv-mac")
         k = engine.kv_layer(0)[0]
         self._block_shape, self._dtype = tuple(k.shape[1:]), dtype_name(k.dtype)
         self._device = k.device
@@ -100,7 +105,7 @@ class KVReceiver:
         self.parts_unauthenticated = 0  # dropped before anything was touched: no MAC, a wrong one, or another nonce
         self.bytes_received = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
+        self._thread = self.backend.streams.threads.thread(self._run, "kv-receiver")  # installs on the engine's device
         self._thread.start()
 
     def _run(self) -> None:
@@ -141,12 +146,14 @@ class KVReceiver:
                         raise ValueError(f"in-place part from {handle.peer}, which did not open this reservation")
                     verify_fields(header, exp)
                     if header.checksum is not None:  # the tag of the blocks as they landed, under the part's key
-                        index = None if scales is None else self._index(header.block_ids)
-                        verify_checksum(header, blocks_checksum(layer[0], layer[1], header.block_ids, scales,
-                                                                key=part_key(self._secret, header), index=index))
+                        # (on the MAC stream: the writer's copy ran before its announce; the index is built there)
+                        key = part_key(self._secret, header)
+                        verify_checksum(header, tag_beside(
+                            self.backend.streams, self._mac_stream, None,
+                            lambda: blocks_mac(layer[0], layer[1], header.block_ids, scales, key=key)))
                 else:
                     install_layer_part(header, handle.raw, exp, layer[0], layer[1], scales, secret=self._secret,
-                                       index=self._index(header.block_ids))
+                                       index=self._index(header.block_ids), tag_of=self._tag_of(handle))
             except (KVTransferError, ValueError, IndexError) as e:
                 self.parts_rejected += 1
                 log.warning("KV part for %s rejected: %s", header.request_id, e)
@@ -181,6 +188,12 @@ class KVReceiver:
             return
         if self._on_result is not None:
             self._on_result(result)
+
+    def _tag_of(self, handle: Any) -> Callable[[Any, Any], bytes]:
+        """How ``handle``'s payload tag is computed: on the MAC stream, after the comm stream's write of it (its
+        *ready* event) and nothing else, never on the engine's stream (kv_transfer.payload_mac.tag_beside)."""
+        return lambda raw, key: tag_beside(self.backend.streams, self._mac_stream, handle.ready,
+                                           lambda: payload_mac(raw, key))
 
     def _index(self, block_ids: tuple[int, ...]) -> Any:
         """``block_ids`` as an index tensor on the cache's device: built at a chunk's first part (on the engine's

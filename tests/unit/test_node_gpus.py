@@ -92,13 +92,15 @@ def fake_ray(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
 ])
 def test_worker_runs_on_the_gpu_ray_assigned(fake_ray: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch,
                                              device: str, ids: list, cvd: str | None, want: int) -> None:
+    import torch
+
     fake_ray.ids = ids
     if cvd is None:
         monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cvd)
     got = on_assigned_gpu(WorkerConfig(device=device, share_node_gpus=True))
-    assert got.device == f"cuda:{want}" and fake_ray.set == [want]
+    assert got.device == f"cuda:{want}" and fake_ray.set == [torch.device("cuda", want)]  # entered as a device
 
 
 def test_worker_without_the_flag_asks_nobody(fake_ray: types.SimpleNamespace) -> None:
