@@ -213,16 +213,16 @@ def mla_prefill_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     _check(cu_seqlens_q.shape == (n + 1,) and not cu_seqlens_q.is_floating_point(), "cu_seqlens_q",
            f"expected an integer [{n + 1}], got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
     _check(block_tables.dim() == 2 and block_tables.shape[0] == n and not block_tables.is_floating_point(),
-           "block_tables", f"expected an integer [{n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+           "block_tables",
+           f"expected an integer [{n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
     _check(max_seqlen_q is None or max_seqlen_q >= 0, "max_seqlen_q", f"must be >= 0, got {max_seqlen_q}")
-    if chunks is None and cu_seqlens_q.device.type == "cpu" and start_pos.device.type == "cpu":
+    if cu_seqlens_q.device.type == "cpu" and start_pos.device.type == "cpu":  # free to read: check them too
         cu = cu_seqlens_q.tolist()
-        chunks = list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
-        _check(cu[0] == 0, "cu_seqlens_q", f"must start at 0, got {cu}")
-    elif chunks is not None and cu_seqlens_q.device.type == "cpu" and start_pos.device.type == "cpu":
-        cu = cu_seqlens_q.tolist()
-        _check(list(chunks) == list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist())), "chunks",
-               f"{list(chunks)} differ from cu_seqlens_q {cu} and start_pos {start_pos.tolist()}")
+        read = list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
+        _check(not cu or cu[0] == 0, "cu_seqlens_q", f"must start at 0, got {cu}")
+        _check(chunks is None or [tuple(c) for c in chunks] == read, "chunks",
+               f"{chunks} differ from cu_seqlens_q {cu} and start_pos {start_pos.tolist()}")
+        chunks = read
     if chunks is not None:
         counts = [c for c, _ in chunks]
         _check(len(chunks) == n and min(counts, default=0) >= 0 and sum(counts) == q.shape[0], "chunks",
