@@ -11,6 +11,8 @@ expansion is moved onto the query and the output instead (the same sums, in anot
 
 so attention runs over the one latent "head" (K = the latent, V = its c_kv part) for prefill and decode alike. In
 float32 it equals Hugging Face's expanded form to rounding (tests/unit/test_hf_identity.py: logprobs within 1e-3).
+Prefill follows the step's layout (engine.step_wire): one varlen call over every chunk where the metadata carries
+``prefill_varlen`` (a GPU, or Triton interpreted), else one call per chunk with its own table (the CPU).
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ unused). Each plane is ``[num_blocks, block_size, 1, P]``, so block copies, pack
 Attention is the absorbed form: the query is already ``[q_nope W_UK | q_pe]`` per head (``[.., heads, D]``), every
 head reads the one latent as its key, and the output is the probabilities times ``c_kv`` (``[.., heads,
 kv_lora_rank]``; the caller multiplies by ``W_UV``).
+
+Entry points: :func:`mla_decode_attention` (Triton: :mod:`pdkernels.triton_mla`); prefill in the step's two layouts,
+:func:`mla_prefill_attention` (one chunk and its own block table: the CPU's per-chunk layout, torch on every device)
+and :func:`mla_prefill_attention_varlen` (packed chunks of several sequences, block tables ``[n, width]``,
+cu_seqlens, start positions: a GPU's layout; Triton, :mod:`pdkernels.triton_mla_prefill`, where
+:func:`pdkernels.uses_triton`, else the reference chunk by chunk). The torch prefill materialises ``[tokens x heads,
+context]`` float32 scores per chunk; the Triton kernel never holds more than a tile of them.
 """
 
 from __future__ import annotations
