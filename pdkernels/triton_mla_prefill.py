@@ -17,7 +17,7 @@ to q's dtype, as the torch reference dequantizes it.
 Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (float32/float16; the interpreter's bfloat16
 arithmetic is wrong). Launch settings are unmeasured first choices (no GPU has run this kernel yet): ``ROWS`` and
 ``TILE_N`` keep the float32 accumulator ``[ROWS, 512]`` and the two query tiles in registers without spills at
-DeepSeek-V3's shape (checked with ptxas for sm_90: docs/kernels.md).
+DeepSeek-V3's shape (ptxas for sm_90: the numbers beside the settings, and docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdkernels.triton_mla import LOG2E, NEG_BIG
+LOG2E = 1.4426950408889634
+NEG_BIG = tl.constexpr(-1.0e30)  # running-max start: finite, so a row that sees no key in a step stays NaN-free
 
-# Launch settings: unmeasured first choices (no GPU has run this kernel), picked so that ptxas (sm_90, DeepSeek-V3's
-# rank 512 + rope 64) reports no spills: 16-bit q 198 registers (int8 cache 193, FP8 182), float32 q 162 (FP8 116).
-# 64 rows spill (a [64, 512] float32 accumulator is 128 registers per thread over 8 warps, beside q's tiles).
+# Launch settings: unmeasured first choices (no GPU has run this kernel), picked from ptxas's report (sm_90,
+# DeepSeek-V3's rank 512 + rope 64) to leave room without spills: 16-bit q 198 registers and 74 KB of shared memory
+# (int8 cache 193, FP8 182, 104 KB), float32 q 162 (FP8 116). 64 rows reach 252 registers (a [64, 512] float32
+# accumulator alone is 128 per thread over 8 warps) and 144 KB: no room left for the compiler, so not the default.
 ROWS = 32  # query rows (heads x tokens) per program, the M of each tl.dot, for a 16-bit q
-ROWS_FP32 = 16  # float32 q: its tiles take twice the registers; 32 rows spill
+ROWS_FP32 = 16  # float32 q: its tiles take twice the registers; 32 rows spill heavily
 TILE_N = 32  # context tokens per online-softmax step
 WARPS = 8
 STAGES = 2
