@@ -1,14 +1,15 @@
-"""A tiny DeepSeek-V3 engine with every kernel on its Triton path (here the interpreter; on a CUDA machine the
-device): the runner then sends the GPU's step layout (prefill chunks as one varlen call, engine.step_wire
-.varlen_prefill), so MLA prefill runs pdkernels/triton_mla_prefill.py, decode pdkernels/triton_mla.py, within whole
+"""A tiny DeepSeek-V3 engine with every kernel on its Triton path, run by the interpreter on the CPU: the runner then
+sends the GPU's step layout (prefill chunks as one varlen call, engine.step_wire.varlen_prefill), so MLA prefill runs pdkernels/triton_mla_prefill.py, decode pdkernels/triton_mla.py, within whole
 generations with chunked prefill and several prompts' chunks per step. Greedy ids equal, and logprobs stay close to,
-the CPU torch path's with its per-chunk layout. ~1 min here (the interpreter)."""
+the CPU torch path's with its per-chunk layout. ~30 s here. Skipped on a CUDA machine: there the runner's layout
+follows the device and the engine's GPU runs are another test's (not yet written: no GPU has run this path)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.triton_route import triton_route
@@ -30,6 +31,7 @@ def _run(folder: str) -> tuple[list[list[int]], list[list[float]], int, bool]:
     return ids, lps, llm.engine.scheduler.stats.partial_prefills, llm.engine.runner.varlen_prefill
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's check; CUDA runs Triton on the device")
 def test_mla_engine_on_triton_equals_the_torch_path(tiny_checkpoint) -> None:
     folder = str(tiny_checkpoint("deepseek_v3"))
     ids, lps, partial, varlen = _run(folder)
