@@ -2,9 +2,12 @@
 plain, FP8 and int8 latent caches: odd and even latents (an odd one pads a value in the second plane), head counts
 below and above a program's head tile, block sizes, lengths 0 (a padded row), 1, and across tiles and blocks.
 Also the public wrapper's dispatch and argument checks, and the reference against a direct expanded computation.
+The varlen prefill kernel (:mod:`pdkernels.triton_mla_prefill`) likewise: four packed chunks (a fresh one, a prefix
+hit crossing a block, one token deep in its context, one crossing blocks), block sizes 16 and 5, fewer heads than a
+program's rows and more, FP8 and int8 caches, and the varlen entry's dispatch and checks.
 
 On a CUDA machine they run on the device (bfloat16 included); here under ``TRITON_INTERPRET=1`` (bfloat16 skipped:
-the interpreter computes it wrongly). ~10 s here.
+the interpreter computes it wrongly). ~50 s here (prefill ~25 s).
 """
 
 from __future__ import annotations
