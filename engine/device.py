@@ -144,17 +144,21 @@ def kv_cache_bytes(device: torch.device, kv_cache_gib: float | None, gpu_memory_
 
 
 def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_size: int,
-                    kv_dtype: torch.dtype) -> None:
+                    kv_dtype: torch.dtype, varlen: bool | None = None) -> torch.Tensor:
     """One forward of a ``num_tokens`` prefill chunk over a throwaway KV cache, then logits for ``num_rows`` rows and
     a top-p sampling pass over them (float32 probabilities sorted with their indices, their cumulative sum: the
-    sampler's largest temporaries): the activation peak of the largest step the engine will run. Writes nothing the
-    engine keeps."""
+    sampler's largest temporaries): the activation peak of the largest step the engine will run. Returns the
+    forward's hidden states (what a test compares). Writes nothing the engine keeps. ``varlen``: the chunk as one
+    varlen attention call, as the runner sends it; None: as the device's runner would
+    (:func:`engine.step_wire.varlen_prefill`)."""
     # engine.model (which step_wire imports) imports kernels; keep this module light to import
-    from engine.step_wire import StepLayout, pack, unpack
+    from engine.step_wire import StepLayout, pack, unpack, varlen_prefill
     from pdkernels.host_copy import to_device
     from pdkernels.reference import SCALED_DTYPES, scale_dims
 
     cfg, dev = model.cfg, model.device
+    if varlen is None:
+        varlen = varlen_prefill(dev)
     num_blocks = -(-num_tokens // block_size)
     kv = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.cache_heads, cfg.cache_head_dim, dtype=kv_dtype,
                      device=dev)
@@ -164,10 +168,10 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     # one chunk of token 0 at positions 0.. over blocks 0.., as the runner sends a step (a TP group's ranks each
     # unpack it on their own device)
     table = list(range(num_blocks))
-    tables = [table] if dev.type == "cpu" else [table, [0, num_tokens], [0]]
+    tables = [table, [0, num_tokens], [0]] if varlen else [table]
     host = pack([[0] * num_tokens, list(range(num_tokens)), list(range(num_tokens)), [], *tables],
                 StepLayout((num_tokens, num_tokens, num_tokens, 0, *(len(t) for t in tables)), 0, (),
-                           ((num_tokens, 0),), 0 if dev.type == "cpu" else num_blocks))
+                           ((num_tokens, 0),), num_blocks if varlen else 0))
     with torch.inference_mode():
         ids, positions, meta, _ = unpack(to_device(host.ints, torch.int32, dev), host)
         hidden = model.forward(ids, positions, meta, list(kv.unbind(0)), None, scales)
@@ -175,6 +179,7 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
         logprobs = logits.log_softmax(dim=-1)
         probs, order = logprobs.exp().sort(dim=-1, descending=True)
         probs.cumsum(dim=-1).gather(-1, order.argsort(dim=-1))
+    return hidden
 
 
 def profile_decode_graphs(model: DecoderModel, max_num_seqs: int, max_model_len: int, block_size: int,

@@ -11,6 +11,8 @@ expansion is moved onto the query and the output instead (the same sums, in anot
 
 so attention runs over the one latent "head" (K = the latent, V = its c_kv part) for prefill and decode alike. In
 float32 it equals Hugging Face's expanded form to rounding (tests/unit/test_hf_identity.py: logprobs within 1e-3).
+Prefill follows the step's layout (engine.step_wire): one varlen call over every chunk where the metadata carries
+``prefill_varlen`` (a GPU, or Triton interpreted), else one call per chunk with its own table (the CPU).
 """
 
 from __future__ import annotations
@@ -128,8 +130,17 @@ class MLAttention:
                                                   span=span)
                  for (a, b, tables, lens), span in zip(meta.decode_groups, spans)]  # type: ignore[attr-defined]
         off = meta.num_decodes  # type: ignore[attr-defined]
-        for n, start, table in meta.prefills:  # type: ignore[attr-defined]
-            parts.append(mla_kernels.mla_prefill_attention(q[off : off + n], k_cache, v_cache, table, start, scale,
-                                                            rank, *scales))
-            off += n
+        if meta.prefill_varlen is not None:  # type: ignore[attr-defined]
+            # one call over every chunk (a GPU's layout, or wherever Triton runs): the chunks' own tables are empty;
+            # the host-side (count, start) of each chunk lets the torch path slice without reading device values
+            tables, cu, starts, longest = meta.prefill_varlen  # type: ignore[attr-defined]
+            chunks = [(n, start) for n, start, _ in meta.prefills]  # type: ignore[attr-defined]
+            parts.append(mla_kernels.mla_prefill_attention_varlen(q[off:], k_cache, v_cache, tables, cu, starts,
+                                                                  scale, rank, *scales, max_seqlen_q=longest,
+                                                                  chunks=chunks))
+        else:
+            for n, start, table in meta.prefills:  # type: ignore[attr-defined]
+                parts.append(mla_kernels.mla_prefill_attention(q[off : off + n], k_cache, v_cache, table, start,
+                                                                scale, rank, *scales))
+                off += n
         return parts[0] if len(parts) == 1 else torch.cat(parts)

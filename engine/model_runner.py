@@ -28,7 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
-from engine.step_wire import StepLayout, pack, unpack
+from engine.step_wire import StepLayout, pack, unpack, varlen_prefill
 from pdkernels.host_copy import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -105,6 +105,9 @@ class ModelRunner:
         # the logits' width (a checkpoint may pad its head past vocab_size): every penalized token indexes a logit
         self.sampling = SamplingState(model.vocab_width, self.device, seed)
         self.decode_graphs: DecodeGraphRunner | None = None  # decode-only steps on padded buckets (see enable_...)
+        # prefill chunks as one varlen attention call (GPU, Triton) or one call per chunk (the CPU's torch path): the
+        # device decides (engine.step_wire.varlen_prefill); a CPU test sets it to run a GPU's layout here
+        self.varlen_prefill = varlen_prefill(self.device)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Mutates: decode-only steps from now on run on a :class:`DecodeGraphRunner`'s persistent padded buffers,
@@ -165,7 +168,7 @@ class ModelRunner:
             sections += [padded_tables((s.seq.block_table for s in group), width), [s.start + 1 for s in group]]
             group_shapes.append((a, a + len(group), width))
         varlen_width = 0
-        if dev.type == "cpu":
+        if not self.varlen_prefill:
             sections += [s.seq.block_table for s in out.prefills]
         elif out.prefills:  # one varlen call: tables, cu_seqlens, start positions
             varlen_width = max(cdiv(s.start + s.num_tokens, self.block_size) for s in out.prefills)

@@ -6,7 +6,8 @@ different GPUs need no host read of rank 0's inputs.
 
 Sections, in order: token ids, positions, slots, the rows that sample; per decode group its block tables (``n x
 width``) and context lengths; then the prefill chunks: per chunk its block table (one attention call each, the CPU
-path), or one varlen call's tables (``n x width``), cu_seqlens (``n + 1``) and start positions (a GPU).
+path), or one varlen call's tables (``n x width``), cu_seqlens (``n + 1``) and start positions (a GPU, or wherever
+the kernels run Triton: :func:`varlen_prefill`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+import pdkernels
 from engine.model import AttentionMetadata
+
+
+def varlen_prefill(device: torch.device) -> bool:
+    """Whether a step on ``device`` sends its prefill chunks as one varlen attention call (a layout's
+    ``varlen_width > 0``): on a GPU, and on the CPU where the kernels run Triton (``TRITON_INTERPRET=1``: the GPU's
+    kernels, interpreted), whose varlen kernels read each chunk's bounds themselves. The CPU's torch path takes one
+    table per chunk (it attends chunk by chunk). Pure apart from reading the environment."""
+    return device.type != "cpu" or pdkernels.uses_triton(torch.empty(0))
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,18 @@ unused). Each plane is ``[num_blocks, block_size, 1, P]``, so block copies, pack
 Attention is the absorbed form: the query is already ``[q_nope W_UK | q_pe]`` per head (``[.., heads, D]``), every
 head reads the one latent as its key, and the output is the probabilities times ``c_kv`` (``[.., heads,
 kv_lora_rank]``; the caller multiplies by ``W_UV``).
+
+Entry points: :func:`mla_decode_attention` (Triton: :mod:`pdkernels.triton_mla`); prefill in the step's two layouts,
+:func:`mla_prefill_attention` (one chunk and its own block table: the CPU's per-chunk layout, torch on every device)
+and :func:`mla_prefill_attention_varlen` (packed chunks of several sequences, block tables ``[n, width]``,
+cu_seqlens, start positions: a GPU's layout; Triton, :mod:`pdkernels.triton_mla_prefill`, where
+:func:`pdkernels.uses_triton`, else the reference chunk by chunk). The torch prefill materialises ``[tokens x heads,
+context]`` float32 scores per chunk; the Triton kernel never holds more than a tile of them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +130,24 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out.view(t, heads, kv_lora_rank)
 
 
+def prefill_attention_reference_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                       block_tables: torch.Tensor, chunks: Sequence[tuple[int, int]], scale: float,
+                                       kv_lora_rank: int, k_scales: torch.Tensor | None = None,
+                                       v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed chunks ``q [sum(counts), heads, D]``: chunk ``j`` (``chunks[j] = (count, start)``, host ints, in q's
+    row order) through :func:`prefill_attention_reference` with row ``j`` of ``block_tables``; ``[sum(counts),
+    heads, kv_lora_rank]``. Pure; reads no device value."""
+    parts = []
+    off = 0
+    for j, (n, start) in enumerate(chunks):
+        parts.append(prefill_attention_reference(q[off : off + n], k_cache, v_cache, block_tables[j], start, scale,
+                                                 kv_lora_rank, k_scales, v_scales))
+        off += n
+    if not parts:
+        return q.new_zeros(0, q.shape[1], kv_lora_rank)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def mla_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                          k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
@@ -163,3 +190,66 @@ def mla_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
            f"needs at least {need} blocks, got {tuple(block_table.shape)}")
     return prefill_attention_reference(q, k_cache, v_cache, block_table, start_pos, scale, kv_lora_rank, k_scales,
                                        v_scales)
+
+
+def mla_prefill_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, start_pos: torch.Tensor,
+                                 scale: float, kv_lora_rank: int, k_scales: torch.Tensor | None = None,
+                                 v_scales: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                                 chunks: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """Causal MLA attention of several sequences' prefill chunks packed into ``q [num_tokens, heads, D]`` (sequence
+    ``s`` in rows ``cu_seqlens_q[s] .. cu_seqlens_q[s + 1]``, int32 ``[n + 1]``), each over its paged latents:
+    ``start_pos[s]`` (int32 ``[n]``) tokens cached before the chunk, then the chunk's own, already stored;
+    ``block_tables`` int ``[n, width]``. Returns ``[num_tokens, heads, kv_lora_rank]``. Pure.
+
+    Where :func:`pdkernels.uses_triton` (CUDA tensors, or ``TRITON_INTERPRET=1``) the one-launch kernel of
+    :mod:`pdkernels.triton_mla_prefill`, its grid sized by ``max_seqlen_q`` (the longest chunk; else by ``chunks``,
+    else one host read of ``cu_seqlens_q``); otherwise :func:`prefill_attention_reference_varlen`, chunk by chunk,
+    sliced by ``chunks`` (each chunk's ``(count, start)`` on the host, as the engine knows them), else by
+    ``cu_seqlens_q`` and ``start_pos`` read on the host. The tensors' values are checked only where reading them is
+    free (CPU tensors)."""
+    import pdkernels
+
+    _check(q.dim() == 3, "q", f"expected [num_tokens, heads, D], got {tuple(q.shape)}")
+    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
+    _check_planes(k_cache, v_cache, q.shape[2], kv_lora_rank)
+    _check_scales(k_cache, k_scales, v_scales)
+    _check(k_cache.dtype in (q.dtype, *reference.SCALED_DTYPES), "k_cache", f"dtype {k_cache.dtype} != q's {q.dtype}")
+    _check(start_pos.dim() == 1 and not start_pos.is_floating_point(), "start_pos", "must be a 1-D integer tensor")
+    n = start_pos.shape[0]
+    _check(cu_seqlens_q.shape == (n + 1,) and not cu_seqlens_q.is_floating_point(), "cu_seqlens_q",
+           f"expected an integer [{n + 1}], got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == n and not block_tables.is_floating_point(),
+           "block_tables",
+           f"expected an integer [{n}, max_blocks], got {block_tables.dtype} {tuple(block_tables.shape)}")
+    _check(max_seqlen_q is None or max_seqlen_q >= 0, "max_seqlen_q", f"must be >= 0, got {max_seqlen_q}")
+    if cu_seqlens_q.device.type == "cpu" and start_pos.device.type == "cpu":  # free to read: check them too
+        cu = cu_seqlens_q.tolist()
+        read = list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
+        _check(not cu or cu[0] == 0, "cu_seqlens_q", f"must start at 0, got {cu}")
+        _check(chunks is None or [tuple(c) for c in chunks] == read, "chunks",
+               f"{chunks} differ from cu_seqlens_q {cu} and start_pos {start_pos.tolist()}")
+        chunks = read
+    if chunks is not None:
+        counts = [c for c, _ in chunks]
+        _check(len(chunks) == n and min(counts, default=0) >= 0 and sum(counts) == q.shape[0], "chunks",
+               f"expected {n} (count >= 0, start) pairs counting {q.shape[0]} tokens, got {list(chunks)}")
+        _check(min((s for _, s in chunks), default=0) >= 0, "start_pos", f"must be >= 0, got {list(chunks)}")
+        room = block_tables.shape[1] * k_cache.shape[1]
+        _check(max((s + c for c, s in chunks), default=0) <= room, "block_tables",
+               f"{room} slots per sequence cannot hold start_pos + chunk ({list(chunks)})")
+        _check(max_seqlen_q is None or max_seqlen_q >= max(counts, default=0), "max_seqlen_q",
+               f"{max_seqlen_q} < the longest chunk {max(counts, default=0)}")
+        if max_seqlen_q is None:
+            max_seqlen_q = max(counts, default=0)
+    if pdkernels.uses_triton(q):
+        from pdkernels import triton_mla_prefill
+
+        return triton_mla_prefill.mla_prefill_attention_varlen(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                               start_pos, scale, kv_lora_rank, k_scales, v_scales,
+                                                               max_seqlen_q)
+    if chunks is None:  # device tensors without the host's chunks (not the engine's way): one host read
+        cu = cu_seqlens_q.tolist()
+        chunks = list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
+    return prefill_attention_reference_varlen(q, k_cache, v_cache, block_tables, chunks, scale, kv_lora_rank,
+                                              k_scales, v_scales)

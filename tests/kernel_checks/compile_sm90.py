@@ -61,7 +61,8 @@ def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> 
 
 CASES = ["decode_bf16_split", "decode_fp8", "decode_int8", "decode_reduce", "prefill_bf16_window", "prefill_fp8",
          "prefill_int8", "store_kv", "store_fp8", "store_int8", "copy_blocks", "copy_between", "fp8_quantize",
-         "payload_mac", "moe_gate_up", "moe_down", "mla_decode_bf16", "mla_decode_fp8"]
+         "payload_mac", "moe_gate_up", "moe_down", "mla_decode_bf16", "mla_decode_fp8", "mla_prefill_bf16",
+         "mla_prefill_fp8"]
 CACHE_TYPES = {"fp8": "*fp8e4nv", "int8": "*i8"}
 
 
@@ -71,6 +72,19 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType, i8: ModuleType) -> N
         mac = _load("triton_mac")
         _compile(mac._row_sums_kernel, dict(x_ptr="*i8", w_ptr="*i32", out_ptr="*i64", num_rows=I32, pad=I32,
                                             ROW=2048, ROWS=mac.MAC_ROWS, TILE=mac.MAC_TILE), mac.MAC_WARPS, 2)
+        return
+    if case.startswith("mla_prefill"):  # MLA varlen prefill over the latent cache, DeepSeek-V3's shape
+        mlp = _load("triton_mla_prefill")
+        scaled = case == "mla_prefill_fp8"
+        cache = "*fp8e4nv" if scaled else "*bf16"
+        heads, block_m = mlp.launch_shape(128, False)
+        _compile(mlp._mla_prefill_kernel, dict(
+            q_ptr="*bf16", k_ptr=cache, v_ptr=cache, ks_ptr="*fp32", vs_ptr="*fp32", bt_ptr="*i32", cu_ptr="*i32",
+            start_ptr="*i32", out_ptr="*bf16", scale_log2=0.1, num_heads=I32, stride_qt=I32_16, stride_qh=I32_16,
+            stride_kb=I32_16, stride_kt=I32_16, stride_vb=I32_16, stride_vt=I32_16, stride_sb=I32, stride_st=I32,
+            stride_bts=I32, stride_ot=I32_16, stride_oh=I32_16, BLOCK_SIZE=16, RANK=512, RANK_PAD=512, ROPE=64,
+            ROPE_PAD=64, PLANE=288, HEADS=heads, BLOCK_M=block_m, TILE=mlp.TILE_N, HAS_SCALES=scaled),
+            mlp.WARPS, mlp.STAGES_SCALED if scaled else mlp.STAGES)
         return
     if case.startswith("mla_"):  # MLA decode over the latent cache, DeepSeek-V3's shape (rank 512 + rope 64)
         mla = _load("triton_mla")

@@ -2,9 +2,12 @@
 plain, FP8 and int8 latent caches: odd and even latents (an odd one pads a value in the second plane), head counts
 below and above a program's head tile, block sizes, lengths 0 (a padded row), 1, and across tiles and blocks.
 Also the public wrapper's dispatch and argument checks, and the reference against a direct expanded computation.
+The varlen prefill kernel (:mod:`pdkernels.triton_mla_prefill`) likewise: four packed chunks (a fresh one, a prefix
+hit crossing a block, one token deep in its context, one crossing blocks), block sizes 16 and 5, fewer heads than a
+program's rows and more, FP8 and int8 caches, and the varlen entry's dispatch and checks.
 
 On a CUDA machine they run on the device (bfloat16 included); here under ``TRITON_INTERPRET=1`` (bfloat16 skipped:
-the interpreter computes it wrongly). ~10 s here.
+the interpreter computes it wrongly). ~50 s here (prefill ~25 s).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-TRITON_MODULES = ("pdkernels.triton_int8", "pdkernels.triton_kv", "pdkernels.triton_mla")
+TRITON_MODULES = ("pdkernels.triton_int8", "pdkernels.triton_kv", "pdkernels.triton_mla",
+                  "pdkernels.triton_mla_prefill")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,6 +40,10 @@ def triton_path() -> Iterator[None]:
 
 def _triton() -> ModuleType:
     return importlib.import_module("pdkernels.triton_mla")
+
+
+def _triton_prefill() -> ModuleType:
+    return importlib.import_module("pdkernels.triton_mla_prefill")
 
 
 def _latent_cache(nb: int, bs: int, rank: int, rope: int, dtype: torch.dtype, kv_dtype: torch.dtype | None,
@@ -131,3 +139,72 @@ def test_reference_equals_expanded_attention() -> None:
     values = torch.einsum("hvr,sr->hsv", w_uv, lat[:, :rank])
     probs = torch.softmax(torch.einsum("hd,hsd->hs", torch.cat((q_nope, q_pe), -1), keys) * 0.3, dim=-1)
     torch.testing.assert_close(got, torch.einsum("hs,hsv->hv", probs, values), rtol=1e-5, atol=1e-5)
+
+
+# (count, start) per packed chunk: a fresh one, a prefix hit (start 13) crossing a block, one token deep in its
+# context, a chunk crossing blocks from a start inside one
+CHUNKS = ((5, 0), (9, 13), (1, 30), (17, 6))
+
+
+def _prefill_case(rank: int, rope: int, heads: int, bs: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                  chunks: tuple[tuple[int, int], ...] = CHUNKS, public: bool = False) -> None:
+    width = -(-max(c + s for c, s in chunks) // bs)
+    nb = len(chunks) * width + 3
+    planes, scales = _latent_cache(nb, bs, rank, rope, dtype, kv_dtype, seed=rank + bs + heads + 7)
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(4))
+    tables = perm[: len(chunks) * width].view(len(chunks), width).int().to(DEVICE)
+    total = sum(c for c, _ in chunks)
+    q = torch.randn(total, heads, rank + rope, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    cu = torch.tensor([0, *itertools.accumulate(c for c, _ in chunks)], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([s for _, s in chunks], dtype=torch.int32, device=DEVICE)
+    scale = (rank + rope) ** -0.5
+    if public:
+        got = mla.mla_prefill_attention_varlen(q, planes[0], planes[1], tables, cu, starts, scale, rank, *scales,
+                                               max_seqlen_q=max(c for c, _ in chunks), chunks=chunks)
+    else:
+        got = _triton_prefill().mla_prefill_attention_varlen(q, planes[0], planes[1], tables, cu, starts, scale, rank,
+                                                             *scales, None)
+    deq = [reference.gather_blocks(p, torch.arange(nb, device=DEVICE), s, torch.float32).float()
+           for p, s in zip(planes, scales)]
+    want = mla.prefill_attention_reference_varlen(q.float(), deq[0], deq[1], tables, chunks, scale, rank)
+    assert got.dtype == dtype and got.shape == (total, heads, rank)
+    scale_of = max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=TOL[dtype] * scale_of)
+
+
+PREFILL_GRID = list(itertools.product([(21, 8), (32, 16)], [3, 20], [16, 5]))  # (rank, rope), heads, block size
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("latent,heads,bs", PREFILL_GRID)
+def test_mla_prefill_matches_reference(latent: tuple[int, int], heads: int, bs: int, dtype: torch.dtype) -> None:
+    """Packed chunks of four sequences in one launch: odd and even latents, fewer heads than a program's rows (its
+    rows then tile tokens too) and more (two head tiles), a power-of-two block size and an odd one."""
+    _prefill_case(*latent, heads, bs, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [reference.FP8_DTYPE, reference.INT8_DTYPE], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_mla_prefill_scaled_cache_matches_dequantized_reference(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    _prefill_case(21, 8, 5, 8, dtype, kv_dtype)
+
+
+def test_mla_prefill_public_wrapper_dispatches_to_triton_and_checks_arguments() -> None:
+    _prefill_case(21, 8, 3, 8, torch.float32, public=True, chunks=((3, 0), (7, 9)))
+    planes, _ = _latent_cache(6, 8, 21, 8, torch.float32, None, seed=1)
+    q = torch.randn(10, 3, 29, device=DEVICE)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32, device=DEVICE)
+    starts = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
+    args = (planes[0], planes[1], tables, cu, starts, 0.2, 21)
+    with pytest.raises(ValueError, match="q: latent dim 31"):
+        mla.mla_prefill_attention_varlen(torch.randn(10, 3, 31, device=DEVICE), *args)
+    with pytest.raises(ValueError, match="block_tables"):
+        mla.mla_prefill_attention_varlen(q, *args[:2], tables[:1], *args[3:])
+    with pytest.raises(ValueError, match="chunks"):  # the host's chunks must count q's tokens
+        mla.mla_prefill_attention_varlen(q, *args, chunks=[(3, 0), (6, 9)])
+    with pytest.raises(ValueError, match="block_tables"):  # 9 + 7 tokens fit 2 blocks of 8; 10 + 7 do not
+        mla.mla_prefill_attention_varlen(q, *args[:4], torch.tensor([0, 10], dtype=torch.int32, device=DEVICE),
+                                         *args[5:], chunks=[(3, 0), (7, 10)])
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        mla.mla_prefill_attention_varlen(q, *args, max_seqlen_q=5, chunks=[(3, 0), (7, 9)])
