@@ -336,13 +336,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
     print(f"mode: {st['mode']}   requests waiting for KV blocks: {st['waiting_for_blocks']}")
-    # node and kv address last: what to look at first when a KV transfer fails (is it the node the actor runs on?)
+    # node, device and kv address last: what to look at first when a KV transfer fails (is it the node the actor runs
+    # on? the CPU where a GPU was meant?)
     cols = ("actor", "role", "alive", "kv free", "reserved", "used", "total", "running", "waiting", "tokens", "node",
-            "kv address")
+            "device", "kv address")
 
     def line(cells: Sequence[object]) -> str:
-        head, *nums, node, addr = (str(c) for c in cells)
-        return f"{head:<22}" + "".join(f"{c:>10}" for c in nums) + f"  {node:<16}{addr}"
+        head, *nums, node, device, addr = (str(c) for c in cells)
+        return f"{head:<22}" + "".join(f"{c:>10}" for c in nums) + f"  {node:<16}{device:<9}{addr}"
 
     print(line(cols))
     for a in st["actors"]:
@@ -351,7 +352,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         alive = ("draining" if a.get("draining") else "yes") if a["alive"] else "DEAD"
         print(line((a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"), kv.get("used", ""),
                     kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens, a.get("node_ip") or "?",
-                    a.get("kv_address") or "-")))
+                    a.get("device") or "?", a.get("kv_address") or "-")))
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
     ctrl = st.get("controller")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -30,16 +31,40 @@ def test_gpus_this_machine_lacks_are_refused_before_any_actor_starts() -> None:
     assert time.monotonic() - t0 < 45 and c.decode_actors == [] and c.prefill_actors == []
 
 
-def test_serve_prints_where_each_actor_landed() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--kv-cache-gib", "0.25",
-                           "--threads", "1", "--ask", "Say hi."], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "[pdcluster] placement: 2 actor(s) on the CPU (picked for the 0 GPU(s) Ray offers)" in proc.stderr
-    landed = [line for line in proc.stdout.splitlines() if line.startswith("[pdcluster] actor ")]
-    assert len(landed) == 2, proc.stdout
-    for role in ("decode", "prefill"):
-        assert any(re.fullmatch(rf"\[pdcluster\] actor pdcluster-worker-\d\s+{role}\s+node [0-9a-f.:]+  CPU  "
-                                r"device cpu  kv auto \(shm on one node, else torch_dist\)", line)
-                   for line in landed), landed
+def test_serve_prints_where_each_actor_landed_and_status_shows_the_device(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    err = tmp_path / "serve.err"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", "0", "--kv-cache-gib", "0.25",
+                                 "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr,
+                                text=True)
+    try:
+        landed, url = [], None
+        assert proc.stdout is not None
+        for line in proc.stdout:  # serve prints the actors, then the proxy's URL once ready
+            if line.startswith("[pdcluster] actor "):
+                landed.append(line.rstrip("\n"))
+            if m := re.match(r"\[pdcluster\] ready: (\S+)/v1", line):
+                url = m.group(1)
+                break
+        assert url is not None, err.read_text()[-3000:]
+        assert "[pdcluster] placement: 2 actor(s) on the CPU (picked for the 0 GPU(s) Ray offers)" in err.read_text()
+        assert len(landed) == 2, landed
+        for role in ("decode", "prefill"):
+            assert any(re.fullmatch(rf"\[pdcluster\] actor pdcluster-worker-\d\s+{role}\s+node [0-9a-f.:]+  CPU  "
+                                    r"device cpu  kv auto \(shm on one node, else torch_dist\)", line)
+                       for line in landed), landed
+        status = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", url], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        head = status.stdout.splitlines()[1].split()
+        rows = [line.split() for line in status.stdout.splitlines() if line.startswith("pdcluster-")]
+        assert len(rows) == 2 and head[-3:] == ["device", "kv", "address"], status.stdout
+        assert all(row[-2] == "cpu" for row in rows), status.stdout  # each actor's device, before its KV address
+    finally:
+        proc.send_signal(signal.SIGINT)  # serve's own shutdown: proxies, actors, its Ray
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
