@@ -38,7 +38,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
                         "there is opt-in: faster where native, but it loses near-ties)")
     p.add_argument("--device", default=_default(WorkerConfig, "device"),
-                   help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
+                   help="auto (CUDA when the process sees a GPU; serve: on the GPUs Ray offers, if any) | cpu | "
+                        "cuda | cuda:N (serve: the N-th GPU Ray assigns each actor)")
     p.add_argument("--gpu-memory-utilization", type=float, default=_default(WorkerConfig, "gpu_memory_utilization"),
                    help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "
                         "it by a fractional --gpus-per-actor, so actors sharing a GPU split it)")

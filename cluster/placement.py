@@ -151,15 +151,17 @@ def kv_words(p: Placement) -> str:
 
 
 def _fits(actor_tps: Sequence[int], per_rank: float, node_gpus: Sequence[int]) -> bool:
-    """Whether actors of these TP sizes, each rank asking for ``per_rank`` of a GPU (all of a TP actor's ranks on one
-    node, on distinct GPUs), fit the nodes' GPUs. First fit, largest actors first, as Ray fills nodes. Pure."""
+    """Whether actors of these TP sizes, each rank asking for ``per_rank`` GPUs, fit the nodes' GPUs: an actor asking
+    for a fraction takes it of one GPU, one asking for one or more takes that many whole GPUs of one node (as Ray
+    places them). First fit, largest actors first. Pure."""
     free = [[1.0] * n for n in node_gpus]
     for tp in sorted(actor_tps, reverse=True):
+        count, each = (math.ceil(tp * per_rank - 1e-9), 1.0) if per_rank >= 1 else (tp, per_rank)
         for gpus in free:
-            room = [i for i, f in enumerate(gpus) if f + 1e-9 >= per_rank]
-            if len(room) >= tp:
-                for i in room[:tp]:
-                    gpus[i] -= per_rank
+            room = [i for i, f in enumerate(gpus) if f + 1e-9 >= each]
+            if len(room) >= count:
+                for i in room[:count]:
+                    gpus[i] -= each
                 break
         else:
             return False
@@ -207,16 +209,21 @@ def plan_placement(req: PlacementRequest, node_gpus: Sequence[float]) -> Placeme
                              f"GPU per rank: use --gpus-per-actor 1 (or --device cpu)")
     on_gpu = per_rank > 0 and req.device != "cpu"
     device = ("cuda" if req.device == "auto" else req.device) if on_gpu else "cpu"
+    ordinal = int(req.device.split(":", 1)[1]) if req.device.startswith("cuda:") else 0
+    if on_gpu and tp_max == 1 and ordinal >= max(1, int(per_rank)):
+        raise PlacementError(f"--device {req.device}: the GPU at index {ordinal} of those Ray assigns each actor, "
+                             f"and each gets {per_rank:g}: use --device cuda (or auto)")
     needed = per_rank * sum(tps)
     if on_gpu and not _fits(tps, per_rank, nodes):
         fixes = []
-        if tp_max == 1 and seen and _share(len(tps), seen) < per_rank:
-            fixes.append(f"--gpus-per-actor {_share(len(tps), seen):g} (actors share a GPU)")
+        share = _share(len(tps), seen) if seen else per_rank
+        if tp_max == 1 and share < per_rank:
+            fixes.append(f"--gpus-per-actor {share:g}" + (" (actors share a GPU)" if share < 1 else ""))
         fixes += ["fewer actors (--prefill / --decode)"] + (["smaller --prefill-tp / --decode-tp"] if tp_max > 1
                                                                 else [])
         fixes.append("--device cpu")
         what = (f"{len(tps)} actor(s) at {per_rank:g} GPU per rank need {needed:g} GPU(s)"
-                + (f", each TP actor's ranks on one node" if tp_max > 1 else ""))
+                + (", each actor's on one node" if tp_max > 1 or per_rank > 1 else ""))
         have = f"the cluster has {seen} GPU(s)" + (f" ({' + '.join(map(str, nodes))} per node)" if len(nodes) > 1
                                                       else "")
         msg = f"{what}, but {have}: use {', or '.join(fixes)}"

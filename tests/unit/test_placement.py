@@ -103,7 +103,7 @@ def test_a_cluster_that_may_grow_warns_instead_and_ray_waits() -> None:
 def test_tp_sizes_are_counted_and_a_tp_actor_takes_whole_gpus_on_one_node() -> None:
     cfg = placed((4.0,), "--prefill-tp", "2", "--decode-tp", "2", "--tp-kv-cache", "per_rank")
     assert num_gpus(cfg) == {"prefill": 2.0, "decode": 2.0} and not cfg.worker.share_node_gpus
-    with pytest.raises(PlacementError, match=r"need 4 GPU\(s\), each TP actor's ranks on one node.*--decode-tp"):
+    with pytest.raises(PlacementError, match=r"need 4 GPU\(s\), each actor's on one node.*--decode-tp"):
         plan(serve("--tensor-parallel-size", "2", "--tp-kv-cache", "per_rank"), (2.0,), False)
     with pytest.raises(PlacementError, match="on one node"):  # 4 GPUs, but a TP-2 actor's ranks would span nodes
         plan(serve("--tensor-parallel-size", "2", "--tp-kv-cache", "per_rank"), (1.0, 1.0, 1.0, 1.0), False)
@@ -145,3 +145,12 @@ def test_request_validation_and_the_printed_lines() -> None:
                           LandedActor("w1", "prefill", "127.0.0.1", (), "cpu", "shm")])
     assert lines == ["pdcluster-worker-0  decode   node 10.0.0.2  GPU 1  device cuda:1  kv auto",
                      "w1                  prefill  node 127.0.0.1  CPU  device cpu  kv shm"]
+
+
+def test_a_cuda_index_must_be_among_the_gpus_each_actor_gets() -> None:
+    with pytest.raises(PlacementError, match="--device cuda:1: .*each gets 0.5"):
+        plan(serve("--device", "cuda:1"), (1.0,), False)
+    assert plan(serve("--device", "cuda:1", "--gpus-per-actor", "2"), (4.0,), False).device == "cuda:1"
+    with pytest.raises(PlacementError, match=r"need 4 GPU\(s\), each actor's on one node.*--gpus-per-actor 1"):
+        plan(serve("--gpus-per-actor", "2"), (1.0, 1.0, 1.0, 1.0), False)  # 4 GPUs, but an actor's 2 span nodes
+    assert plan(serve("--gpus-per-actor", "2"), (2.0, 2.0), False).gpus_needed == 4.0
