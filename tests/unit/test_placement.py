@@ -68,6 +68,13 @@ def test_no_gpu_is_the_cpu_exactly_as_before() -> None:
     assert ray_node_gpus([{"Alive": True, "Resources": {"CPU": 2.0}}]) == (0.0,)
 
 
+def test_the_gpus_counted_are_those_of_alive_nodes() -> None:
+    nodes = [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": 8.0}}, {"Alive": False, "Resources": {"GPU": 8.0}},
+             {"Alive": True, "Resources": {"CPU": 4.0}}]
+    assert ray_node_gpus(nodes) == (8.0, 0.0)
+    assert plan(serve("--prefill", "8", "--decode", "8"), ray_node_gpus(nodes), False).gpus_per_actor == 0.5
+
+
 def test_device_cpu_stays_on_the_cpu_with_gpus_around() -> None:
     cfg = placed((8.0,), "--device", "cpu")
     assert num_gpus(cfg) == {"prefill": 0.0, "decode": 0.0} and cfg.worker.device == "cpu"
