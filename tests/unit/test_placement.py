@@ -29,7 +29,7 @@ def num_gpus(cfg: ServeConfig) -> dict[str, float]:
     return {role: actor_options(cfg, role)["num_gpus"] for role in ("prefill", "decode")}
 
 
-# -- S1: GPUs by default ------------------------------------------------------------------------------------------------
+# -- S1: GPUs by default --------------------------------------------------------------------------------------
 def test_serve_without_flags_puts_a_pair_on_one_gpu_sharing_it() -> None:
     """S1: on a one-GPU node serve's defaults ran both actors on the CPU (num_gpus 0, so Ray hid the GPU)."""
     cfg = placed((1.0,))
