@@ -9,6 +9,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from cluster.launcher import check_tp_device  # noqa: F401  (serve's check before start; tests import it here)
+from cluster.placement import PlacementError, landed_lines
 from cluster.wire.proxy_settings import ProxySettings
 from cluster.wire.proxy_settings import add_flags as add_proxy_flags
 from cluster.wire.worker_config import WorkerConfig
@@ -36,7 +38,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
                         "there is opt-in: faster where native, but it loses near-ties)")
     p.add_argument("--device", default=_default(WorkerConfig, "device"),
-                   help="auto (CUDA when the process sees a GPU) | cpu | cuda | cuda:N")
+                   help="auto (CUDA when the process sees a GPU; serve: on the GPUs Ray offers, if any) | cpu | "
+                        "cuda | cuda:N (serve: the N-th GPU Ray assigns each actor)")
     p.add_argument("--gpu-memory-utilization", type=float, default=_default(WorkerConfig, "gpu_memory_utilization"),
                    help="CUDA: fraction of the device's memory for weights, activations and KV cache (serve scales "
                         "it by a fractional --gpus-per-actor, so actors sharing a GPU split it)")
@@ -141,7 +144,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
                             num_threads=args.threads or 1, device=args.device,
                             enforce_eager=args.enforce_eager,
                             gpu_memory_utilization=args.gpu_memory_utilization * (
-                                args.gpus_per_actor if 0 < args.gpus_per_actor < 1 else 1.0),
+                                args.gpus_per_actor if 0 < (args.gpus_per_actor or 0) < 1 else 1.0),
                             cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib,
                             prefill_tp=prefill_tp, decode_tp=decode_tp, tp_kv_cache=tp_kv_cache(args)),
         decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
@@ -201,22 +204,6 @@ def check_model_tp(cfg: ServeConfig) -> None:
             raise ValueError(f"{flag} {size}: {e}") from None
 
 
-def check_tp_device(cfg: ServeConfig) -> None:
-    """``ValueError`` when the engine cannot run a pool's TP size on the device its actors will use (CUDA for
-    ``--device cuda[:N]``, or ``auto`` with GPUs from Ray), asked of the engine's own rule
-    (``engine.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
-    GPUs per rank and sees those. Nothing with TP 1 or on the CPU. Pure."""
-    tp = max(cfg.worker.decode_tp, cfg.worker.prefill_tp if cfg.mode == "disaggregated" else 1)
-    cuda = cfg.worker.device.startswith("cuda") or (cfg.worker.device == "auto" and cfg.gpus_per_actor > 0)
-    if tp == 1 or not cuda:
-        return
-    import torch
-
-    from engine.tp_group import check_device
-
-    check_device(torch.device("cuda", 0), tp, cfg.worker.tp_kv_cache, int(cfg.gpus_per_actor * tp))
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
     import signal
@@ -247,7 +234,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    cluster = Cluster(cfg)
+    cluster = Cluster(cfg, progress=lambda msg: print(f"[pdcluster] {msg}", file=sys.stderr, flush=True))
     stop = {"now": False}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -261,9 +248,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         try:
             cluster.start()
-        except ConnectionError as e:  # --ray-address that does not answer
+        except (ConnectionError, PlacementError) as e:  # --ray-address that does not answer; a placement refused
             print(f"error: {e}", file=sys.stderr)
             return 2
+        for line in landed_lines(cluster.landed):  # where each actor runs: node, GPU or CPU, device, K/V backend
+            print(f"[pdcluster] actor {line}", flush=True)
         for url in cluster.urls:
             print(f"[pdcluster] ready: {url}/v1  (model name {cfg.model_name!r})", flush=True)
         if args.autoscale:
@@ -348,13 +337,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"error: cannot reach {args.url}: {e}", file=sys.stderr)
         return 1
     print(f"mode: {st['mode']}   requests waiting for KV blocks: {st['waiting_for_blocks']}")
-    # node and kv address last: what to look at first when a KV transfer fails (is it the node the actor runs on?)
+    # node, device and kv address last: what to look at first when a KV transfer fails (is it the node the actor runs
+    # on? the CPU where a GPU was meant?)
     cols = ("actor", "role", "alive", "kv free", "reserved", "used", "total", "running", "waiting", "tokens", "node",
-            "kv address")
+            "device", "kv address")
 
     def line(cells: Sequence[object]) -> str:
-        head, *nums, node, addr = (str(c) for c in cells)
-        return f"{head:<22}" + "".join(f"{c:>10}" for c in nums) + f"  {node:<16}{addr}"
+        head, *nums, node, device, addr = (str(c) for c in cells)
+        return f"{head:<22}" + "".join(f"{c:>10}" for c in nums) + f"  {node:<16}{device:<9}{addr}"
 
     print(line(cols))
     for a in st["actors"]:
@@ -363,7 +353,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         alive = ("draining" if a.get("draining") else "yes") if a["alive"] else "DEAD"
         print(line((a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"), kv.get("used", ""),
                     kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens, a.get("node_ip") or "?",
-                    a.get("kv_address") or "-")))
+                    a.get("device") or "?", a.get("kv_address") or "-")))
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
     ctrl = st.get("controller")
@@ -425,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "own heads (per_rank: the layout GPUs need; K/V goes rank to rank over sockets)")
     sv.add_argument("--cpus-per-actor", type=float, default=_serve_default("cpus_per_actor"))
     sv.add_argument("--gpus-per-actor", type=float, default=_serve_default("gpus_per_actor"),
-                    help="Ray GPUs per actor, per rank of a tensor-parallel one (0: CPU; 1 with TP > 1)")
+                    help="Ray GPUs per actor, per rank of a tensor-parallel one (0: CPU; 1 with TP > 1; 0.5: two "
+                         "actors share a GPU). Default: serve picks from the GPUs Ray offers: one per actor (rank) "
+                         "when there are enough, else TP-1 actors share GPUs, the CPU when there are none")
     sv.add_argument("--no-share-node-gpus", action="store_true",
                     help="GPU actors see only their own GPUs (Ray's CUDA_VISIBLE_DEVICES) instead of every GPU of "
                          "their node (each still runs on the one Ray assigned it); actors on different GPUs of one "

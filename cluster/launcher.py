@@ -7,6 +7,12 @@ resolved inside the actor) unless ``kv_host`` names one for all; each proxy's to
 own node's address. An embedded Ray is one node, this machine, so there both stay on ``127.0.0.1`` (nothing listens on
 the network for a laptop run). ``host`` is only where the proxies serve HTTP.
 
+Placement. Which actors run on the CPU or on which GPUs is decided after Ray is up and before any actor starts, by
+:func:`cluster.placement.plan_placement` over the GPUs Ray's nodes offer (:func:`ray_node_gpus`): with GPUs and
+neither ``--device cpu`` nor ``--gpus-per-actor``, one GPU per actor, or actors sharing GPUs; what cannot work
+(more GPUs than a fixed cluster has, torch_dist between actors on one GPU) is refused there. The config the actors
+start with is :func:`apply_placement`'s; :attr:`Cluster.landed` says where each landed.
+
 Authentication. Every worker actor and proxy of one cluster holds its secret (``cluster.wire.auth``): ``cluster_secret``
 when given (the CLI reads ``PDCLUSTER_CLUSTER_SECRET``), else a fresh one made at start. Actors get it in their
 ``WorkerConfig`` (through Ray, whose token auth guards that channel), the proxies this launcher starts in their
@@ -24,10 +30,12 @@ import sys
 import tempfile
 import time
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.placement import LandedActor, Placement, PlacementError, PlacementRequest, kv_words, plan_placement
 from cluster.wire import node_gpus
 from cluster.wire.auth import ENV_VAR, ClusterSecret
 from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS
@@ -58,9 +66,11 @@ class ServeConfig:
     proxies: int = 1
     ray_address: str | None = None
     cpus_per_actor: float = 1.0  # Ray CPUs per actor (CPU clusters)
-    # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU); per rank of a tensor-parallel actor, which asks
-    # Ray for gpus_per_actor x its role's TP size (worker.prefill_tp / decode_tp; 1 GPU per rank: 0 or 1 then)
-    gpus_per_actor: float = 0.0
+    # Ray GPUs per actor (GPU clusters: 1 places one actor per GPU; 0: the CPU); per rank of a tensor-parallel actor,
+    # which asks Ray for gpus_per_actor x its role's TP size (worker.prefill_tp / decode_tp; 1 GPU per rank: 0 or 1
+    # then). None: the placement picks at start from the GPUs Ray offers (cluster.placement: one GPU per actor, actors
+    # sharing GPUs, or the CPU when there is none)
+    gpus_per_actor: float | None = None
     # GPU actors see every GPU of their node and each runs on the one Ray assigned it (cluster.wire.node_gpus), so a
     # prefill actor can write in place (cuda_ipc) into a decode actor's cache on another GPU of the node. Off: Ray
     # gives each actor only its own GPUs (CUDA_VISIBLE_DEVICES), and such pairs fall back (device_not_visible). Off
@@ -121,7 +131,8 @@ class ServeConfig:
             raise ValueError(f"prefill: disaggregated mode needs at least one prefill actor, got {self.prefill}")
         if self.on_transfer_failure not in ("recompute", "fail"):
             raise ValueError(f"on_transfer_failure: 'recompute' or 'fail', got {self.on_transfer_failure!r}")
-        if self.cpus_per_actor < 0 or self.gpus_per_actor < 0:
+        gpus = self.gpus_per_actor
+        if self.cpus_per_actor < 0 or (gpus is not None and gpus < 0):
             raise ValueError("cpus_per_actor/gpus_per_actor: must be >= 0")
         if self.kv_backend not in KV_BACKENDS:
             raise ValueError(f"kv_backend: must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
@@ -131,23 +142,23 @@ class ServeConfig:
             raise ValueError("corrupt_kv_every: an in-place KV backend detects a corrupted part only with "
                              "kv_inplace_checksum on")
         cuda = self.worker.device.startswith("cuda")
-        if cuda and self.gpus_per_actor <= 0:
+        if cuda and gpus is not None and gpus <= 0:
             raise ValueError("gpus_per_actor: --device cuda needs GPUs from Ray for each actor: set --gpus-per-actor "
-                             "(1: one actor per GPU; 0.5: two actors share one)")
+                             "(1: one actor per GPU; 0.5: two actors share one) or leave it out (serve picks)")
         if (self.kv_backend == "cuda_ipc" and self.worker.device == "cpu") or (self.kv_backend == "shm" and cuda):
             raise ValueError(f"kv_backend: {self.kv_backend} does not fit --device {self.worker.device} (shm moves a "
                              f"CPU cache, cuda_ipc a GPU one; auto picks for the device)")
         if self.kv_backend in ("shm", "auto") and not self.worker.shared_kv:  # CPU caches peers can map
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, shared_kv=True))
         tp = max(self.worker.prefill_tp, self.worker.decode_tp)
-        if tp > 1 and self.gpus_per_actor not in (0, 1):
+        if tp > 1 and gpus not in (None, 0, 1):
             raise ValueError(f"gpus_per_actor: a tensor-parallel actor takes one GPU per rank (--gpus-per-actor 1, or "
                              f"0 on the CPU), got {self.gpus_per_actor} with TP {tp}")
         if self.mode == "colocated" and self.worker.prefill_tp != 1:
             raise ValueError(f"worker.prefill_tp: colocated mode has no prefill actors (its actors are decode ones: "
                              f"set decode_tp), got {self.worker.prefill_tp}")
         # GPU actors only; a TP actor sees only its own GPUs (its ranks go on cuda:0..TP-1 of what it sees)
-        share = self.share_node_gpus and self.gpus_per_actor > 0 and self.worker.device != "cpu" and tp == 1
+        share = self.share_node_gpus and (gpus or 0) > 0 and self.worker.device != "cpu" and tp == 1
         if self.worker.share_node_gpus != share:
             object.__setattr__(self, "worker", dataclasses.replace(self.worker, share_node_gpus=share))
         if self.decode < 1:
@@ -174,13 +185,63 @@ class ServeConfig:
             raise ValueError(f"port: must be 0 (free ports) or leave room for {self.proxies} proxies, got {self.port}")
 
 
+def placement_request(cfg: ServeConfig, elastic: bool) -> PlacementRequest:
+    """What ``cfg`` asks of the placement (``elastic``: the cluster may grow, serve joined it). Pure."""
+    return PlacementRequest(device=cfg.worker.device, gpus_per_actor=cfg.gpus_per_actor, prefill=cfg.prefill,
+                            decode=cfg.decode, prefill_tp=cfg.worker.prefill_tp, decode_tp=cfg.worker.decode_tp,
+                            mode=cfg.mode, kv_backend=cfg.kv_backend, kv_fallback=cfg.kv_fallback, elastic=elastic)
+
+
+def plan(cfg: ServeConfig, node_gpus_seen: list[float] | tuple[float, ...], elastic: bool) -> Placement:
+    """The placement of ``cfg``'s actors on a cluster whose nodes offer ``node_gpus_seen`` GPUs each: what serve
+    decides before starting any actor. :class:`PlacementError` naming the fix. Pure."""
+    return plan_placement(placement_request(cfg, elastic), node_gpus_seen)
+
+
+def apply_placement(cfg: ServeConfig, placement: Placement) -> ServeConfig:
+    """``cfg`` as its actors start under ``placement``: its GPUs per actor, ``--device auto`` made ``cuda`` on GPUs
+    (an engine that cannot reach the GPU Ray gave it fails instead of running on the CPU), and, where the placement
+    picked a share of a GPU, ``gpu_memory_utilization`` scaled by it (an explicit ``--gpus-per-actor`` is scaled by
+    ``serve_config``, as before). A CPU placement leaves the worker config as it is. Pure."""
+    worker = cfg.worker
+    if placement.on_gpu:
+        scale = placement.gpus_per_actor if placement.chosen and placement.gpus_per_actor < 1 else 1.0
+        worker = dataclasses.replace(worker, device=placement.device,
+                                     gpu_memory_utilization=worker.gpu_memory_utilization * scale)
+    return dataclasses.replace(cfg, gpus_per_actor=placement.gpus_per_actor, worker=worker)
+
+
+def ray_node_gpus(nodes: list[dict[str, Any]]) -> tuple[float, ...]:
+    """The GPUs each alive node offers, from ``ray.nodes()``. Pure."""
+    return tuple(float(n.get("Resources", {}).get("GPU", 0.0)) for n in nodes if n.get("Alive"))
+
+
+def check_tp_device(cfg: ServeConfig) -> None:
+    """``ValueError`` when the engine cannot run a pool's TP size on the device its actors will use (CUDA for
+    ``--device cuda[:N]``, or ``auto`` with GPUs from Ray), asked of the engine's own rule
+    (``engine.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
+    GPUs per rank and sees those. Nothing with TP 1, on the CPU, or before the placement picked the GPUs
+    (``gpus_per_actor`` None: the launcher asks again once it has). Pure."""
+    tp = max(cfg.worker.decode_tp, cfg.worker.prefill_tp if cfg.mode == "disaggregated" else 1)
+    gpus = cfg.gpus_per_actor or 0
+    cuda = cfg.worker.device.startswith("cuda") or (cfg.worker.device == "auto" and gpus > 0)
+    if tp == 1 or not cuda or cfg.gpus_per_actor is None:
+        return
+    import torch
+
+    from engine.tp_group import check_device
+
+    check_device(torch.device("cuda", 0), tp, cfg.worker.tp_kv_cache, int(gpus * tp))
+
+
 def actor_options(cfg: ServeConfig, role: str) -> dict[str, Any]:
-    """The ``ray.remote`` options of a ``role`` worker actor (the pool manager starts later ones with them). Pure."""
+    """The ``ray.remote`` options of a ``role`` worker actor (the pool manager starts later ones with them); a config
+    not yet placed (``gpus_per_actor`` None) asks for no GPU. Pure."""
     # no Ray task events for the actors' calls: a serving cluster makes several per request and a few per second
     # per actor (stats), and the GCS would keep each (up to Ray's 100k cap: its memory grew ~1.5 MB/min in a soak)
     # a tensor-parallel actor holds one GPU per rank; on the CPU its ranks are its own child processes, which Ray's
     # accounting does not see (num_cpus stays per actor)
-    return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor * cfg.worker.tp_for(role),
+    return {"num_cpus": cfg.cpus_per_actor, "num_gpus": (cfg.gpus_per_actor or 0.0) * cfg.worker.tp_for(role),
             "max_concurrency": 16,
             "concurrency_groups": {CONTROL_GROUP: CONTROL_THREADS}, "enable_task_events": False,
             **({"resources": {f"pdcluster_{role}": 1}} if cfg.role_resources else {}),
@@ -210,11 +271,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class Cluster:
-    """A running cluster: the Ray connection, the decode actors and the proxy processes. ``stop`` ends them."""
+def _ray_gpu_ids(_actor: Any) -> list[str]:
+    """Run in an actor (``__ray_call__``): the GPUs Ray assigned it."""
+    import ray
 
-    def __init__(self, cfg: ServeConfig) -> None:
-        self.cfg = cfg
+    return [str(i) for i in ray.get_gpu_ids()]
+
+
+class Cluster:
+    """A running cluster: the Ray connection, the decode actors and the proxy processes. ``stop`` ends them.
+
+    ``progress`` (default: nothing) is told the placement as soon as it is decided, with any warning."""
+
+    def __init__(self, cfg: ServeConfig, progress: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg  # once started: as placed (apply_placement)
+        self.progress = progress or (lambda _msg: None)
+        self.placement: Placement | None = None  # decided at start, before any actor
+        self.landed: list[LandedActor] = []  # where each started actor runs, once up
         self.decode_actors: list[Any] = []
         self.prefill_actors: list[Any] = []
         self.manager: Any = None  # the PoolManager actor (disaggregated mode): scale / autoscale
@@ -250,6 +323,16 @@ class Cluster:
             ray.init(namespace=NAMESPACE, num_cpus=max(2, int(cfg.max_actors * cfg.cpus_per_actor) + 1),
                      include_dashboard=False, log_to_driver=False)
         self._owns_ray = True
+        # before any actor: on which GPUs (or the CPU), or a refusal naming the fix
+        placement = self.placement = plan(cfg, ray_node_gpus(ray.nodes()), elastic=bool(cfg.ray_address))
+        try:
+            cfg = self.cfg = apply_placement(cfg, placement)  # validated again as placed
+            check_tp_device(cfg)
+        except ValueError as e:
+            raise PlacementError(str(e)) from None
+        self.progress(placement.summary())
+        for w in placement.warnings:
+            self.progress(f"warning: {w}")
         if cfg.cluster_auth:
             self.secret = cfg.cluster_secret or ClusterSecret.generate()
         worker = dataclasses.replace(cfg.worker, cluster_secret=self.secret)
@@ -270,7 +353,12 @@ class Cluster:
         if disagg:
             self.prefill_actors = [start("prefill") for _ in range(cfg.prefill)]
         actors = self.decode_actors + self.prefill_actors
-        ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
+        infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)  # every model is loaded
+        gpu_ids = ray.get([a.__ray_call__.remote(_ray_gpu_ids) for a in actors], timeout=60)
+        kv_how = kv_words(placement)
+        self.landed = [LandedActor(name=info["actor_id"], role=info["role"], node_ip=info.get("node_ip", ""),
+                                   gpu_ids=tuple(ids), device=info.get("device", "?"), kv=kv_how)
+                       for info, ids in zip(infos, gpu_ids)]
         if disagg:
             from cluster.control.pool_manager import PoolManager
             from cluster.wire.names import MANAGER_NAME

@@ -302,6 +302,7 @@ class DecodeWorker(EngineLoop):
         rx = self.connector.stats()
         self._stats = WorkerStats(
             actor_id=self.actor_id, role="decode", draining=self.draining, idle=self._idle(),
+            device=str(self.engine.device),
             kv=KVCounts(**self.connector.counts(), cached=self.engine.kv.pool.counts()["cached"]),
             kv_growth=projected_growth(sched.running, self.engine.config.block_size, self._lengths.expected,
                                        self.engine.max_model_len),

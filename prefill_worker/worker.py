@@ -152,7 +152,7 @@ class PrefillWorker(EngineLoop):
         sched = e.scheduler
         c = e.kv.pool.counts()
         self._stats = WorkerStats(
-            actor_id=self.actor_id, role="prefill", draining=self.draining, idle=self._idle(),
+            actor_id=self.actor_id, role="prefill", draining=self.draining, idle=self._idle(), device=str(e.device),
             kv=KVCounts(free=c["free"] + c["cached"], used=c["used"], total=c["total"], cached=c["cached"]),
             running=len(sched.running), waiting=len(sched.waiting),
             queued_prefill_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),

@@ -124,6 +124,7 @@ class WorkerStats(_Wire):
     idle: bool = True  # holds no request in any state
     flips: int = 0  # role changes in place so far
     node_ip: str = ""  # the node Ray placed it on
+    device: str = ""  # its engine's device: "cpu" or "cuda:N" (N in the actor's own numbering; serve prints its GPU)
     kv_address: str = ""  # its KV endpoint (decode): where prefill actors send
     backend: str = ""  # its KV transfer backend (prefill)
     kv: KVCounts = KVCounts()

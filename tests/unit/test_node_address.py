@@ -49,7 +49,7 @@ def test_kv_host_must_be_dialable(bad: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"worker": WorkerConfig(device="cuda")}, "gpus_per_actor"),  # a GPU engine in an actor Ray gave no GPU
+    ({"worker": WorkerConfig(device="cuda"), "gpus_per_actor": 0.0}, "gpus_per_actor"),  # an actor Ray gave no GPU
     ({"worker": WorkerConfig(device="cpu"), "kv_backend": "cuda_ipc"}, "kv_backend"),
     ({"worker": WorkerConfig(device="cuda"), "gpus_per_actor": 0.5, "kv_backend": "shm"}, "kv_backend"),
     ({"corrupt_kv_every": 3, "kv_backend": "shm"}, "corrupt_kv_every"),  # undetectable without the checksum

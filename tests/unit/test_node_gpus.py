@@ -65,7 +65,7 @@ def test_serve_shares_node_gpus_with_gpu_actors(kwargs: dict, shared: bool) -> N
     assert cfg.worker.share_node_gpus is shared
     for role in ("prefill", "decode"):
         opts = actor_options(cfg, role)
-        assert opts["num_gpus"] == cfg.gpus_per_actor
+        assert opts["num_gpus"] == (cfg.gpus_per_actor or 0.0)  # None: not placed yet (serve places it at start)
         assert opts.get("runtime_env") == ({"env_vars": {NOSET_ENV: "1"}} if shared else None)
 
 
