@@ -198,7 +198,7 @@ class TPGroup:
 
     def _start_watch(self) -> None:
         """Mutates: start the thread that notices a follower's exit while the driver may be inside a collective
-        (:meth:`_watch`). Holds the group weakly, so an unreferenced group is still finalized."""
+        (:meth:`_broke`). Holds the group weakly, so an unreferenced group is still finalized."""
         me = weakref.ref(self)
         procs, closing = self._procs, self._closing
 

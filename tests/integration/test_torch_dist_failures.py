@@ -134,3 +134,41 @@ def test_pair_groups_carry_the_configured_timeout() -> None:
     assert groups[RECEIVER][1].options._timeout == datetime.timedelta(seconds=7.5)
     assert groups[SENDER][1].options._timeout == datetime.timedelta(seconds=9)  # capped at io_timeout_s
     assert groups[RECEIVER][2] is groups[RECEIVER][1]  # on the CPU the control group carries the payload too
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_receiver_lost_fails_only_the_senders_pair(sig: int) -> None:
+    """The other direction: a decode actor killed or stalled fails the prefill side's sends to it within the pair
+    timeout (stalled: before it, io_timeout_s); the sender drops the pair and sends to a new receiver."""
+    from kv_transfer.loopback import ReceiverProcess
+    from tests.kv_peer import SPEC
+
+    sender = TorchDistBackend(KVTransferConfig(name="prefill", host="127.0.0.1", pair_timeout_s=PAIR_TIMEOUT_S,
+                                               connect_timeout_s=10))
+    dead = ReceiverProcess(KVTransferConfig(name="decode", host="127.0.0.1", num_recv_buffers=1), SPEC)
+    fresh = None
+    try:
+        header, payload = sample_part(seed=1)
+        sender.connect(dead.address)
+        assert sender.sending_peers() == [dead.address]
+        os.kill(dead.process.pid, sig)
+        t0 = time.monotonic()
+        # a first send may still land in the kernel's socket buffer of a dead TCP peer: send until one fails
+        states = []
+        while TransferState.FAILED not in states and time.monotonic() - t0 < PAIR_TIMEOUT_S + 8:
+            states.append(sender.send(dead.address, header, payload).wait(PAIR_TIMEOUT_S + 8))
+        assert TransferState.FAILED in states, states
+        assert time.monotonic() - t0 < PAIR_TIMEOUT_S + 6
+        assert sender.sending_peers() == []
+
+        fresh = ReceiverProcess(KVTransferConfig(name="decode-2", host="127.0.0.1"), SPEC)
+        assert sender.send(fresh.address, header, payload).wait(30) is TransferState.DONE
+        assert fresh.call("drain", 1) == (1, payload.numel() * payload.element_size())
+        assert sender.sending_peers() == [fresh.address]
+    finally:
+        sender.close()
+        if dead.process.is_alive():
+            os.kill(dead.process.pid, signal.SIGKILL)  # also ends a stopped one
+        dead.process.join(10)
+        if fresh is not None:
+            fresh.close()
