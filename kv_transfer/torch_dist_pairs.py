@@ -39,7 +39,8 @@ from kv_transfer.base import RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
 from kv_transfer.streams import HostStreams
-from kv_transfer.torch_dist_groups import abort_groups, pair_groups, pair_timeout  # noqa: F401 (pair_groups: its old home)
+# pair_groups moved to torch_dist_groups; importable from here as before
+from kv_transfer.torch_dist_groups import abort_groups, pair_groups, pair_timeout  # noqa: F401
 
 TAG = 0
 RECEIVER, SENDER = 0, 1  # ranks in every pair group: the listening endpoint is 0

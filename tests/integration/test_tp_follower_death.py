@@ -16,7 +16,7 @@ from engine.tp_group import TPGroupError, WATCH_INTERVAL_S
 ENGINE = dict(dtype="float32", max_num_batched_tokens=48, block_size=8, num_kv_blocks=160, num_threads=1)
 
 
-def test_a_killed_follower_breaks_the_group_without_a_call_and_later_calls_fail_fast(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_follower_breaks_the_group_at_once(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     llm = LLM(str(tiny_checkpoint("qwen2")), tensor_parallel_size=2, **ENGINE)  # type: ignore[arg-type]
     try:
         group = llm.engine.tp_group
