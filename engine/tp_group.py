@@ -33,8 +33,9 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
   one has exited, records why (:attr:`TPGroup.failure`: every later call raises it) and aborts the group's process
   group. On gloo a dead rank's closed sockets already fail a collective in flight; on NCCL between GPUs of one node
   (P2P, no socket) nothing would, and the driver would wait out the collective timeout (600 s) before torch's
-  watchdog ended the process: the abort ends that collective at once (kv_transfer/torch_dist_groups.py has the
-  torch source this relies on).
+  watchdog ended the process: the abort ends that collective at once. NCCL groups are built with
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (engine/nccl_errors.py, with the torch source it relies on), so the abort
+  fails the driver's call and the engine loop's exit path runs, instead of torch's watchdog ending the process.
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def _process_group(host: str, port: int, rank: int, size: int, device: torch.dev
     on CUDA (each on its current device, set before this), else gloo, which blocks until every rank joined."""
     store = master or dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     if device.type == "cuda":
+        from engine.nccl_errors import survive_nccl_failures
+
+        survive_nccl_failures()  # a dead rank fails the group's calls (TPGroupError), not the process (read below)
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         return dist.ProcessGroupNCCL(dist.PrefixStore("pdtp/", store), rank, size, nccl)

@@ -14,18 +14,10 @@ the buffer's fence (recorded after it on the receive stream) fires; without the 
 next transfer into that buffer waits behind a kernel that never ends. The handle is then FAILED, the buffer is back
 in the pool, the pair is dropped from its backend, and the process, its other pairs and later peers go on.
 
-**NCCL's watchdog must not end the process.** torch 2.13's ``ProcessGroupNCCL`` reads
-``TORCH_NCCL_ASYNC_ERROR_HANDLING`` once per group, in its constructor (``getCvarInt(TORCH_NCCL_ASYNC_ERROR_HANDLING,
-3 /*SkipCleanUp*/)`` in ProcessGroupNCCL.cpp); the modes are in ``torch/include/torch/csrc/distributed/c10d/
-ProcessGroupNCCL.hpp`` (``enum ErrorHandlingMode { NoHandling = 0, TearDown = 1, CleanUpOnly = 2, SkipCleanUp = 3 }``,
-and ``#define SHOULD_TEAR_DOWN(a) (a != NoHandling && a != CleanUpOnly)``). The default, 3, tears the process down
-when the watchdog finds a failed or timed-out work ("To avoid data inconsistency, we are taking the entire process
-down", ``WorkNCCL::handleException``), and a work whose communicator we aborted is such a work. So before building
-an NCCL pair group this sets the variable to 2 (``CleanUpOnly``: the watchdog aborts the communicator of a timed-out
-work and leaves the process alone) unless it already says 0 or 2; any other value is overridden, with a warning. The
-variable is process-wide: NCCL groups built later in the process (tensor parallelism's) get the same handling, which
-is what they want too (a dead rank fails its group's calls instead of ending the process).
-``TORCH_NCCL_BLOCKING_WAIT=1`` is left alone: it starts no watchdog at all, and ``wait`` then raises in the caller.
+**NCCL's watchdog must not end the process.** By default torch's ``ProcessGroupNCCL`` watchdog ends the process on a
+failed or timed-out work, and a work whose communicator we aborted is one: :func:`engine.nccl_errors.
+survive_nccl_failures` sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly) before an NCCL pair group is built;
+that module cites the torch source. The variable is process-wide: the tensor-parallel group gets the same handling.
 The timeout is the group's ``Options._timeout`` (``ProcessGroupNCCL.hpp``: ``kProcessGroupNCCLDefaultTimeout`` is 10
 minutes); ``Work.wait(timeout)`` with an explicit timeout blocks the calling thread, and on expiry aborts the work's
 communicator and raises there (``WorkNCCL::wait`` in ProcessGroupNCCL.cpp). ``Backend.abort()`` is bound for both
@@ -38,52 +30,17 @@ Not run on a GPU yet: the NCCL lines are written from torch's source and headers
 from __future__ import annotations
 
 import datetime
-import logging
-import os
-import threading
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch.distributed as dist
 
+from engine.nccl_errors import survive_nccl_failures
 from kv_transfer.config import KVTransferConfig
-
-log = logging.getLogger(__name__)
-
-ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
-CLEAN_UP_ONLY = "2"  # abort the failed work's communicator, keep the process
-_SURVIVING_MODES = ("0", CLEAN_UP_ONLY)  # NoHandling, CleanUpOnly: neither tears the process down
-_env_lock = threading.Lock()
 
 
 def pair_timeout(config: KVTransferConfig) -> datetime.timedelta:
     """The timeout a pair's groups are built with and its payload waits use. Pure."""
     return datetime.timedelta(seconds=config.pair_timeout)
-
-
-def nccl_error_handling(current: str | None) -> tuple[str, str | None]:
-    """The ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` value under which a dead peer fails only its pair, given the one set
-    now (None: unset), and a warning when an operator's value is overridden. Pure."""
-    value = None if current is None else current.strip()
-    if value in _SURVIVING_MODES:
-        return value, None
-    if not value:
-        return CLEAN_UP_ONLY, None
-    return CLEAN_UP_ONLY, (f"{ASYNC_ERROR_HANDLING}={current!r} would end this process when a KV peer dies "
-                           f"(torch's watchdog tears down on a failed NCCL work); using {CLEAN_UP_ONLY} (CleanUpOnly)")
-
-
-def survive_nccl_failures(environ: MutableMapping[str, str] | None = None) -> str:
-    """Mutates ``environ`` (None: this process's environment, which ProcessGroupNCCL's constructor reads): make it say
-    a mode that does not tear the process down. Call before building an NCCL group. Returns the value in force."""
-    env = os.environ if environ is None else environ
-    with _env_lock:
-        value, warning = nccl_error_handling(env.get(ASYNC_ERROR_HANDLING))
-        if env.get(ASYNC_ERROR_HANDLING) != value:
-            if warning is not None:
-                log.warning(warning)
-            env[ASYNC_ERROR_HANDLING] = value
-    return value
 
 
 def abort_groups(groups: tuple[Any, ...]) -> list[str]:
