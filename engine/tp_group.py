@@ -28,7 +28,14 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
 - **Death**: a follower exits when its driver's process is gone (EOF on its socket, a broken collective, or a watchdog
   that sees its parent change); a follower that dies breaks the driver's next collective or command
   (``TPGroupError``), and a worker actor whose group broke exits (cluster/runtime/engine_loop.py), so the cluster
-  treats the whole group as one dead worker and moves its requests, as after a kill -9 of the actor.
+  treats the whole group as one dead worker and moves its requests, as after a kill -9 of the actor. The driver
+  does not wait for its next call to find out: a watch thread (``tp-follower-watch``) polls the followers and, when
+  one has exited, records why (:attr:`TPGroup.failure`: every later call raises it) and aborts the group's process
+  group. On gloo a dead rank's closed sockets already fail a collective in flight; on NCCL between GPUs of one node
+  (P2P, no socket) nothing would, and the driver would wait out the collective timeout (600 s) before torch's
+  watchdog ended the process: the abort ends that collective at once. NCCL groups are built with
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (engine/nccl_errors.py, with the torch source it relies on), so the abort
+  fails the driver's call and the engine loop's exit path runs, instead of torch's watchdog ending the process.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from engine.device_threads import DeviceThreads
 
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective (one layer's all-reduce) that waits longer than this is a hung rank
+WATCH_INTERVAL_S = 0.2  # how often the driver's watch looks at its followers (a dead one is seen within this)
 START_TIMEOUT_S = 600.0  # every follower loaded its shard and joined the group by then
 
 
@@ -127,6 +135,9 @@ def _process_group(host: str, port: int, rank: int, size: int, device: torch.dev
     on CUDA (each on its current device, set before this), else gloo, which blocks until every rank joined."""
     store = master or dist.TCPStore(host, port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     if device.type == "cuda":
+        from engine.nccl_errors import survive_nccl_failures
+
+        survive_nccl_failures()  # a dead rank fails the group's calls (TPGroupError), not the process (read below)
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         return dist.ProcessGroupNCCL(dist.PrefixStore("pdtp/", store), rank, size, nccl)
@@ -153,8 +164,10 @@ class TPGroup:
         self._reader: threading.Thread | None = None
         self.ships = False  # a forward with a K/V hook makes every follower run its extension's hook too
         self.has_cache = False  # the followers mapped or allocated their cache (share_cache / own_caches)
-        self._closer = weakref.finalize(self, _stop, procs, conns)
-        # rank 0's device: the notice reader enters it (engine/device_threads.py)
+        self.failure: str | None = None  # why the group broke (a follower exited), set by the watch; then final
+        self._closing = threading.Event()  # close(): the watch ends, followers exiting now are no failure
+        self._closer = weakref.finalize(self, _stop, procs, conns, self._closing)
+        # rank 0's device: the notice reader and the follower watch enter it (engine/device_threads.py)
         self.threads = DeviceThreads(rank_device(spec.device_type, spec.first_index, 0))
 
     @classmethod
@@ -188,7 +201,38 @@ class TPGroup:
             group.close()
             raise e if isinstance(e, TPGroupError) else TPGroupError(f"tensor parallel group did not form: {e}") from e
         group.comm = DistComm(pg)
+        group._start_watch()
         return group
+
+    def _start_watch(self) -> None:
+        """Mutates: start the thread that notices a follower's exit while the driver may be inside a collective
+        (:meth:`_broke`). Holds the group weakly, so an unreferenced group is still finalized."""
+        me = weakref.ref(self)
+        procs, closing = self._procs, self._closing
+
+        def watch() -> None:
+            while not closing.wait(WATCH_INTERVAL_S):
+                if any(p.poll() is not None for p in procs):
+                    group = me()
+                    if group is not None and not closing.is_set():
+                        group._broke()
+                    return
+        self.threads.start(watch, "tp-follower-watch")  # on rank 0's device: the NCCL abort may launch device work
+
+    def _broke(self) -> None:
+        """Mutates (watch thread): a follower exited: record which (later calls raise it) and abort the process
+        group, so a collective the driver is in ends now rather than at its timeout. Idempotent."""
+        if self.failure is not None:
+            return
+        dead = [(rank, p) for rank, p in enumerate(self._procs, start=1) if p.poll() is not None]
+        self.failure = "; ".join(f"tensor parallel rank {rank} (pid {p.pid}) exited with code {p.returncode}"
+                                 for rank, p in dead) or "tensor parallel group broken"
+        log.error("%s: aborting the group's collectives", self.failure)
+        if self.comm is not None:
+            try:
+                self.comm.group.abort()
+            except Exception as e:  # an already-broken communicator may refuse; the group is failed either way
+                log.warning("tensor parallel: aborting the process group failed: %s", e)
 
     def _replies(self, what: str, timeout_s: float) -> None:
         """Waits for every follower's ``ok`` (polling their liveness). Raises ``TPGroupError`` naming one that
@@ -298,6 +342,10 @@ class TPGroup:
                     raise TPGroupError(f"tensor parallel rank {rank}: {e}") from e
 
     def _check_alive(self) -> None:
+        """Raises ``TPGroupError`` if the group broke (:attr:`failure`) or a follower has exited. Pure but for
+        reaping an exited follower."""
+        if self.failure is not None:
+            raise TPGroupError(self.failure)
         for rank, proc in enumerate(self._procs, start=1):
             if proc.poll() is not None:
                 raise TPGroupError(f"tensor parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
@@ -307,7 +355,8 @@ class TPGroup:
         self._closer()
 
 
-def _stop(procs: list[Any], conns: list[Any]) -> None:
+def _stop(procs: list[Any], conns: list[Any], closing: threading.Event) -> None:
+    closing.set()  # the followers exit now: the watch stops
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(("stop",)))

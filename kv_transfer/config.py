@@ -40,6 +40,13 @@ class KVTransferConfig:
     send_window: int = 4  # messages per peer on the wire at once (sending side)
     connect_timeout_s: float = 30.0  # how long connect (and pair-group rendezvous) may take before failing
     io_timeout_s: float = 120.0  # a started message (header in) whose payload takes longer fails, and so does its pair
+    # torch_dist: the timeout each peer pair's process groups are built with (the gloo control group's and the NCCL
+    # data group's; torch's own NCCL default is 10 minutes) and that every wait on a payload, or on a header's
+    # remainder, uses. A peer that dies or stalls mid-transfer fails that transfer within it: the pair is aborted
+    # (NCCL: its communicator, so the receive kernel exits and the buffer's fence fires), the handle FAILED, the
+    # receive buffer back in the pool; other pairs go on. It must cover a payload's trip while the receiver waits for
+    # a free buffer (back-pressure). Capped at io_timeout_s (see pair_timeout), which callers wait on handles for.
+    pair_timeout_s: float = 30.0
     max_header_bytes: int = 1 << 20  # a longer header is refused (guards allocation against a corrupt length)
     # ucxx progress mode. "thread": a progress thread; once a peer is connected the receiving side's spins on a core
     # (measured here with plain ucxx too). "blocking": this backend's event loop thread progresses UCX: ~2x the
@@ -83,6 +90,8 @@ class KVTransferConfig:
             raise ValueError(f"connect_timeout_s: must be a finite number > 0, got {self.connect_timeout_s!r}")
         if not math.isfinite(self.io_timeout_s) or self.io_timeout_s <= 0:
             raise ValueError(f"io_timeout_s: must be a finite number > 0, got {self.io_timeout_s!r}")
+        if not math.isfinite(self.pair_timeout_s) or self.pair_timeout_s <= 0:
+            raise ValueError(f"pair_timeout_s: must be a finite number > 0, got {self.pair_timeout_s!r}")
         if not isinstance(self.max_header_bytes, int) or self.max_header_bytes < 64:
             raise ValueError(f"max_header_bytes: must be an int >= 64, got {self.max_header_bytes!r}")
         if not all(isinstance(kv, tuple) and len(kv) == 2 and all(isinstance(x, str) for x in kv)
@@ -101,6 +110,12 @@ class KVTransferConfig:
         if self.host is not None:
             return self
         return dataclasses.replace(self, host=node_ip())
+
+    @property
+    def pair_timeout(self) -> float:
+        """Seconds: the timeout torch_dist pair groups are built with and payload waits use, ``pair_timeout_s``
+        capped at ``io_timeout_s`` (a caller waiting ``io_timeout_s`` on a handle sees its pair fail first). Pure."""
+        return min(self.pair_timeout_s, self.io_timeout_s)
 
     @property
     def is_cuda(self) -> bool:

@@ -11,6 +11,13 @@ refused and counted (``unauthenticated``).
 Gloo behaviour this relies on (torch 2.13, measured): a recv ``Work`` never reports ``is_completed()`` until it is
 ``wait()``\\ ed, so each pair has an I/O thread that waits; a timed-out wait closes the pair; a blocked wait returns
 with an error when the peer closes; ``abort()``/``shutdown()`` do not interrupt a blocked wait.
+
+Failure isolation (:mod:`kv_transfer.torch_dist_groups`): a peer that dies or stalls mid-transfer fails only its own
+pair, within ``config.pair_timeout`` (``pair_timeout_s``, 30 s by default, at most ``io_timeout_s``; the groups are
+built with it, NCCL's watchdog included, whose own default is 10 minutes and whose default error handling would end
+this process). The pair is aborted, the transfer's handle FAILED, its receive buffer back in the pool, and the pair
+dropped from :meth:`TorchDistBackend.receiving_peers` / :meth:`~TorchDistBackend.sending_peers`; other pairs keep
+going, and the peer (restarted, or another one) connects again with a new ticket.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader
 from kv_transfer.store_auth import StoreValueRefused, authenticated
 from kv_transfer.streams import HostStreams
-from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair, pair_groups
+from kv_transfer.torch_dist_groups import pair_groups
+from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair
 
 _JOIN_COUNTER = "pdkv/joins"
 
@@ -54,7 +62,7 @@ class TorchDistBackend(KVTransferBackend):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._senders: dict[str, SendPair] = {}  # peer address -> its pair (replaced when it breaks)
-        self._receivers: list[RecvPair] = []
+        self._receivers: list[RecvPair] = []  # live receiving pairs (each drops itself when it ends)
         self._acceptor: threading.Thread | None = None
 
     # -- receiving ------------------------------------------------------------------------------------------
@@ -100,7 +108,9 @@ class TorchDistBackend(KVTransferBackend):
             except Exception as e:
                 self.peer_errors[peer] = f"pair rendezvous failed: {e}"
             else:
-                self._receivers.append(RecvPair(self.config, peer, groups, side, self.peer_errors))
+                with self._lock:
+                    self._receivers.append(RecvPair(self.config, peer, groups, side, self.peer_errors,
+                                                    self._recv_pair_gone))
             ticket, since = ticket + 1, time.monotonic()
 
     def _joiner(self, value: bytes, ticket: int) -> str | None:
@@ -120,6 +130,22 @@ class TorchDistBackend(KVTransferBackend):
             self.peer_errors[name] = "join refused: wrong or missing MAC"
             return None
         return name
+
+    def _recv_pair_gone(self, pair: RecvPair) -> None:
+        """Mutates: drop a receiving pair that ended (goodbye, or aborted after a failure): its groups go with it."""
+        with self._lock:
+            self._receivers = [r for r in self._receivers if r is not pair]
+
+    def receiving_peers(self) -> list[str]:
+        """Names of the peers with a live receiving pair here, in joining order. Pure."""
+        with self._lock:
+            return [r.peer for r in self._receivers if r.error is None]
+
+    def sending_peers(self) -> list[str]:
+        """Addresses this endpoint has a live (connected, unbroken) sending pair to; a broken one stays until the next
+        send to its address replaces it (and ends its thread). Pure."""
+        with self._lock:
+            return [a for a, p in self._senders.items() if p.connected.is_set() and p.error is None]
 
     def _refused(self, key: str) -> None:
         """Mutates the counter: a value read from a rendezvous store failed its MAC (store_auth)."""
@@ -186,6 +212,8 @@ class TorchDistBackend(KVTransferBackend):
             self.recv_side.closed.set()
         if self._acceptor is not None:
             self._acceptor.join(self.config.connect_timeout_s)
-        for r in self._receivers:
+        with self._lock:
+            receivers = list(self._receivers)
+        for r in receivers:
             r.thread.join(0.2)
         self._store = None

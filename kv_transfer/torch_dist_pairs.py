@@ -14,6 +14,13 @@ for the current payload, and the sender keeps up to ``send_window`` messages pos
 Streams (:mod:`kv_transfer.streams`): each end owns a comm stream. NCCL sends and receives run there, and their works
 are waited on there, never on the engine's stream. A send's stream waits for the producer's event before reading the
 payload; a receive's stream waits for the buffer's fence before writing it.
+
+Failure (:mod:`kv_transfer.torch_dist_groups` has the whole story): every wait on a payload or a header's remainder
+uses ``config.pair_timeout``. When one fails (the peer died: at once; it stalls: after that timeout) or the control
+group's receive fails, the end *aborts* its pair (``abort_groups``) before anything else: the receiving end then fails
+the transfer's handle and gives its buffer back (on NCCL the abort is what lets the buffer's fence fire), the sending
+end fails that handle and every later one on the pair. The backend drops a receiving pair once it ends (``on_gone``)
+and replaces a broken sending pair at the next send to its address. Nothing here ends the process.
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kv_transfer.base import RecvSide, TransferHandle, as_bytes, sealed_header
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.header import KVTransferHeader, MalformedHeaderError
 from kv_transfer.streams import HostStreams
+# pair_groups moved to torch_dist_groups; importable from here as before
+from kv_transfer.torch_dist_groups import abort_groups, pair_groups, pair_timeout  # noqa: F401
 
 TAG = 0
 RECEIVER, SENDER = 0, 1  # ranks in every pair group: the listening endpoint is 0
@@ -89,7 +97,7 @@ class SendPair:
         if self.error is None:
             self._stream = self._streams.new_stream("kv-send")
             self._mac_stream = self._streams.new_stream("kv-mac")
-        io = datetime.timedelta(seconds=self.config.io_timeout_s)
+        io = pair_timeout(self.config)
         in_flight: collections.deque[tuple[TransferHandle, list[Any]]] = collections.deque()
         while True:
             if in_flight and (len(in_flight) >= self.config.send_window or self.queue.empty()):
@@ -141,14 +149,17 @@ class SendPair:
                     w.wait(io)
             # the payload goes back to the caching allocator once ``posted`` is dropped, after this: the host waits
             # until the send stream has read it
-            self._streams.host_wait(self._streams.record(self._stream), self.config.io_timeout_s)
+            self._streams.host_wait(self._streams.record(self._stream), self.config.pair_timeout)
             self._on_done(handle)
         except Exception as e:
             self._fail(handle, e)
 
     def _fail(self, handle: TransferHandle, e: Exception) -> None:
-        """The pair is broken: fail ``handle`` and everything after it (the backend makes a new pair next send)."""
-        self.error = f"send to {self.peer} failed: {e}"
+        """Mutates: the pair is broken: abort its groups (NCCL: the send kernels still waiting for the peer end), fail
+        ``handle`` and everything after it; the backend drops the pair and makes a new one at the next send."""
+        if self.error is None:
+            self.error = f"send to {self.peer} failed: {e}"
+            abort_groups(self._groups)
         handle.mark_failed(self.error)
 
 
@@ -156,12 +167,15 @@ class RecvPair:
     """The receiving end: a thread that reads messages into receive buffers until goodbye or a broken pair."""
 
     def __init__(self, config: KVTransferConfig, peer: str, groups: tuple[Any, ...], side: RecvSide,
-                 peer_errors: dict[str, str]) -> None:
+                 peer_errors: dict[str, str], on_gone: Callable[[RecvPair], None] = lambda pair: None) -> None:
+        """``on_gone(pair)``: called once (I/O thread) when the pair ends, by goodbye or failure."""
         self.config = config
         self.peer = peer
         self.groups = groups  # (store, control group, data group): held for the pair's lifetime
         self.side = side
         self.peer_errors = peer_errors
+        self.error: str | None = None  # why the pair failed (it is aborted then); None while healthy or after goodbye
+        self._on_gone = on_gone
         self._streams = side.streams
         self._stream = side.streams.new_stream("kv-recv")  # NCCL receives run here (None on the host)
         self._envelopes = [torch.empty(_ENVELOPE, dtype=torch.uint8) for _ in range(2)]
@@ -169,30 +183,45 @@ class RecvPair:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:
+            self._abort(f"connection lost: {e}")
+        self._on_gone(self)
+
+    def _abort(self, why: str) -> None:
+        """Mutates: the pair failed: abort its groups (first: NCCL's receive kernel must exit before a buffer's fence
+        can fire) and say why in ``peer_errors`` (not once the endpoint is closing). Idempotent."""
+        if self.error is not None:
+            return
+        self.error = why
+        abort_groups(self.groups)
+        if not self.side.closed.is_set():
+            self.peer_errors[self.peer] = why
+
+    def _serve(self) -> None:
+        """Read messages until goodbye (returns), a protocol error (aborts, returns) or a failed wait (raises)."""
         _, ctrl, _ = self.groups
-        io = datetime.timedelta(seconds=self.config.io_timeout_s)
+        io = pair_timeout(self.config)
         current = 0
         pending = ctrl.recv([self._envelopes[current]], SENDER, TAG)
-        try:
-            while True:
-                pending.wait(FOREVER)
-                env = self._envelopes[current].numpy()
-                header_len, nbytes = _LENGTHS.unpack_from(env)
-                if header_len < 0:
-                    return  # goodbye
-                if header_len > self.config.max_header_bytes or nbytes < 0:
-                    self.peer_errors[self.peer] = f"protocol error: header {header_len} B, payload {nbytes} B"
-                    return  # the stream cannot be resynchronised: drop the pair
-                header = env[_LENGTHS.size : _LENGTHS.size + min(header_len, _INLINE)].tobytes()
-                if header_len > _INLINE:
-                    rest = torch.empty(header_len - _INLINE, dtype=torch.uint8)
-                    ctrl.recv([rest], SENDER, TAG).wait(io)
-                    header += rest.numpy().tobytes()
-                current ^= 1
-                pending = self._receive(header, nbytes, self._envelopes[current], io)
-        except Exception as e:
-            if not self.side.closed.is_set():
-                self.peer_errors[self.peer] = f"connection lost: {e}"
+        while True:
+            pending.wait(FOREVER)  # idle between messages: a dead peer's closed socket ends it, a stalled one doesn't
+            env = self._envelopes[current].numpy()
+            header_len, nbytes = _LENGTHS.unpack_from(env)
+            if header_len < 0:
+                return  # goodbye
+            if header_len > self.config.max_header_bytes or nbytes < 0:
+                # the stream cannot be resynchronised: drop the pair
+                self._abort(f"protocol error: header {header_len} B, payload {nbytes} B")
+                return
+            header = env[_LENGTHS.size : _LENGTHS.size + min(header_len, _INLINE)].tobytes()
+            if header_len > _INLINE:
+                rest = torch.empty(header_len - _INLINE, dtype=torch.uint8)
+                ctrl.recv([rest], SENDER, TAG).wait(io)
+                header += rest.numpy().tobytes()
+            current ^= 1
+            pending = self._receive(header, nbytes, self._envelopes[current], io)
 
     def _receive(self, header_bytes: bytes, nbytes: int, next_envelope: torch.Tensor, io: datetime.timedelta) -> Any:
         """Receive one payload and finish its handle; returns the posted recv of the next envelope."""
@@ -216,26 +245,13 @@ class RecvPair:
                 with self._streams.use(self._stream):  # NCCL: the recv stream, not the engine's, waits for the kernel
                     work.wait(io)
                 # DONE means the bytes are in: this I/O thread (never the engine's) waits, so a stalled peer times out
-                self._streams.host_wait(self._streams.record(self._stream), self.config.io_timeout_s)
+                self._streams.host_wait(self._streams.record(self._stream), self.config.pair_timeout)
         except Exception as e:
+            # abort before the buffer goes back: its fence is recorded on the receive stream, behind the NCCL recv
+            # kernel, which only an aborted communicator ends when the peer is dead
+            self._abort(f"connection lost: {e}")
             self.side.finish(handle, None, f"receive from {self.peer} failed: {e}")
             raise
         self.side.finish(handle, raw, error)
         return pending
 
-
-def pair_groups(store: dist.Store, pair: str, rank: int, config: KVTransferConfig) -> tuple[Any, ...]:
-    """Build ``(store, control group, data group)`` of one pair; blocks until the other rank builds its side."""
-    prefix = dist.PrefixStore(f"pdkv/{pair}/", store)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=config.host, lazy_init=False)]
-    opts._timeout = datetime.timedelta(seconds=config.connect_timeout_s)
-    ctrl = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", prefix), rank, 2, opts)
-    if not config.is_cuda:
-        return store, ctrl, ctrl
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is None:
-        raise RuntimeError("device is CUDA but this torch build has no NCCL")
-    nopts = nccl.Options()
-    nopts.is_high_priority_stream = True  # KV moves under the compute of the next layer
-    return store, ctrl, nccl(dist.PrefixStore("nccl/", prefix), rank, 2, nopts)
