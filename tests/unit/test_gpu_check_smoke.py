@@ -78,5 +78,5 @@ def test_dry_run_with_stages_lists_only_those(tmp_path: Path) -> None:
 def test_unknown_stage_is_refused(tmp_path: Path) -> None:
     done = subprocess.run(["bash", SCRIPT, "--stages", "1,7", "--report", str(tmp_path / "r.md")],
                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
-    assert done.returncode == 2 and "--stages" in done.stderr, done.stderr
+    assert done.returncode == 2 and "--stages: stage numbers 1-6" in done.stderr, done.stderr
     assert not (tmp_path / "r.md").exists()
