@@ -33,12 +33,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_engine import SHAPES, build_random_model, write_tokenizer  # noqa: E402
 
 # shapes this check adds to bench_engine's (config class, model class, fields): the MoE and MLA families small enough
-# for the CPU smoke run (tests/factories.py's layouts; the MoE's expert width 32, not 28: HF's bfloat16 grouped_mm wants
-# 16-byte strides) and an MLA mini for the device
+# for the CPU smoke run (tests/factories.py's layouts) and an MLA mini for the device
 EXTRA_SHAPES: dict[str, tuple[str, str, dict]] = {
     "qwen3-moe-tiny": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=512, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=20,
-        num_hidden_layers=4, intermediate_size=88, moe_intermediate_size=32, num_experts=7, num_experts_per_tok=3,
+        num_hidden_layers=4, intermediate_size=88, moe_intermediate_size=28, num_experts=7, num_experts_per_tok=3,
         norm_topk_prob=False, mlp_only_layers=[2], decoder_sparse_step=1, max_position_embeddings=1024,
         rope_theta=10000.0, tie_word_embeddings=False)),
     "deepseek-v3-tiny": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
@@ -71,11 +70,20 @@ def shape_fields(shape: str) -> tuple[int, int]:
     return fields["vocab_size"], fields["hidden_size"]
 
 
+def eager_experts(model):  # type: ignore[no-untyped-def]
+    """Mutates: HF's plain per-expert loop as the reference where the model has experts (its grouped_mm path wants
+    16-byte strides and, on CUDA, may take bfloat16 only); returns ``model``."""
+    setter = getattr(model, "set_experts_implementation", None)  # transformers 5.x
+    if setter is not None and getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        setter("eager")
+    return model
+
+
 def build_model(shape: str, folder: str, device: str, dtype: torch.dtype, std: float):  # type: ignore[no-untyped-def]
     """A random-weight model of ``shape`` on ``device`` in ``dtype``, saved (safetensors + tokenizer) to ``folder``;
-    returns it (bench_engine's builder for its shapes)."""
+    returns it (bench_engine's builder for its shapes), its experts run by HF's eager loop."""
     if shape not in EXTRA_SHAPES:
-        return build_random_model(shape, folder, device, dtype, std=std)
+        return eager_experts(build_random_model(shape, folder, device, dtype, std=std))
     import transformers
 
     config_name, model_name, fields = EXTRA_SHAPES[shape]
@@ -91,7 +99,7 @@ def build_model(shape: str, folder: str, device: str, dtype: torch.dtype, std: f
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
     write_tokenizer(folder, cfg.vocab_size)
-    return model
+    return eager_experts(model)
 
 
 def hf_greedy(model, prompt: list[int], n: int, device: torch.device) -> tuple[list[int], list[torch.Tensor]]:  # type: ignore[no-untyped-def]
