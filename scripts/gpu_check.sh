@@ -29,7 +29,7 @@
 #   bash scripts/gpu_bundle.sh                      # here, once: builds .devbundle/ (git-ignored; 39 MiB)
 #   bash scripts/gpu_check.sh                       # on the GPU machine, with .devbundle carried
 #   bash scripts/gpu_check.sh --dry-run             # the stages and their limits in minutes; runs nothing
-#   bash scripts/gpu_check.sh --stages 3,5          # only these stages
+#   bash scripts/gpu_check.sh --stages 3,5          # only these stages (GPU_CHECK_LIMITS="3=120" for more time)
 #   bash scripts/gpu_check.sh --smoke [--report F]  # CPU, tiny shapes, Triton interpreter: tests this script (CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -68,6 +68,12 @@ else
 fi
 ucx_serve=40  # stage 5's extra seconds for the ucx serve, where the bundle carries ucxx (ucx-trimmed.tar.xz)
 if [ "$smoke" != 1 ] && [ -f .devbundle/ucx-trimmed.tar.xz ]; then limit[5]=$((limit[5] + ucx_serve)); fi
+# GPU_CHECK_LIMITS="3=120,5=200" overrides limits (seconds by stage key): a rerun with more time, or a test
+overrides=${GPU_CHECK_LIMITS:-}
+for kv in ${overrides//,/ }; do
+  if [[ "$kv" =~ ^(0|1|2|3|4a|4b|5|6)=[0-9]+$ ]]; then limit[${kv%%=*}]=${kv#*=}; else
+    echo "GPU_CHECK_LIMITS: KEY=SECONDS pairs (keys 0 1 2 3 4a 4b 5 6), got '$kv'" >&2; exit 2; fi
+done
 startup=90  # seconds the lent machine takes to start before this script runs (device time all the same)
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 if [ "$dry" = 1 ]; then

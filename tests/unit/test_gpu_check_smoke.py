@@ -80,3 +80,16 @@ def test_unknown_stage_is_refused(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT)
     assert done.returncode == 2 and "--stages: stage numbers 1-6" in done.stderr, done.stderr
     assert not (tmp_path / "r.md").exists()
+
+
+def test_a_timed_out_stage_is_reported_and_the_later_ones_still_run(tmp_path: Path) -> None:
+    report = tmp_path / "gpu-results.md"
+    env = {**_env(), "GPU_CHECK_LIMITS": "3=1"}  # the identity stage cannot start torch in 1 s
+    done = subprocess.run(["bash", SCRIPT, "--smoke", "--stages", "3,6", "--report", str(report)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    text = report.read_text()
+    assert done.returncode == 1, text
+    assert "## Identity check: exit 124, timed out" in text, text
+    assert "## Tensor parallelism" in text.split("## Identity check", 1)[1], text  # stage 6 ran after it
+    assert re.search(r"^\| 3 \| .* \| 124 \| \d+ \| 1 \|$", text, re.M), text
+    assert "Finished" in text and "(exit 1)" in text, text
