@@ -3,7 +3,8 @@ random-weight Llama, one chat request over HTTP whose answer must equal the offl
 counters non-zero and nothing recomputed, over ``shm`` (``cuda_ipc``'s CPU stand-in: the same in-place connector) and
 over ``torch_dist`` (gloo). So the served stage a GPU machine runs cannot rot on a CPU-only CI (issue 43).
 
-About a minute on 2 idle cores (two cluster starts). Not marked slow: no other test runs this stage.
+~35 s on 2 quiet cores, 1.5 minutes on loaded ones (two cluster starts; 2026-12-06). Not marked slow: no other test
+runs this stage.
 """
 
 from __future__ import annotations

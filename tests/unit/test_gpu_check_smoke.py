@@ -22,8 +22,8 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
 
 
-# ~135 s on 2 idle cores (the stages each start torch and transformers; identity builds three models), 5+ minutes
-# on loaded ones; not marked slow: it is the only check that the GPU script still runs, and issues 12, 27 and 43 ask
+# ~40 s on 2 quiet cores, 2-5 minutes on loaded ones (the stages each start torch and transformers; identity builds
+# three models; 2026-12-06); not marked slow: it is the only check that the GPU script still runs, and issues 12, 27 and 43 ask
 # CI to run it
 @pytest.mark.timeout(1500)
 def test_gpu_check_smoke_runs_every_stage(tmp_path: Path) -> None:
