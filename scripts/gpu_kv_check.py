@@ -18,7 +18,8 @@
    one ``pdcluster_kv_inplace_fallbacks_total{reason="no_peer_access"}``.
 
 Each stage appends its section to the report (``docs/gpu-results.md``; copied to ``$OUT`` when set) as it finishes.
-The serve stage needs Ray and pyzmq: on the lent machine, ``bash .devbundle/install.sh`` and its PYTHONPATH first.
+The serve stage needs Ray, pyzmq and llguidance: on the lent machine, ``bash .devbundle/install.sh`` (the bundle
+``scripts/gpu_bundle.sh`` builds) and its PYTHONPATH first (docs/gpu-check.md).
 
     python scripts/gpu_kv_check.py                 # on the GPU machine
     python scripts/gpu_kv_check.py --smoke         # CPU: shm instead of cuda_ipc, tiny shapes (tests the script)
