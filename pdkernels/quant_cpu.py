@@ -7,12 +7,12 @@ references and dense ``F.linear`` by ``benchmarks/bench_quant_kernels.py`` (docs
   and the weight as the transposed view of the ``[N, K]`` int8 tensor, its fast layout: no prepacking needed), then
   ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's ``qlinear_pointwise`` was measured too: only
   per-tensor activation scales, as fast as ``_int_mm`` with uint8 activations, 2,000x slower with int8 ones.
-- W4A16 (:func:`int4_linear`): bfloat16/float16 activations with few rows go through torch's packed INT4 CPU
+- W4A16 (:func:`int4_linear`): bfloat16/float16 activations go through torch's packed INT4 CPU
   kernel (``aten._weight_int4pack_mm_for_cpu``: its convention is ``w = (level - 8) * s + z`` per group, so ours
-  maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use). Other cases
-  (float32, where that kernel is scalar and ~20x slower than a dense matmul; more rows, where a tile's dequantization
-  is shared by all of them) dequantize ``TILE_ROWS`` output rows at a time into one small buffer and matmul it:
-  never a dequantized copy of the whole weight.
+  maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use; N a multiple of
+  16, groups a multiple of 32). float32 activations (where that kernel is scalar, ~20x slower than a dense matmul)
+  and other shapes dequantize ``TILE_ROWS`` output rows at a time into one small buffer and matmul it: never a
+  dequantized copy of the whole weight (a correctness path: it pays the dequantization on every call).
 - FP8 (:func:`fp8_linear`): the activations as the scheme defines (:func:`quant_ref.fp8_activations`), then the
   weight dequantized ``TILE_ROWS`` rows at a time to x's dtype (through an exact float16 bit trick: the CPU's own
   float8 -> float conversion is scalar) and matmul.
@@ -27,14 +27,12 @@ import torch
 from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
 
 TILE_ROWS = 256  # output rows dequantized at a time: a [256, K] buffer (K 1536 float32: 1.5 MiB, L2-sized)
-INT4PACK_MAX_ROWS = 4  # at most this many activation rows take torch's packed INT4 kernel (measured: docs/kernels.md)
 
 
 def int8_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
     """W8A8 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Int8Weight`, float32 ``[M, N]``. Pure."""
     q, s = quantize_tokens_int8(x)
-    acc = torch._int_mm(q, w.qweight.t())
-    return acc.float().mul_(s[:, None]).mul_(w.scale)
+    return torch.mul(torch._int_mm(q, w.qweight.t()), s[:, None]).mul_(w.scale)
 
 
 def _int4pack(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -68,7 +66,7 @@ def _int4_tile(w: Any, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
 def int4_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
     """W4A16 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Int4Weight`, ``[M, N]`` in float32 (x float32)
     or x's dtype. Pure (the packed kernel's weight is cached on ``w`` on first use)."""
-    if x.dtype != torch.float32 and x.shape[0] <= INT4PACK_MAX_ROWS:
+    if x.dtype != torch.float32:
         packed = _int4pack(w, x.dtype)
         if packed is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed[0], w.group_size, packed[1])

@@ -241,7 +241,7 @@ def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias
     monkeypatch.setattr(quant_cpu, "TILE_ROWS", tile_rows)  # 24: several tiles, not aligned with 16-row blocks
     w = FAST_WEIGHTS[kind]()
     bias = torch.randn(w.out_features, generator=_gen(3)) if has_bias else None  # type: ignore[attr-defined]
-    for rows in (1, 3, 9):  # 1 and 3: the packed INT4 kernel in bfloat16; 9: tiles
+    for rows in (1, 3, 9):
         x = torch.randn(rows, w.in_features, generator=_gen(rows)).to(dtype)  # type: ignore[attr-defined]
         want = w.reference_linear(x, bias)  # type: ignore[attr-defined]
         got = w.linear(x, bias)  # type: ignore[attr-defined]
