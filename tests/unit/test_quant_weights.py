@@ -262,7 +262,7 @@ def test_fast_paths_keep_no_dense_copy() -> None:
     i8, f8 = int8_weight(48, 64), fp8_weight(48, 64, "block", block=(16, 32))
     i8.linear(torch.randn(2, 64))
     f8.linear(torch.randn(2, 64))
-    assert i8._packed is None and not hasattr(f8, "_packed")
+    assert not hasattr(i8, "_packed") and not hasattr(f8, "_packed")
 
 
 def test_e4m3_float16_trick_is_exact_for_every_code() -> None:
