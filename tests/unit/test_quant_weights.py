@@ -279,3 +279,63 @@ def test_w8a8_fast_path_is_exact_on_float32() -> None:
     q, s = quant_ref.quantize_tokens_int8(x)
     exact = (q.double() @ w.qweight.double().T) * s.double()[:, None] * w.scale.double()
     torch.testing.assert_close(w.linear(x).double(), exact, rtol=3e-7, atol=1e-9)
+
+
+# -- quantized experts -----------------------------------------------------------------------------------------------
+
+def _experts(kind: str, e: int, h: int, inter: int) -> tuple[list[object], list[object]]:
+    make = {"int4": lambda n, k, s: int4_weight(n, k, 16, True, s), "int8": lambda n, k, s: int8_weight(n, k, s),
+            "fp8block": lambda n, k, s: fp8_weight(n, k, "block", act="none", block=(16, 16), seed=s)}[kind]
+    return [make(2 * inter, h, i) for i in range(e)], [make(h, inter, 100 + i) for i in range(e)]
+
+
+def _routing(t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(t, e, generator=_gen(7))
+    logits[:, 0] -= 100.0  # expert 0 gets no token
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return ids, w
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8block"])
+def test_quant_moe_matches_grouped_moe_on_dequantized_experts(kind: str) -> None:
+    from pdkernels.grouped_moe import grouped_moe
+    from pdkernels.quant_moe import quant_grouped_moe
+
+    gate_up, down = _experts(kind, 5, 32, 48)
+    x = torch.randn(7, 32, generator=_gen(8))
+    ids, w = _routing(7, 5, 2)
+    want = grouped_moe(x, torch.stack([g.dequantize() for g in gate_up]),  # type: ignore[attr-defined]
+                       torch.stack([d.dequantize() for d in down]), ids, w, "silu")  # type: ignore[attr-defined]
+    got = quant_grouped_moe(x, gate_up, down, ids, w, "silu")  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_quant_moe_w8a8_matches_token_by_token_references() -> None:
+    from pdkernels.grouped_moe import ACTIVATIONS
+    from pdkernels.quant_moe import quant_grouped_moe
+
+    gate_up, down = _experts("int8", 4, 32, 16)
+    x = torch.randn(5, 32, generator=_gen(9))
+    ids, w = _routing(5, 4, 2)
+    got = quant_grouped_moe(x, gate_up, down, ids, w, "gelu_pytorch_tanh")  # type: ignore[arg-type]
+    act = ACTIVATIONS["gelu_pytorch_tanh"]
+    for t in range(5):
+        want = torch.zeros(32)
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = gate_up[e].reference_linear(x[t:t + 1]).chunk(2, dim=-1)  # type: ignore[attr-defined]
+            want += w[t, j] * down[e].reference_linear(act(gate) * up)[0]  # type: ignore[attr-defined]
+        torch.testing.assert_close(got[t], want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_quant_moe_refuses_mismatched_experts() -> None:
+    from pdkernels.quant_moe import quant_grouped_moe
+
+    gate_up, down = _experts("int4", 3, 32, 48)
+    ids, w = _routing(2, 3, 1)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="^down: "):
+        quant_grouped_moe(x, gate_up, down[:2], ids, w, "silu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^gate_up: "):
+        quant_grouped_moe(x, gate_up[:1] + [int4_weight(64, 32, 16)], down[:2], ids.clamp(max=1), w,  # type: ignore[arg-type]
+                          "silu")
