@@ -31,7 +31,7 @@ import torch
 from pdkernels.quant_fp8 import Fp8Weight
 from pdkernels.quant_int import Int4Weight, Int8Weight
 
-__all__ = ["Fp8Weight", "Int4Weight", "Int8Weight", "QuantWeight", "is_quantized"]
+__all__ = ["Fp8Weight", "Int4Weight", "Int8Weight", "QuantWeight", "cat", "is_quantized"]
 
 
 class QuantWeight(Protocol):

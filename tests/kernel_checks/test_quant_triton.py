@@ -88,3 +88,31 @@ def test_triton_linear_keeps_leading_dims() -> None:
     w = _int4(24, 64, 32, True, _gen(0)).to(DEVICE)
     x = torch.randn(2, 3, 64, generator=_gen(1)).to(DEVICE)
     torch.testing.assert_close(w.linear(x), w.reference_linear(x), rtol=0, atol=1e-5 * 10)
+
+
+@pytest.mark.parametrize("kind", ["fp8 block", "w4a16"])
+def test_quantized_experts_through_triton_match_the_cpu_grouped_path(kind: str) -> None:
+    """:func:`pdkernels.quant_moe.quant_grouped_moe` with each expert's GEMMs in Triton against the same experts'
+    references (the grouped path with ``reference_linear`` for ``linear``)."""
+    from pdkernels import quant_moe
+
+    g = _gen(11)
+    make = (lambda n, k: _fp8(n, k, "block", "dynamic", g)) if kind == "fp8 block" else \
+        (lambda n, k: _int4(n, k, 16, True, g))
+    gate_up = [make(64, 32).to(DEVICE) for _ in range(3)]
+    down = [make(32, 32).to(DEVICE) for _ in range(3)]
+    x = torch.randn(5, 32, generator=g).to(DEVICE)
+    w, ids = torch.topk(torch.softmax(torch.randn(5, 3, generator=g), -1), 2, dim=-1)
+    got = quant_moe.quant_grouped_moe(x, gate_up, down, ids.to(DEVICE), w.to(DEVICE), "silu")
+
+    class _Ref:  # the same expert, its linear through the reference
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+            self.in_features, self.out_features = inner.in_features, inner.out_features  # type: ignore[attr-defined]
+
+        def linear(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner.reference_linear(x)  # type: ignore[attr-defined,no-any-return]
+
+    want = quant_moe.quant_grouped_moe(x, [_Ref(p) for p in gate_up], [_Ref(p) for p in down],  # type: ignore[misc]
+                                       ids.to(DEVICE), w.to(DEVICE), "silu")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
