@@ -2,8 +2,10 @@
 experts, W8A8 / W4A16 MoE checkpoints): :func:`pdkernels.grouped_moe.grouped_moe`'s grouping (assignments sorted by
 expert, one gate/up and one down per expert that got tokens, rows weighted, rounded to x's dtype, put back and
 summed per token) with each expert's matmuls through its weight's ``linear`` (:mod:`pdkernels.quant`: the CPU fast
-path, or the Triton GEMM on CUDA). It reads the per-expert counts on the host, as the grouped path does; a fused
-Triton variant (no host read, graph-capturable) is not written yet.
+path, or the Triton GEMM on CUDA). It reads the per-expert counts on the host, as the grouped path does.
+
+:class:`Fp8BlockExperts` holds a layer's block-scaled FP8 experts stacked; on CUDA (or under the interpreter) its
+``moe`` runs the fused Triton kernel of :mod:`pdkernels.triton_quant_moe` (no host read), elsewhere the grouped path.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
+from pdkernels import uses_triton
 from pdkernels.grouped_moe import ACTIVATIONS
-from pdkernels.quant import QuantWeight
+from pdkernels.quant import Fp8Weight, QuantWeight
 from pdkernels.quant_ref import check
 
 
@@ -60,3 +63,72 @@ def quant_grouped_moe(x: torch.Tensor, gate_up: Sequence[QuantWeight], down: Seq
         return torch.zeros_like(x)
     y = (torch.cat(ys) * topk_weights.reshape(-1)[order, None]).to(x.dtype)
     return y[torch.argsort(order)].view(t, k, -1).sum(1)
+
+
+class Fp8BlockExperts:
+    """Every expert of one MoE layer in block-scaled FP8 with dynamic activations (DeepSeek-V3, Qwen3-FP8), stacked:
+    ``gate_up`` float8_e4m3fn ``[E, 2I, H]`` (gate rows, then up rows) with float32 ``gate_up_scale``
+    ``[E, ceil(2I / bn), ceil(H / bk)]``, ``down`` ``[E, H, I]`` with ``down_scale`` ``[E, ceil(H / bn),
+    ceil(I / bk)]``, ``block = (bn, bk)``. :meth:`moe` runs the fused Triton kernel
+    (:mod:`pdkernels.triton_quant_moe`) where :func:`pdkernels.uses_triton`, else :func:`quant_grouped_moe` over
+    :meth:`experts` (views, no copy)."""
+
+    def __init__(self, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, down: torch.Tensor,
+                 down_scale: torch.Tensor, block: tuple[int, int]) -> None:
+        check(gate_up.dim() == 3 and gate_up.shape[1] % 2 == 0, "gate_up",
+              f"expected [experts, 2 * intermediate, hidden], got {list(gate_up.shape)}")
+        e, i2, h = gate_up.shape
+        check(down.dim() == 3 and tuple(down.shape) == (e, h, i2 // 2), "down",
+              f"expected {[e, h, i2 // 2]}, got {list(down.shape)}")
+        check(gate_up_scale.dim() == 3 and gate_up_scale.shape[0] == e, "gate_up_scale",
+              f"expected one scale grid per expert, [{e}, *, *], got {list(gate_up_scale.shape)}")
+        check(down_scale.dim() == 3 and down_scale.shape[0] == e, "down_scale",
+              f"expected one scale grid per expert, [{e}, *, *], got {list(down_scale.shape)}")
+        self.gate_up, self.gate_up_scale = gate_up.contiguous(), gate_up_scale.contiguous()
+        self.down, self.down_scale = down.contiguous(), down_scale.contiguous()
+        # each expert checked (dtypes, scale grids, values on the CPU) by Fp8Weight; views, no copies
+        self._experts = [(Fp8Weight(self.gate_up[j], self.gate_up_scale[j], block, None, True),
+                          Fp8Weight(self.down[j], self.down_scale[j], block, None, True)) for j in range(e)]
+        self.block = self._experts[0][0].block
+        assert self.block is not None
+
+    @staticmethod
+    def stack(gate_up: Sequence[Fp8Weight], down: Sequence[Fp8Weight]) -> Fp8BlockExperts:
+        """Stack per-expert weights (all block-scaled, dynamic activations, one block shape). Pure."""
+        check(len(gate_up) > 0 and len(gate_up) == len(down), "down", f"{len(down)} experts, gate_up {len(gate_up)}")
+        block = gate_up[0].block
+        check(block is not None and all(p.block == block and p.act_dynamic for p in [*gate_up, *down]), "block",
+              "every expert needs the same block scales and dynamic activations")
+        assert block is not None
+        return Fp8BlockExperts(torch.stack([p.weight for p in gate_up]), torch.stack([p.scale for p in gate_up]),
+                               torch.stack([p.weight for p in down]), torch.stack([p.scale for p in down]), block)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def inter(self) -> int:
+        return self.down.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.gate_up, self.gate_up_scale, self.down, self.down_scale))
+
+    def experts(self) -> list[tuple[Fp8Weight, Fp8Weight]]:
+        """Each expert's ``(gate_up, down)`` as :class:`Fp8Weight` views of the stacked tensors. Pure."""
+        return list(self._experts)
+
+    def moe(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: str) -> torch.Tensor:
+        """The MoE MLP of ``x`` ``[T, H]`` (see :func:`quant_grouped_moe`). Pure."""
+        gate_up = [g for g, _ in self._experts]
+        down = [d for _, d in self._experts]
+        check_experts(x, gate_up, down)
+        check(activation in ACTIVATIONS, "activation", f"{activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if uses_triton(x):
+            check(topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0] and topk_weights.shape == topk_ids.shape,
+                  "topk_ids", f"expected [{x.shape[0]}, top_k] ids and weights")
+            from pdkernels import triton_quant_moe
+
+            return triton_quant_moe.fused_moe_fp8(x, self, topk_ids, topk_weights, activation)
+        return quant_grouped_moe(x, gate_up, down, topk_ids, topk_weights, activation)

@@ -160,7 +160,7 @@ def fp8_block_k(bk: int) -> int:
     raise ValueError(f"block: the Triton FP8 kernel needs bk a multiple of 16, got {bk}")
 
 
-def _fp8_dot(x: torch.Tensor) -> bool:
+def fp8_dot_supported(x: torch.Tensor) -> bool:
     """Whether the dot can take FP8 tiles: a CUDA device of compute capability 8.9 or later (Ada, Hopper)."""
     return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
 
@@ -185,6 +185,6 @@ def fp8_linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> tor
     _fp8_gemm_kernel[_grid(m, n)](
         a, w.weight, xs, ws, bias if bias is not None else ws, out, m, n, k, a.stride(0), w.weight.stride(0),
         xs.stride(0), ws.stride(0), out.stride(0), bn, bk, BLOCK_SCALED=blocked, HAS_BIAS=bias is not None,
-        FP8_DOT=fp8_dot and _fp8_dot(x), PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        FP8_DOT=fp8_dot and fp8_dot_supported(x), PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_K=block_k, num_warps=QUANT_WARPS, num_stages=QUANT_STAGES)
     return out

@@ -339,3 +339,34 @@ def test_quant_moe_refuses_mismatched_experts() -> None:
     with pytest.raises(ValueError, match="^gate_up: "):
         quant_grouped_moe(x, gate_up[:1] + [int4_weight(64, 32, 16)], down[:2], ids.clamp(max=1), w,  # type: ignore[arg-type]
                           "silu")
+
+
+def test_fp8_block_experts_stack_views_and_cpu_moe() -> None:
+    from pdkernels.quant_moe import Fp8BlockExperts, quant_grouped_moe
+
+    gate_up = [fp8_weight(64, 32, "block", block=(16, 16), seed=i) for i in range(3)]
+    down = [fp8_weight(32, 32, "block", block=(16, 16), seed=10 + i) for i in range(3)]
+    experts = Fp8BlockExperts.stack(gate_up, down)
+    assert experts.num_experts == 3 and experts.inter == 32 and experts.block == (16, 16)
+    for (g, d), g0, d0 in zip(experts.experts(), gate_up, down):
+        assert torch.equal(g.dequantize(), g0.dequantize()) and torch.equal(d.dequantize(), d0.dequantize())
+        assert g.weight.data_ptr() != g0.weight.data_ptr()  # views of the stacked tensor, not the parts
+    x = torch.randn(4, 32, generator=_gen(2))
+    ids, w = _routing(4, 3, 2)
+    assert torch.equal(experts.moe(x, ids, w, "silu"), quant_grouped_moe(x, gate_up, down, ids, w, "silu"))  # type: ignore[arg-type]
+
+
+def test_fp8_block_experts_refused() -> None:
+    from pdkernels.quant_moe import Fp8BlockExperts
+
+    gu, dn = torch.zeros(2, 64, 32, dtype=FP8), torch.zeros(2, 32, 32, dtype=FP8)
+    gs, ds = torch.ones(2, 4, 2), torch.ones(2, 2, 2)
+    Fp8BlockExperts(gu, gs, dn, ds, (16, 16))
+    with pytest.raises(ValueError, match="^down: "):
+        Fp8BlockExperts(gu, gs, dn[:, :, :16], ds, (16, 16))
+    with pytest.raises(ValueError, match="^gate_up_scale: "):
+        Fp8BlockExperts(gu, gs[:1], dn, ds, (16, 16))
+    with pytest.raises(ValueError, match="^scale: "):  # one expert's grid of the wrong shape
+        Fp8BlockExperts(gu, torch.ones(2, 3, 2), dn, ds, (16, 16))
+    with pytest.raises(ValueError, match="^block: "):
+        Fp8BlockExperts.stack([fp8_weight(64, 32, "channel")], [fp8_weight(32, 32, "channel")])
