@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
+from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8, unpack_int4
 
 TILE_ROWS = 256  # output rows dequantized at a time: a [256, K] buffer (K 1536 float32: 1.5 MiB, L2-sized)
 # Above this many activation rows (prefill) W4A16 dequantizes tiles instead of torch's packed INT4 kernel, whose time
@@ -40,19 +40,20 @@ def int8_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _int4pack(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w``'s weight in torch's CPU INT4 layout with its scales and zeros in ``dtype``, made once and cached on
-    ``w`` (mutates ``w._packed``); None where the kernel does not take the shape (N not a multiple of 16)."""
-    cached = w._packed
-    if isinstance(cached, dict) and dtype in cached:
+    ``w`` (mutates ``w._packed``: ``{dtype: (weight, scales_and_zeros)}``, the weight shared between dtypes); None
+    where the kernel does not take the shape (N a multiple of 16, groups a multiple of 32)."""
+    cached: dict[torch.dtype, Any] = w._packed if isinstance(w._packed, dict) else {}
+    if dtype in cached:
         return cached[dtype]  # type: ignore[no-any-return]
     packed = None
     if w.out_features % 16 == 0 and w.group_size % 32 == 0:
-        from pdkernels.quant_ref import unpack_int4
-
-        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(w.packed).int(), 1)
+        done = next((p[0] for p in cached.values() if p is not None), None)
+        weight = done if done is not None else torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_int4(w.packed).int(), 1)
         scale = w.scale.t()
         zeros = (8.0 - w.zeros().float().t()) * scale
         packed = (weight, torch.stack((scale, zeros), dim=-1).to(dtype).contiguous())
-    w._packed = {**(cached if isinstance(cached, dict) else {}), dtype: packed}
+    w._packed = {**cached, dtype: packed}
     return packed
 
 

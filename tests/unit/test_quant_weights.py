@@ -370,3 +370,13 @@ def test_fp8_block_experts_refused() -> None:
         Fp8BlockExperts(gu, torch.ones(2, 3, 2), dn, ds, (16, 16))
     with pytest.raises(ValueError, match="^block: "):
         Fp8BlockExperts.stack([fp8_weight(64, 32, "channel")], [fp8_weight(32, 32, "channel")])
+
+
+def test_int4_packed_kernel_weight_shared_between_dtypes() -> None:
+    w = int4_weight(48, 64, 32)
+    x = torch.randn(2, 64, generator=_gen(4))
+    want = w.reference_linear(x)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.testing.assert_close(w.linear(x.to(dtype)).float(), want, rtol=0, atol=1.6e-2 * want.abs().max().item())
+    packs = w._packed  # type: ignore[attr-defined]
+    assert packs[torch.bfloat16][0] is packs[torch.float16][0]
