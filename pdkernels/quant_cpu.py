@@ -5,8 +5,11 @@ references and dense ``F.linear`` by ``benchmarks/bench_quant_kernels.py`` (docs
 - W8A8 (:func:`int8_linear`): activations quantized per token in one pass (:func:`quant_ref.quantize_tokens_int8`,
   the reference's own function), then ``torch._int_mm`` (int8 x int8 -> int32, exact; on the CPU it takes any M,
   and the weight as the transposed view of the ``[N, K]`` int8 tensor, its fast layout: no prepacking needed), then
-  ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's ``qlinear_pointwise`` was measured too: only
-  per-tensor activation scales, as fast as ``_int_mm`` with uint8 activations, 2,000x slower with int8 ones.
+  ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's quantized linear was measured beside it
+  (``onednn.qlinear_prepack`` once, ``qlinear_pointwise`` with uint8 activations at zero point 128: the same
+  integers, exact on AVX512-VNNI; it takes only a per-tensor activation scale, so the per-token one multiplies
+  after): in the benchmark's cold-cache rounds it was slower at one row (1.11-1.15 ms against 0.66-0.83 for the
+  four layers) and no faster at 8, so ``_int_mm`` serves. oneDNN with int8 activations is ~2,000x slower.
 - W4A16 (:func:`int4_linear`): bfloat16/float16 activations of up to ``INT4PACK_MAX_ROWS`` rows go through torch's
   packed INT4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``; its convention is ``w = (level - 8) * s + z`` per
   group, so ours maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use;
