@@ -130,7 +130,7 @@ class QuantConfig:
 
 
 def _refuse(method: str, what: str) -> ValueError:
-    return ValueError(f"model: quantization {method!r}: {what} is not supported ({_SUPPORTED_TEXT})")
+    return ValueError(f"model: quantization_config {method!r}: {what} is not supported ({_SUPPORTED_TEXT})")
 
 
 def _args_text(args: Mapping[str, Any] | None) -> str:
@@ -185,7 +185,7 @@ def _ct_scheme(name: str, fmt: str, group: Mapping[str, Any]) -> QuantScheme:
             if isinstance(bs, str):
                 bs = [int(x) for x in bs.split("x")]
             if not (isinstance(bs, list) and len(bs) == 2 and all(int(x) > 0 for x in bs)):
-                raise ValueError(f"model: quantization {method!r}: {desc}: malformed block_structure {bs!r}")
+                raise ValueError(f"model: quantization_config {method!r}: {desc}: malformed block_structure {bs!r}")
             block = (int(bs[0]), int(bs[1]))
         if strat in ("tensor", "channel", "block"):
             acts = None
