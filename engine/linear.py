@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pdkernels.quant import is_quantized
+
 
 _PACKED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -52,11 +54,6 @@ def packs(weight: torch.Tensor) -> bool:
     """Whether :class:`Linear` pre-packs ``weight``: bfloat16 or float32 on a CPU whose oneDNN packs it. Pure apart
     from the one-time probe."""
     return weight.device.type == "cpu" and weight.dtype in _PACKED_DTYPES and cpu_packs(weight.dtype)
-
-
-def is_quantized(weight: Any) -> bool:
-    """Whether ``weight`` is a quantized weight object (anything but a tensor, with a ``linear`` method). Pure."""
-    return not isinstance(weight, torch.Tensor) and hasattr(weight, "linear")
 
 
 def weight_rows(weight: Any) -> int:
