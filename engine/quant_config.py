@@ -97,10 +97,10 @@ def _target_matches(target: str, module: str, linear: bool) -> bool:
 
 def is_linear(module: str, architecture: str) -> bool:
     """Whether ``module`` (a checkpoint module name) is an ``nn.Linear`` in the Hugging Face model: the projections
-    (``*_proj``, Mixtral's experts ``w1`` / ``w2`` / ``w3``), ``lm_head`` and the routers of Qwen3-MoE and Mixtral
+    (``*_proj*``, Mixtral's experts ``w1`` / ``w2`` / ``w3``), ``lm_head`` and the routers of Qwen3-MoE and Mixtral
     (``gate``; DeepSeek's router is its own module class, not a Linear). Pure."""
     last = module.rsplit(".", 1)[-1]
-    if last.endswith("_proj") or last in ("lm_head", "w1", "w2", "w3"):
+    if "_proj" in last or last in ("lm_head", "w1", "w2", "w3"):  # DeepSeek's kv_a_proj_with_mqa too
         return True
     return last == "gate" and not architecture.startswith("Deepseek")
 

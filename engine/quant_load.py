@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.quant_config import QuantScheme, TensorInfo, is_linear, plan_quantization
+from engine.quant_config import QuantScheme, TensorInfo, is_linear, plan_quantization, quantized_in_files
 
 
 def read_manifest(files: list[Path]) -> dict[str, TensorInfo]:
@@ -58,13 +58,18 @@ def check_checkpoint(folder: Path, files: list[Path]) -> dict[str, QuantScheme]:
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     arch = (cfg.get("architectures") or [""])[0]
-    plan = plan_quantization(cfg, read_manifest(files), lambda m: is_linear(m, arch))
-    for module, scheme in plan.items():
+    manifest = read_manifest(files)
+    experts: dict[str, dict[str, TensorInfo]] = {}
+    for name, info in manifest.items():
+        module, _, param = name.rpartition(".")
         if ".experts." in module:
-            raise ValueError(f"model: quantized MoE experts ({module}: {scheme.describe()}) are not supported yet "
-                             "(quantize attention and dense MLPs only, or ignore the experts: e.g. "
-                             "ignore: ['re:.*experts.*'])")
-    return plan
+            experts.setdefault(module, {})[param] = info
+    for module, params in sorted(experts.items()):
+        if quantized_in_files(params):
+            what = ", ".join(f"{p} ({i.dtype})" for p, i in sorted(params.items()))
+            raise ValueError(f"model: quantized MoE experts ({module}: {what}) are not supported yet (quantize "
+                             "attention and dense / shared MLPs only: ignore the experts, e.g. 're:.*\\.experts\\.')")
+    return plan_quantization(cfg, manifest, lambda m: is_linear(m, arch))
 
 
 def _nibbles(words: torch.Tensor) -> torch.Tensor:

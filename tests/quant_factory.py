@@ -125,15 +125,15 @@ def scheme_config(scheme: str, ignore: list[str], group: int = 32, block: tuple[
 
 
 def _quantized_modules(state: dict[str, torch.Tensor], ignore: list[str]) -> list[str]:
-    return [n[: -len(".weight")] for n in state
-            if n.endswith("_proj.weight") and n[: -len(".weight")] not in ignore and ".experts." not in n]
+    return [n[: -len(".weight")] for n in state if n.endswith(".weight") and "_proj" in n.rsplit(".", 2)[-2]
+            and n[: -len(".weight")] not in ignore and ".experts." not in n]
 
 
 def quantize_checkpoint(src: Path, dst: Path, scheme: str, dense: Path | None = None, group: int = 32,
                         block: tuple[int, int] = (32, 32), ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """Write ``src`` (a float32 checkpoint folder) quantized by ``scheme`` into ``dst``; with ``dense``, also the
     float32 checkpoint of the dequantized weights there (the reference the quantized model must equal). Every
-    ``*_proj`` weight but experts and ``ignore`` is quantized."""
+    ``*_proj*`` weight but experts and ``ignore`` is quantized."""
     state = load_file(str(src / "model.safetensors"))
     out = dict(state)
     deq_state = dict(state)
