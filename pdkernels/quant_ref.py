@@ -18,6 +18,7 @@ import torch
 INT8_MAX = 127.0
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite magnitude
 FP8 = torch.float8_e4m3fn
+MIN_SCALE = 1e-30  # divides an all-zero row (its values stay zero, its scale 0)
 
 
 def _safe(scale: torch.Tensor) -> torch.Tensor:
@@ -28,8 +29,8 @@ def _safe(scale: torch.Tensor) -> torch.Tensor:
 def quantize_tokens_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``x`` ``[M, K]`` as int8 ``[M, K]`` and float32 scales ``[M]`` (``x ~= q * scale[:, None]``). Pure."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / INT8_MAX
-    q = torch.round(xf / _safe(scale)[:, None]).clamp_(-128, 127).to(torch.int8)
+    scale = torch.linalg.vector_norm(xf, float("inf"), dim=-1).div_(INT8_MAX)  # max |x| in one pass
+    q = xf.div(scale.clamp_min(MIN_SCALE)[:, None]).round_().clamp_(-128, 127).to(torch.int8)
     return q, scale
 
 

@@ -1,6 +1,7 @@
 """The quantized weight classes of :mod:`pdkernels.quant`: dequantization against values computed by hand, the
 references' activation quantization, cat and tensor-parallel slices against slicing the dequantized weight, and
-every malformed input refused naming its field. The fast CPU paths against the references: test_quant_cpu.py."""
+every malformed input refused naming its field, and the fast CPU paths (:mod:`pdkernels.quant_cpu`) against the
+references over a grid of dtypes, row counts, tile sizes and bias."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdkernels import quant_ref
+from pdkernels import quant_cpu, quant_ref
 from pdkernels.quant import Fp8Weight, Int4Weight, Int8Weight, cat, is_quantized
 from pdkernels.quant_ref import FP8, pack_int4, unpack_int4
 
@@ -210,3 +211,71 @@ def test_bad_inputs_refused(case: str) -> None:
     bias = torch.zeros(5) if case == "bias" else None
     with pytest.raises(ValueError, match="^(x|bias): "):
         w.linear(x, bias)
+
+
+# -- the CPU fast paths against the references -----------------------------------------------------------------------
+
+# Relative to the largest output magnitude. float32: W8A8 is an exact int32 GEMM then two float32 products (the
+# reference: a float32 GEMM of the same values), W4A16 and FP8 the reference's own float32 dequantization by tiles.
+# bfloat16: the output's rounding (2**-8), the weight tile and FP8 activations in bfloat16, the packed INT4 kernel's
+# bfloat16 scales.
+FAST_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+FAST_WEIGHTS: dict[str, Callable[[], object]] = {
+    "int8": lambda: int8_weight(48, 64),
+    "int4 asym packed-kernel shape": lambda: int4_weight(48, 64, 32, True),
+    "int4 sym packed-kernel shape": lambda: int4_weight(48, 64, 32, False),
+    "int4 odd rows": lambda: int4_weight(10, 16, 4),
+    "fp8 block dynamic": lambda: fp8_weight(48, 72, "block", block=(16, 32)),
+    "fp8 channel static": lambda: fp8_weight(10, 16, "channel", act="static"),
+    "fp8 channel dynamic": lambda: fp8_weight(10, 16, "channel", act="dynamic"),
+    "fp8 tensor weight-only": lambda: fp8_weight(10, 16, "tensor", act="none"),
+}
+
+
+@pytest.mark.parametrize("tile_rows", [24, 256])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", sorted(FAST_WEIGHTS))
+def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias: bool, tile_rows: int,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant_cpu, "TILE_ROWS", tile_rows)  # 24: several tiles, not aligned with 16-row blocks
+    w = FAST_WEIGHTS[kind]()
+    bias = torch.randn(w.out_features, generator=_gen(3)) if has_bias else None  # type: ignore[attr-defined]
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, w.in_features, generator=_gen(rows)).to(dtype)  # type: ignore[attr-defined]
+        want = w.reference_linear(x, bias)  # type: ignore[attr-defined]
+        got = w.linear(x, bias)  # type: ignore[attr-defined]
+        assert got.dtype == dtype and got.shape == want.shape
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=FAST_TOL[dtype] * scale)
+
+
+def test_fast_paths_keep_no_dense_copy() -> None:
+    """What a weight holds after CPU calls: W8A8 nothing more; W4A16 torch's packed INT4 form (half a byte a
+    weight) and its scales; FP8 nothing more."""
+    i4 = int4_weight(48, 64, 32)
+    before = i4.nbytes
+    i4.linear(torch.randn(1, 64).bfloat16())
+    packed = i4._packed[torch.bfloat16]  # type: ignore[index]
+    assert packed is not None and packed[0].nbytes == 48 * 64 // 2 and packed[1].numel() == 2 * 48 * 2
+    assert before == i4.nbytes
+    i8, f8 = int8_weight(48, 64), fp8_weight(48, 64, "block", block=(16, 32))
+    i8.linear(torch.randn(2, 64))
+    f8.linear(torch.randn(2, 64))
+    assert i8._packed is None and not hasattr(f8, "_packed")
+
+
+def test_e4m3_float16_trick_is_exact_for_every_code() -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    fp8 = codes[(codes & 0x7F) != 0x7F].view(FP8)
+    assert torch.equal(quant_cpu.e4m3_as_float16(fp8).float() * 256, fp8.float())
+
+
+def test_w8a8_fast_path_is_exact_on_float32() -> None:
+    """int32 accumulation is exact, so against a float64 product of the same integers only the two float32 scale
+    products round."""
+    w = int8_weight(64, 1536, seed=5)
+    x = torch.randn(7, 1536, generator=_gen(6))
+    q, s = quant_ref.quantize_tokens_int8(x)
+    exact = (q.double() @ w.qweight.double().T) * s.double()[:, None] * w.scale.double()
+    torch.testing.assert_close(w.linear(x).double(), exact, rtol=3e-7, atol=1e-9)
