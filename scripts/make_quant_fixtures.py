@@ -2,7 +2,7 @@
 
 The fixtures are real checkpoints in the formats our users deploy, made by the tool that makes most of them, so the
 loader's tests (issue 44) read what vLLM, SGLang and transformers read rather than files we wrote to match our own
-reading of a spec. One tiny random Llama (hidden 128, intermediate 256, 2 layers, 4 heads of 32, 2 KV heads, tied
+reading of a spec. One tiny random Llama (hidden 128, intermediate 256, 2 layers, 4 heads of 64, 2 KV heads, tied
 embeddings over the 320-token byte-level BPE of ``tests/factories.py``) is saved unquantized and then quantized
 data-free by ``oneshot`` + ``QuantizationModifier(targets="Linear", ignore=["lm_head"], ...)`` and
 ``save_pretrained(dir, save_compressed=True)``, one folder per scheme:
@@ -32,8 +32,9 @@ folder                 what it holds
 
 The quantized folders are made from a bfloat16 copy of the base model, as real checkpoints are (SmolLM2, Llama and
 Qwen ship bfloat16): their unquantized tensors (embedding, norms) and their compressed-tensors scales are bfloat16,
-which keeps the whole set under 3 MB. Note the shapes: k_proj and v_proj have 64 output rows (2 KV heads of 32), so
-their 128x128 FP8 blocks are partial along N (one block row of 64), as the format allows (``ceil``).
+which keeps the set under 5 MB (4.7; the float32 base is 1.7 of it). Every linear's in- and out-features are multiples of 128 (head_dim 64, not 128 / 4 =
+32: 2 KV heads of 32 would give k_proj and v_proj 64 rows, a partial 128-row block inside the fused q|k|v, which
+vLLM refuses for block FP8 and no shipped block-FP8 checkpoint has), so FP8's 128x128 blocks tile every weight.
 
 Run it in a venv holding llmcompressor, beside the project's (it pins its own transformers)::
 
@@ -61,8 +62,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 320
 LLAMA = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0,
-             rope_theta=10000.0, tie_word_embeddings=True)
+             num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0,
+             eos_token_id=0, rope_theta=10000.0, tie_word_embeddings=True)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 NATIVE_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
