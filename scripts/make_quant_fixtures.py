@@ -32,9 +32,10 @@ folder                 what it holds
 
 The quantized folders are made from a bfloat16 copy of the base model, as real checkpoints are (SmolLM2, Llama and
 Qwen ship bfloat16): their unquantized tensors (embedding, norms) and their compressed-tensors scales are bfloat16,
-which keeps the set under 5 MB (4.7; the float32 base is 1.7 of it). Every linear's in- and out-features are multiples of 128 (head_dim 64, not 128 / 4 =
-32: 2 KV heads of 32 would give k_proj and v_proj 64 rows, a partial 128-row block inside the fused q|k|v, which
-vLLM refuses for block FP8 and no shipped block-FP8 checkpoint has), so FP8's 128x128 blocks tile every weight.
+which keeps the set under 5 MB (4.7 MB, 1.7 of it the float32 base). Every linear's in- and out-features are
+multiples of 128 (head_dim 64, not 128 / 4 = 32: 2 KV heads of 32 would give k_proj and v_proj 64 rows, a partial
+128-row block inside the fused q|k|v, which vLLM refuses for block FP8 and no shipped block-FP8 checkpoint has), so
+FP8's 128x128 blocks tile every weight.
 
 Run it in a venv holding llmcompressor, beside the project's (it pins its own transformers)::
 
