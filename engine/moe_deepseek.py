@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.deepseek_config import DeepseekMoEConfig
-from engine.linear import Linear
+from engine.linear import Linear, cat_weights
 from engine.moe import ExpertWeights, experts_forward
 
 
@@ -99,8 +99,7 @@ def load_deepseek_moe(state: dict[str, torch.Tensor], cfg: DeepseekMoEConfig, la
     shared_gate_up = shared_down = None
     if cfg.n_shared_experts:
         s = f"{p}shared_experts."
-        shared_gate_up = Linear(torch.cat([state.pop(f"{s}gate_proj.weight"),
-                                           state.pop(f"{s}up_proj.weight")]).contiguous())
+        shared_gate_up = Linear(cat_weights([state.pop(f"{s}gate_proj.weight"), state.pop(f"{s}up_proj.weight")]))
         shared_down = Linear(state.pop(f"{s}down_proj.weight"))
     return DeepseekMoE(cfg=cfg, router=state.pop(f"{p}gate.weight").float(),
                        correction_bias=None if bias is None else bias.float(), experts=experts,

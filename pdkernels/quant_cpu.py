@@ -1,0 +1,107 @@
+"""The CPU fast paths of the quantized weights (:mod:`pdkernels.quant`), each equal to its class's
+``reference_linear`` within the tolerances stated in ``tests/unit/test_quant_cpu.py``. Measured against the
+references and dense ``F.linear`` by ``benchmarks/bench_quant_kernels.py`` (docs/kernels.md has the numbers).
+
+- W8A8 (:func:`int8_linear`): activations quantized per token in one pass (:func:`quant_ref.quantize_tokens_int8`,
+  the reference's own function), then ``torch._int_mm`` (int8 x int8 -> int32, exact; on the CPU it takes any M,
+  and the weight as the transposed view of the ``[N, K]`` int8 tensor, its fast layout: no prepacking needed), then
+  ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's ``qlinear_pointwise`` was measured too: only
+  per-tensor activation scales, as fast as ``_int_mm`` with uint8 activations, 2,000x slower with int8 ones.
+- W4A16 (:func:`int4_linear`): bfloat16/float16 activations go through torch's packed INT4 CPU
+  kernel (``aten._weight_int4pack_mm_for_cpu``: its convention is ``w = (level - 8) * s + z`` per group, so ours
+  maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use; N a multiple of
+  16, groups a multiple of 32). float32 activations (where that kernel is scalar, ~20x slower than a dense matmul)
+  and other shapes dequantize ``TILE_ROWS`` output rows at a time into one small buffer and matmul it: never a
+  dequantized copy of the whole weight (a correctness path: it pays the dequantization on every call).
+- FP8 (:func:`fp8_linear`): the activations as the scheme defines (:func:`quant_ref.fp8_activations`), then the
+  weight dequantized ``TILE_ROWS`` rows at a time to x's dtype (through an exact float16 bit trick: the CPU's own
+  float8 -> float conversion is scalar) and matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
+
+TILE_ROWS = 256  # output rows dequantized at a time: a [256, K] buffer (K 1536 float32: 1.5 MiB, L2-sized)
+
+
+def int8_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
+    """W8A8 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Int8Weight`, float32 ``[M, N]``. Pure."""
+    q, s = quantize_tokens_int8(x)
+    return torch.mul(torch._int_mm(q, w.qweight.t()), s[:, None]).mul_(w.scale)
+
+
+def _int4pack(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w``'s weight in torch's CPU INT4 layout with its scales and zeros in ``dtype``, made once and cached on
+    ``w`` (mutates ``w._packed``); None where the kernel does not take the shape (N not a multiple of 16)."""
+    cached = w._packed
+    if isinstance(cached, dict) and dtype in cached:
+        return cached[dtype]  # type: ignore[no-any-return]
+    packed = None
+    if w.out_features % 16 == 0 and w.group_size % 32 == 0:
+        from pdkernels.quant_ref import unpack_int4
+
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(w.packed).int(), 1)
+        scale = w.scale.t()
+        zeros = (8.0 - w.zeros().float().t()) * scale
+        packed = (weight, torch.stack((scale, zeros), dim=-1).to(dtype).contiguous())
+    w._packed = {**(cached if isinstance(cached, dict) else {}), dtype: packed}
+    return packed
+
+
+def _int4_tile(w: Any, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``w``'s dequantized weight ``[r1 - r0, K]`` in ``dtype`` (the reference's arithmetic, in
+    float32). Pure."""
+    p = w.packed[r0:r1]
+    rows, groups, g = r1 - r0, w.scale.shape[1], w.group_size
+    levels = torch.stack((p & 0xF, p >> 4), dim=-1).view(rows, groups, g).float()
+    zero = 8.0 if w.zero is None else w.zero[r0:r1, :, None].float()
+    return ((levels - zero) * w.scale[r0:r1, :, None]).view(rows, groups * g).to(dtype)
+
+
+def int4_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
+    """W4A16 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Int4Weight`, ``[M, N]`` in float32 (x float32)
+    or x's dtype. Pure (the packed kernel's weight is cached on ``w`` on first use)."""
+    if x.dtype != torch.float32:
+        packed = _int4pack(w, x.dtype)
+        if packed is not None:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed[0], w.group_size, packed[1])
+    return _tiled(x, w.out_features, lambda r0, r1: _int4_tile(w, r0, r1, x.dtype))
+
+
+def _tiled(x: torch.Tensor, n: int, tile: Any) -> torch.Tensor:
+    """``x @ W.T`` ``[M, N]`` in x's dtype, W produced ``TILE_ROWS`` rows at a time by ``tile(r0, r1)``. Pure."""
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for r0 in range(0, n, TILE_ROWS):
+        r1 = min(n, r0 + TILE_ROWS)
+        torch.matmul(x, tile(r0, r1).t(), out=out[:, r0:r1])
+    return out
+
+
+def e4m3_as_float16(w: torch.Tensor) -> torch.Tensor:
+    """FP8 e4m3 ``w`` as float16 holding ``w * 2**-8`` exactly (e4m3's exponent and mantissa bits moved into float16's:
+    the exponent biases differ by 8; subnormals map to subnormals). No NaN codes (the classes refuse them). Pure."""
+    b = w.view(torch.uint8).to(torch.int16)
+    return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).view(torch.float16)
+
+
+def _fp8_tile(w: Any, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of ``w``'s dequantized weight in ``dtype`` (scales applied in float32). Pure."""
+    half = e4m3_as_float16(w.weight[r0:r1]).float()
+    if w.block is not None:
+        bn, bk = w.block
+        rows, k = r1 - r0, w.in_features
+        sc = w.scale[r0 // bn:-(-r1 // bn)].repeat_interleave(bn, dim=0)[(r0 % bn):(r0 % bn) + rows]
+        return half.mul_(sc.repeat_interleave(bk, dim=1)[:, :k] * 256.0).to(dtype)
+    sc = w.scale * 256.0 if w.scale.dim() == 0 else w.scale[r0:r1, None] * 256.0
+    return half.mul_(sc).to(dtype)
+
+
+def fp8_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
+    """FP8 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Fp8Weight`, ``[M, N]`` in x's dtype. Pure."""
+    xa = fp8_activations(x, w.act_scale, w.act_dynamic, w.act_group).to(x.dtype)
+    return _tiled(xa, w.out_features, lambda r0, r1: _fp8_tile(w, r0, r1, x.dtype))

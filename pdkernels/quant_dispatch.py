@@ -1,0 +1,42 @@
+"""Which kernel runs a quantized weight's ``linear`` (see :mod:`pdkernels.quant`): the Triton kernels of
+:mod:`pdkernels.triton_quant` where :func:`pdkernels.uses_triton` (CUDA tensors, or any under ``TRITON_INTERPRET=1``),
+the fast paths of :mod:`pdkernels.quant_cpu` on CPU tensors, the class's ``reference_linear`` anywhere else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdkernels import quant_cpu, uses_triton
+from pdkernels.quant_ref import finish
+
+
+def _cpu_kernel(w: Any) -> Any:
+    from pdkernels.quant_fp8 import Fp8Weight
+    from pdkernels.quant_int import Int4Weight, Int8Weight
+
+    return {Int8Weight: quant_cpu.int8_linear, Int4Weight: quant_cpu.int4_linear,
+            Fp8Weight: quant_cpu.fp8_linear}[type(w)]
+
+
+def _triton_kernel(w: Any) -> Any:
+    from pdkernels import triton_quant
+    from pdkernels.quant_fp8 import Fp8Weight
+    from pdkernels.quant_int import Int4Weight, Int8Weight
+
+    return {Int8Weight: triton_quant.int8_linear, Int4Weight: triton_quant.int4_linear,
+            Fp8Weight: triton_quant.fp8_linear}[type(w)]
+
+
+def linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``w``'s linear of ``x`` ``[..., K]`` (checked by the caller) through the kernel for x's device. Pure (a CPU
+    kernel may cache its packed weight on ``w``)."""
+    x2 = x.reshape(-1, w.in_features)
+    if x2.shape[0] == 0:
+        return w.reference_linear(x, bias)
+    if uses_triton(x):
+        return finish(_triton_kernel(w)(w, x2), x, bias)
+    if x.device.type == "cpu":
+        return finish(_cpu_kernel(w)(w, x2), x, bias)
+    return w.reference_linear(x, bias)
