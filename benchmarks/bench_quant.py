@@ -101,7 +101,8 @@ def make_checkpoints(base: Path, out: Path, schemes: list[str]) -> None:
 def machine() -> dict[str, Any]:
     """The CPU model, the flags that decide the kernels, core count, date, and package versions."""
     info: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                            "cores": os.cpu_count(), "python": platform.python_version()}
+                            "cores": os.cpu_count(), "python": platform.python_version(),
+                            "loadavg_1m": os.getloadavg()[0]}  # the machine is shared: say how busy it was
     try:
         text = Path("/proc/cpuinfo").read_text()
         info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name"))
@@ -242,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                                             tokenize=True, return_dict=False)) for q, _ in TASKS]
     load = [[p, n] for p, n in workload(args.requests, len(tok), seed=0)]
     vver = vllm_version(args.vllm_python)
-    print(f"machine: {info['cpu']}, {info['cores']} cores, flags {' '.join(info['flags']) or '-'}; {info['date']}; "
-          f"torch {info['torch']}; vLLM: {vver or 'not installed'}")
+    print(f"machine: {info['cpu']}, {info['cores']} cores, flags {' '.join(info['flags']) or '-'}, load average "
+          f"{info['loadavg_1m']:.1f}; {info['date']}; torch {info['torch']}; vLLM: {vver or 'not installed'}")
     print(f"model {base}; activations {dtype}; teacher-forced {len(wins)} windows of {args.window} tokens of "
           f"{TEXT.name} ({sum(len(w) - 1 for w in wins)} predictions); {len(TASKS)} tasks, greedy "
           f"{args.task_tokens} tokens; {len(load)} mixed requests (prompts 16-256, outputs 16-128, "
