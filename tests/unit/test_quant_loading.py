@@ -29,11 +29,12 @@ CLASSES = {"w8a8": Int8Weight, "w4a16": Int4Weight, "w4a16_asym": Int4Weight, "f
            "fp8_static": Fp8Weight, "fp8_block": Fp8Weight, "fp8_native": Fp8Weight}
 # activations as each scheme quantizes them (pdkernels.quant_ref's definitions), applied to Hugging Face's float32
 # model of the dequantized weights: the reference the engine's quantized model must equal (weight-only schemes leave
-# the activations alone, so there the reference is the plain dense model)
-ACTIVATIONS = {"w8a8": lambda x: _int8_acts(x), "fp8_dynamic": lambda x: fp8_activations(x, None, True, None),
-               "fp8_static": lambda x: fp8_activations(x, torch.tensor(0.02), False, None),
-               "fp8_block": lambda x: fp8_activations(x, None, True, 32),
-               "fp8_native": lambda x: fp8_activations(x, None, True, 32)}
+# the activations alone, so there the reference is the plain dense model). Each takes (x, the module's static
+# input scale, the FP8 block's columns).
+ACTIVATIONS = {"w8a8": lambda x, s, b: _int8_acts(x), "fp8_dynamic": lambda x, s, b: fp8_activations(x, None, True, None),
+               "fp8_static": lambda x, s, b: fp8_activations(x, s, False, None),
+               "fp8_block": lambda x, s, b: fp8_activations(x, None, True, b),
+               "fp8_native": lambda x, s, b: fp8_activations(x, None, True, b)}
 LOGPROB_TOL = 2e-3
 
 
@@ -42,10 +43,11 @@ def _int8_acts(x: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
-def _hf_model(dense: Path, scheme: str):  # type: ignore[no-untyped-def]
+def _hf_model(dense: Path, scheme: str, block: int = 32, act_scales: dict[str, torch.Tensor] | None = None):  # type: ignore[no-untyped-def]
     """Hugging Face's float32 model of ``dense`` with every ``*_proj*`` linear (but the experts, and MLA's
     ``kv_b_proj``, which the engine dequantizes at load and absorbs into q and the output, as vLLM does) quantizing
-    its input as ``scheme`` does."""
+    its input as ``scheme`` does (FP8 blocks of ``block`` columns; static scales per module from ``act_scales``, else
+    the factory's 0.02)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.float32).eval()
@@ -54,16 +56,19 @@ def _hf_model(dense: Path, scheme: str):  # type: ignore[no-untyped-def]
         for name, mod in model.named_modules():
             if isinstance(mod, torch.nn.Linear) and "_proj" in name.rsplit(".", 1)[-1] and ".experts." not in name \
                     and not name.endswith("kv_b_proj"):
-                def forward(x: torch.Tensor, mod: torch.nn.Linear = mod) -> torch.Tensor:
-                    xa = act(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+                static = (act_scales or {}).get(name, torch.tensor(0.02)).float().reshape(())
+
+                def forward(x: torch.Tensor, mod: torch.nn.Linear = mod, static: torch.Tensor = static) -> torch.Tensor:
+                    xa = act(x.reshape(-1, x.shape[-1]), static, block).reshape(x.shape)
                     return torch.nn.functional.linear(xa, mod.weight, mod.bias)
                 mod.forward = forward  # type: ignore[method-assign]
     return model
 
 
-def hf_reference(dense: Path, scheme: str, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def hf_reference(dense: Path, scheme: str, prompts: list[list[int]], block: int = 32,
+                 act_scales: dict[str, torch.Tensor] | None = None) -> list[tuple[list[int], list[float]]]:
     """Greedy ids and logprobs of :func:`_hf_model`."""
-    model = _hf_model(dense, scheme)
+    model = _hf_model(dense, scheme, block, act_scales)
     outs = []
     with torch.no_grad():
         for p in prompts:
