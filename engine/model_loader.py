@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from engine.model_config import ModelConfig
 from engine.quant_load import check_checkpoint, convert
-from engine.tp import RankState, head_source, shard_config, shard_plan, take, vocab_cut
+from engine.tp import RankState, head_source, shard_config, shard_plan, shard_state, take, vocab_cut, weight_shape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -52,16 +52,19 @@ def load_shard(folder: Path, cfg: ModelConfig, dtype: torch.dtype, rank: int, si
     """Rank ``rank`` of a TP group of ``size``: only its part of every tensor of ``folder/*.safetensors``
     (``engine.tp.shard_plan``'s cuts, read as file slices), cast to ``dtype``, on ``device``. Holds what
     ``shard_state`` of the whole checkpoint gives, reading ~1/size of the sharded weights (the replicated ones
-    whole). Raises ``ValueError`` as :func:`load_state_dict`, or as ``engine.tp.check_tp`` before reading."""
+    whole); a quantized checkpoint is loaded whole and cut through its weight classes (``engine.tp.shard_state``).
+    Raises ``ValueError`` as :func:`load_state_dict`, or as ``engine.tp.check_tp`` before reading."""
     shard_config(cfg, size)  # what does not divide is refused before anything is read
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors files in {folder}")
-    plan = check_checkpoint(folder, files)
-    if plan:
-        scheme = next(iter(plan.values()))
-        raise ValueError(f"model: tensor parallelism (size {size}) with a quantized checkpoint ({scheme.describe()}) "
-                         "is not supported yet (serve it with tensor_parallel_size 1)")
+    if check_checkpoint(folder, files):
+        # quantized: every rank loads the whole checkpoint (its weight objects) and cuts its part through the
+        # classes' rows / cols (engine.tp.take_weight), not by file slices
+        full = load_state_dict(folder, dtype, device)
+        width = weight_shape(full[head_source(cfg)])[0]
+        _, tensors = shard_state(cfg, full, rank, size)
+        return RankState(rank, size, tensors, width)
     out: dict[str, torch.Tensor] = {}
     width = 0
     for f in files:

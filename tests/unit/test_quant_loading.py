@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from engine import LLM, SamplingParams
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
-from engine.model_loader import load_shard, load_state_dict
+from engine.model_loader import load_state_dict
 from pdkernels.quant import Fp8Weight, Int4Weight, Int8Weight
 from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
 from quant_factory import quantize_checkpoint, scheme_config, with_config
@@ -210,13 +210,6 @@ def test_malformed_checkpoint_refused_before_reading(tiny_checkpoint, tmp_path: 
     _truncate_weights(bad2)
     with pytest.raises(ValueError, match="group_size 48 does not divide the in-features 128"):
         load_state_dict(bad2, torch.float32)
-
-
-def test_tensor_parallel_quantized_is_refused(tiny_checkpoint, tmp_path: Path) -> None:
-    q = quantize_checkpoint(tiny_checkpoint("llama"), tmp_path / "q", "w8a8")
-    _truncate_weights(q)
-    with pytest.raises(ValueError, match="tensor parallelism .* quantized checkpoint .*not supported yet"):
-        load_shard(q, load_model_config(q), torch.float32, 0, 2)
 
 
 def test_linear_holds_no_dense_copy(tiny_checkpoint, tmp_path: Path) -> None:
