@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.linear import Linear, cat_weights, is_quantized, weight_rows
+from engine.linear import Linear, cat_weights, weight_rows
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 from pdkernels import mla as mla_kernels
+from pdkernels.quant import is_quantized
 from pdkernels.reference import DecodeSpan
 
 

@@ -2,8 +2,9 @@
 paged KV cache.
 
 Matmul weights are :class:`engine.linear.Linear` (q/k/v and gate/up fused into one matmul each; pre-packed for
-oneDNN in bfloat16 on the CPU; or a quantized checkpoint's ``pdkernels.quant`` weights, fused by their class); attention and KV writes go through ``pdkernels``, so the Triton kernels replace the
-torch reference without touching this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
+oneDNN in bfloat16 on the CPU; or a quantized checkpoint's ``pdkernels.quant`` weights, fused by their class);
+attention and KV writes go through ``pdkernels``, so the Triton kernels replace the torch reference without touching
+this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
 attention and MLP outputs, (1 + weight) norms in float32, a scaled embedding, a GELU gate, two RoPEs (local and
 global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward. A
 layer's MLP is dense or a mixture of experts (:class:`engine.moe.SparseMoE`, loaded by engine/moe.py) per config.

@@ -257,7 +257,8 @@ def _module_params(tensors: Mapping[str, TensorInfo]) -> dict[str, dict[str, Ten
 
 
 def quantized_in_files(params: Mapping[str, TensorInfo]) -> bool:
-    """Whether a module's tensors are quantized: a quantization parameter name, or a weight that is not a float. Pure."""
+    """Whether a module's tensors are quantized: a quantization parameter's name, or a weight that is no float.
+    Pure."""
     weight = params.get("weight")
     return any(p in params for p in QUANT_PARAMS) or (weight is not None and weight.dtype not in _FLOATS)
 
