@@ -5,8 +5,10 @@ measured side by side in one run on the default model's linear shapes (SmolLM2-1
     PYTHONPATH=$PWD python3 benchmarks/bench_quant_kernels.py [--dtype bfloat16|float32] [--rows 1,8,64] [--threads 1]
 
 Prints one line per (scheme, rows): the time of one pass over the four layers (the best of ``--repeat`` tries, each
-method timed in turn so a busy machine slows them alike), the fast path's speed-up over dense ``F.linear`` in the
-same dtype and over the reference, and the largest difference from the reference relative to its largest output.
+method timed in turn so a busy machine slows them alike) for dense ``F.linear`` in the same dtype, the dense weight
+pre-packed for oneDNN as the engine's dense layers hold it (``engine/linear.py``: ``mkldnn._reorder_linear_weight``
+once, ``mkldnn._linear_pointwise`` per call), the reference and the fast path; the fast path's speed-up over the
+first two and over the reference; the largest difference from the reference relative to its largest output.
 Random weights: the speed does not depend on the values. Not a test: nothing here asserts a time.
 """
 
@@ -65,22 +67,26 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, activations {args.dtype}")
-    print(f"{'scheme':<12} {'rows':>4} {'dense ms':>9} {'ref ms':>8} {'fast ms':>8} {'x dense':>8} {'x ref':>7} "
-          f"{'max rel diff':>12}")
+    print(f"{'scheme':<12} {'rows':>4} {'dense ms':>9} {'packed ms':>9} {'ref ms':>8} {'fast ms':>8} {'x dense':>8} "
+          f"{'x packed':>8} {'x ref':>7} {'max rel diff':>12}")
     for scheme in args.schemes.split(","):
         weights = [make(scheme, n, k, g) for n, k in SHAPES]
         dense = [w.dequantize(dtype) for w in weights]  # type: ignore[attr-defined]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(d, None) for d in dense]
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k, generator=g).to(dtype) for _, k in SHAPES]
             t = best_of({
                 "dense": lambda: [F.linear(x, d) for x, d in zip(xs, dense)],
+                "packed": lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                   for x, p in zip(xs, packed)],
                 "ref": lambda: [w.reference_linear(x) for x, w in zip(xs, weights)],  # type: ignore[attr-defined]
                 "fast": lambda: [w.linear(x) for x, w in zip(xs, weights)],  # type: ignore[attr-defined]
             }, args.repeat)
             diff = max(float((w.linear(x).float() - w.reference_linear(x).float()).abs().max()  # type: ignore[attr-defined]
                              / w.reference_linear(x).float().abs().max()) for x, w in zip(xs, weights))  # type: ignore[attr-defined]
-            print(f"{scheme:<12} {rows:>4} {t['dense'] * 1e3:>9.3f} {t['ref'] * 1e3:>8.3f} {t['fast'] * 1e3:>8.3f} "
-                  f"{t['dense'] / t['fast']:>8.2f} {t['ref'] / t['fast']:>7.2f} {diff:>12.2e}")
+            print(f"{scheme:<12} {rows:>4} {t['dense'] * 1e3:>9.3f} {t['packed'] * 1e3:>9.3f} {t['ref'] * 1e3:>8.3f} "
+                  f"{t['fast'] * 1e3:>8.3f} {t['dense'] / t['fast']:>8.2f} {t['packed'] / t['fast']:>8.2f} "
+                  f"{t['ref'] / t['fast']:>7.2f} {diff:>12.2e}")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,24 @@
 """The CPU fast paths of the quantized weights (:mod:`pdkernels.quant`), each equal to its class's
-``reference_linear`` within the tolerances stated in ``tests/unit/test_quant_cpu.py``. Measured against the
+``reference_linear`` within the tolerances stated in ``tests/unit/test_quant_weights.py``. Measured against the
 references and dense ``F.linear`` by ``benchmarks/bench_quant_kernels.py`` (docs/kernels.md has the numbers).
 
 - W8A8 (:func:`int8_linear`): activations quantized per token in one pass (:func:`quant_ref.quantize_tokens_int8`,
   the reference's own function), then ``torch._int_mm`` (int8 x int8 -> int32, exact; on the CPU it takes any M,
   and the weight as the transposed view of the ``[N, K]`` int8 tensor, its fast layout: no prepacking needed), then
-  ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's ``qlinear_pointwise`` was measured too: only
-  per-tensor activation scales, as fast as ``_int_mm`` with uint8 activations, 2,000x slower with int8 ones.
-- W4A16 (:func:`int4_linear`): bfloat16/float16 activations go through torch's packed INT4 CPU
-  kernel (``aten._weight_int4pack_mm_for_cpu``: its convention is ``w = (level - 8) * s + z`` per group, so ours
-  maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use; N a multiple of
-  16, groups a multiple of 32). float32 activations (where that kernel is scalar, ~20x slower than a dense matmul)
-  and other shapes dequantize ``TILE_ROWS`` output rows at a time into one small buffer and matmul it: never a
-  dequantized copy of the whole weight (a correctness path: it pays the dequantization on every call).
+  ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's quantized linear was measured beside it
+  (``onednn.qlinear_prepack`` once, ``qlinear_pointwise`` with uint8 activations at zero point 128: the same
+  integers, exact on AVX512-VNNI; it takes only a per-tensor activation scale, so the per-token one multiplies
+  after): in the benchmark's cold-cache rounds it was slower at one row (1.11-1.15 ms against 0.66-0.83 for the
+  four layers) and no faster at 8, so ``_int_mm`` serves. oneDNN with int8 activations is ~2,000x slower.
+- W4A16 (:func:`int4_linear`): bfloat16/float16 activations of up to ``INT4PACK_MAX_ROWS`` rows go through torch's
+  packed INT4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``; its convention is ``w = (level - 8) * s + z`` per
+  group, so ours maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use;
+  N a multiple of 16, groups a multiple of 32). float32 activations (that kernel is scalar there, ~20x slower than a
+  dense matmul), more rows (prefill) and other shapes dequantize ``TILE_ROWS`` output rows at a time into one small
+  buffer and matmul it: never a dequantized copy of the whole weight, but the dequantization is paid on every call.
 - FP8 (:func:`fp8_linear`): the activations as the scheme defines (:func:`quant_ref.fp8_activations`), then the
   weight dequantized ``TILE_ROWS`` rows at a time to x's dtype (through an exact float16 bit trick: the CPU's own
-  float8 -> float conversion is scalar) and matmul.
+  float8 -> float conversion is scalar) and matmul. A correctness path: slower than a dense matmul.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from typing import Any
 
 import torch
 
-from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
+from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8, unpack_int4
 
 TILE_ROWS = 256  # output rows dequantized at a time: a [256, K] buffer (K 1536 float32: 1.5 MiB, L2-sized)
+# Above this many activation rows (prefill) W4A16 dequantizes tiles instead of torch's packed INT4 kernel, whose time
+# grows with the rows (3072 x 576, one thread: 2.6 ms packed vs 3.8 tiles at 64 rows, 5.3 vs 4.5 at 128).
+INT4PACK_MAX_ROWS = 96
 
 
 def int8_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
@@ -37,19 +43,20 @@ def int8_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
 
 def _int4pack(w: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w``'s weight in torch's CPU INT4 layout with its scales and zeros in ``dtype``, made once and cached on
-    ``w`` (mutates ``w._packed``); None where the kernel does not take the shape (N not a multiple of 16)."""
-    cached = w._packed
-    if isinstance(cached, dict) and dtype in cached:
+    ``w`` (mutates ``w._packed``: ``{dtype: (weight, scales_and_zeros)}``, the weight shared between dtypes); None
+    where the kernel does not take the shape (N a multiple of 16, groups a multiple of 32)."""
+    cached: dict[torch.dtype, Any] = w._packed if isinstance(w._packed, dict) else {}
+    if dtype in cached:
         return cached[dtype]  # type: ignore[no-any-return]
     packed = None
     if w.out_features % 16 == 0 and w.group_size % 32 == 0:
-        from pdkernels.quant_ref import unpack_int4
-
-        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(w.packed).int(), 1)
+        done = next((p[0] for p in cached.values() if p is not None), None)
+        weight = done if done is not None else torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            unpack_int4(w.packed).int(), 1)
         scale = w.scale.t()
         zeros = (8.0 - w.zeros().float().t()) * scale
         packed = (weight, torch.stack((scale, zeros), dim=-1).to(dtype).contiguous())
-    w._packed = {**(cached if isinstance(cached, dict) else {}), dtype: packed}
+    w._packed = {**cached, dtype: packed}
     return packed
 
 
@@ -66,7 +73,7 @@ def _int4_tile(w: Any, r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
 def int4_linear(w: Any, x: torch.Tensor) -> torch.Tensor:
     """W4A16 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Int4Weight`, ``[M, N]`` in float32 (x float32)
     or x's dtype. Pure (the packed kernel's weight is cached on ``w`` on first use)."""
-    if x.dtype != torch.float32:
+    if x.dtype != torch.float32 and x.shape[0] <= INT4PACK_MAX_ROWS:
         packed = _int4pack(w, x.dtype)
         if packed is not None:
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed[0], w.group_size, packed[1])

@@ -25,7 +25,6 @@ class Int8Weight:
         check(scale.device == qweight.device, "scale", f"on {scale.device}, qweight on {qweight.device}")
         self.qweight = qweight.contiguous()
         self.scale = scale.contiguous()
-        self._packed: object | None = None  # the CPU kernel's prepacked weight, made on first use
 
     @property
     def out_features(self) -> int:
@@ -58,8 +57,7 @@ class Int8Weight:
         return finish(F.linear(q.float() * s[:, None], self.dequantize()), x, bias)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., K] -> [..., N]`` in x's dtype through the kernel for x's device (module docstring). Pure
-        (the first CPU call caches the prepacked weight)."""
+        """``x [..., K] -> [..., N]`` in x's dtype through the kernel for x's device (module docstring). Pure."""
         check_input(x, bias, self.out_features, self.in_features)
         return quant_dispatch.linear(self, x, bias)
 

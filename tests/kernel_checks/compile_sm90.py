@@ -62,7 +62,8 @@ def _compile(fn: Any, args: dict[str, Any], num_warps: int, num_stages: int) -> 
 CASES = ["decode_bf16_split", "decode_fp8", "decode_int8", "decode_reduce", "prefill_bf16_window", "prefill_fp8",
          "prefill_int8", "store_kv", "store_fp8", "store_int8", "copy_blocks", "copy_between", "fp8_quantize",
          "payload_mac", "moe_gate_up", "moe_down", "mla_decode_bf16", "mla_decode_fp8", "mla_prefill_bf16",
-         "mla_prefill_fp8"]
+         "mla_prefill_fp8", "quant_int8", "quant_int4", "quant_fp8_block", "quant_fp8_channel",
+         "quant_moe_fp8_gate_up", "quant_moe_fp8_down"]
 CACHE_TYPES = {"fp8": "*fp8e4nv", "int8": "*i8"}
 
 
@@ -72,6 +73,9 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType, i8: ModuleType) -> N
         mac = _load("triton_mac")
         _compile(mac._row_sums_kernel, dict(x_ptr="*i8", w_ptr="*i32", out_ptr="*i64", num_rows=I32, pad=I32,
                                             ROW=2048, ROWS=mac.MAC_ROWS, TILE=mac.MAC_TILE), mac.MAC_WARPS, 2)
+        return
+    if case.startswith("quant_"):  # the quantized-weight GEMMs, bfloat16 activations, as the launchers pick them
+        compile_quant(case)
         return
     if case.startswith("mla_prefill"):  # MLA varlen prefill over the latent cache, DeepSeek-V3's shape
         mlp = _load("triton_mla_prefill")
@@ -166,6 +170,43 @@ def compile_case(case: str, kv: ModuleType, pf: ModuleType, i8: ModuleType) -> N
         _compile(kv._fp8_kernel, dict(x_ptr="*bf16", y_ptr="*fp8e4nv", s_ptr="*fp32", stride_xb=I32_16,
                                       stride_xt=I32_16, stride_yb=I32_16, stride_yt=I32_16, num_heads=I32,
                                       BLOCK_SIZE=16, HEAD_DIM=128, T_PAD=16, D_PAD=128, QUANTIZE=True), 4, 2)
+
+
+def compile_quant(case: str) -> None:
+    """One of :mod:`pdkernels.triton_quant`'s GEMMs: W8A8, W4A16 (asymmetric), FP8 with DeepSeek's 128 x 128 block
+    scales and FP8 per channel (both with FP8 tiles in the dot, as on sm_90)."""
+    q = _load("triton_quant")
+    if case.startswith("quant_moe"):  # the fused MoE over block-scaled FP8 experts, DeepSeek-V3's 128 x 128
+        qm = _load("triton_quant_moe")
+        args = dict(w_ptr="*fp8e4nv", ws_ptr="*fp32", out_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32",
+                    num_assign=I32, hidden=I32_16, inter=I32_16, stride_we=I32_16, stride_wn=I32_16, stride_wse=I32,
+                    stride_wsn=I32, stride_ot=I32_16, BN=I32_16, BK=I32_16, NUM_EXPERTS=256, FP8_DOT=True,
+                    BLOCK_M=64, BLOCK_N=qm.BLOCK_N, BLOCK_K=128)
+        if case == "quant_moe_fp8_gate_up":
+            _compile(qm._fp8_gate_up_kernel, dict(args, x_ptr="*fp8e4nv", xs_ptr="*fp32", top_k=I32,
+                                                  stride_xt=I32_16, stride_xst=I32, ACT=0), qm.MOE_WARPS,
+                     qm.MOE_STAGES)
+        else:
+            _compile(qm._fp8_down_kernel, dict(args, h_ptr="*fp8e4nv", hs_ptr="*fp32", wt_ptr="*fp32",
+                                               stride_ht=I32_16, stride_hst=I32), qm.MOE_WARPS, qm.MOE_STAGES)
+        return
+    tiles = dict(BLOCK_M=q.BLOCK_M, BLOCK_N=q.BLOCK_N, BLOCK_K=q.BLOCK_K)
+    common = dict(bias_ptr="*bf16", out_ptr="*bf16", M=I32, N=I32_16, K=I32_16, stride_om=I32_16, HAS_BIAS=True)
+    if case == "quant_int8":
+        _compile(q._int8_gemm_kernel, dict(common, x_ptr="*i8", w_ptr="*i8", xs_ptr="*fp32", ws_ptr="*fp32",
+                                           stride_xm=I32_16, stride_wn=I32_16, **tiles), q.QUANT_WARPS, q.QUANT_STAGES)
+    elif case == "quant_int4":
+        _compile(q._int4_gemm_kernel, dict(common, x_ptr="*bf16", p_ptr="*u8", s_ptr="*fp32", z_ptr="*u8",
+                                           group_size=I32_16, stride_xm=I32_16, stride_pn=I32_16, stride_sn=I32,
+                                           HAS_ZERO=True, PRECISION=triton.language.constexpr("tf32"), **tiles),
+                 q.QUANT_WARPS, q.QUANT_STAGES)
+    else:
+        blocked = case == "quant_fp8_block"
+        _compile(q._fp8_gemm_kernel, dict(
+            common, x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", xs_ptr="*fp32", ws_ptr="*fp32", stride_xm=I32_16,
+            stride_wn=I32_16, stride_xsm=I32, stride_wsn=I32, BN=I32_16, BK=I32_16, BLOCK_SCALED=blocked,
+            FP8_DOT=True, PRECISION=triton.language.constexpr("tf32"),
+            **dict(tiles, BLOCK_K=q.fp8_block_k(128) if blocked else q.BLOCK_K)), q.QUANT_WARPS, q.QUANT_STAGES)
 
 
 def main() -> int:

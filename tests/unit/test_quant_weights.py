@@ -262,7 +262,7 @@ def test_fast_paths_keep_no_dense_copy() -> None:
     i8, f8 = int8_weight(48, 64), fp8_weight(48, 64, "block", block=(16, 32))
     i8.linear(torch.randn(2, 64))
     f8.linear(torch.randn(2, 64))
-    assert i8._packed is None and not hasattr(f8, "_packed")
+    assert not hasattr(i8, "_packed") and not hasattr(f8, "_packed")
 
 
 def test_e4m3_float16_trick_is_exact_for_every_code() -> None:
@@ -279,3 +279,104 @@ def test_w8a8_fast_path_is_exact_on_float32() -> None:
     q, s = quant_ref.quantize_tokens_int8(x)
     exact = (q.double() @ w.qweight.double().T) * s.double()[:, None] * w.scale.double()
     torch.testing.assert_close(w.linear(x).double(), exact, rtol=3e-7, atol=1e-9)
+
+
+# -- quantized experts -----------------------------------------------------------------------------------------------
+
+def _experts(kind: str, e: int, h: int, inter: int) -> tuple[list[object], list[object]]:
+    make = {"int4": lambda n, k, s: int4_weight(n, k, 16, True, s), "int8": lambda n, k, s: int8_weight(n, k, s),
+            "fp8block": lambda n, k, s: fp8_weight(n, k, "block", act="none", block=(16, 16), seed=s)}[kind]
+    return [make(2 * inter, h, i) for i in range(e)], [make(h, inter, 100 + i) for i in range(e)]
+
+
+def _routing(t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.randn(t, e, generator=_gen(7))
+    logits[:, 0] -= 100.0  # expert 0 gets no token
+    w, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    return ids, w
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8block"])
+def test_quant_moe_matches_grouped_moe_on_dequantized_experts(kind: str) -> None:
+    from pdkernels.grouped_moe import grouped_moe
+    from pdkernels.quant_moe import quant_grouped_moe
+
+    gate_up, down = _experts(kind, 5, 32, 48)
+    x = torch.randn(7, 32, generator=_gen(8))
+    ids, w = _routing(7, 5, 2)
+    want = grouped_moe(x, torch.stack([g.dequantize() for g in gate_up]),  # type: ignore[attr-defined]
+                       torch.stack([d.dequantize() for d in down]), ids, w, "silu")  # type: ignore[attr-defined]
+    got = quant_grouped_moe(x, gate_up, down, ids, w, "silu")  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_quant_moe_w8a8_matches_token_by_token_references() -> None:
+    from pdkernels.grouped_moe import ACTIVATIONS
+    from pdkernels.quant_moe import quant_grouped_moe
+
+    gate_up, down = _experts("int8", 4, 32, 16)
+    x = torch.randn(5, 32, generator=_gen(9))
+    ids, w = _routing(5, 4, 2)
+    got = quant_grouped_moe(x, gate_up, down, ids, w, "gelu_pytorch_tanh")  # type: ignore[arg-type]
+    act = ACTIVATIONS["gelu_pytorch_tanh"]
+    for t in range(5):
+        want = torch.zeros(32)
+        for j in range(2):
+            e = int(ids[t, j])
+            gate, up = gate_up[e].reference_linear(x[t:t + 1]).chunk(2, dim=-1)  # type: ignore[attr-defined]
+            want += w[t, j] * down[e].reference_linear(act(gate) * up)[0]  # type: ignore[attr-defined]
+        torch.testing.assert_close(got[t], want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_quant_moe_refuses_mismatched_experts() -> None:
+    from pdkernels.quant_moe import quant_grouped_moe
+
+    gate_up, down = _experts("int4", 3, 32, 48)
+    ids, w = _routing(2, 3, 1)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match="^down: "):
+        quant_grouped_moe(x, gate_up, down[:2], ids, w, "silu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^gate_up: "):
+        quant_grouped_moe(x, gate_up[:1] + [int4_weight(64, 32, 16)], down[:2], ids.clamp(max=1), w,  # type: ignore[arg-type]
+                          "silu")
+
+
+def test_fp8_block_experts_stack_views_and_cpu_moe() -> None:
+    from pdkernels.quant_moe import Fp8BlockExperts, quant_grouped_moe
+
+    gate_up = [fp8_weight(64, 32, "block", block=(16, 16), seed=i) for i in range(3)]
+    down = [fp8_weight(32, 32, "block", block=(16, 16), seed=10 + i) for i in range(3)]
+    experts = Fp8BlockExperts.stack(gate_up, down)
+    assert experts.num_experts == 3 and experts.inter == 32 and experts.block == (16, 16)
+    for (g, d), g0, d0 in zip(experts.experts(), gate_up, down):
+        assert torch.equal(g.dequantize(), g0.dequantize()) and torch.equal(d.dequantize(), d0.dequantize())
+        assert g.weight.data_ptr() != g0.weight.data_ptr()  # views of the stacked tensor, not the parts
+    x = torch.randn(4, 32, generator=_gen(2))
+    ids, w = _routing(4, 3, 2)
+    assert torch.equal(experts.moe(x, ids, w, "silu"), quant_grouped_moe(x, gate_up, down, ids, w, "silu"))  # type: ignore[arg-type]
+
+
+def test_fp8_block_experts_refused() -> None:
+    from pdkernels.quant_moe import Fp8BlockExperts
+
+    gu, dn = torch.zeros(2, 64, 32, dtype=FP8), torch.zeros(2, 32, 32, dtype=FP8)
+    gs, ds = torch.ones(2, 4, 2), torch.ones(2, 2, 2)
+    Fp8BlockExperts(gu, gs, dn, ds, (16, 16))
+    with pytest.raises(ValueError, match="^down: "):
+        Fp8BlockExperts(gu, gs, dn[:, :, :16], ds, (16, 16))
+    with pytest.raises(ValueError, match="^gate_up_scale: "):
+        Fp8BlockExperts(gu, gs[:1], dn, ds, (16, 16))
+    with pytest.raises(ValueError, match="^scale: "):  # one expert's grid of the wrong shape
+        Fp8BlockExperts(gu, torch.ones(2, 3, 2), dn, ds, (16, 16))
+    with pytest.raises(ValueError, match="^block: "):
+        Fp8BlockExperts.stack([fp8_weight(64, 32, "channel")], [fp8_weight(32, 32, "channel")])
+
+
+def test_int4_packed_kernel_weight_shared_between_dtypes() -> None:
+    w = int4_weight(48, 64, 32)
+    x = torch.randn(2, 64, generator=_gen(4))
+    want = w.reference_linear(x)
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.testing.assert_close(w.linear(x.to(dtype)).float(), want, rtol=0, atol=1.6e-2 * want.abs().max().item())
+    packs = w._packed  # type: ignore[attr-defined]
+    assert packs[torch.bfloat16][0] is packs[torch.float16][0]
