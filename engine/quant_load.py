@@ -3,7 +3,8 @@ module's tensors into the ``pdkernels.quant`` weight class its scheme runs on.
 
 :func:`check_checkpoint` reads ``config.json`` and the safetensors headers (plus the few bytes of each
 ``weight_shape``) and returns :func:`engine.quant_config.plan_quantization`'s module -> scheme map, or raises
-``ValueError``; it also refuses what the model code cannot hold yet (quantized MoE experts, a quantized embedding).
+``ValueError`` (a quantized embedding or router-less module is one no scheme maps). Quantized MoE experts load per
+expert (engine/moe_quant.py).
 :func:`convert` replaces a module's tensors in a loaded state dict with one weight object under ``<module>.weight``:
 
 - W8A8 (``int-quantized``): ``Int8Weight(weight, weight_scale)``, a per-tensor scale broadcast to every channel.
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.quant_config import QuantScheme, TensorInfo, is_linear, plan_quantization, quantized_in_files
+from engine.quant_config import QuantScheme, TensorInfo, is_linear, plan_quantization
 
 
 def read_manifest(files: list[Path]) -> dict[str, TensorInfo]:
@@ -53,22 +54,11 @@ def read_manifest(files: list[Path]) -> dict[str, TensorInfo]:
 def check_checkpoint(folder: Path, files: list[Path]) -> dict[str, QuantScheme]:
     """The quantized modules of the checkpoint in ``folder`` and their schemes (``{}`` for an unquantized one),
     decided from ``config.json`` and the headers of ``files`` before any weight is read. Raises ``ValueError`` naming
-    the method, the scheme and the supported list, a malformed module, or a quantized part the model code does not
-    hold yet (MoE experts, the embedding)."""
+    the method, the scheme and the supported list, or a malformed module."""
     cfg_path = folder / "config.json"
     cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
     arch = (cfg.get("architectures") or [""])[0]
     manifest = read_manifest(files)
-    experts: dict[str, dict[str, TensorInfo]] = {}
-    for name, info in manifest.items():
-        module, _, param = name.rpartition(".")
-        if ".experts." in module:
-            experts.setdefault(module, {})[param] = info
-    for module, params in sorted(experts.items()):
-        if quantized_in_files(params):
-            what = ", ".join(f"{p} ({i.dtype})" for p, i in sorted(params.items()))
-            raise ValueError(f"model: quantized MoE experts ({module}: {what}) are not supported yet (quantize "
-                             "attention and dense / shared MLPs only: ignore the experts, e.g. 're:.*\\.experts\\.')")
     return plan_quantization(cfg, manifest, lambda m: is_linear(m, arch))
 
 

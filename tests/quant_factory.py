@@ -124,21 +124,23 @@ def scheme_config(scheme: str, ignore: list[str], group: int = 32, block: tuple[
             "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}}
 
 
-def _quantized_modules(state: dict[str, torch.Tensor], ignore: list[str]) -> list[str]:
-    return [n[: -len(".weight")] for n in state if n.endswith(".weight") and "_proj" in n.rsplit(".", 2)[-2]
-            and n[: -len(".weight")] not in ignore and ".experts." not in n]
+def _quantized_modules(state: dict[str, torch.Tensor], ignore: list[str], experts: bool) -> list[str]:
+    return [n[: -len(".weight")] for n in state if n.endswith(".weight")
+            and ("_proj" in n.rsplit(".", 2)[-2] or (experts and n.rsplit(".", 2)[-2] in ("w1", "w2", "w3")))
+            and n[: -len(".weight")] not in ignore and (experts or ".experts." not in n)]
 
 
 def quantize_checkpoint(src: Path, dst: Path, scheme: str, dense: Path | None = None, group: int = 32,
-                        block: tuple[int, int] = (32, 32), ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+                        block: tuple[int, int] = (32, 32), ignore: tuple[str, ...] = ("lm_head",),
+                        experts: bool = False) -> Path:
     """Write ``src`` (a float32 checkpoint folder) quantized by ``scheme`` into ``dst``; with ``dense``, also the
     float32 checkpoint of the dequantized weights there (the reference the quantized model must equal). Every
-    ``*_proj*`` weight but experts and ``ignore`` is quantized."""
+    ``*_proj*`` weight but ``ignore`` and (unless ``experts``) the MoE experts is quantized."""
     state = load_file(str(src / "model.safetensors"))
     out = dict(state)
     deq_state = dict(state)
     torch.manual_seed(1)
-    for m in _quantized_modules(state, list(ignore)):
+    for m in _quantized_modules(state, list(ignore), experts):
         w = out.pop(f"{m}.weight").float()
         if scheme == "w8a8":
             tensors, deq = _int8(w)

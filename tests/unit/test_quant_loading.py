@@ -150,16 +150,38 @@ def test_moe_and_mla_families_run_quantized_attention_and_dense_mlps(tiny_checkp
     assert_teacher_forced(dense, "w8a8", _generate(q), 3e-2 if arch.startswith("deepseek") else LOGPROB_TOL)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_quantized_experts_are_refused_by_name(tiny_checkpoint, tmp_path: Path, arch: str) -> None:
-    src = tiny_checkpoint(arch)
-    names = [n for n in json.loads((src / "model.safetensors").read_bytes()[8:8 + int.from_bytes(
-        (src / "model.safetensors").read_bytes()[:8], "little")]) if ".experts.0." in n]
-    module = names[0].rsplit(".", 1)[0]
-    bad = with_config(src, tmp_path / "q", scheme_config("w8a8", list(MOE_IGNORE[:3])), tensors={
-        f"{module}.weight": torch.ones(8, 8, dtype=torch.int8), f"{module}.weight_scale": torch.ones(8, 1)})
-    with pytest.raises(ValueError, match=r"quantized MoE experts .*experts\.0.* are not supported yet"):
-        load_state_dict(bad, torch.float32)
+# dims that W4A16 groups of 8 divide (every in-features a multiple of 8)
+EXPERT_CASES = {"qwen3_moe": {"moe_intermediate_size": 32}, "mixtral": {"intermediate_size": 48, "head_dim": 16}}
+
+
+@pytest.mark.parametrize("arch", list(EXPERT_CASES))
+def test_quantized_experts_generate_as_their_dequantized_weights(tiny_checkpoint, tmp_path: Path, arch: str) -> None:
+    """Every expert in W4A16 (each its own Int4Weight, grouped by pdkernels.quant_moe) beside quantized attention:
+    token for token with the float32 model of the dequantized weights (the routers stay float)."""
+    src = tiny_checkpoint(arch, **EXPERT_CASES[arch])
+    q, dense = tmp_path / "q", tmp_path / "dense"
+    quantize_checkpoint(src, q, "w4a16_asym", dense=dense, group=8, experts=True, ignore=MOE_IGNORE[:3])
+    state = _assert_dequantizes_to(q, dense)
+    assert any(".experts.0." in n and isinstance(t, Int4Weight) for n, t in state.items())
+    for (ids, lps), (ref_ids, ref_lps) in zip(_generate(q), hf_reference(dense, "w4a16_asym", PROMPTS)):
+        assert ids == ref_ids and lps == pytest.approx(ref_lps, abs=LOGPROB_TOL)
+
+
+def test_block_fp8_experts_load_stacked(tiny_checkpoint, tmp_path: Path) -> None:
+    """Native block FP8 (DeepSeek-V3 / Qwen3-FP8 style, blocks of 8 here) on every projection and expert: the experts
+    are stacked into pdkernels.quant_moe.Fp8BlockExperts (the fused Triton MoE on CUDA), holding exactly the
+    dequantized weights, and the model generates."""
+    from engine.moe_quant import QuantExperts
+
+    src = tiny_checkpoint("qwen3_moe", **EXPERT_CASES["qwen3_moe"])
+    q, dense = tmp_path / "q", tmp_path / "dense"
+    quantize_checkpoint(src, q, "fp8_native", dense=dense, block=(8, 8), experts=True, ignore=MOE_IGNORE[:3])
+    _assert_dequantizes_to(q, dense)
+    cfg = load_model_config(q)
+    model = DecoderModel(cfg, load_state_dict(q, torch.float32), torch.float32, 64)
+    moe = model.layers[0].moe
+    assert moe is not None and isinstance(moe.experts, QuantExperts) and moe.experts.fused is not None
+    assert all(len(ids) == MAX_NEW for ids, _ in _generate(q))
 
 
 def _truncate_weights(folder: Path) -> None:

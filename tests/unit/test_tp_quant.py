@@ -1,7 +1,7 @@
 """Tensor parallelism over a quantized checkpoint: each rank's weights are the classes' own row / column slices
 (engine/tp.py ``take_weight``), and a TP group gives the unsharded quantized model's hidden states and logits
 (weight-only W4A16: to reduction-order rounding; W8A8: each row-parallel rank quantizes its slice of the activations
-per token, as vLLM does, so within that rounding)."""
+per token, as vLLM does, so within that rounding: ~3-6% of the largest value on these tiny models)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,22 @@ from quant_factory import quantize_checkpoint
 from test_tp_shard import _close, _run
 
 # (arch, overrides, TP size)
-CASES = {"llama-mha": ("llama", {"num_key_value_heads": 4}, 2), "qwen2-gqa-bias": ("qwen2", {}, 2)}
+CASES = {"llama-mha": ("llama", {"num_key_value_heads": 4}, 2), "qwen2-gqa-bias": ("qwen2", {}, 2),
+         # quantized experts cut on their intermediate like dense ones (groups of 8 within each rank's 16 columns)
+         "qwen3_moe-experts": ("qwen3_moe", {"moe_intermediate_size": 32, "head_dim": 16, "intermediate_size": 96}, 2)}
 
 
-@pytest.mark.parametrize(("scheme", "rel"), [("w4a16", 1e-4), ("w4a16_asym", 1e-4), ("w8a8", 5e-2)])
+@pytest.mark.parametrize(("scheme", "rel"), [("w4a16", 1e-4), ("w4a16_asym", 1e-4), ("w8a8", 1e-1)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_forward_of_a_quantized_checkpoint_equals_tp1(tiny_checkpoint, tmp_path: Path, case: str, scheme: str,
                                                          rel: float) -> None:
     arch, overrides, size = CASES[case]
-    q = quantize_checkpoint(tiny_checkpoint(arch, **overrides), tmp_path / "q", scheme, group=16)
+    moe = arch == "qwen3_moe"
+    q = quantize_checkpoint(tiny_checkpoint(arch, **overrides), tmp_path / "q", scheme, group=8 if moe else 16,
+                            experts=moe, ignore=("lm_head", "re:.*mlp\\.gate$") if moe else ("lm_head",))
     one, tp = _run(q, 1), _run(q, size)
-    assert one.models[0].layers[0].qkv.quant is not None and tp.models[1].layers[0].down.quant is not None
+    assert one.models[0].layers[0].qkv.quant is not None
+    assert any(lw.down is not None and lw.down.quant is not None for lw in tp.models[1].layers)
     for step, (want_h, want_l) in enumerate(one.outputs[0]):
         for r in range(size):
             _close(tp.outputs[r][step][0], want_h, rel, f"rank {r} step {step} hidden")
