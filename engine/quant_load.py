@@ -3,8 +3,8 @@ module's tensors into the ``pdkernels.quant`` weight class its scheme runs on.
 
 :func:`check_checkpoint` reads ``config.json`` and the safetensors headers (plus the few bytes of each
 ``weight_shape``) and returns :func:`engine.quant_config.plan_quantization`'s module -> scheme map, or raises
-``ValueError`` (a quantized embedding or router-less module is one no scheme maps). Quantized MoE experts load per
-expert (engine/moe_quant.py).
+``ValueError`` (a quantized module that is no ``nn.Linear``, e.g. the embedding, is one no scheme maps). Quantized
+MoE experts load per expert, like any projection, and are grouped by engine/moe_quant.py.
 :func:`convert` replaces a module's tensors in a loaded state dict with one weight object under ``<module>.weight``:
 
 - W8A8 (``int-quantized``): ``Int8Weight(weight, weight_scale)``, a per-tensor scale broadcast to every channel.
