@@ -125,9 +125,7 @@ def read_mla(cfg: dict[str, Any], arch: str) -> MLAConfig:
         raise ValueError(f"model: num_key_value_heads {kv_heads} != num_attention_heads {heads} is not supported")
     if cfg.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"model: pretraining_tp {cfg['pretraining_tp']!r} is not supported (only 1)")
-    if cfg.get("quantization_config"):  # DeepSeek-V3/R1 ship FP8 block-scaled weights: loading them plain runs wrong
-        raise ValueError(f"model: quantization_config {cfg['quantization_config'].get('quant_method', '?')!r} is not "
-                         "supported (dequantize the checkpoint to bfloat16 first)")
+    # a quantization_config (DeepSeek-V3/R1's block FP8) is engine/quant_config.py's: parsed, run or refused there
     q_lora = cfg.get("q_lora_rank", 1536)
     return MLAConfig(
         kv_lora_rank=_int(cfg, "kv_lora_rank", 512),

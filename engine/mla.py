@@ -11,6 +11,8 @@ expansion is moved onto the query and the output instead (the same sums, in anot
 
 so attention runs over the one latent "head" (K = the latent, V = its c_kv part) for prefill and decode alike. In
 float32 it equals Hugging Face's expanded form to rounding (tests/unit/test_hf_identity.py: logprobs within 1e-3).
+A quantized checkpoint's projections run as ``pdkernels.quant`` weights through :class:`engine.linear.Linear`;
+``kv_b_proj`` is dequantized at load (it is only ever used split into ``w_uk`` / ``w_uv``).
 Prefill follows the step's layout (engine.step_wire): one varlen call over every chunk where the metadata carries
 ``prefill_varlen`` (a GPU, or Triton interpreted), else one call per chunk with its own table (the CPU).
 """
@@ -23,10 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.linear import Linear
+from engine.linear import Linear, cat_weights, weight_rows
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 from pdkernels import mla as mla_kernels
+from pdkernels.quant import is_quantized
 from pdkernels.reference import DecodeSpan
 
 
@@ -72,12 +75,17 @@ class MLAttention:
             q_b = Linear(state.pop(f"{p}q_b_proj.weight"))
         bias = None
         if q_bias is not None or kv_a_bias is not None:
-            bias = torch.cat([q_bias if q_bias is not None else q_first.new_zeros(q_first.shape[0]),
-                              kv_a_bias if kv_a_bias is not None else kv_a.new_zeros(kv_a.shape[0])])
-        kv_b = state.pop(f"{p}kv_b_proj.weight").view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            like = q_bias if q_bias is not None else kv_a_bias
+            assert like is not None
+            bias = torch.cat([q_bias if q_bias is not None else like.new_zeros(weight_rows(q_first)),
+                              kv_a_bias if kv_a_bias is not None else like.new_zeros(weight_rows(kv_a))])
+        kv_b = state.pop(f"{p}kv_b_proj.weight")
+        if is_quantized(kv_b):  # reshaped into per-head w_uk / w_uv below: dequantized once, at load
+            kv_b = kv_b.dequantize(torch.float32).to(state[f"{p}kv_a_layernorm.weight"].dtype)
+        kv_b = kv_b.view(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         o, o_bias = take("o_proj", True)
         return MLAWeights(
-            qa_kva=Linear(torch.cat([q_first, kv_a]).contiguous(), bias),
+            qa_kva=Linear(cat_weights([q_first, kv_a]), bias),
             q_a_norm=q_a_norm,
             q_b=q_b,
             kv_a_norm=state.pop(f"{p}kv_a_layernorm.weight"),

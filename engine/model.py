@@ -2,8 +2,9 @@
 paged KV cache.
 
 Matmul weights are :class:`engine.linear.Linear` (q/k/v and gate/up fused into one matmul each; pre-packed for
-oneDNN in bfloat16 on the CPU); attention and KV writes go through ``pdkernels``, so the Triton kernels replace the
-torch reference without touching this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
+oneDNN in bfloat16 on the CPU; or a quantized checkpoint's ``pdkernels.quant`` weights, fused by their class);
+attention and KV writes go through ``pdkernels``, so the Triton kernels replace the torch reference without touching
+this file. Qwen3 and Gemma 3 add per-head q/k norms; Gemma 3 adds norms on the
 attention and MLP outputs, (1 + weight) norms in float32, a scaled embedding, a GELU gate, two RoPEs (local and
 global layers) and an optional final logit soft-cap: each an optional field or a flag of one shared forward. A
 layer's MLP is dense or a mixture of experts (:class:`engine.moe.SparseMoE`, loaded by engine/moe.py) per config.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 import pdkernels
 from pdkernels import kv_rotation
-from engine.linear import Linear
+from engine.linear import Linear, cat_weights, weight_rows
 from engine.model_config import ModelConfig
 from engine.moe import SparseMoE, load_sparse_moe
 from engine.mla import MLAttention
@@ -89,7 +90,7 @@ class DecoderModel:
             self.local, state = shard_config(cfg, state.size), state.tensors
         else:
             # the logits' width at TP 1 (a checkpoint may pad its head past vocab_size)
-            self._vocab_width = int(state[head_source(cfg)].shape[0])
+            self._vocab_width = weight_rows(state[head_source(cfg)])
             if self.tp is not None:
                 self.local, sharded = shard_state(cfg, state, self.tp.rank, self.tp.size)
                 state.clear()  # the full tensors are released as soon as the caller drops them
@@ -142,12 +143,12 @@ class DecoderModel:
         moe = load_sparse_moe(state, cfg, i) if cfg.moe_layers and cfg.moe_layers[i] else None
         return LayerWeights(
             input_norm=norm(state.pop(f"{p}input_layernorm.weight")),
-            qkv=Linear(torch.cat([q, k, v]).contiguous(), bias),
+            qkv=Linear(cat_weights([q, k, v]), bias),
             # Llama-style configs with attention_bias (not Qwen2) bias o_proj too
             o=Linear(state.pop(f"{p}self_attn.o_proj.weight"), state.pop(f"{p}self_attn.o_proj.bias", None)),
             post_norm=norm(state.pop(f"{p}{mlp_norm}.weight")),
-            gate_up=None if moe is not None else Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
-                                                       state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
+            gate_up=None if moe is not None else Linear(cat_weights([state.pop(f"{p}mlp.gate_proj.weight"),
+                                                                     state.pop(f"{p}mlp.up_proj.weight")])),
             down=None if moe is not None else Linear(state.pop(f"{p}mlp.down_proj.weight")),
             qk_norm=qk_norm,
             attn_out_norm=norm(state.pop(f"{p}post_attention_layernorm.weight")) if cfg.gemma_norms else None,
@@ -165,8 +166,8 @@ class DecoderModel:
         return LayerWeights(
             input_norm=state.pop(f"{p}input_layernorm.weight"), qkv=None, o=None,
             post_norm=state.pop(f"{p}post_attention_layernorm.weight"),
-            gate_up=None if moe is not None else Linear(torch.cat([state.pop(f"{p}mlp.gate_proj.weight"),
-                                                                   state.pop(f"{p}mlp.up_proj.weight")]).contiguous()),
+            gate_up=None if moe is not None else Linear(cat_weights([state.pop(f"{p}mlp.gate_proj.weight"),
+                                                                     state.pop(f"{p}mlp.up_proj.weight")])),
             down=None if moe is not None else Linear(state.pop(f"{p}mlp.down_proj.weight")),
             moe=moe,  # type: ignore[arg-type]  # called as SparseMoE is: [T, H] -> [T, H]
         )

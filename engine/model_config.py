@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.quant_config import parse_quant_config
 from engine.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekMoEConfig, MLAConfig, mla_softmax_scale, read_mla, \
     read_moe
 
@@ -210,6 +211,7 @@ def load_model_config(folder: Path) -> ModelConfig:
     if act not in ACTIVATIONS:
         raise ValueError(f"model: hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
     _refuse_unsupported(cfg)
+    parse_quant_config(cfg)  # a quantization no scheme runs is refused here, before the tokenizer or any weight
     local_rope = None
     if gemma:
         (theta, scaling), (local_theta, local_scaling) = _gemma3_ropes(cfg)

@@ -29,6 +29,8 @@ import torch
 import pdkernels
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.moe_quant import QuantExperts
+from pdkernels.quant import is_quantized
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,13 @@ class ExpertWeights:
         return ExpertWeights(gate_up, torch.stack(downs))
 
 
-def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertWeights,
-                    act: str) -> torch.Tensor:
+def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    experts: ExpertWeights | QuantExperts, act: str) -> torch.Tensor:
     """The routed experts' summed output ``[T, H]`` in ``x``'s dtype; ``act`` names the gate activation ("silu",
-    "gelu_pytorch_tanh"). Pure. Raises ``ValueError`` naming a malformed argument."""
+    "gelu_pytorch_tanh"). Quantized experts (engine/moe_quant.py) run their own grouped / fused kernels. Pure.
+    Raises ``ValueError`` naming a malformed argument."""
+    if isinstance(experts, QuantExperts):
+        return experts.forward(x, topk_ids, topk_weights, act)
     return pdkernels.fused_moe(x, experts.gate_up, experts.down, topk_ids, topk_weights, act)
 
 
@@ -91,7 +96,7 @@ class SparseMoE:
     """One layer's sparse MLP as Qwen3-MoE and Mixtral run it: router logits, :func:`softmax_topk`, the experts."""
 
     router: Linear  # [E, H]
-    experts: ExpertWeights
+    experts: ExpertWeights | QuantExperts
     top_k: int
     renormalize: bool
     act: str
@@ -105,6 +110,19 @@ class SparseMoE:
         if not self.float32_weights:
             weights = weights.to(x.dtype)
         return experts_forward(x, ids, weights, self.experts, self.act)
+
+
+def stack_experts(gates: list, ups: list, downs: list) -> ExpertWeights | QuantExperts:  # type: ignore[type-arg]
+    """A checkpoint's per-expert weights as :class:`ExpertWeights`, or :class:`engine.moe_quant.QuantExperts` where
+    they are quantized. Pure."""
+    if any(is_quantized(w) for w in (*gates, *ups, *downs)):
+        return QuantExperts.build(gates, ups, downs)
+    return ExpertWeights.stack(gates, ups, downs)
+
+
+def experts_shape(experts: ExpertWeights | QuantExperts) -> tuple[int, int, int]:
+    """``(E, 2I, H)`` of either kind. Pure."""
+    return experts.shape if isinstance(experts, QuantExperts) else tuple(experts.gate_up.shape)  # type: ignore[return-value]
 
 
 def _expert_names(cfg: ModelConfig, layer: int) -> tuple[str, str, tuple[str, str, str]]:
@@ -129,10 +147,10 @@ def load_sparse_moe(state: dict[str, torch.Tensor], cfg: ModelConfig, layer: int
             gates, ups, downs = ([state.pop(name) for name in group] for group in names)
         except KeyError as missing:
             raise ValueError(f"model: layer {layer}'s experts: no tensor {missing} in the checkpoint") from None
-        experts = ExpertWeights.stack(gates, ups, downs)
+        experts = stack_experts(gates, ups, downs)
     want = (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size)
-    if tuple(experts.gate_up.shape) != want:
-        raise ValueError(f"model: layer {layer}'s experts are {tuple(experts.gate_up.shape)}, the config says {want}")
+    if experts_shape(experts) != want:
+        raise ValueError(f"model: layer {layer}'s experts are {experts_shape(experts)}, the config says {want}")
     return SparseMoE(router=Linear(state.pop(router)), experts=experts, top_k=cfg.num_experts_per_tok,
                      renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
                      float32_weights=cfg.architecture == "MixtralForCausalLM")

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.deepseek_config import DeepseekMoEConfig
-from engine.linear import Linear
-from engine.moe import ExpertWeights, experts_forward
+from engine.linear import Linear, cat_weights
+from engine.moe import ExpertWeights, experts_forward, experts_shape, stack_experts
+from engine.moe_quant import QuantExperts
 
 
 def grouped_topk(logits: torch.Tensor, cfg: DeepseekMoEConfig,
@@ -59,7 +60,7 @@ class DeepseekMoE:
     cfg: DeepseekMoEConfig
     router: torch.Tensor  # gate.weight [E, hidden], float32 (the router runs in float32, as transformers')
     correction_bias: torch.Tensor | None  # V3's e_score_correction_bias [E], float32
-    experts: ExpertWeights
+    experts: ExpertWeights | QuantExperts
     shared_gate_up: Linear | None  # the shared experts' gate and up rows [2 * I_shared, hidden]; None: no shared
     shared_down: Linear | None
     act_name: str
@@ -89,18 +90,17 @@ def load_deepseek_moe(state: dict[str, torch.Tensor], cfg: DeepseekMoEConfig, la
                                  for n in ("gate", "up", "down"))
         except KeyError as missing:
             raise ValueError(f"model: layer {layer}'s experts: no tensor {missing} in the checkpoint") from None
-        experts = ExpertWeights.stack(gates, ups, downs)
+        experts = stack_experts(gates, ups, downs)
     want = (cfg.n_routed_experts, 2 * cfg.moe_intermediate_size, hidden_size)
-    if tuple(experts.gate_up.shape) != want:
-        raise ValueError(f"model: layer {layer}'s experts are {tuple(experts.gate_up.shape)}, the config says {want}")
+    if experts_shape(experts) != want:
+        raise ValueError(f"model: layer {layer}'s experts are {experts_shape(experts)}, the config says {want}")
     bias = state.pop(f"{p}gate.e_score_correction_bias", None)
     if cfg.topk_method == "noaux_tc" and bias is None:
         raise ValueError(f"model: layer {layer}: noaux_tc routing needs {p}gate.e_score_correction_bias")
     shared_gate_up = shared_down = None
     if cfg.n_shared_experts:
         s = f"{p}shared_experts."
-        shared_gate_up = Linear(torch.cat([state.pop(f"{s}gate_proj.weight"),
-                                           state.pop(f"{s}up_proj.weight")]).contiguous())
+        shared_gate_up = Linear(cat_weights([state.pop(f"{s}gate_proj.weight"), state.pop(f"{s}up_proj.weight")]))
         shared_down = Linear(state.pop(f"{s}down_proj.weight"))
     return DeepseekMoE(cfg=cfg, router=state.pop(f"{p}gate.weight").float(),
                        correction_bias=None if bias is None else bias.float(), experts=experts,

@@ -15,6 +15,11 @@ slice of every large matmul:
   sum adds it once.
 - The vocabulary projection: rank ``r`` holds rows ``[r * V', (r + 1) * V')`` of the head (``V' = ceil(V / size)``,
   the last slice zero-padded), the logits are all-gathered along the vocabulary and cut back to ``V``.
+- A quantized checkpoint's weights (``pdkernels.quant`` classes) are cut by the same plan through their own
+  ``rows`` / ``cols`` (:func:`take_weight`): scales, zero points and blocks follow their weight; a cut that splits a
+  quantization group or FP8 block is refused by the class (``ValueError`` naming the need). Row-parallel W8A8 / FP8
+  projections quantize each rank's slice of the activations per token (as vLLM's row-parallel layers do), so their
+  results differ from TP 1 by that rounding.
 - MLA (DeepSeek-V2 / V3) attention stays replicated: every rank holds all of its weights and computes the whole
   latent attention over the one latent "head" of the cache (the latent is replicated on every rank); only the MLP and
   the experts are sharded, so an MLA layer all-reduces once (after its MLP).
@@ -34,6 +39,7 @@ from typing import Protocol
 import torch
 
 from engine.model_config import ModelConfig
+from pdkernels.quant import is_quantized
 
 
 class Communicator(Protocol):
@@ -233,6 +239,28 @@ def take(cut: Cut, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> torch.T
     return out
 
 
+def weight_shape(t: object) -> tuple[int, ...]:
+    """A dense tensor's shape, or ``(out_features, in_features)`` of a quantized weight. Pure."""
+    return (int(t.out_features), int(t.in_features)) if is_quantized(t) else tuple(t.shape)  # type: ignore[attr-defined]
+
+
+def take_weight(cut: Cut, t: object) -> object:
+    """:func:`take` of a loaded tensor, or the same cut of a quantized weight through its ``rows`` (dim 0) / ``cols``
+    (dim 1) and ``cat``. Pure; ``ValueError`` from the class for a cut off its groups / blocks, or for a quantized
+    vocabulary head that would need zero-padded rows."""
+    if not is_quantized(t):
+        return take(cut, t.__getitem__)  # type: ignore[attr-defined]
+    assert cut.pieces is not None
+    if cut.dim not in (0, 1):
+        raise ValueError(f"model: a quantized weight cut along dim {cut.dim} is not supported")
+    parts = [t.rows(a, b) if cut.dim == 0 else t.cols(a, b) for a, b in cut.pieces]  # type: ignore[attr-defined]
+    out = parts[0] if len(parts) == 1 else type(t).cat(parts)  # type: ignore[attr-defined]
+    if cut.pad_rows > out.out_features:
+        raise ValueError(f"model: a quantized vocabulary head of {weight_shape(t)[0]} rows does not split evenly "
+                         "over the tensor-parallel ranks (its last slice would need padding)")
+    return out
+
+
 @dataclass
 class RankState:
     """One rank's weights, already cut (``engine.model_loader.load_shard``): ``DecoderModel`` takes them as they
@@ -255,9 +283,9 @@ def shard_state(cfg: ModelConfig, state: dict[str, torch.Tensor], rank: int,
         return local, dict(state)
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
-        cut = shard_plan(cfg, name, tuple(t.shape), rank, size)
+        cut = shard_plan(cfg, name, weight_shape(t), rank, size)
         if cut is not None:
-            out[name] = t if cut.pieces is None else take(cut, t.__getitem__)
+            out[name] = t if cut.pieces is None else take_weight(cut, t)  # type: ignore[assignment]
     head = state[head_source(cfg)]
-    out["lm_head.weight"] = take(vocab_cut(head.shape[0], rank, size), head.__getitem__)
+    out["lm_head.weight"] = take_weight(vocab_cut(weight_shape(head)[0], rank, size), head)  # type: ignore[assignment]
     return local, out
