@@ -223,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
         base = args.base or str(resolve_model(args.model, None))
         if importlib.util.find_spec("llmcompressor") is None:  # re-run this under the llmcompressor venv's python
-            cmd = [args.llmc_python, __file__, "--make", "--base", base, "--schemes", args.schemes]
+            cmd = [args.llmc_python, __file__, "--make", "--base", base, "--schemes", args.schemes,
+                   *(["--quant-dir", args.quant_dir] if args.quant_dir else [])]
             return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(HERE.parent)}).returncode
         make_checkpoints(Path(base), Path(args.quant_dir) if args.quant_dir else quant_cache(),
                          [s for s in args.schemes.split(",") if s])
