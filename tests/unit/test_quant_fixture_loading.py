@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from test_quant_loading import PROMPTS, _generate, hf_reference
+from quant_factory import logprob_tol
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "quant"
 FIXTURES = ("w8a8", "w4a16", "w4a16_asym", "fp8_dynamic", "fp8_static", "fp8_block", "fp8_native_block")
-LOGPROB_TOL = 2e-3
 
 
 def _levels(words: torch.Tensor) -> torch.Tensor:
@@ -85,4 +85,4 @@ def test_fixture_generates_as_its_hand_dequantized_weights(tmp_path: Path, fixtu
     for (ids, lps), (ref_ids, ref_lps) in zip(_generate(folder), hf_reference(dense, scheme, PROMPTS, block=128,
                                                                              act_scales=static)):
         assert ids == ref_ids
-        assert lps == pytest.approx(ref_lps, abs=LOGPROB_TOL)
+        assert lps == pytest.approx(ref_lps, abs=logprob_tol(scheme))
