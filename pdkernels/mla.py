@@ -130,6 +130,12 @@ def prefill_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     return out.view(t, heads, kv_lora_rank)
 
 
+def _host_chunks(cu_seqlens_q: torch.Tensor, start_pos: torch.Tensor) -> list[tuple[int, int]]:
+    """Each chunk's ``(count, start)`` read from the varlen tensors (one host read of each). Pure."""
+    cu = cu_seqlens_q.tolist()
+    return list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
+
+
 def prefill_attention_reference_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                        block_tables: torch.Tensor, chunks: Sequence[tuple[int, int]], scale: float,
                                        kv_lora_rank: int, k_scales: torch.Tensor | None = None,
@@ -225,7 +231,7 @@ def mla_prefill_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     _check(max_seqlen_q is None or max_seqlen_q >= 0, "max_seqlen_q", f"must be >= 0, got {max_seqlen_q}")
     if cu_seqlens_q.device.type == "cpu" and start_pos.device.type == "cpu":  # free to read: check them too
         cu = cu_seqlens_q.tolist()
-        read = list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
+        read = _host_chunks(cu_seqlens_q, start_pos)
         _check(not cu or cu[0] == 0, "cu_seqlens_q", f"must start at 0, got {cu}")
         _check(chunks is None or [tuple(c) for c in chunks] == read, "chunks",
                f"{chunks} differ from cu_seqlens_q {cu} and start_pos {start_pos.tolist()}")
@@ -249,7 +255,6 @@ def mla_prefill_attention_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                                                start_pos, scale, kv_lora_rank, k_scales, v_scales,
                                                                max_seqlen_q)
     if chunks is None:  # device tensors without the host's chunks (not the engine's way): one host read
-        cu = cu_seqlens_q.tolist()
-        chunks = list(zip((b - a for a, b in zip(cu, cu[1:])), start_pos.tolist()))
+        chunks = _host_chunks(cu_seqlens_q, start_pos)
     return prefill_attention_reference_varlen(q, k_cache, v_cache, block_tables, chunks, scale, kv_lora_rank,
                                               k_scales, v_scales)
