@@ -100,18 +100,21 @@ class DiskBlockStore:
             self.misses += 1
             return None
         except (OSError, ValueError, KeyError, TypeError):
-            self.corrupt += 1
-            return None
+            return self._damaged(key)
         try:
             payload = torch.frombuffer(buf, dtype=getattr(torch, head["dtype"])).view(head["shape"])
         except (AttributeError, RuntimeError, TypeError):
-            self.corrupt += 1
-            return None
+            return self._damaged(key)
         if payload_tag(payload, block_key(self._secret, key, tokens)).hex() != head.get("tag"):
-            self.corrupt += 1
-            return None
+            return self._damaged(key)
         self.hits += 1
         return payload
+
+    def _damaged(self, key: int) -> None:
+        """Mutates: count a damaged file and remove it, so the block is written again at its next demotion."""
+        self.corrupt += 1
+        self.path(key).unlink(missing_ok=True)
+        return None
 
     # -- the writer thread ------------------------------------------------------------------------------------
     def _write_loop(self) -> None:
