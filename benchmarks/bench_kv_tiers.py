@@ -66,12 +66,13 @@ def run_chats(url: str, chats: int, turns: int, system_words: int, user_words: i
     return run
 
 
-def serve_and_run(tiers: bool, args: argparse.Namespace, disk_dir: str) -> ChatRun:
+def serve_and_run(tiers: str | None, args: argparse.Namespace, disk_dir: str) -> ChatRun:
+    """``tiers``: None (untiered), or the disk tier's integrity check ("payload_mac", "blake2b")."""
     from cluster.launcher import Cluster, ServeConfig
     from cluster.wire.worker_config import WorkerConfig
 
-    extra: dict[str, Any] = dict(kv_host_gib=args.host_gib, kv_disk_dir=disk_dir, kv_disk_gib=args.disk_gib) \
-        if tiers else {}
+    extra: dict[str, Any] = dict(kv_host_gib=args.host_gib, kv_disk_dir=disk_dir, kv_disk_gib=args.disk_gib,
+                                 kv_disk_integrity=tiers) if tiers else {}
     cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=args.blocks,
                                                       max_num_batched_tokens=args.batch_tokens, **extra),
                                   decode=1, prefill=2, port=0, mode="disaggregated"))
@@ -94,19 +95,21 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--host-gib", type=float, default=0.25)
     ap.add_argument("--disk-gib", type=float, default=1.0)
+    ap.add_argument("--integrity", nargs="+", default=["payload_mac", "blake2b"], choices=("payload_mac", "blake2b"),
+                    help="the tiered runs: one per disk integrity check")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kv-tiers-") as disk_dir:
-        base = serve_and_run(False, args, disk_dir)
-        tiered = serve_and_run(True, args, disk_dir)
+    runs: dict[str, ChatRun] = {}
+    for name in ("untiered", *args.integrity):
+        with tempfile.TemporaryDirectory(prefix="kv-tiers-") as disk_dir:
+            runs[name] = serve_and_run(None if name == "untiered" else name, args, disk_dir)
     p50 = statistics.median
+    base = runs["untiered"]
     print(f"chats {args.chats} x turns {args.turns}, 2 prefill + 1 decode, {args.blocks} blocks/actor, float32")
-    print(f"later turns' cached share of previous prompt+answer: untiered min {min(base.hit_share):.3f} "
-          f"mean {statistics.mean(base.hit_share):.3f} | tiered min {min(tiered.hit_share):.3f} "
-          f"mean {statistics.mean(tiered.hit_share):.3f} (goal >= 0.90)")
-    print(f"later turns' TTFT p50: untiered {p50(base.ttft_later) * 1e3:.1f} ms | tiered "
-          f"{p50(tiered.ttft_later) * 1e3:.1f} ms | ratio {p50(tiered.ttft_later) / p50(base.ttft_later):.3f} "
-          f"(goal <= 0.5)")
-    print(f"answers equal (greedy): {base.answers == tiered.answers}")
+    for name, run in runs.items():
+        print(f"{name:>12}: later turns' cached share of previous prompt+answer min {min(run.hit_share):.3f} "
+              f"mean {statistics.mean(run.hit_share):.3f} (goal >= 0.90) | TTFT p50 {p50(run.ttft_later) * 1e3:.1f} "
+              f"ms, ratio to untiered {p50(run.ttft_later) / p50(base.ttft_later):.3f} (goal <= 0.5) | answers "
+              f"equal to untiered: {run.answers == base.answers}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def tier_config_for(config: Any, role: str) -> Any:
     host = int(getattr(config, "kv_host_gib", 0.0) * 2**30)
     disk_dir = getattr(config, "kv_disk_dir", None)
     disk = int(getattr(config, "kv_disk_gib", 0.0) * 2**30) if disk_dir else 0
-    tiers = KVTierConfig(host_bytes=host, disk_dir=disk_dir, disk_bytes=disk, write_back=role != "prefill")
+    tiers = KVTierConfig(host_bytes=host, disk_dir=disk_dir, disk_bytes=disk, write_back=role != "prefill",
+                         disk_integrity=getattr(config, "kv_disk_integrity", "payload_mac"))
     return tiers if tiers.enabled else None
 
 
@@ -101,7 +102,7 @@ def attach_tiers(engine: Any, config: Any, role: str) -> Any:
     from kv_transfer.tiers.disk_store import DiskBlockStore
 
     disk = (DiskBlockStore(tiers.disk_dir, tiers.disk_bytes, getattr(config, "cluster_secret", None),
-                           tiers.max_pending_writes) if tiers.disk_dir else None)
+                           tiers.max_pending_writes, tiers.disk_integrity) if tiers.disk_dir else None)
     return attach(engine.kv, engine.runner, tiers, disk)
 
 

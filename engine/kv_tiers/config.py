@@ -13,6 +13,7 @@ class KVTierConfig:
     disk_dir: str | None = None  # L3: a directory of block files (shared by the actors of one node); None: no L3
     disk_bytes: int = 0  # L3: the most bytes of block files this engine writes before it evicts its oldest
     write_back: bool = False  # a finished request's full blocks (prompt and answer) go to the tiers (decode actors)
+    disk_integrity: str = "payload_mac"  # how L3 files are checked: "payload_mac" or "blake2b" (kv_transfer/tiers)
     max_pending_writes: int = 256  # L3 writes queued off the serving thread; more are dropped (a miss later)
 
     def __post_init__(self) -> None:
@@ -24,6 +25,8 @@ class KVTierConfig:
             raise ValueError("disk_bytes: must be > 0 when disk_dir is set")
         if self.disk_dir is None and self.disk_bytes:
             raise ValueError("disk_dir: must be set when disk_bytes is")
+        if self.disk_integrity not in ("payload_mac", "blake2b"):
+            raise ValueError(f"disk_integrity: must be 'payload_mac' or 'blake2b', got {self.disk_integrity!r}")
         if self.max_pending_writes < 1:
             raise ValueError("max_pending_writes: must be >= 1")
 

@@ -13,6 +13,7 @@ store keeps the files it wrote under ``capacity_bytes``, oldest out first.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -28,6 +29,10 @@ from kv_transfer.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
 from pdkernels.poly_mac import P
 
 FORMAT = "pdcluster-kv-block/1"
+# how a file's payload is checked: the transfer's polynomial payload MAC (kv_transfer/payload_mac.py; its CPU path
+# runs ~30 MB/s on a shared core, so on a CPU host it can cost more than recomputing the block), or BLAKE2b keyed
+# under the same derived key (a standard keyed MAC, ~250 MB/s on the same core)
+INTEGRITY = ("payload_mac", "blake2b")
 
 
 def block_key(secret: ClusterSecret | None, key: int, tokens: tuple[int, ...]) -> PartKey:
@@ -37,13 +42,26 @@ def block_key(secret: ClusterSecret | None, key: int, tokens: tuple[int, ...]) -
     return PartKey((w[0], w[1]), (w[2], w[3]))
 
 
+def block_tag(integrity: str, secret: ClusterSecret | None, key: int, tokens: tuple[int, ...],
+              payload: torch.Tensor) -> str:
+    """The hex tag of ``payload`` stored under ``(key, tokens)``. Pure."""
+    if integrity == "payload_mac":
+        return payload_tag(payload, block_key(secret, key, tokens)).hex()
+    mac_key = auth.sign(secret if secret is not None else PUBLIC_SECRET, "kv-tier-block", key, tuple(tokens))
+    flat = payload.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(memoryview(flat), key=mac_key, digest_size=16).hexdigest()
+
+
 class DiskBlockStore:
     """A :class:`~engine.kv_tiers.store.BlockStore` over a directory. ``close`` stops the writer (mutates)."""
 
     name = "disk"
 
     def __init__(self, directory: str | Path, capacity_bytes: int, secret: ClusterSecret | None = None,
-                 max_pending: int = 256) -> None:
+                 max_pending: int = 256, integrity: str = "payload_mac") -> None:
+        if integrity not in INTEGRITY:
+            raise ValueError(f"integrity: must be one of {INTEGRITY}, got {integrity!r}")
+        self.integrity = integrity
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes: must be > 0, got {capacity_bytes}")
         self.dir = Path(directory)
@@ -89,7 +107,8 @@ class DiskBlockStore:
         try:
             with open(self.path(key), "rb") as f:
                 head = json.loads(f.readline())
-                if head.get("format") != FORMAT or head.get("key") != key or tuple(head.get("tokens", ())) != tokens:
+                if head.get("format") != FORMAT or head.get("key") != key or tuple(head.get("tokens", ())) != tokens \
+                        or head.get("integrity") != self.integrity:
                     self.misses += 1
                     return None
                 n = int(head["nbytes"])
@@ -105,7 +124,7 @@ class DiskBlockStore:
             payload = torch.frombuffer(buf, dtype=getattr(torch, head["dtype"])).view(head["shape"])
         except (AttributeError, RuntimeError, TypeError):
             return self._damaged(key)
-        if payload_tag(payload, block_key(self._secret, key, tokens)).hex() != head.get("tag"):
+        if block_tag(self.integrity, self._secret, key, tokens, payload) != head.get("tag"):
             return self._damaged(key)
         self.hits += 1
         return payload
@@ -134,11 +153,11 @@ class DiskBlockStore:
 
     def _write(self, key: int, tokens: tuple[int, ...], payload: torch.Tensor) -> None:
         payload = payload.contiguous()
-        tag = payload_tag(payload, block_key(self._secret, key, tokens))
+        tag = block_tag(self.integrity, self._secret, key, tokens, payload)
         data = payload.view(-1).view(torch.uint8).numpy().tobytes()
         head = json.dumps({"format": FORMAT, "key": key, "tokens": list(tokens),
                            "dtype": str(payload.dtype).removeprefix("torch."), "shape": list(payload.shape),
-                           "nbytes": len(data), "tag": tag.hex()}).encode() + b"\n"
+                           "nbytes": len(data), "integrity": self.integrity, "tag": tag}).encode() + b"\n"
         path = self.path(key)
         tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
         try:

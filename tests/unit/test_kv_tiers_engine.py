@@ -57,14 +57,16 @@ def test_host_tier_is_bounded(tiny_checkpoint: Any) -> None:
     assert tiers.host is not None and len(tiers.host) == 3 and tiers.host.used_bytes <= 3 * block_bytes
 
 
-def _disk(tmp_path: Path) -> DiskBlockStore:
-    return DiskBlockStore(tmp_path / "kv", 256 << 20)
+def _disk(tmp_path: Path, integrity: str = "payload_mac") -> DiskBlockStore:
+    return DiskBlockStore(tmp_path / "kv", 256 << 20, integrity=integrity)
 
 
-def test_disk_tier_hits_and_a_corrupted_or_truncated_file_is_a_miss(tiny_checkpoint: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("integrity", ["payload_mac", "blake2b"])
+def test_disk_tier_hits_and_a_corrupted_or_truncated_file_is_a_miss(tiny_checkpoint: Any, tmp_path: Path,
+                                                                     integrity: str) -> None:
     plain = _run(_llm(tiny_checkpoint), SEQUENCE)
     llm = _llm(tiny_checkpoint)
-    disk = _disk(tmp_path)
+    disk = _disk(tmp_path, integrity)
     attach(llm.engine.kv, llm.engine.runner, KVTierConfig(disk_dir=str(disk.dir), disk_bytes=256 << 20), disk)
     first = _run(llm, SEQUENCE[:3])
     disk.flush()
@@ -78,9 +80,12 @@ def test_disk_tier_hits_and_a_corrupted_or_truncated_file_is_a_miss(tiny_checkpo
         else:
             data = data[:-7]
         f.write_bytes(bytes(data))
-    again = _run(llm, SEQUENCE[3:])
+    again = _run(llm, SEQUENCE[3:4])
+    disk.flush()  # prompt 2's blocks, demoted by prompt 1's recompute, reach the disk (asynchronously)
+    again += _run(llm, SEQUENCE[4:])
     assert [ids for ids, _ in first + again] == [ids for ids, _ in plain]  # never wrong text
     assert disk.corrupt > 0 and again[0][1] == 0  # prompt 1's damaged blocks: a miss, recomputed
+    assert again[1][1] > 0 and disk.hits > 0  # prompt 2's blocks, demoted after the damage, are sound hits
     disk.close()
 
 
@@ -123,6 +128,20 @@ def test_another_model_never_hits_the_disk(tiny_checkpoint: Any, tmp_path: Path)
     tiers = attach(other.engine.kv, other.engine.runner, cfg, _disk(tmp_path))
     (r,) = other.generate([p], GREEDY)
     assert r.num_cached_tokens == 0 and not tiers.stats.promoted
+    disk.close()
+
+
+def test_a_file_for_other_tokens_or_another_check_is_a_miss(tmp_path: Path) -> None:
+    import torch
+
+    payload = torch.randn(2, 2, BLOCK, 1, 4)
+    toks = tuple(range(BLOCK))
+    disk = _disk(tmp_path)
+    disk.put(7, toks, payload)
+    disk.flush()
+    assert torch.equal(disk.get(7, toks), payload)
+    assert disk.get(7, tuple(range(1, BLOCK + 1))) is None  # same key, other tokens
+    assert _disk(tmp_path, "blake2b").get(7, toks) is None  # a file checked otherwise is not trusted
     disk.close()
 
 
