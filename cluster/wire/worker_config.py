@@ -79,6 +79,7 @@ class WorkerConfig:
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 0.0
     kv_disk_integrity: str = "payload_mac"  # how L3 files are checked: payload_mac | blake2b
+    kv_prefill_tokens_per_s: float = 0.0  # fetch from a tier only when it loads faster than this computes; 0: always
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -116,6 +117,7 @@ class WorkerConfig:
         """The EngineConfig keyword arguments this config sets (the TP size is the role's: ``load_engine``). Pure."""
         d = asdict(self)
         for name in ("reservation_ttl_s", "kv_wait_s", "share_node_gpus", "cluster_secret", *TP_ROLES.values(),
-                     "kv_host_gib", "kv_disk_dir", "kv_disk_gib", "kv_disk_integrity"):
+                     "kv_host_gib", "kv_disk_dir", "kv_disk_gib", "kv_disk_integrity",
+                     "kv_prefill_tokens_per_s"):
             d.pop(name)
         return d

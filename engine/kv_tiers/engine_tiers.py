@@ -18,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass, field
 
+import time
+
 import torch
 
 from engine.block_pool import Block, BlockPool
 from engine.kv_tiers.config import KVTierConfig
+from engine.kv_tiers.fetch_or_recompute import BandwidthMeter, TierLink, decide
 from engine.kv_tiers.host_pool import HostBlockPool
 from engine.kv_tiers.store import BlockStore
 
@@ -32,10 +35,12 @@ class TierStats:
     promoted: dict[str, int] = field(default_factory=dict)  # tier name -> blocks promoted into L1
     written_back: int = 0  # blocks of finished sequences handed to a tier
     promote_stopped_for_room: int = 0  # promotions refused to keep blocks for the request itself
+    recomputed_cheaper: dict[str, int] = field(default_factory=dict)  # tier -> runs left to recompute (slower to load)
 
     def as_dict(self) -> dict[str, object]:
         return {"demoted": self.demoted, "promoted": dict(self.promoted), "written_back": self.written_back,
-                "promote_stopped_for_room": self.promote_stopped_for_room}
+                "promote_stopped_for_room": self.promote_stopped_for_room,
+                "recomputed_cheaper": dict(self.recomputed_cheaper)}
 
 
 class EngineTiers:
@@ -56,6 +61,18 @@ class EngineTiers:
         self.host = (HostBlockPool(config.host_bytes, lower, pin=kv.device.type == "cuda")
                      if config.host_bytes else None)
         self.stats = TierStats()
+        self.meters = {name: BandwidthMeter() for name in ("host", "disk")}  # read bandwidth per tier, measured
+        self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
+
+    def worth_fetching(self, tier: str) -> bool:
+        """Whether loading one block from ``tier`` (at its measured bandwidth) beats computing it at the configured
+        prefill speed (always, when none is configured). Pure."""
+        speed = self.config.prefill_tokens_per_s
+        if speed <= 0:
+            return True
+        meter = self.meters.setdefault(tier, BandwidthMeter())
+        return decide(self.block_size, self.block_bytes // self.block_size, TierLink(tier, meter.bytes_per_s),
+                      speed).fetch
 
     # -- L1 -> below ------------------------------------------------------------------------------------------
     def _copy_out(self, block_id: int) -> torch.Tensor:
@@ -107,14 +124,18 @@ class EngineTiers:
     # -- below -> L1 ------------------------------------------------------------------------------------------
     def find(self, key: int, tokens: tuple[int, ...]) -> tuple[str, torch.Tensor] | None:
         """The tier and payload holding ``(key, tokens)``, nearest first, or None. Mutates hit counts only."""
-        if self.host is not None:
-            p = self.host.get(key, tokens)
+        for store in (self.host, self.lower):
+            if store is None:
+                continue
+            if not self.worth_fetching(store.name):
+                self.stats.recomputed_cheaper[store.name] = self.stats.recomputed_cheaper.get(store.name, 0) + 1
+                return None
+            t0 = time.perf_counter()
+            p = store.get(key, tokens)
             if p is not None:
-                return self.host.name, p
-        if self.lower is not None:
-            p = self.lower.get(key, tokens)
-            if p is not None:
-                return self.lower.name, p
+                self.meters.setdefault(store.name, BandwidthMeter()).record(self.block_bytes,
+                                                                           time.perf_counter() - t0)
+                return store.name, p
         return None
 
     def extend_hits(self, pool: BlockPool, hashes: Seq[int], tokens_of: Callable[[int], Seq[int]],

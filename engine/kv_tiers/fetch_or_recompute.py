@@ -48,3 +48,21 @@ def decide(tokens: int, bytes_per_token: int, link: TierLink, prefill_tokens_per
 def break_even_prefill_tokens_per_s(bytes_per_token: int, link: TierLink) -> float:
     """The prefill speed above which recomputing beats fetching from ``link`` (latency aside). Pure."""
     return link.bytes_per_s / bytes_per_token
+
+
+class BandwidthMeter:
+    """A tier's measured read bandwidth: an exponentially weighted mean of bytes over seconds per read. Mutable
+    (``record``); optimistic (``initial_bytes_per_s``) until the first read."""
+
+    def __init__(self, initial_bytes_per_s: float = 1e12, weight: float = 0.2) -> None:
+        if initial_bytes_per_s <= 0 or not 0 < weight <= 1:
+            raise ValueError("initial_bytes_per_s must be > 0 and weight in (0, 1]")
+        self.bytes_per_s = initial_bytes_per_s
+        self.weight = weight
+        self.reads = 0
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        """Mutates: fold in one read of ``nbytes`` that took ``seconds``."""
+        rate = nbytes / max(seconds, 1e-9)
+        self.bytes_per_s = rate if self.reads == 0 else (1 - self.weight) * self.bytes_per_s + self.weight * rate
+        self.reads += 1

@@ -149,3 +149,20 @@ def test_scaled_caches_are_refused(tiny_checkpoint: Any) -> None:
     llm = _llm(tiny_checkpoint)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineTiers(llm.engine.runner.kv, BLOCK, KVTierConfig(host_bytes=1), scaled=True)
+
+
+def test_a_tier_slower_than_recomputing_is_not_read(tiny_checkpoint: Any, tmp_path: Path) -> None:
+    """Fetch or recompute per tier: once the disk's measured bandwidth loads a block slower than the configured
+    prefill speed computes it, the disk is no longer read (the prompt is recomputed, the answers unchanged)."""
+    plain = _run(_llm(tiny_checkpoint), SEQUENCE)
+    llm = _llm(tiny_checkpoint)
+    disk = _disk(tmp_path)
+    tiers = attach(llm.engine.kv, llm.engine.runner,
+                   KVTierConfig(disk_dir=str(disk.dir), disk_bytes=256 << 20, prefill_tokens_per_s=1e6), disk)
+    first = _run(llm, SEQUENCE[:3])
+    disk.flush()
+    tiers.meters["disk"].record(tiers.block_bytes, 1.0)  # a disk measured at one block per second
+    again = _run(llm, SEQUENCE[3:4])
+    assert again[0][1] == 0 and tiers.stats.recomputed_cheaper["disk"] >= 1 and disk.hits == 0
+    assert [ids for ids, _ in first + again] == [ids for ids, _ in plain[:4]]
+    disk.close()

@@ -9,7 +9,7 @@ import pytest
 from engine.block_hash import hash_full_blocks
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_tiers.config import KVTierConfig
-from engine.kv_tiers.fetch_or_recompute import (TierLink, break_even_prefill_tokens_per_s, decide,
+from engine.kv_tiers.fetch_or_recompute import (BandwidthMeter, TierLink, break_even_prefill_tokens_per_s, decide,
                                                 kv_bytes_per_token)
 from engine.kv_tiers.keys import ModelIdentity, tenant_extra, tenant_of
 
@@ -74,3 +74,12 @@ def test_tier_config_is_validated() -> None:
         KVTierConfig(disk_dir="/tmp/x")
     with pytest.raises(ValueError, match="host_bytes"):
         KVTierConfig(host_bytes=-1)
+
+
+def test_bandwidth_meter_is_optimistic_then_follows_reads() -> None:
+    m = BandwidthMeter(weight=0.5)
+    assert m.bytes_per_s == 1e12
+    m.record(1000, 1.0)
+    assert m.bytes_per_s == 1000.0  # the first read replaces the optimistic guess
+    m.record(3000, 1.0)
+    assert m.bytes_per_s == 2000.0
