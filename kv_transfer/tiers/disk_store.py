@@ -25,6 +25,7 @@ import torch
 
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
+from engine.device_threads import DeviceThreads
 from kv_transfer.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
 from pdkernels.poly_mac import P
 
@@ -75,8 +76,8 @@ class DiskBlockStore:
         self._bytes = 0
         self.written = self.dropped = self.write_errors = 0
         self.hits = self.misses = self.corrupt = 0
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
-        self._writer.start()
+        # the writer reads host copies only: it enters no device (engine/device_threads.py starts every thread)
+        self._writer = DeviceThreads("cpu").start(self._write_loop, "kv-disk-writer")
 
     def path(self, key: int) -> Path:
         return self.dir / f"{key & (2**64 - 1):016x}.kvb"
