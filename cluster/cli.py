@@ -146,6 +146,9 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
                             gpu_memory_utilization=args.gpu_memory_utilization * (
                                 args.gpus_per_actor if 0 < (args.gpus_per_actor or 0) < 1 else 1.0),
                             cache_dir=args.cache_dir, kv_cache_gib=args.kv_cache_gib,
+                            kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
+                            kv_disk_integrity=args.kv_disk_integrity,
+                            kv_prefill_tokens_per_s=args.kv_prefill_tokens_per_s,
                             prefill_tp=prefill_tp, decode_tp=decode_tp, tp_kv_cache=tp_kv_cache(args)),
         decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
         kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
@@ -434,6 +437,16 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     sv.add_argument("--kv-cache-gib", type=float, default=None,
                     help="KV cache per actor (default: 1 GiB on the CPU; on CUDA what --gpu-memory-utilization leaves)")
+    sv.add_argument("--kv-host-gib", type=float, default=0.0,
+                    help="K/V tier L2: host DRAM per actor for blocks the device pool evicts (docs/kv-tiers.md)")
+    sv.add_argument("--kv-disk-dir", default=None,
+                    help="K/V tier L3: a node-local directory of block files shared by the node's actors")
+    sv.add_argument("--kv-disk-gib", type=float, default=0.0, help="K/V tier L3: bytes each actor may write there")
+    sv.add_argument("--kv-disk-integrity", choices=("payload_mac", "blake2b"), default="payload_mac",
+                    help="how L3 block files are checked on read: the transfer's payload MAC or keyed BLAKE2b")
+    sv.add_argument("--kv-prefill-tokens-per-s", type=float, default=0.0,
+                    help="K/V tiers: read a tier only while its measured bandwidth loads a block faster than this "
+                         "prefill speed computes it (0: always read)")
     sv.add_argument("--served-model-name", default=_serve_default("model_name"))
     add_proxy_flags(sv)  # each proxy's queue, reservations, resumes, SLOs, tool calls, chat template
     sv.add_argument("--controller-interval", type=float, default=_serve_default("controller_interval_s"),

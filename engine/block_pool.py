@@ -15,7 +15,7 @@ that number against it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from engine.prefix_events import PrefixEventLog
 
@@ -89,6 +89,8 @@ class BlockPool:
         self.num_hits = 0
         self.num_queries = 0
         self.events: PrefixEventLog | None = None  # told of every hash registered and evicted (for routers)
+        # called with a cached block about to be reused, its K/V still intact: the tiers below demote it
+        self.on_evict: Callable[[Block], None] | None = None
         # blocks in the free list that hold a hash (the "cached" state), kept incrementally: counts() is O(1)
         self._num_cached_free = 0
 
@@ -121,6 +123,8 @@ class BlockPool:
             if b.block_hash is not None:
                 self._num_cached_free -= 1
                 if self.cached.get(b.block_hash) is b:
+                    if self.on_evict is not None:
+                        self.on_evict(b)
                     del self.cached[b.block_hash]
                     if self.events is not None:
                         self.events.evicted(b.block_hash)

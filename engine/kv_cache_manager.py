@@ -5,9 +5,14 @@ No tensors and no I/O: the model runner executes the copies this manager asks fo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.block_hash import NONE_HASH, hash_block
 from engine.block_pool import Block, BlockPool
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.kv_tiers.engine_tiers import EngineTiers
 
 
 def cdiv(a: int, b: int) -> int:
@@ -22,6 +27,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_extra = hash_extra
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.tiers: EngineTiers | None = None  # K/V tiers below this pool (engine/kv_tiers), attached by their owner
 
     def _hash_next_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
         """Mutates ``seq.block_hashes``: extend it to cover every full block within the first ``upto_tokens``."""
@@ -47,6 +53,10 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        limit = (seq.num_tokens - 1) // bs
+        if self.tiers is not None and len(hits) < limit:  # the L1 run ended: continue it from the tiers below
+            hits = self.tiers.extend_hits(self.pool, seq.block_hashes, lambda i: seq.token_slice(i * bs, (i + 1) * bs),
+                                          hits, limit, cdiv(seq.num_tokens, bs))
         return hits
 
     def lookup_prefix(self, token_ids: list[int]) -> list[Block]:
@@ -164,7 +174,13 @@ class KVCacheManager:
         return len(hits) * self.block_size
 
     def free(self, seq: Sequence) -> None:
-        """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest."""
+        """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest (after handing
+        its full, computed blocks to the tiers below when they write back)."""
+        if self.tiers is not None and self.enable_caching and seq.block_table:
+            self._hash_next_full_blocks(seq, seq.num_computed_tokens)
+            bs = self.block_size
+            self.tiers.released(seq.block_hashes, seq.block_table, lambda i: seq.token_slice(i * bs, (i + 1) * bs),
+                                seq.num_computed_tokens // bs)
         self.pool.free(self.pool.blocks[i] for i in reversed(seq.block_table))
         seq.block_table = []
         seq.num_computed_tokens = 0

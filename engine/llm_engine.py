@@ -20,6 +20,7 @@ from engine.grammar import GrammarCompiler, GrammarError
 from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.model import DecoderModel
 from engine.model_config import load_model_config
+from engine.kv_tiers.keys import ModelIdentity
 from engine.model_loader import load_shard, load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, KV_DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
@@ -93,7 +94,10 @@ class LLMEngine:
             config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
             kv_block_bytes(model.local if config.tp_kv_cache == "per_rank" else mc, config.block_size, kv_dtype),
             graphs, config.reserved_device_bytes)
-        extra = f"{self.fingerprint}:{config.block_size}".encode()
+        # the key binds the model's identity (engine/kv_tiers/keys.py): another checkpoint, dtype, K/V dtype, block
+        # size or TP layout never shares a block
+        extra = ModelIdentity(self.fingerprint, dtype_name, config.kv_cache_dtype, config.block_size,
+                              config.tensor_parallel_size, config.tp_kv_cache).extra()
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, extra)
         self.prefix_hash_extra = extra  # what block hashes bind besides tokens: a router hashes prompts with it
         # what the prefix cache gains and loses, for routers in other processes

@@ -75,7 +75,36 @@ def load_engine(config: Any, role: str = "decode", kv: Any = None) -> Any:
     from engine.llm_engine import LLMEngine
 
     device = resolve_device(config.device)
-    return LLMEngine(EngineConfig(**engine_kwargs_for(config, role, kv, device.type)))
+    engine = LLMEngine(EngineConfig(**engine_kwargs_for(config, role, kv, device.type)))
+    attach_tiers(engine, config, role)
+    return engine
+
+
+def tier_config_for(config: Any, role: str) -> Any:
+    """The :class:`~engine.kv_tiers.config.KVTierConfig` of a worker of ``role``, or None when every tier is off:
+    the worker config's sizes, with write-back on where requests finish (decode and colocated actors). Pure."""
+    from engine.kv_tiers.config import KVTierConfig
+
+    host = int(getattr(config, "kv_host_gib", 0.0) * 2**30)
+    disk_dir = getattr(config, "kv_disk_dir", None)
+    disk = int(getattr(config, "kv_disk_gib", 0.0) * 2**30) if disk_dir else 0
+    tiers = KVTierConfig(host_bytes=host, disk_dir=disk_dir, disk_bytes=disk, write_back=role != "prefill",
+                         disk_integrity=getattr(config, "kv_disk_integrity", "payload_mac"),
+                         prefill_tokens_per_s=getattr(config, "kv_prefill_tokens_per_s", 0.0))
+    return tiers if tiers.enabled else None
+
+
+def attach_tiers(engine: Any, config: Any, role: str) -> Any:
+    """Mutates ``engine``: give it the K/V tiers its worker config asks for (None: none asked). Returns them."""
+    tiers = tier_config_for(config, role)
+    if tiers is None:
+        return None
+    from engine.kv_tiers.engine_tiers import attach
+    from kv_transfer.tiers.disk_store import DiskBlockStore
+
+    disk = (DiskBlockStore(tiers.disk_dir, tiers.disk_bytes, getattr(config, "cluster_secret", None),
+                           tiers.max_pending_writes, tiers.disk_integrity) if tiers.disk_dir else None)
+    return attach(engine.kv, engine.runner, tiers, disk)
 
 
 class _Command(Generic[T]):

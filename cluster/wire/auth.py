@@ -35,7 +35,7 @@ import msgpack
 ENV_VAR = "PDCLUSTER_CLUSTER_SECRET"  # where serve and the proxies read the secret (the chart fills it from a Secret)
 MIN_SECRET_CHARS = 32  # serve generates 64 hex characters (256 bits); a shorter secret is refused
 MAC_BYTES = 32  # HMAC-SHA256
-PURPOSES = ("kv-part", "kv-part-key", "kv-hi", "kv-open", "kv-join", "kv-store", "token-frame")
+PURPOSES = ("kv-part", "kv-part-key", "kv-hi", "kv-open", "kv-join", "kv-store", "token-frame", "kv-tier-block")
 
 Value = str | int | bytes | None | tuple[int, ...]
 

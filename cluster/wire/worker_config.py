@@ -73,6 +73,13 @@ class WorkerConfig:
     # the per-cluster MAC key (cluster.wire.auth) this worker signs and checks K/V parts, in-place handshakes and
     # token-stream frames with; serve sets it. None: authentication off. Never shown by repr.
     cluster_secret: ClusterSecret | None = None
+    # K/V tiers below each actor's device pool (docs/kv-tiers.md): host DRAM (L2), a node-local directory (L3; decode
+    # actors write finished requests' blocks back there). 0 / None: off
+    kv_host_gib: float = 0.0
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 0.0
+    kv_disk_integrity: str = "payload_mac"  # how L3 files are checked: payload_mac | blake2b
+    kv_prefill_tokens_per_s: float = 0.0  # fetch from a tier only when it loads faster than this computes; 0: always
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -109,6 +116,8 @@ class WorkerConfig:
     def engine_kwargs(self) -> dict[str, Any]:
         """The EngineConfig keyword arguments this config sets (the TP size is the role's: ``load_engine``). Pure."""
         d = asdict(self)
-        for name in ("reservation_ttl_s", "kv_wait_s", "share_node_gpus", "cluster_secret", *TP_ROLES.values()):
+        for name in ("reservation_ttl_s", "kv_wait_s", "share_node_gpus", "cluster_secret", *TP_ROLES.values(),
+                     "kv_host_gib", "kv_disk_dir", "kv_disk_gib", "kv_disk_integrity",
+                     "kv_prefill_tokens_per_s"):
             d.pop(name)
         return d

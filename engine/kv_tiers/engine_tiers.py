@@ -1,0 +1,176 @@
+"""The tiers of one engine: demote what the device pool (L1) evicts, promote what a prefix lookup finds below it.
+
+Who owns what: the :class:`~engine.block_pool.BlockPool` owns L1's blocks and calls :meth:`EngineTiers.demote` for a
+cached block it is about to reuse (its K/V still intact: the step that overwrites it has not run); the
+:class:`~engine.kv_cache_manager.KVCacheManager` calls :meth:`EngineTiers.extend_hits` when its L1 prefix run ends,
+and :meth:`EngineTiers.released` when a sequence's blocks are freed (the decode side's write-back). This object owns
+L2 (:class:`~engine.kv_tiers.host_pool.HostBlockPool`) and holds a reference to L3 (any
+:class:`~engine.kv_tiers.store.BlockStore`, the disk tier of kv_transfer/tiers). Everything runs on the engine's
+serving thread; L3 writes leave it through the store's bounded queue.
+
+A promoted block is an ordinary L1 prefix-cache block afterwards (registered under its hash, ref 0, at the free list's
+tail), so the scheduler's accounting (``free + cached + used == total``) and its hit path stay exactly as they were.
+Promotion never takes the blocks the rest of the request needs: it stops while fewer than that remain free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import time
+
+import torch
+
+from engine.block_pool import Block, BlockPool
+from engine.kv_tiers.config import KVTierConfig
+from engine.kv_tiers.fetch_or_recompute import BandwidthMeter, TierLink, decide
+from engine.kv_tiers.host_pool import HostBlockPool
+from engine.kv_tiers.store import BlockStore
+
+
+@dataclass
+class TierStats:
+    demoted: int = 0  # L1 evictions kept below
+    promoted: dict[str, int] = field(default_factory=dict)  # tier name -> blocks promoted into L1
+    written_back: int = 0  # blocks of finished sequences handed to a tier
+    promote_stopped_for_room: int = 0  # promotions refused to keep blocks for the request itself
+    recomputed_cheaper: dict[str, int] = field(default_factory=dict)  # tier -> runs left to recompute (slower to load)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"demoted": self.demoted, "promoted": dict(self.promoted), "written_back": self.written_back,
+                "promote_stopped_for_room": self.promote_stopped_for_room,
+                "recomputed_cheaper": dict(self.recomputed_cheaper)}
+
+
+class EngineTiers:
+    """Mutating methods say so."""
+
+    def __init__(self, kv: torch.Tensor, block_size: int, config: KVTierConfig, lower: BlockStore | None = None,
+                 scaled: bool = False) -> None:
+        """``kv``: the runner's whole cache ``[layers, 2, num_blocks, block_size, heads, dim]`` (one tensor: a
+        per-rank tensor-parallel cache is refused by :func:`attach`). ``lower``: L3, or None."""
+        if scaled:
+            raise ValueError("kv_cache_dtype: tiers keep unscaled caches only (FP8/int8 scales are not moved yet)")
+        if not config.enabled:
+            raise ValueError("config: no tier enabled (host_bytes 0 and no disk_dir)")
+        self.kv = kv
+        self.block_size = block_size
+        self.config = config
+        self.lower = lower
+        self.host = (HostBlockPool(config.host_bytes, lower, pin=kv.device.type == "cuda")
+                     if config.host_bytes else None)
+        self.stats = TierStats()
+        self.meters = {name: BandwidthMeter() for name in ("host", "disk")}  # read bandwidth per tier, measured
+        self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
+
+    def worth_fetching(self, tier: str) -> bool:
+        """Whether loading one block from ``tier`` (at its measured bandwidth) beats computing it at the configured
+        prefill speed (always, when none is configured). Pure."""
+        speed = self.config.prefill_tokens_per_s
+        if speed <= 0:
+            return True
+        meter = self.meters.setdefault(tier, BandwidthMeter())
+        return decide(self.block_size, self.block_bytes // self.block_size, TierLink(tier, meter.bytes_per_s),
+                      speed).fetch
+
+    # -- L1 -> below ------------------------------------------------------------------------------------------
+    def _copy_out(self, block_id: int) -> torch.Tensor:
+        src = self.kv[:, :, block_id]
+        if self.host is not None:
+            dst = self.host.host_buffer(src)
+            dst.copy_(src, non_blocking=src.device.type == "cuda")
+            return dst
+        return src.to("cpu", copy=True)
+
+    def demote(self, block: Block) -> None:
+        """Mutates the tiers: keep a copy of the cached ``block`` that L1 is about to reuse."""
+        key, tokens = block.block_hash, block.token_ids
+        if key is None or tokens is None:
+            return
+        if self.host is not None:
+            if not self.host.contains(key):
+                self.host.put(key, tokens, self._copy_out(block.block_id))
+                self.stats.demoted += 1
+        elif self.lower is not None and not self.lower.contains(key):
+            self._sync_for_lower()
+            self.lower.put(key, tokens, self._copy_out(block.block_id))
+            self.stats.demoted += 1
+
+    def released(self, hashes: Seq[int], block_ids: Seq[int], tokens_of: Callable[[int], Seq[int]],
+                 num_full: int) -> None:
+        """Mutates the tiers when write-back is on: a finished sequence's first ``num_full`` full, computed blocks
+        (prompt and generated tokens alike) go to the shared tier (L3 when there is one, else L2)."""
+        if not self.config.write_back:
+            return
+        target: BlockStore | None = self.lower if self.lower is not None else self.host
+        if target is None:
+            return
+        synced = False
+        for i in range(min(num_full, len(hashes), len(block_ids))):
+            if target.contains(hashes[i]):
+                continue
+            if not synced and target is self.lower:
+                self._sync_for_lower()
+                synced = True
+            target.put(hashes[i], tuple(tokens_of(i)), self._copy_out(block_ids[i]))
+            self.stats.written_back += 1
+
+    def _sync_for_lower(self) -> None:
+        """The disk writer reads host copies on its own thread: on CUDA, they must have landed first."""
+        if self.kv.device.type == "cuda":
+            torch.cuda.current_stream(self.kv.device).synchronize()
+
+    # -- below -> L1 ------------------------------------------------------------------------------------------
+    def find(self, key: int, tokens: tuple[int, ...]) -> tuple[str, torch.Tensor] | None:
+        """The tier and payload holding ``(key, tokens)``, nearest first, or None. Mutates hit counts only."""
+        for store in (self.host, self.lower):
+            if store is None:
+                continue
+            if not self.worth_fetching(store.name):
+                self.stats.recomputed_cheaper[store.name] = self.stats.recomputed_cheaper.get(store.name, 0) + 1
+                return None
+            t0 = time.perf_counter()
+            p = store.get(key, tokens)
+            if p is not None:
+                self.meters.setdefault(store.name, BandwidthMeter()).record(self.block_bytes,
+                                                                           time.perf_counter() - t0)
+                return store.name, p
+        return None
+
+    def extend_hits(self, pool: BlockPool, hashes: Seq[int], tokens_of: Callable[[int], Seq[int]],
+                    hits: list[Block], limit: int, blocks_needed: int) -> list[Block]:
+        """Mutates L1: continue the L1 prefix run ``hits`` with blocks promoted from below, up to ``limit`` blocks in
+        all; ``blocks_needed`` is how many blocks the whole request takes. Returns the extended run (promoted blocks
+        are L1 cache blocks with ref 0, like the hits)."""
+        pool.touch(hits)  # held while promoting: an allocation here must not reuse one of them
+        run = list(hits)
+        try:
+            for i in range(len(hits), limit):
+                if pool.num_available <= blocks_needed - len(run):
+                    self.stats.promote_stopped_for_room += 1
+                    break
+                if hashes[i] in pool.cached:  # taken by other tokens under the same hash: never promote over it
+                    break
+                tokens = tuple(tokens_of(i))
+                found = self.find(hashes[i], tokens)
+                if found is None:
+                    break
+                tier, payload = found
+                (blk,) = pool.allocate(1)  # may evict (and so demote) the free list's head first
+                self.kv[:, :, blk.block_id].copy_(payload.to(self.kv.device, non_blocking=True))
+                pool.register(blk, hashes[i], tokens)
+                run.append(blk)
+                self.stats.promoted[tier] = self.stats.promoted.get(tier, 0) + 1
+        finally:
+            pool.free(reversed(run))  # the head of the prefix freed last: it stays cached longest
+        return run
+
+
+def attach(kv_manager: object, runner: object, config: KVTierConfig, lower: BlockStore | None = None) -> EngineTiers:
+    """Mutates ``kv_manager`` and its pool: give them tiers built from ``config`` over ``runner``'s cache."""
+    layout = getattr(runner, "layout")
+    tiers = EngineTiers(getattr(runner, "kv"), layout.block_size, config, lower, scaled=layout.scaled)
+    kv_manager.tiers = tiers  # type: ignore[attr-defined]
+    kv_manager.pool.on_evict = tiers.demote  # type: ignore[attr-defined]
+    return tiers
