@@ -361,6 +361,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(line((a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"), kv.get("used", ""),
                     kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens, a.get("node_ip") or "?",
                     a.get("device") or "?", a.get("kv_address") or "-")))
+    for a in st["actors"]:  # speculative decoding, for the decode actors that draft
+        prop, acc, ver = (a.get(k, 0) for k in ("spec_proposed_tokens", "spec_accepted_tokens",
+                                                "spec_verified_requests"))
+        if prop:
+            print(f"speculative {a['name']}: acceptance {acc / prop:.2f} ({acc}/{prop} drafts), "
+                  f"{(acc + ver) / ver:.2f} tokens per verify step")
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
     ctrl = st.get("controller")

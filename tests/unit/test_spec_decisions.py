@@ -187,3 +187,13 @@ def test_draft_rows_give_each_sampler_its_first_row() -> None:
     out = sched.schedule({1: [7, 8]})
     assert draft_rows(out.decodes + out.prefills) == [0, 1]  # b decodes first (one row), then a's three
     assert [len(s.draft) for s in out.decodes + out.prefills] == [0, 2]
+
+
+# -- metrics -----------------------------------------------------------------------------------------------------------
+def test_metrics_lines_give_acceptance_and_tokens_per_verify() -> None:
+    from proxy.metrics import spec_lines
+
+    text = "\n".join(spec_lines({"decode-0": (10, 40, 30)}))
+    assert 'pdcluster_spec_draft_tokens_total{actor="decode-0",outcome="accepted"} 30' in text
+    assert 'pdcluster_spec_acceptance_rate{actor="decode-0"} 0.75' in text
+    assert 'pdcluster_spec_tokens_per_verify{actor="decode-0"} 4.0' in text
