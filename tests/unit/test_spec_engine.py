@@ -93,17 +93,31 @@ def test_a_stop_string_inside_an_accepted_run_ends_there(tiny_checkpoint) -> Non
 
 
 def test_penalized_requests_run_without_drafts(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Penalized requests never draft (can_draft), and sample right beside a request that does (their rows move in
+    the verify step's expanded batch)."""
     folder = str(tiny_checkpoint("llama"))
     base = LLM(folder, **COMMON)
-    prompts = _loop_prompts(base)
+    loops = _loop_prompts(base)
+    prompts = loops + [loops[0]]
     params = [SamplingParams(max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=3, presence_penalty=0.5),
-              SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.4)]
+              SamplingParams(max_tokens=30, ignore_eos=True, frequency_penalty=0.4),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.6, seed=4)]
     want = base.generate(prompts, params)
     spec = LLM(folder, speculative_config=SPEC, **COMMON)
+    proposed: list[set[bool]] = []
+    propose = spec.engine.spec.propose
+
+    def spy(running):  # type: ignore[no-untyped-def]
+        drafts = propose(running)
+        proposed.append({q.params.repetition_penalty != 1.0 or q.params.presence_penalty != 0.0
+                         or q.params.frequency_penalty != 0.0 for q in running if q.seq_id in drafts})
+        return drafts
+
+    spec.engine.spec.propose = spy  # type: ignore[method-assign]
     got = spec.generate(prompts, params)
     assert _ids(got) == _ids(want)
-    assert spec.engine.spec.stats.proposed_tokens == 0
+    assert not any(True in step for step in proposed) and any(False in step for step in proposed)
     _check_clean(spec)
 
 
