@@ -77,6 +77,11 @@ class SpeculativeDecoder:
         live = {q.seq_id for q in running}
         for gone in [s for s in self._states if s not in live]:
             del self._states[gone]
+        if running and not allocate_drafts([DraftWish(-1, 1.0, 1)], len(running), cfg.verify_budget_tokens,
+                                           cfg.disable_by_batch_size):
+            # the load switch grants nothing at this batch size: skip proposing (indexes catch up when it reopens)
+            self.stats.stepped_back += 1
+            return {}
         wishes: list[DraftWish] = []
         drafts: dict[int, list[int]] = {}
         for q in running:

@@ -197,3 +197,15 @@ def test_metrics_lines_give_acceptance_and_tokens_per_verify() -> None:
     assert 'pdcluster_spec_draft_tokens_total{actor="decode-0",outcome="accepted"} 30' in text
     assert 'pdcluster_spec_acceptance_rate{actor="decode-0"} 0.75' in text
     assert 'pdcluster_spec_tokens_per_verify{actor="decode-0"} 4.0' in text
+
+
+def test_decoder_steps_back_at_a_full_batch_and_drafts_below_it() -> None:
+    from engine.spec_decode import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(SpeculativeConfig(prompt_lookup_min=1, verify_budget_tokens=16))
+    seqs = [_seq(i, [1, 2, 3, 1, 2]) for i in range(16)]
+    for q in seqs:
+        q.num_computed_tokens = 4  # decoding: the last token pending
+    assert dec.propose(seqs) == {} and dec.stats.stepped_back == 1
+    got = dec.propose(seqs[:2])  # 2 decode rows leave 14 positions: each drafts what followed "2" before
+    assert got == {0: [3, 1], 1: [3, 1]}  # k 2: best_k at the prior's alpha 0.5 and cost 0.1
