@@ -3,7 +3,8 @@
     python benchmarks/bench_spec.py [--dtype float32] [--max-tokens 160] [--open-requests 24] [--k 4]
 
 Two workloads, each run with and without ``speculative_config={"method": "ngram", ...}`` on two engines built in
-the same process, alternated (without, with, without, with) so that a shared machine's noise hits both alike:
+the same process, alternated per unit (a prompt at batch 1, the whole batch otherwise) and round: (without, with),
+then (with, without), so that a shared machine's drifting load hits both alike:
 
 * **copy-heavy, batch 1**: chat prompts whose answer copies the prompt (a code edit, "copy this paragraph"), one
   request at a time, greedy. Output tokens per second of wall time. Goal: >= 1.8x.
@@ -56,6 +57,30 @@ OPEN_PROMPTS = [
 ]
 
 
+def count_steps(llm: Any, meter: dict[str, float]) -> None:
+    """Mutates ``llm.engine``: its steps are counted in ``meter["steps"]`` and, when it speculates, the seconds spent
+    proposing in ``meter["propose_s"]`` (noise-free facts beside the wall-clock ratios)."""
+    eng = llm.engine
+    step = eng.step
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        meter["steps"] += 1
+        return step(*a, **kw)
+
+    eng.step = counted
+    if eng.spec is not None:
+        propose = eng.spec.propose
+
+        def timed(running: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return propose(running)
+            finally:
+                meter["propose_s"] += time.perf_counter() - t
+
+        eng.spec.propose = timed
+
+
 def run(llm: Any, prompts: list[list[int]], params: Any, batch: bool) -> tuple[float, int, list[list[int]]]:
     """(seconds, output tokens, token ids per prompt): all prompts at once, or one after the other."""
     t = time.perf_counter()
@@ -85,6 +110,9 @@ def main() -> None:
     common = dict(dtype=args.dtype, kv_cache_gib=1.0, max_num_seqs=64)
     spec = {"method": "ngram", "num_speculative_tokens": args.k}
     base, fast = LLM(**common), LLM(speculative_config=spec, **common)
+    meters = {"off": {"steps": 0.0, "propose_s": 0.0}, "on": {"steps": 0.0, "propose_s": 0.0}}
+    count_steps(base, meters["off"])
+    count_steps(fast, meters["on"])
     copy = [base.apply_chat_template([{"role": "user", "content": p}]) for p in COPY_PROMPTS]
     opened = [base.apply_chat_template([{"role": "user", "content": p}])
               for p in (OPEN_PROMPTS * 4)[:args.open_requests]]
@@ -96,18 +124,26 @@ def main() -> None:
         run(base, prompts[:1], SamplingParams(max_tokens=4), batch)  # warm-up both
         run(fast, prompts[:1], SamplingParams(max_tokens=4), batch)
         before = dict(fast.engine.spec.stats.as_dict())
+        for m in meters.values():
+            m.update(steps=0.0, propose_s=0.0)
         totals = {"off": [0.0, 0], "on": [0.0, 0]}
         same = True
+        # units: each prompt alone (batch 1) or the whole batch; per unit and round the order alternates (off, on),
+        # (on, off): a shared machine's load drifting during the run hits both sides alike
+        units = [[p] for p in prompts] if not batch else [prompts]
         for r in range(args.rounds):
-            dt0, n0, ids0 = run(base, prompts, params, batch)
-            dt1, n1, ids1 = run(fast, prompts, params, batch)
-            same &= ids0 == ids1
-            totals["off"][0] += dt0
-            totals["off"][1] += n0
-            totals["on"][0] += dt1
-            totals["on"][1] += n1
-            print(json.dumps({"workload": name, "round": r, "off_tok_s": round(n0 / dt0, 2),
-                              "on_tok_s": round(n1 / dt1, 2), "tokens": n0}), flush=True)
+            for u, unit in enumerate(units):
+                order = (("off", base), ("on", fast)) if (r + u) % 2 == 0 else (("on", fast), ("off", base))
+                got = {}
+                for side, llm in order:
+                    dt, n, ids = run(llm, unit, params, True)
+                    totals[side][0] += dt
+                    totals[side][1] += n
+                    got[side] = (dt, n, ids)
+                same &= got["off"][2] == got["on"][2]
+                print(json.dumps({"workload": name, "round": r, "unit": u, "tokens": got["off"][1],
+                                  "off_tok_s": round(got["off"][1] / got["off"][0], 2),
+                                  "on_tok_s": round(got["on"][1] / got["on"][0], 2)}), flush=True)
         after = fast.engine.spec.stats.as_dict()
         off = totals["off"][1] / totals["off"][0]
         on = totals["on"][1] / totals["on"][0]
@@ -116,7 +152,10 @@ def main() -> None:
                          "proposed": after["proposed_tokens"] - before["proposed_tokens"],
                          "accepted": after["accepted_tokens"] - before["accepted_tokens"],
                          "verified_requests": after["verified_requests"] - before["verified_requests"],
-                         "stepped_back_steps": after["stepped_back"] - before["stepped_back"]}
+                         "stepped_back_steps": after["stepped_back"] - before["stepped_back"],
+                         # noise-free: engine steps (weight reads) without / with, and the proposer's share of time
+                         "steps_off": int(meters["off"]["steps"]), "steps_on": int(meters["on"]["steps"]),
+                         "propose_share_of_on_time": round(meters["on"]["propose_s"] / totals["on"][0], 4)}
     print(json.dumps(summary, indent=1))
 
 
