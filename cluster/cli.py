@@ -53,10 +53,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "but one shared among the actors a local cluster may run, or --cpus-per-actor on an existing "
                         "Ray cluster)")
     p.add_argument("--cache-dir", default=None, help="where the default model is converted (~/.cache/pdcluster)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding as vLLM spells it, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (docs/speculative.md; ngram only so far)')
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    from engine.spec_config import SpeculativeConfig
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -64,13 +68,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:  # before loading the model, so bad parameters fail at once
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
+        SpeculativeConfig.of(args.speculative_config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, num_threads=args.threads,
               cache_dir=args.cache_dir, progress=progress, device=args.device,
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              speculative_config=args.speculative_config)
     print(f"[pdcluster] model ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
     def stream(out) -> None:  # type: ignore[no-untyped-def]
@@ -149,7 +155,8 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
                             kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
                             kv_disk_integrity=args.kv_disk_integrity,
                             kv_prefill_tokens_per_s=args.kv_prefill_tokens_per_s,
-                            prefill_tp=prefill_tp, decode_tp=decode_tp, tp_kv_cache=tp_kv_cache(args)),
+                            prefill_tp=prefill_tp, decode_tp=decode_tp, tp_kv_cache=tp_kv_cache(args),
+                            speculative_config=args.speculative_config),
         decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
         kv_fallback=args.kv_fallback, kv_inplace_checksum=args.kv_inplace_checksum,
         kv_host=args.kv_host,
@@ -357,6 +364,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(line((a["name"], a["role"], alive, kv.get("free", ""), kv.get("reserved", "-"), kv.get("used", ""),
                     kv.get("total", ""), a.get("running", ""), a.get("waiting", ""), tokens, a.get("node_ip") or "?",
                     a.get("device") or "?", a.get("kv_address") or "-")))
+    for a in st["actors"]:  # speculative decoding, for the decode actors that draft
+        prop, acc, ver = (a.get(k, 0) for k in ("spec_proposed_tokens", "spec_accepted_tokens",
+                                                "spec_verified_requests"))
+        if prop:
+            print(f"speculative {a['name']}: acceptance {acc / prop:.2f} ({acc}/{prop} drafts), "
+                  f"{(acc + ver) / ver:.2f} tokens per verify step")
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
     ctrl = st.get("controller")

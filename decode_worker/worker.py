@@ -313,8 +313,17 @@ class DecodeWorker(EngineLoop):
             proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, preemptions=self.preemptions,
             max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, busy_seconds=self.busy_s,
             steps=self.steps, results_via_channel=self.results_via_channel, results_via_ray=self.results_via_ray,
-            **rx)
+            **_spec_counts(self.engine), **rx)
 
     def _close(self) -> None:
         self._sender.close()
         self.connector.close()
+
+
+def _spec_counts(engine: Any) -> dict[str, int]:
+    """The engine's speculative-decoding counters as WorkerStats fields (none when it does not speculate). Pure."""
+    st = getattr(engine, "spec", None)
+    if st is None:
+        return {}
+    return {"spec_verified_requests": st.stats.verified_requests, "spec_proposed_tokens": st.stats.proposed_tokens,
+            "spec_accepted_tokens": st.stats.accepted_tokens}

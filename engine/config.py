@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
+
+from engine.spec_config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -61,6 +64,9 @@ class EngineConfig:
     tp_kv_cache: str = "shared"
     seed: int = 0  # seeds unseeded sampling, so a run as a whole is reproducible
     cache_dir: str | None = None  # where the default model is converted; None: ~/.cache/pdcluster
+    # speculative decoding (docs/speculative.md): a SpeculativeConfig, or its dict / JSON as vLLM spells it
+    # ({"method": "ngram", "num_speculative_tokens": 4}); None: off
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -96,3 +102,6 @@ class EngineConfig:
             raise bad("tp_kv_cache", f"must be one of {TP_KV_CACHES}")
         if self.num_threads is not None and self.num_threads < 1:
             raise bad("num_threads", "must be >= 1")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config: not supported with tensor_parallel_size > 1 yet")

@@ -30,6 +30,7 @@ from engine.sampling_grammar import GrammarMasks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
+from engine.spec_decode import SpeculativeDecoder
 from engine.tp_group import TPGroup, check_device, start_group, visible_gpus
 
 
@@ -38,6 +39,19 @@ def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
     engine (``decode_graphs=False``). Pure."""
     return (device.type == "cuda" and not config.enforce_eager and config.decode_graphs
             and config.tensor_parallel_size == 1)
+
+
+def _token_indices(updated: list[Sequence]) -> list[tuple[Sequence, int]]:
+    """``(sequence, output index)`` of each token a step appended: ``updated`` names a sequence once per token, in
+    order (a speculative step appends several). Pure."""
+    left: dict[int, int] = {}
+    for seq in updated:
+        left[seq.seq_id] = left.get(seq.seq_id, 0) + 1
+    out = []
+    for seq in updated:
+        out.append((seq, len(seq.output_token_ids) - left[seq.seq_id]))
+        left[seq.seq_id] -= 1
+    return out
 
 
 def _prompt_logprobs(seq: Sequence) -> list[dict[int, float] | None] | None:
@@ -126,6 +140,8 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
         self._grammars: GrammarCompiler | None = None  # see grammar_compiler()
+        # speculative decoding (engine/spec_decode.py): drafts proposed before each step, verified in it
+        self.spec = SpeculativeDecoder(config.speculative_config) if config.speculative_config else None
 
     def enable_decode_graphs(self) -> bool:
         """Mutates: capture the decode CUDA graphs now, if this engine decodes with graphs (CUDA, not
@@ -354,19 +370,23 @@ class LLMEngine:
         ``after_kv_store(layer, scheduler_output)`` runs as soon as each layer's K/V of this step is stored (a
         prefill worker streams it to the decode actor from there).
         """
-        out = self.scheduler.schedule()
+        drafts = None if self.spec is None else self.spec.propose(self.scheduler.running)
+        out = self.scheduler.schedule(drafts)
         self.last_preempted = [s.request_id for s in out.preempted]
         hook = None if after_kv_store is None else (lambda layer: after_kv_store(layer, out))
         sampled = self.runner.execute(out, hook)
         ends = self.runner.sampling.grammar_ends()  # their tokens of this step are dropped: they end here
         for seq_id in ends:
             sampled.pop(seq_id, None)
+        if self.spec is not None:
+            self.spec.observe(out, sampled)
         updated, finished = self.scheduler.update_from_output(out, sampled)
         finished += self._end_at_grammar(out, ends)
         touched: dict[str, _Request] = {}
-        for seq in updated:
+        for seq, i in _token_indices(updated):
             req = self._requests[seq.request_id]
-            self._detokenize(req, seq)
+            if i < len(seq.output_token_ids):  # else cut off by a stop string earlier in this step's run
+                self._detokenize(req, seq, i)
             touched[req.request_id] = req
         for seq in finished:
             touched.setdefault(seq.request_id, self._requests[seq.request_id])
@@ -391,17 +411,25 @@ class LLMEngine:
             self.scheduler.finish(s.seq, end.finish_reason)
         return done
 
-    def _detokenize(self, req: _Request, seq: Sequence) -> None:
+    def _detokenize(self, req: _Request, seq: Sequence, at: int = -1) -> None:
+        """Mutates: output token ``at`` (the last by default; a speculative step appends several, detokenized in
+        order) goes through the detokenizer and the stop strings. A stop string ends the completion there: tokens
+        after ``at`` are dropped, as if never sampled."""
         i = seq.index - req.seqs[0].index  # position in the request (a resumed completion keeps its client index)
         detok = req.detoks[i]
-        tok, p = seq.output_token_ids[-1], seq.params
-        stopped_by_token = seq.finish_reason == "stop" and (
+        at = at % len(seq.output_token_ids)
+        last = at == len(seq.output_token_ids) - 1
+        tok, p = seq.output_token_ids[at], seq.params
+        stopped_by_token = last and seq.finish_reason == "stop" and (
             tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids))
         # a stop token ends the text without adding its own (as vLLM's server does); its id stays in token_ids
         delta = "" if stopped_by_token else detok.add_token(tok)
-        if seq.is_finished:
+        if seq.is_finished and last:
             delta += detok.finish()
         if req.progress[i].append(delta):  # a stop string: the text is cut where it begins
+            if not last:
+                del seq.output_token_ids[at + 1:]
+                del seq.output_logprobs[at + 1:]
             self.scheduler.finish(seq, "stop")
             seq.finish_reason = "stop"  # also when the same token hit max_tokens: the stop string wins
 

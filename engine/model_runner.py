@@ -28,6 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling_state import SamplingBatch, SamplingState
 from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
 from engine.sequence import Sequence
+from engine.spec_verify import draft_rows, sample_verified
 from engine.step_wire import StepLayout, pack, unpack, varlen_prefill
 from pdkernels.host_copy import to_device
 
@@ -153,11 +154,12 @@ class ModelRunner:
             pos.append(s.start)
             slots.extend(self._slots(s.seq.block_table, s.start, 1))
         for s in out.prefills:
-            ids.extend(s.seq.token_slice(s.start, s.start + s.num_tokens))
+            ids.extend(s.seq.token_slice(s.start, s.start + s.num_tokens - len(s.draft)))
+            ids.extend(s.draft)  # speculative drafts: every verified row samples (engine/spec_verify.py)
             pos.extend(range(s.start, s.start + s.num_tokens))
             slots.extend(self._slots(s.seq.block_table, s.start, s.num_tokens))
             if s.sample:
-                sample_rows.append(len(ids) - 1)
+                sample_rows.extend(range(len(ids) - 1 - len(s.draft), len(ids)))
         sections = [ids, pos, slots, sample_rows]
         # CPU: one attention call per group of similar lengths; a GPU kernel reads each row's own length
         group_size = DECODE_GROUP if dev.type == "cpu" else max(1, len(decodes))
@@ -201,7 +203,8 @@ class ModelRunner:
             logits = graphs.run(order)
             return self._sample(logits, sampling)
         step = self.step_inputs(out)
-        sampling = self._sampling_batch(list(enumerate(s for s in step.order if s.sample)))
+        samplers = [s for s in step.order if s.sample]
+        sampling = self._sampling_batch(list(zip(draft_rows(samplers), samplers)))
         hidden = self.model.forward(step.input_ids, step.positions, step.attention, self.kv_caches, after_kv_store,
                                     self.kv_scale_layers)
         prompt_rows = plan_prompt_rows(len(out.decodes), out.prefills)
@@ -210,6 +213,8 @@ class ModelRunner:
         if sampling[0] is None:
             return {}
         logits = self.model.logits(hidden, step.sample_rows, step.sample_index)
+        if any(s.draft for s in samplers):
+            return sample_verified(self.sampling, self.sampler, logits, sampling, samplers)
         return self._sample(logits, sampling)
 
     def _sampling_batch(self, scheduled: list[tuple[int, ScheduledSeq]]) -> tuple[SamplingBatch | None, list[int]]:

@@ -8,7 +8,7 @@ sequences.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
@@ -28,6 +28,9 @@ class ScheduledSeq:
     start: int  # first position computed this step (the sequence's computed-token count before the step)
     num_tokens: int  # tokens computed this step: 1 for decode, a chunk for prefill
     sample: bool  # the step reaches the end of the known tokens, so the runner samples the next token
+    # speculative drafts verified after the last known token (engine/spec_verify.py): num_tokens counts them, every
+    # one of the 1 + len(draft) rows samples, and the step emits the run the samples agree with
+    draft: tuple[int, ...] = ()
 
     def export_range(self, block_size: int) -> range:
         """Logical block indices whose K/V a prefill actor must send after this step: the blocks this step writes,
@@ -81,6 +84,8 @@ class Scheduler:
         self._keys_r: list[tuple[int, float, int]] = []
         self.stats = SchedulerStats()
         self._finished_early: list[Sequence] = []  # retired inside schedule(); reported by update_from_output
+        # seq id -> its block table's length before this step's drafts took blocks: what a rollback keeps at least
+        self._draft_blocks: dict[int, int] = {}
 
     # -- queues -------------------------------------------------------------------------------------------------
     def _insert(self, seqs: list[Sequence], keys: list[tuple[int, float, int]], seq: Sequence) -> None:
@@ -112,14 +117,28 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[int, Seq[int]] | None = None) -> SchedulerOutput:
+        """``drafts``: seq id -> draft tokens to verify after a decoding sequence's last token (speculative
+        decoding), cut to the token budget and the context limit."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        self._draft_blocks.clear()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            copies = self.kv.allocate_slots(seq, n, [])
+            draft = tuple((drafts or {}).get(seq.seq_id, ()))
+            copies = None
+            if draft and n == 1 and not seq.pending_children:
+                draft = draft[:min(budget - 1, self.config.max_model_len - seq.num_tokens)]
+                blocks_before = len(seq.block_table)
+                copies = self.kv.allocate_slots(seq, 1 + len(draft), []) if draft else None
+                if copies is not None:  # drafts never preempt anyone: without room they are dropped
+                    n += len(draft)
+                    self._draft_blocks[seq.seq_id] = blocks_before
+            if copies is None:
+                draft = ()
+                copies = self.kv.allocate_slots(seq, n, [])
             while copies is None:
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:
@@ -135,7 +154,7 @@ class Scheduler:
             if copies is None:
                 break
             out.blocks_to_copy.extend(copies)
-            self._add_scheduled(out, seq, n)
+            self._add_scheduled(out, seq, n, draft)
             budget -= n
             i += 1
         if not out.preempted:
@@ -170,9 +189,9 @@ class Scheduler:
             budget -= n
             num_seqs += 1 + len(seq.pending_children)
 
-    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, seq: Sequence, n: int, draft: tuple[int, ...] = ()) -> None:
         start = seq.num_computed_tokens
-        s = ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens)
+        s = ScheduledSeq(seq, start, n, sample=start + n - len(draft) == seq.num_tokens, draft=draft)
         (out.decodes if n == 1 else out.prefills).append(s)
         out.num_batched_tokens += n
 
@@ -190,10 +209,17 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, fork children and retire finished sequences.
 
         ``sampled`` maps seq id to its sampled tokens: one, or ``1 + len(pending_children)`` at a parent's first
-        sample (one per completion). Returns ``(sequences that got a token, sequences that finished)``.
+        sample (one per completion), or a sequence with drafts its emitted run (engine/spec_verify.py), appended in
+        order until one finishes it. Returns ``(sequences that got a token: once per token, sequences that
+        finished)``. A sequence with drafts keeps the K/V of its last token and accepted drafts only: the rejected
+        positions' slots are simply not counted as computed (later steps overwrite them), and blocks past its
+        tokens go back to the pool.
         """
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_tokens
+            if s.draft:
+                s.seq.num_computed_tokens = s.start + len(sampled.get(s.seq.seq_id) or (0,))
+            else:
+                s.seq.num_computed_tokens = s.start + s.num_tokens
             self.kv.cache_full_blocks(s.seq)
         updated: list[Sequence] = []
         finished, self._finished_early = self._finished_early, []
@@ -202,6 +228,13 @@ class Scheduler:
             if not s.sample or toks is None or s.seq.is_finished:
                 continue
             seq = s.seq
+            if s.draft:
+                for tok in toks:
+                    self._append(seq, tok, updated, finished)
+                    if seq.is_finished:
+                        break
+                self._trim_blocks(seq)
+                continue
             children, seq.pending_children = seq.pending_children, []
             for child, tok in zip(children, toks[1:]):
                 self.kv.fork(seq, child)
@@ -210,6 +243,17 @@ class Scheduler:
                 self._append(child, tok, updated, finished)
             self._append(seq, toks[0], updated, finished)
         return updated, finished
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Mutates: a running ``seq`` gives back the blocks this step's drafts took past those its tokens need
+        (fresh blocks, never shared; blocks it held before, e.g. a reservation's, stay)."""
+        before = self._draft_blocks.pop(seq.seq_id, 0)
+        if seq.is_finished:
+            return
+        keep = max(before, -(-seq.num_tokens // self.kv.block_size))
+        if len(seq.block_table) > keep:
+            tail, seq.block_table[keep:] = seq.block_table[keep:], []
+            self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(tail))
 
     def append_token(self, seq: Sequence, tok: SampledToken) -> bool:
         """Append a token sampled elsewhere (a prefill actor's first token); returns whether ``seq`` finished."""

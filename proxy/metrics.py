@@ -108,7 +108,8 @@ class Metrics:
                 f'pdcluster_slo_seconds{{slo="window"}} {cfg.window_s}']
 
     def render(self, queue_depth: int, kv: dict[str, dict[str, int]], pools: dict[str, int] | None = None,
-               decisions: int | None = None, fallbacks: dict[str, dict[str, int]] | None = None) -> str:
+               decisions: int | None = None, fallbacks: dict[str, dict[str, int]] | None = None,
+               spec: dict[str, tuple[int, int, int]] | None = None) -> str:
         """The exposition text. Pure. ``pools``: routable actors per role; ``decisions``: the controller's count;
         ``fallbacks``: per prefill actor, decode actors offered in place that it writes over a socket, by reason
         (``WorkerStats.kv_inplace_fallbacks``)."""
@@ -145,4 +146,22 @@ class Metrics:
                       for a, c in sorted(fallbacks.items()) for r, n in sorted(c.items())]
         if decisions is not None:
             lines += ["# TYPE pdcluster_controller_decisions gauge", f"pdcluster_controller_decisions {decisions}"]
+        if spec:  # per decode actor that speculates: (verified requests, proposed, accepted) draft counters
+            lines += spec_lines(spec)
         return "\n".join(lines) + "\n"
+
+
+def spec_lines(spec: dict[str, tuple[int, int, int]]) -> list[str]:
+    """Speculative decoding's exposition lines: per decode actor its draft counters, acceptance rate and tokens per
+    verify step (``spec``: actor -> (verified requests, proposed tokens, accepted tokens)). Pure."""
+    lines = ["# TYPE pdcluster_spec_draft_tokens_total counter"]
+    for a, (_, proposed, accepted) in sorted(spec.items()):
+        lines += [f'pdcluster_spec_draft_tokens_total{{actor="{a}",outcome="proposed"}} {proposed}',
+                  f'pdcluster_spec_draft_tokens_total{{actor="{a}",outcome="accepted"}} {accepted}']
+    lines += ["# TYPE pdcluster_spec_acceptance_rate gauge"]
+    lines += [f'pdcluster_spec_acceptance_rate{{actor="{a}"}} {acc / prop if prop else 0.0}'
+              for a, (_, prop, acc) in sorted(spec.items())]
+    lines += ["# TYPE pdcluster_spec_tokens_per_verify gauge"]
+    lines += [f'pdcluster_spec_tokens_per_verify{{actor="{a}"}} {(acc + ver) / ver if ver else 0.0}'
+              for a, (ver, _, acc) in sorted(spec.items())]
+    return lines

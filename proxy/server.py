@@ -207,7 +207,9 @@ class Proxy:
         manager = await self.pools.manager_status()
         decisions = manager.get("decision_count") if manager else None
         fallbacks = {a.name: a.stats.kv_inplace_fallbacks for a in self.pools.prefill.values() if a.stats}
-        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks),
+        spec = {a.name: (a.stats.spec_verified_requests, a.stats.spec_proposed_tokens, a.stats.spec_accepted_tokens)
+                for a in self.pools.live_decode() if a.stats and a.stats.spec_proposed_tokens}
+        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks, spec),
                             content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------

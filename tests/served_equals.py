@@ -17,11 +17,13 @@ from tests.factories import EXACT_DTYPE
 
 
 def assert_served_equals_offline(model: Path, mode: str, prompts: list[str], max_tokens: int,
-                                 offline_texts: list[str]) -> None:
+                                 offline_texts: list[str], speculative_config: dict | None = None) -> None:
     """Serve ``model`` in ``mode``, send every prompt at once (greedy, ``ignore_eos``) and assert the completions
-    equal ``offline_texts``. Starts and stops its own cluster."""
+    equal ``offline_texts``. Starts and stops its own cluster. ``speculative_config``: the actors speculate, and
+    (disaggregated) the decode actor must have verified drafts."""
     cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, model=str(model), num_kv_blocks=256,
-                                                      max_num_batched_tokens=32),
+                                                      max_num_batched_tokens=32,
+                                                      speculative_config=speculative_config),
                                   decode=1, prefill=1, port=0, mode=mode))
     try:
         cluster.start()
@@ -37,5 +39,7 @@ def assert_served_equals_offline(model: Path, mode: str, prompts: list[str], max
         if mode == "disaggregated":
             stats = ray.get(cluster.decode_actors[0].stats.remote())
             assert stats["kv_parts_installed"] > 0 and stats["kv_parts_rejected"] == 0
+            if speculative_config is not None:
+                assert stats["spec_proposed_tokens"] > 0, stats
     finally:
         cluster.stop()

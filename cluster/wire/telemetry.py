@@ -162,6 +162,12 @@ class WorkerStats(_Wire):
     # proxy's ``prefilled`` Ray call (a backend or peer that could not carry it); a second delivery is ignored
     results_via_channel: int = 0
     results_via_ray: int = 0
+    # speculative decoding (decode; engine/spec_decode.py SpecStats): (request, step) pairs verified with drafts, draft
+    # tokens verified, of those accepted. Acceptance rate = accepted / proposed; tokens per verify step = (accepted +
+    # verified) / verified
+    spec_verified_requests: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.actor_id, str) or not self.actor_id:

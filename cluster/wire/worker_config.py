@@ -7,6 +7,7 @@ from typing import Any
 
 from cluster.wire.auth import ClusterSecret
 from engine.config import KV_CACHE_DTYPES, TP_KV_CACHES
+from engine.spec_config import SpeculativeConfig
 
 
 TP_ROLES = {"prefill": "prefill_tp", "decode": "decode_tp"}  # a worker role -> the WorkerConfig field of its TP size
@@ -80,8 +81,13 @@ class WorkerConfig:
     kv_disk_gib: float = 0.0
     kv_disk_integrity: str = "payload_mac"  # how L3 files are checked: payload_mac | blake2b
     kv_prefill_tokens_per_s: float = 0.0  # fetch from a tier only when it loads faster than this computes; 0: always
+    # speculative decoding (EngineConfig.speculative_config), as vLLM's dict or its JSON text; held as the validated
+    # dict (JSON-able, crosses to the actors as is). None: off
+    speculative_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.of(self.speculative_config)  # ValueError naming the bad key or value
+        object.__setattr__(self, "speculative_config", None if spec is None else spec.as_dict())
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -1,0 +1,124 @@
+"""The engine's speculative half: before each step it proposes drafts for the running requests, after it learns
+from what was accepted. No tensors, no I/O: the scheduler lays the drafts out, the runner verifies them
+(engine/spec_verify.py).
+
+Which requests draft: decoding ones (their last token not yet computed, no unforked children) whose sampling the
+verification reproduces exactly: no repetition, presence or frequency penalty (row ``j`` would have to count the
+drafts before it) and no grammar (row ``j``'s mask would have to follow them); such requests simply run without
+drafts. How many: engine/spec_policy.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampler import has_penalty
+from engine.scheduler import SampledToken, SchedulerOutput
+from engine.sequence import Sequence
+from engine.spec_config import SpeculativeConfig
+from engine.spec_ngram import SuffixIndex
+from engine.spec_policy import Acceptance, DraftWish, allocate_drafts, best_k
+
+
+@dataclass
+class SpecStats:
+    """Counters since the engine started (mutated by :meth:`SpeculativeDecoder.observe` and ``propose``)."""
+
+    verify_steps: int = 0  # engine steps that verified some draft
+    verified_requests: int = 0  # (request, step) pairs verified with drafts
+    proposed_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of those, accepted
+    stepped_back: int = 0  # steps whose drafts the load switch removed entirely
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0 before any). Pure."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """Tokens a request emits per verify step with drafts: accepted drafts plus the model's own token (1 would
+        mean no draft ever accepted; 0 before any). Pure."""
+        return (self.accepted_tokens + self.verified_requests) / self.verified_requests if self.verified_requests \
+            else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters and both rates (for stats messages and /metrics). Pure."""
+        return {"verify_steps": self.verify_steps, "verified_requests": self.verified_requests,
+                "proposed_tokens": self.proposed_tokens, "accepted_tokens": self.accepted_tokens,
+                "stepped_back": self.stepped_back, "acceptance_rate": self.acceptance_rate,
+                "tokens_per_verify": self.tokens_per_verify}
+
+
+def can_draft(seq: Sequence) -> bool:
+    """Whether ``seq``'s sampling is reproduced exactly when it verifies drafts (see the module docstring). Pure."""
+    p = seq.params
+    return p.grammar is None and not has_penalty(p)
+
+
+@dataclass
+class _State:
+    index: SuffixIndex
+    acceptance: Acceptance
+
+
+class SpeculativeDecoder:
+    """Owns each running sequence's n-gram index and measured acceptance. ``propose`` and ``observe`` mutate."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecStats()
+        self._states: dict[int, _State] = {}
+
+    def propose(self, running: list[Sequence]) -> dict[int, list[int]]:
+        """seq id -> drafts for this step (absent: none). Mutates: indexes catch up with the sequences' tokens,
+        sequences no longer running are forgotten."""
+        cfg = self.config
+        live = {q.seq_id for q in running}
+        for gone in [s for s in self._states if s not in live]:
+            del self._states[gone]
+        if running and not allocate_drafts([DraftWish(-1, 1.0, 1)], len(running), cfg.verify_budget_tokens,
+                                           cfg.disable_by_batch_size):
+            # the load switch grants nothing at this batch size: skip proposing (indexes catch up when it reopens)
+            self.stats.stepped_back += 1
+            return {}
+        wishes: list[DraftWish] = []
+        drafts: dict[int, list[int]] = {}
+        for q in running:
+            if q.num_tokens - q.num_computed_tokens != 1 or q.pending_children or not can_draft(q):
+                continue
+            state = self._states.get(q.seq_id)
+            if state is None:
+                state = self._states[q.seq_id] = _State(SuffixIndex(cfg.prompt_lookup_min or 1), Acceptance())
+            state.index.sync(q.prompt_token_ids, q.output_token_ids)
+            # drafts past the request's last token would be verified for nothing
+            room = min(q.params.max_tokens - len(q.output_token_ids) - 1, cfg.num_speculative_tokens)
+            alpha = state.acceptance.alpha
+            k = min(room, best_k(alpha, cfg.num_speculative_tokens, cfg.draft_token_cost))
+            if k < 1:
+                continue
+            draft, _ = state.index.propose(k)
+            if draft:
+                drafts[q.seq_id] = draft
+                wishes.append(DraftWish(q.seq_id, alpha, len(draft)))
+        granted = allocate_drafts(wishes, len(running), cfg.verify_budget_tokens, cfg.disable_by_batch_size)
+        if wishes and not granted:
+            self.stats.stepped_back += 1
+        return {s: drafts[s][:k] for s, k in granted.items()}
+
+    def observe(self, out: SchedulerOutput, sampled: dict[int, list[SampledToken]]) -> None:
+        """Mutates: each verified request's acceptance and the counters, from what the step emitted."""
+        verified = False
+        for s in out.scheduled:
+            toks = sampled.get(s.seq.seq_id)
+            if not s.draft or toks is None:
+                continue
+            verified = True
+            accepted = len(toks) - 1
+            self.stats.verified_requests += 1
+            self.stats.proposed_tokens += len(s.draft)
+            self.stats.accepted_tokens += accepted
+            state = self._states.get(s.seq.seq_id)
+            if state is not None:
+                state.acceptance.observe(len(s.draft), accepted)
+        self.stats.verify_steps += verified
