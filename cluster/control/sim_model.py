@@ -1,6 +1,7 @@
 """The simulator's inputs: the cost profile of one worker, and traffic (a JSONL trace or a named workload). Pure.
 
-A trace line is ``{"t": arrival_seconds, "prompt_tokens": int, "output_tokens": int}`` (``"prefix_id"`` optional).
+A trace line is ``{"t": arrival_seconds, "prompt_tokens": int, "output_tokens": int}`` (``"prefix_id"`` optional;
+``"max_tokens"`` optional: the request's ask, the rest of the context when absent).
 Workloads are generated for a number of workers, so that the offered load stays a fixed share of what the workers
 can serve while the prompt/output mix moves:
 
@@ -98,28 +99,41 @@ class CostProfile:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
+CONTEXT_TOKENS = 16384  # a request's context window when its trace says no max_tokens: it asks for the rest
+
+
 @dataclass(frozen=True)
 class Trace:
-    """Arrivals in time order: numpy arrays of equal length."""
+    """Arrivals in time order: numpy arrays of equal length. ``output`` is the truth the simulated engine produces;
+    what a proxy (and so the controller) sees of it is only ``asked()``, the requested ``max_tokens``."""
 
     t: np.ndarray  # float64 seconds
     prompt: np.ndarray  # int64 prompt tokens
     output: np.ndarray  # int64 output tokens (>= 1)
     duration: float
+    max_tokens: np.ndarray | None = None  # int64 requested max_tokens (>= output); None: the rest of the context
 
     def __len__(self) -> int:
         return len(self.t)
 
+    def asked(self) -> np.ndarray:
+        """Each request's ``max_tokens`` as its client sent it, or the rest of a :data:`CONTEXT_TOKENS` context
+        (what the proxy defaults it to), never below its output. Pure."""
+        if self.max_tokens is not None:
+            return np.maximum(self.max_tokens, self.output)
+        return np.maximum(CONTEXT_TOKENS - self.prompt, self.output)
+
 
 def load_trace(path: str | Path) -> Trace:
     """Read a JSONL trace; ``ValueError`` names the first bad line."""
-    ts, ps, os_ = [], [], []
+    ts, ps, os_, ms = [], [], [], []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             t, p, o = float(rec["t"]), int(rec["prompt_tokens"]), int(rec["output_tokens"])
+            m = int(rec.get("max_tokens", CONTEXT_TOKENS - p))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n}: expected {{t, prompt_tokens, output_tokens}}: {e}") from None
         if not (math.isfinite(t) and t >= 0 and p >= 1 and o >= 1):
@@ -127,11 +141,13 @@ def load_trace(path: str | Path) -> Trace:
         ts.append(t)
         ps.append(p)
         os_.append(o)
+        ms.append(max(m, o))
     if not ts:
         raise ValueError(f"{path}: no requests")
     order = np.argsort(np.asarray(ts), kind="stable")
     t = np.asarray(ts)[order]
-    return Trace(t, np.asarray(ps, dtype=np.int64)[order], np.asarray(os_, dtype=np.int64)[order], float(t[-1]))
+    return Trace(t, np.asarray(ps, dtype=np.int64)[order], np.asarray(os_, dtype=np.int64)[order], float(t[-1]),
+                 max_tokens=np.asarray(ms, dtype=np.int64)[order])
 
 
 def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray, duration_s: float) -> tuple[np.ndarray, np.ndarray,
