@@ -42,6 +42,7 @@ import numpy as np
 from cluster.control import budget
 from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
 from cluster.control.observe import Demand, ObserverConfig, ObserverState, build
+from cluster.control.predict import CLASSES, prompt_classes
 from cluster.control.sim_model import CostProfile, Trace
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
@@ -75,6 +76,9 @@ class Simulation:
         self._t: list[float] = trace.t.tolist()
         self._p: list[int] = trace.prompt.tolist()
         self._o: list[int] = trace.output.tolist()
+        # what the proxies see of each request: its ask and its prompt's class, never its output until it finishes
+        self._asked = trace.asked()
+        self._class = prompt_classes(trace.prompt)
         # KV tokens each request holds once admitted: its prompt plus max(headroom, output)
         self.need: list[float] = np.minimum(trace.prompt + np.maximum(trace.output, profile.reserve_headroom_tokens),
                                             self.kv_total).astype(np.float64).tolist()
@@ -257,16 +261,20 @@ class Simulation:
         first, last, t_adm = _take(self.first, done), _take(self.last, done), _take(self.t_adm, done)
         ttft = first - t
         tpot = (last - first) / np.maximum(1, out - 1)
+        cls = self._class[idx]
         return Demand(
             arrivals=upto - lo, prompt_tokens=float(tr.prompt[lo:upto].sum()),
-            max_output_tokens=float(tr.output[lo:upto].sum()), gate_waiting=len(self.adm_queue),
+            max_output_tokens=float(self._asked[lo:upto].sum()), gate_waiting=len(self.adm_queue),
             gate_prompt_tokens=self.adm_tokens, finished=len(done),
             finished_prompt_tokens=float(tr.prompt[idx].sum()), finished_output_tokens=float(out.sum()),
             ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
             met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
             ttft_s=float(ttft.sum()), tpot_s=float(tpot.sum()), admission_wait_s=float((t_adm - t).sum()),
             prefill_queue_s=float(_take(self.t_pq, done).sum()), prefill_compute_s=float(_take(self.t_pc, done).sum()),
-            transfer_s=float(_take(self.t_xf, done).sum()))
+            transfer_s=float(_take(self.t_xf, done).sum()),
+            arrivals_by_class=tuple(np.bincount(self._class[lo:upto], minlength=CLASSES).astype(float).tolist()),
+            finished_by_class=tuple(np.bincount(cls, minlength=CLASSES).astype(float).tolist()),
+            finished_output_by_class=tuple(np.bincount(cls, out, minlength=CLASSES).tolist()))
 
     def _control(self, now: float, upto: int) -> None:
         bounded = self.kv_total < UNBOUNDED
