@@ -50,6 +50,7 @@ class CostProfile:
     reserve_headroom_tokens: float = 256.0
     start_s: float = 60.0  # a new actor: start, load weights, join
     flip_s: float = 5.0  # an actor changing role once drained (same weights, no reload)
+    queue_timeout_s: float = 10.0  # a request waiting longer for decode K/V is refused (429), as the proxies' default
     source: str = "checked-in default"
 
     def __post_init__(self) -> None:
