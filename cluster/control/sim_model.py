@@ -10,7 +10,11 @@ can serve while the prompt/output mix moves:
 - ``bursts``: a steady mix with prompt-heavy bursts (1.3x the work) for the last 5 of every 15 minutes;
 - ``alternating``: long prompts with short answers (~1600 / ~40 tokens) and short prompts with long answers
   (~200 / ~400) take turns every 10 minutes, at the same load;
-- ``steady``: one mix, one rate.
+- ``steady``: one mix, one rate;
+- ``aperiodic``: ``bursts``' mixes, but surges of 3-10 minutes start at random (seeded) times, 4-20 minutes apart:
+  nothing repeats, so no forecast can be tuned to it;
+- ``shifted``: ``bursts``' 5-minute surges, but each comes 12-18 minutes (seeded) after the last one: a season whose
+  phase drifts, so a forecast confirmed on earlier surges is early or late.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 from cluster.control.controller import ControllerConfig
 from cluster.control.observe import ObserverConfig
 
-WORKLOADS = ("diurnal", "bursts", "alternating", "steady")
+WORKLOADS = ("diurnal", "bursts", "alternating", "steady", "aperiodic", "shifted")
 DEFAULT_PROFILE = Path(__file__).parents[1] / "profiles" / "cpu-default.json"
 
 
@@ -166,6 +170,19 @@ def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray, duration_s: float) 
     return np.full_like(phase, 600.0), np.full_like(phase, 150.0), np.ones_like(phase)
 
 
+def _surges(name: str, secs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Which seconds are in a prompt-heavy surge. Pure (seeded)."""
+    if name not in ("aperiodic", "shifted"):
+        return (secs % 900) >= 600  # the last 5 of every 15 minutes
+    out = np.zeros(len(secs), dtype=bool)
+    t = float(rng.uniform(240, 900))  # the first surge
+    while t < len(secs):
+        length = rng.uniform(180, 600) if name == "aperiodic" else 300.0
+        out[int(t):int(t + length)] = True
+        t += length + (rng.uniform(240, 1200) if name == "aperiodic" else rng.uniform(420, 780))
+    return out
+
+
 def make_workload(name: str, workers: int, profile: CostProfile, duration_s: float = 3600.0, seed: int = 0,
                   load: float = 0.6) -> Trace:
     """Poisson arrivals whose mean work fills ``load`` of ``workers`` at the ideal split. Pure (seeded)."""
@@ -175,8 +192,9 @@ def make_workload(name: str, workers: int, profile: CostProfile, duration_s: flo
         raise ValueError("workers must be >= 2 and duration_s > 0")
     rng = np.random.default_rng(seed)
     secs = np.arange(int(math.ceil(duration_s)), dtype=np.float64)
-    in_burst = (secs % 900) >= 600  # the last 5 of every 15 minutes
-    mean_p, mean_o, mult = _mix(name, secs / duration_s, in_burst, duration_s)
+    in_burst = _surges(name, secs, rng)
+    mean_p, mean_o, mult = _mix("bursts" if name in ("aperiodic", "shifted") else name, secs / duration_s, in_burst,
+                                duration_s)
     decode_tps = profile.decode_capacity_tps(profile.max_batch // 2, 600.0)
     work = mean_p / profile.prefill_tps + mean_o / decode_tps  # worker-seconds per request
     rate = load * workers / work * mult
