@@ -85,3 +85,21 @@ def test_fetch_copies_from_a_local_folder_and_says_what_it_could_not_get(tmp_pat
     assert pt.fetch(["azure-conv"], cache, None)["azure-conv"] == "cached"
     with pytest.raises(FileNotFoundError, match="fetch"):
         pt.path_of("azure-code", cache)
+
+
+def test_simulate_runs_a_public_trace_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from cluster.cli import main as cli_main
+
+    rng = np.random.default_rng(1)
+    rows = [f"2023-11-16 18:{m:02d}:{s:02d}.0000000,{rng.integers(50, 2000)},{rng.integers(1, 300)}"
+            for m in range(10) for s in range(0, 60, 3)]
+    write(tmp_path, "azure-conv", "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    monkeypatch.setenv("PDCLUSTER_TRACE_CACHE", str(tmp_path))
+    out = tmp_path / "r.json"
+    rc = cli_main(["simulate", "--public-trace", "azure-conv", "--duration", "600", "--trace-rate", "2",
+                   "--workers", "4", "--policy", "adaptive", "--slo-ttft", "5", "--slo-tpot", "0.25",
+                   "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["requests"] == pytest.approx(400, rel=0.15) and "public trace azure-conv" in report["source"]
