@@ -13,7 +13,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Discrete-event simulation of a disaggregated cluster (see cluster/control/simulator.py).")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="JSONL: one {\"t\", \"prompt_tokens\", \"output_tokens\"} per line")
-    src.add_argument("--workload", help="a generated workload: diurnal | bursts | alternating | steady")
+    src.add_argument("--workload", help="a generated workload: diurnal | bursts | alternating | steady | aperiodic | "
+                                        "shifted")
+    src.add_argument("--public-trace", metavar="NAME",
+                     help="a public production trace from the cache (azure-conv | azure-code | burstgpt; fetch it "
+                          "first: python -m cluster.control.public_traces fetch [--from DIR]): one --duration window, "
+                          "prompts capped at 8,000 tokens, the rate scaled by --trace-rate")
     src.add_argument("--replay", metavar="FILE",
                      help="an autoscale record (serve/autoscale --record, or simulate --record): re-run its arrivals "
                           "in closed loop with its controller config, SLOs and initial pools; report live beside "
@@ -26,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                     "--replay: the record's own profile, if it has one)")
     s.add_argument("--record", default=None, metavar="FILE",
                    help="write the run's record (arrivals, every observation and decision) for --replay")
+    s.add_argument("--trace-rate", type=float, default=1.0, help="--public-trace: arrival rate multiplier")
+    s.add_argument("--trace-start", type=float, default=0.0, help="--public-trace: window start, seconds")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--duration", type=float, default=3600.0, help="seconds of generated workload")
     s.add_argument("--load", type=float, default=0.6, help="generated workload's load as a share of capacity")
@@ -79,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
         profile = CostProfile.load(args.profile or DEFAULT_PROFILE)
         if args.trace:
             trace = load_trace(args.trace)
+        elif args.public_trace:
+            from cluster.control import public_traces
+
+            trace = public_traces.load(args.public_trace, start_s=args.trace_start, duration_s=args.duration,
+                                       rate=args.trace_rate, seed=args.seed)
         else:
             trace = make_workload(args.workload, args.workers, profile, args.duration, args.seed, args.load)
         initial = None
@@ -108,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     report = summarize(result, trace)
     report.update(policy=args.policy, workers=args.workers, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
                   profile=profile.source, simulation_wall_s=round(wall, 3),
-                  source=args.trace or f"workload {args.workload} (seed {args.seed}, load {args.load})")
+                  source=args.trace or (f"public trace {args.public_trace} (rate x{args.trace_rate}, seed {args.seed})"
+                                        if args.public_trace else
+                                        f"workload {args.workload} (seed {args.seed}, load {args.load})"))
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     if args.plot:

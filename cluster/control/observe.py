@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.control.controller import ActorObservation, Observation
+from cluster.control.predict import CLASSES, OutputModel, prompt_class
 from cluster.wire.telemetry import ProxyReport, WorkerStats
 from cluster.wire.slo import RequestLatency, SloConfig, judge
 
@@ -125,6 +126,11 @@ class Demand:
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     transfer_s: float = 0.0
+    # per prompt-length class (cluster.control.predict): arrivals, and finished requests with their output tokens;
+    # what the output-length predictor learns from and predicts for (empty: no class counts, the overall mean only)
+    arrivals_by_class: tuple[float, ...] = ()
+    finished_by_class: tuple[float, ...] = ()
+    finished_output_by_class: tuple[float, ...] = ()
 
 
 def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_tpot_s: float) -> Demand:
@@ -133,6 +139,8 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
     sums: dict[str, float] = {}
     arrivals = rejected = failed = finished = ttft_met = tpot_met = met = 0
     slo = SloConfig(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
+
+    by_class = {k: [0.0] * CLASSES for k in ("arrivals_by_class", "finished_by_class", "finished_output_by_class")}
 
     def add(name: str, v: float) -> None:
         sums[name] = sums.get(name, 0.0) + v
@@ -145,8 +153,12 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
         for a in r.arrivals:
             add("prompt_tokens", a.prompt_tokens)
             add("max_output_tokens", a.max_tokens * a.n)
+            by_class["arrivals_by_class"][prompt_class(a.prompt_tokens)] += 1
         for f in r.finished:
             finished += 1
+            c = prompt_class(f.prompt_tokens)
+            by_class["finished_by_class"][c] += 1
+            by_class["finished_output_by_class"][c] += f.output_tokens
             outcome = judge(RequestLatency(f.ttft_s, f.tpot_s), slo)  # the metric's own definition of "met"
             ttft_met += outcome.ttft_met
             tpot_met += outcome.tpot_met
@@ -159,7 +171,8 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
     return Demand(arrivals=arrivals, rejected=rejected, failed=failed, finished=finished, ttft_met=ttft_met,
                   tpot_met=tpot_met, met=met,
                   gate_waiting=sum(r.waiting for r in newest.values()),
-                  gate_prompt_tokens=float(sum(r.waiting_prompt_tokens for r in newest.values())), **sums)
+                  gate_prompt_tokens=float(sum(r.waiting_prompt_tokens for r in newest.values())),
+                  **{k: tuple(v) for k, v in by_class.items()}, **sums)
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,7 @@ class ObserverState:
     capacity: Mapping[str, float] = field(default_factory=dict)  # actor id -> EWMA tokens per busy second
     cache_hit: float = 0.0  # share of prompt tokens served from prefix caches, as last seen
     mean_output: float | None = None  # output tokens per request, as last seen
+    outputs: OutputModel = field(default_factory=OutputModel)  # finished outputs per prompt class (the predictor)
 
 
 def _rebased(prev: ActorCounters | None, now: ActorCounters) -> bool:
@@ -221,15 +235,21 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
     d = demand
     cache_hit = d.finished_cached_tokens / d.finished_prompt_tokens if d.finished_prompt_tokens > 0 else state.cache_hit
     mean_output = d.finished_output_tokens / d.finished if d.finished else state.mean_output
-    new_state = ObserverState(now, counters, capacity, cache_hit, mean_output)
+    model = state.outputs
+    if d.finished_by_class:
+        model = model.learn(d.finished_by_class, d.finished_output_by_class)
+    new_state = ObserverState(now, counters, capacity, cache_hit, mean_output, model)
     if state.t is None or dt <= 0:
         return None, new_state
+    # the arrivals' output predicted from their prompt classes (cluster.control.predict), else the finished mean
+    predicted = model.predict(d.arrivals_by_class) if d.arrivals_by_class and any(d.arrivals_by_class) else None
+    if predicted is not None:
+        mean_output = predicted
     asked = d.max_output_tokens / d.arrivals if d.arrivals else None  # what was asked for bounds what will come
     if mean_output is None:  # nothing finished yet
         mean_output = asked or 0.0
     elif asked is not None and asked < mean_output:
-        # the window's arrivals asked for fewer tokens than the finished requests got: a new mix came in (the
-        # finished ones are the old mix's, and long answers finish last), so decode demand is bounded by the ask
+        # the window's arrivals asked for fewer tokens than predicted: decode demand is bounded by the ask
         mean_output = asked
     mean_prompt = d.prompt_tokens / d.arrivals if d.arrivals else 0.0
     observed = []

@@ -39,7 +39,7 @@ def trace_from_recording(rec: Recording) -> Trace:
     outputs: dict[tuple[str, int], deque[int]] = defaultdict(deque)
     for f in rec.finished:  # in time order
         outputs[(f.proxy, f.sample.prompt_tokens)].append(f.sample.output_tokens)
-    t, prompt, output = [], [], []
+    t, prompt, output, asked = [], [], [], []
     for a in rec.arrivals:
         if a.output_tokens is not None:
             out = a.output_tokens
@@ -49,10 +49,11 @@ def trace_from_recording(rec: Recording) -> Trace:
         t.append(max(0.0, a.t))
         prompt.append(max(1, a.prompt_tokens))
         output.append(max(1, out))
+        asked.append(max(1, out, a.max_tokens * a.n))
     order = np.argsort(np.asarray(t), kind="stable")
     ts = np.asarray(t, dtype=np.float64)[order]
     return Trace(ts, np.asarray(prompt, dtype=np.int64)[order], np.asarray(output, dtype=np.int64)[order],
-                 float(max(rec.end_t, ts[-1])))
+                 float(max(rec.end_t, ts[-1])), max_tokens=np.asarray(asked, dtype=np.int64)[order])
 
 
 def live_attainment(rec: Recording) -> dict[str, Any]:
@@ -144,10 +145,11 @@ def record_simulation(path: str | Path, trace: Trace, profile: CostProfile, cfg:
     result = sim.run()
     writer = RecordWriter(path, header_fields("simulator", cfg, sim.obs_cfg, sizes, profile=dataclasses.asdict(profile),
                                               wall_time=time.time()))
+    asked = trace.asked()
     try:
         for i in range(len(trace)):
             writer.write("arrival", float(trace.t[i]), {"proxy": "sim", "prompt_tokens": int(trace.prompt[i]),
-                                                        "max_tokens": int(trace.output[i]), "n": 1,
+                                                        "max_tokens": int(asked[i]), "n": 1,
                                                         "output_tokens": int(trace.output[i])})
         for t, obs, decision in windows:
             writer.write("observation", t, observation_fields(obs))

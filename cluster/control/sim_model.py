@@ -1,6 +1,7 @@
 """The simulator's inputs: the cost profile of one worker, and traffic (a JSONL trace or a named workload). Pure.
 
-A trace line is ``{"t": arrival_seconds, "prompt_tokens": int, "output_tokens": int}`` (``"prefix_id"`` optional).
+A trace line is ``{"t": arrival_seconds, "prompt_tokens": int, "output_tokens": int}`` (``"prefix_id"`` optional;
+``"max_tokens"`` optional: the request's ask, the rest of the context when absent).
 Workloads are generated for a number of workers, so that the offered load stays a fixed share of what the workers
 can serve while the prompt/output mix moves:
 
@@ -9,7 +10,11 @@ can serve while the prompt/output mix moves:
 - ``bursts``: a steady mix with prompt-heavy bursts (1.3x the work) for the last 5 of every 15 minutes;
 - ``alternating``: long prompts with short answers (~1600 / ~40 tokens) and short prompts with long answers
   (~200 / ~400) take turns every 10 minutes, at the same load;
-- ``steady``: one mix, one rate.
+- ``steady``: one mix, one rate;
+- ``aperiodic``: ``bursts``' mixes, but surges of 3-10 minutes start at random (seeded) times, 4-20 minutes apart:
+  nothing repeats, so no forecast can be tuned to it;
+- ``shifted``: ``bursts``' 5-minute surges, but each comes 12-18 minutes (seeded) after the last one: a season whose
+  phase drifts, so a forecast confirmed on earlier surges is early or late.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from cluster.control.controller import ControllerConfig
 from cluster.control.observe import ObserverConfig
 
-WORKLOADS = ("diurnal", "bursts", "alternating", "steady")
+WORKLOADS = ("diurnal", "bursts", "alternating", "steady", "aperiodic", "shifted")
 DEFAULT_PROFILE = Path(__file__).parents[1] / "profiles" / "cpu-default.json"
 
 
@@ -49,6 +54,7 @@ class CostProfile:
     reserve_headroom_tokens: float = 256.0
     start_s: float = 60.0  # a new actor: start, load weights, join
     flip_s: float = 5.0  # an actor changing role once drained (same weights, no reload)
+    queue_timeout_s: float = 10.0  # a request waiting longer for decode K/V is refused (429), as the proxies' default
     source: str = "checked-in default"
 
     def __post_init__(self) -> None:
@@ -98,28 +104,41 @@ class CostProfile:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
+CONTEXT_TOKENS = 16384  # a request's context window when its trace says no max_tokens: it asks for the rest
+
+
 @dataclass(frozen=True)
 class Trace:
-    """Arrivals in time order: numpy arrays of equal length."""
+    """Arrivals in time order: numpy arrays of equal length. ``output`` is the truth the simulated engine produces;
+    what a proxy (and so the controller) sees of it is only ``asked()``, the requested ``max_tokens``."""
 
     t: np.ndarray  # float64 seconds
     prompt: np.ndarray  # int64 prompt tokens
     output: np.ndarray  # int64 output tokens (>= 1)
     duration: float
+    max_tokens: np.ndarray | None = None  # int64 requested max_tokens (>= output); None: the rest of the context
 
     def __len__(self) -> int:
         return len(self.t)
 
+    def asked(self) -> np.ndarray:
+        """Each request's ``max_tokens`` as its client sent it, or the rest of a :data:`CONTEXT_TOKENS` context
+        (what the proxy defaults it to), never below its output. Pure."""
+        if self.max_tokens is not None:
+            return np.maximum(self.max_tokens, self.output)
+        return np.maximum(CONTEXT_TOKENS - self.prompt, self.output)
+
 
 def load_trace(path: str | Path) -> Trace:
     """Read a JSONL trace; ``ValueError`` names the first bad line."""
-    ts, ps, os_ = [], [], []
+    ts, ps, os_, ms = [], [], [], []
     for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             t, p, o = float(rec["t"]), int(rec["prompt_tokens"]), int(rec["output_tokens"])
+            m = int(rec.get("max_tokens", CONTEXT_TOKENS - p))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}:{n}: expected {{t, prompt_tokens, output_tokens}}: {e}") from None
         if not (math.isfinite(t) and t >= 0 and p >= 1 and o >= 1):
@@ -127,11 +146,13 @@ def load_trace(path: str | Path) -> Trace:
         ts.append(t)
         ps.append(p)
         os_.append(o)
+        ms.append(max(m, o))
     if not ts:
         raise ValueError(f"{path}: no requests")
     order = np.argsort(np.asarray(ts), kind="stable")
     t = np.asarray(ts)[order]
-    return Trace(t, np.asarray(ps, dtype=np.int64)[order], np.asarray(os_, dtype=np.int64)[order], float(t[-1]))
+    return Trace(t, np.asarray(ps, dtype=np.int64)[order], np.asarray(os_, dtype=np.int64)[order], float(t[-1]),
+                 max_tokens=np.asarray(ms, dtype=np.int64)[order])
 
 
 def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray, duration_s: float) -> tuple[np.ndarray, np.ndarray,
@@ -149,6 +170,19 @@ def _mix(name: str, phase: np.ndarray, in_burst: np.ndarray, duration_s: float) 
     return np.full_like(phase, 600.0), np.full_like(phase, 150.0), np.ones_like(phase)
 
 
+def _surges(name: str, secs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Which seconds are in a prompt-heavy surge. Pure (seeded)."""
+    if name not in ("aperiodic", "shifted"):
+        return (secs % 900) >= 600  # the last 5 of every 15 minutes
+    out = np.zeros(len(secs), dtype=bool)
+    t = float(rng.uniform(240, 900))  # the first surge
+    while t < len(secs):
+        length = rng.uniform(180, 600) if name == "aperiodic" else 300.0
+        out[int(t):int(t + length)] = True
+        t += length + (rng.uniform(240, 1200) if name == "aperiodic" else rng.uniform(420, 780))
+    return out
+
+
 def make_workload(name: str, workers: int, profile: CostProfile, duration_s: float = 3600.0, seed: int = 0,
                   load: float = 0.6) -> Trace:
     """Poisson arrivals whose mean work fills ``load`` of ``workers`` at the ideal split. Pure (seeded)."""
@@ -158,8 +192,9 @@ def make_workload(name: str, workers: int, profile: CostProfile, duration_s: flo
         raise ValueError("workers must be >= 2 and duration_s > 0")
     rng = np.random.default_rng(seed)
     secs = np.arange(int(math.ceil(duration_s)), dtype=np.float64)
-    in_burst = (secs % 900) >= 600  # the last 5 of every 15 minutes
-    mean_p, mean_o, mult = _mix(name, secs / duration_s, in_burst, duration_s)
+    in_burst = _surges(name, secs, rng)
+    mean_p, mean_o, mult = _mix("bursts" if name in ("aperiodic", "shifted") else name, secs / duration_s, in_burst,
+                                duration_s)
     decode_tps = profile.decode_capacity_tps(profile.max_batch // 2, 600.0)
     work = mean_p / profile.prefill_tps + mean_o / decode_tps  # worker-seconds per request
     rate = load * workers / work * mult

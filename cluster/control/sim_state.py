@@ -94,3 +94,4 @@ class SimResult:
     decisions: list[dict]  # {"t", "reason", ...} for decisions that changed something
     duration: float
     admission_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request: waiting for decode KV
+    refused: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per request: 429 after the timeout

@@ -23,6 +23,7 @@ def summarize(result: SimResult, trace: Trace) -> dict[str, Any]:
     return {
         "requests": int(len(trace)),
         "served": int(served.sum()),
+        "refused": int(result.refused.sum()),
         "duration_s": round(result.duration, 3),
         "goodput_rps": round(float(result.ok.sum()) / result.duration, 4),
         "throughput_rps": round(float(served.sum()) / result.duration, 4),

@@ -6,8 +6,9 @@ The model (costs from a :class:`~cluster.control.sim_model.CostProfile`), in the
   the most free, its prompt plus ``reserve_headroom_tokens`` of output; growth past the headroom is counted as taken
   from then on (live, the admission counts the decode actors' projected growth as taken), so it holds
   ``prompt + max(headroom, output)`` tokens until it finishes. When no decode actor has that much free it waits in
-  one FIFO queue (a newcomer never overtakes), and that wait is part of its TTFT, as it is live. Waits are not cut
-  off by a timeout here (live they end in a 429 after ``--queue-timeout``).
+  one FIFO queue (a newcomer never overtakes), and that wait is part of its TTFT, as it is live. A wait longer than
+  the profile's ``queue_timeout_s`` ends in a 429, as live after ``--queue-timeout``: the request is refused, counts
+  as a miss, and the controller sees it in ``Demand.rejected``.
 - **Prefill**: it goes to the prefill actor that will be free first; each actor serves its queue first come first
   served at ``prefill_tps`` (chunked prefill keeps it at full budget), plus a fixed overhead per request. The first
   token leaves when the prompt is done.
@@ -42,6 +43,7 @@ import numpy as np
 from cluster.control import budget
 from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
 from cluster.control.observe import Demand, ObserverConfig, ObserverState, build
+from cluster.control.predict import CLASSES, prompt_classes
 from cluster.control.sim_model import CostProfile, Trace
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
@@ -75,6 +77,9 @@ class Simulation:
         self._t: list[float] = trace.t.tolist()
         self._p: list[int] = trace.prompt.tolist()
         self._o: list[int] = trace.output.tolist()
+        # what the proxies see of each request: its ask and its prompt's class, never its output until it finishes
+        self._asked = trace.asked()
+        self._class = prompt_classes(trace.prompt)
         # KV tokens each request holds once admitted: its prompt plus max(headroom, output)
         self.need: list[float] = np.minimum(trace.prompt + np.maximum(trace.output, profile.reserve_headroom_tokens),
                                             self.kv_total).astype(np.float64).tolist()
@@ -88,6 +93,9 @@ class Simulation:
         self.seq = itertools.count(1)
         self.adm_queue: deque[int] = deque()  # requests waiting for decode KV, FIFO
         self.adm_tokens = 0.0  # their prompt tokens
+        self.timeout = profile.queue_timeout_s if profile.queue_timeout_s > 0 else math.inf
+        self.refused = [False] * n  # refused with a 429 after waiting queue_timeout_s
+        self.window_refused = 0
         self.prefill_heap: list[tuple[float, int]] = [(0.0, a.aid) for a in self.actors if a.role == "prefill"]
         heapq.heapify(self.prefill_heap)
         self.kv_heap: list[tuple[float, int]] = [(-a.kv_free(), a.aid) for a in self.actors if a.role == "decode"]
@@ -145,9 +153,20 @@ class Simulation:
         heapq.heapify(self.kv_heap)
 
     # -- admission (decode KV) ----------------------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        """Refuse (429) the waiters that waited ``queue_timeout_s``: the oldest are at the head (FIFO)."""
+        q, t_arr, limit = self.adm_queue, self._t, now - self.timeout
+        while q and t_arr[q[0]] <= limit:
+            r = q.popleft()
+            self.adm_tokens -= self._p[r]
+            self.refused[r] = True
+            self.window_refused += 1
+
     def _admit(self, now: float) -> None:
-        """Admit from the head of the queue while the head fits on some decode actor (strict FIFO)."""
+        """Admit from the head of the queue while the head fits on some decode actor (strict FIFO); waiters past
+        their queue timeout are refused first."""
         q = self.adm_queue
+        self._expire(now)
         while q:
             r = q[0]
             a = self._most_free()
@@ -257,22 +276,27 @@ class Simulation:
         first, last, t_adm = _take(self.first, done), _take(self.last, done), _take(self.t_adm, done)
         ttft = first - t
         tpot = (last - first) / np.maximum(1, out - 1)
+        cls = self._class[idx]
         return Demand(
-            arrivals=upto - lo, prompt_tokens=float(tr.prompt[lo:upto].sum()),
-            max_output_tokens=float(tr.output[lo:upto].sum()), gate_waiting=len(self.adm_queue),
+            arrivals=upto - lo, prompt_tokens=float(tr.prompt[lo:upto].sum()), rejected=self.window_refused,
+            max_output_tokens=float(self._asked[lo:upto].sum()), gate_waiting=len(self.adm_queue),
             gate_prompt_tokens=self.adm_tokens, finished=len(done),
             finished_prompt_tokens=float(tr.prompt[idx].sum()), finished_output_tokens=float(out.sum()),
             ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
             met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
             ttft_s=float(ttft.sum()), tpot_s=float(tpot.sum()), admission_wait_s=float((t_adm - t).sum()),
             prefill_queue_s=float(_take(self.t_pq, done).sum()), prefill_compute_s=float(_take(self.t_pc, done).sum()),
-            transfer_s=float(_take(self.t_xf, done).sum()))
+            transfer_s=float(_take(self.t_xf, done).sum()),
+            arrivals_by_class=tuple(np.bincount(self._class[lo:upto], minlength=CLASSES).astype(float).tolist()),
+            finished_by_class=tuple(np.bincount(cls, minlength=CLASSES).astype(float).tolist()),
+            finished_output_by_class=tuple(np.bincount(cls, out, minlength=CLASSES).tolist()))
 
     def _control(self, now: float, upto: int) -> None:
         bounded = self.kv_total < UNBOUNDED
         counters = [a.counters(now, self.prof.prefill_tps, bounded) for a in self.actors if a.live]
+        self._expire(now)
         obs, self.obs_state = build(now, counters, self._demand(upto), self.obs_cfg, self.obs_state, self.pending)
-        self.mark, self.window_done = upto, []
+        self.mark, self.window_done, self.window_refused = upto, [], 0
         if obs is None:
             return
         decision, self.state = decide(obs, self.cfg, self.state)
@@ -352,6 +376,9 @@ class Simulation:
                 r = i
                 i += 1
                 if adm_queue:  # a queue's head never fits until something is released (which admits)
+                    if t_arr[adm_queue[0]] <= ta - self.timeout:
+                        self._expire(ta)
+                if adm_queue:
                     adm_queue.append(r)
                     self.adm_tokens += prompt[r]
                     continue
@@ -502,7 +529,7 @@ class Simulation:
         tpot = (np.asarray(last) - firsts) / np.maximum(1, tr.output - 1)
         ok = (ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)
         return SimResult(ttft, tpot, ok, self.timeline, self.decisions, float(max(tr.duration, tr.t[-1])),
-                         np.asarray(t_adm) - tr.t)
+                         np.asarray(t_adm) - tr.t, np.asarray(self.refused, dtype=bool))
 
 def _take(values: list[float], idx: list[int]) -> np.ndarray:
     """``values`` at ``idx`` as an array. Pure."""
