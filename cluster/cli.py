@@ -35,8 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_default(WorkerConfig, "model"),
                    help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
     p.add_argument("--dtype", default=_default(WorkerConfig, "dtype"), choices=["auto", "float32", "bfloat16"],
-                   help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
-                        "there is opt-in: faster where native, but it loses near-ties)")
+                   help="weights, activations and KV: auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(avx512_bf16/amx_bf16), float32 on other CPUs; float32 is exact (bf16 loses near-ties)")
     p.add_argument("--device", default=_default(WorkerConfig, "device"),
                    help="auto (CUDA when the process sees a GPU; serve: on the GPUs Ray offers, if any) | cpu | "
                         "cuda | cuda:N (serve: the N-th GPU Ray assigns each actor)")
