@@ -305,6 +305,16 @@ def _ask(url: str, model: str, question: str) -> int:
     return 0
 
 
+def disagg_lines(d: dict[str, Any]) -> list[str]:
+    """``pdcluster status``'s prefill-side lines from a proxy's ``/status`` ``disagg`` part. Pure."""
+    c = d.get("costs", {})
+    by = ", ".join(f"{k} {n}" for k, n in d.get("decisions", {}).items()) or "none yet"
+    return [f"prefill side: --disagg-mode {d.get('mode')}: {by}",
+            f"  measured: prefill {c.get('prefill_tok_s', 0):.0f} tok/s, decode step "
+            f"{1e3 * c.get('decode_step_s', 0):.1f} ms, hand-off {1e3 * c.get('handoff_s', 0):.1f} ms, exposed transfer "
+            f"{1e6 * c.get('transfer_s_per_token', 0):.2f} us/token"]
+
+
 def slo_lines(slo: dict[str, Any]) -> list[str]:
     """``pdcluster status``'s goodput lines from a proxy's ``/status`` ``slo`` part (:meth:`SloTracker.status`).
     Pure."""
@@ -356,6 +366,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
                     a.get("device") or "?", a.get("kv_address") or "-")))
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
+    if st.get("disagg"):  # disaggregated: where this proxy prefilled prompts (issue 48)
+        print("\n" + "\n".join(disagg_lines(st["disagg"])))
     ctrl = st.get("controller")
     if ctrl:
         mode = " (dry run: decisions are logged, not carried out)" if ctrl.get("dry_run") else ""
