@@ -167,7 +167,7 @@ def _document(args: argparse.Namespace, plan: _Plan, model: str, points: list[di
 def run(args: argparse.Namespace) -> int:
     from cluster.loadgen.progress import ProgressBar
     from cluster.loadgen.machine import isa_summary
-from cluster.loadgen.output import format_table, point_dict
+    from cluster.loadgen.output import format_table, point_dict
     from cluster.loadgen.runner import Target, run_point
     from cluster.loadgen.tokenizer import load_tokenizer
 
