@@ -10,9 +10,10 @@ So, in ``auto`` mode, with ``S`` the measured prefill speed (tokens/s), each sid
     remote = (queued on the prefill actor + prompt not in its cache) / S + transfer/token * that + hand-off
     local  = (queued for prefill on the decode side + prompt not in its cache) / S + decode steps it shares
 
-and the request prefills locally when ``local`` beats ``remote`` by the margin (``local_margin_s`` and
-``local_margin_frac`` of ``remote``: an operator who deployed prefill actors wants them used unless leaving them
-clearly pays; an idle cluster stays disaggregated), or when only ``local`` meets the TTFT SLO; never when it would
+and the request prefills locally when ``local`` beats ``remote`` less its hand-off and transfer by the margin
+(``local_margin_s`` and ``local_margin_frac`` of ``remote``: an operator who deployed prefill actors wants them used
+unless leaving them clearly pays, so local must win on the queues' wait alone and an idle cluster stays
+disaggregated), or when only ``local`` meets the TTFT SLO; never when it would
 push the owner's running decodes past the TPOT SLO (each running sequence waits ``prompt / S`` longer, spread over
 its output). No live prefill actor: local (``always`` answers 503 instead). ``always`` / ``never`` force a side.
 """
@@ -106,7 +107,10 @@ def decide(policy: DisaggPolicy, view: RequestView, costs: Costs) -> Decision:
         return Decision(True, "tpot_slo", remote, local)
     if remote > policy.slo_ttft_s >= local:
         return Decision(False, "ttft_slo", remote, local)
-    if local < remote - max(policy.local_margin_s, policy.local_margin_frac * remote):
+    # local must win on the wait alone: the hand-off and transfer it saves do not count (they are milliseconds, and
+    # measured noisily on a loaded machine: an idle cluster stays disaggregated however they come out)
+    overhead = costs.handoff_s + costs.transfer_s_per_token * view.remote_uncached
+    if local < remote - overhead - max(policy.local_margin_s, policy.local_margin_frac * remote):
         return Decision(False, "faster_local", remote, local)
     return Decision(True, "faster_remote" if remote <= local else "within_margin", remote, local)
 

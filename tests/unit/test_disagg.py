@@ -22,6 +22,11 @@ def test_an_idle_cluster_stays_disaggregated() -> None:
     assert d.remote and d.reason == "within_margin" and d.ttft_local_s < d.ttft_remote_s  # local barely faster
 
 
+def test_a_slow_hand_off_alone_does_not_leave_the_prefill_actor() -> None:
+    slow = Costs(prefill_tok_s=2000.0, handoff_s=0.3, transfer_s_per_token=1e-4)
+    assert decide(DisaggPolicy(), view(), slow).remote  # idle: remote is 0.35 s slower, all of it hand-off
+
+
 def test_a_long_prefill_queue_sends_the_prompt_to_its_owner() -> None:
     d = decide(DisaggPolicy(slo_ttft_s=60.0), view(prefill_queued_tokens=15 * 512, decode_running=8), COSTS)
     assert not d.remote and d.reason == "faster_local", d
