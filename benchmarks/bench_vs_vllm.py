@@ -128,6 +128,10 @@ def run_one(kind: str, args: argparse.Namespace, out_dir: Path, rep: int) -> lis
                  "--warmup", "2", "--seed", "0", "--json", str(result), "--no-progress"]
         print(f"[vs-vllm] {kind} (repeat {rep + 1}): {' '.join(bench[3:])}", file=sys.stderr, flush=True)
         subprocess.run(bench, check=True, timeout=args.point_timeout * len(args.concurrency))
+        if kind == "disaggregated":  # where its proxy prefilled the prompts (--disagg-mode, docs/serving.md)
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                sides = [ln for ln in r.read().decode().splitlines() if ln.startswith("pdcluster_disagg_decisions")]
+            print(f"[vs-vllm] {kind} prefill sides: {'; '.join(sides) or 'none'}", file=sys.stderr, flush=True)
         return json.loads(result.read_text())["points"]
     finally:
         stop(proc)
