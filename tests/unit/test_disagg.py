@@ -90,3 +90,13 @@ def test_estimator_learns_speed_transfer_handoff_and_step() -> None:
     assert est.costs.decode_step_s == pytest.approx(0.02)
     est.observe_decode("d0", 1.0, 10)  # restarted actor: counters went back
     assert est.costs.decode_step_s == pytest.approx(0.02)
+
+
+def test_pdcluster_status_prints_the_prefill_sides() -> None:
+    from cluster.cli import disagg_lines
+
+    lines = disagg_lines({"mode": "auto", "decisions": {"local:faster_local": 3, "remote:within_margin": 5},
+                          "costs": {"prefill_tok_s": 2100.0, "decode_step_s": 0.031, "handoff_s": 0.012,
+                                    "transfer_s_per_token": 2e-6}})
+    assert lines[0] == "prefill side: --disagg-mode auto: local:faster_local 3, remote:within_margin 5"
+    assert "prefill 2100 tok/s, decode step 31.0 ms, hand-off 12.0 ms" in lines[1]
