@@ -37,7 +37,7 @@ class DisaggPolicy:
     slo_tpot_s: float = 0.2
     local_margin_s: float = 0.05  # local prefill must beat remote by this much...
     local_margin_frac: float = 0.1  # ...and by this fraction of remote's estimate
-    chunk_tokens: int = 512  # prompt tokens a decode actor's step takes at most (its token budget)
+    chunk_tokens: int = 2048  # prompt tokens a decode actor's step takes at most (WorkerConfig.max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         if self.mode not in DISAGG_MODES:
