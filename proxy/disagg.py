@@ -103,7 +103,8 @@ def decide(policy: DisaggPolicy, view: RequestView, costs: Costs) -> Decision:
     if not view.has_prefill_actor:
         return Decision(False, "no_prefill_actor")
     remote, local, tpot = estimate(view, costs, policy.chunk_tokens)
-    if view.decode_running and tpot > policy.slo_tpot_s:
+    # only when it is this prompt that would push them past it (decodes already past it cannot be saved by it)
+    if view.decode_running and tpot > policy.slo_tpot_s >= costs.decode_step_s:
         return Decision(True, "tpot_slo", remote, local)
     if remote > policy.slo_ttft_s >= local:
         return Decision(False, "ttft_slo", remote, local)

@@ -51,6 +51,8 @@ def test_tpot_slo_keeps_a_long_prompt_off_busy_decodes() -> None:
     d = decide(DisaggPolicy(slo_tpot_s=0.2, slo_ttft_s=100.0), v, slow)
     assert d.remote and d.reason == "tpot_slo"  # 0.15 + 512 / 200 / 16 = 0.31 s per token there
     assert not decide(DisaggPolicy(slo_tpot_s=1.0, slo_ttft_s=100.0), v, slow).remote
+    # decodes already past the SLO (a 0.25 s step): the prompt is not what breaks it, the queues decide
+    assert decide(DisaggPolicy(slo_tpot_s=0.2, slo_ttft_s=100.0), v, Costs(200.0, 0.25)).reason != "tpot_slo"
 
 
 def test_ttft_slo_wins_over_the_margin() -> None:
