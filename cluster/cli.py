@@ -35,8 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_default(WorkerConfig, "model"),
                    help="'default' (embedded SmolLM2-135M-Instruct) or a HF folder")
     p.add_argument("--dtype", default=_default(WorkerConfig, "dtype"), choices=["auto", "float32", "bfloat16"],
-                   help="weights, activations and KV: auto = bfloat16 on CUDA, float32 on CPUs (bfloat16 "
-                        "there is opt-in: faster where native, but it loses near-ties)")
+                   help="weights, activations and KV: auto = bfloat16 on CUDA and on CPUs with native bf16 "
+                        "(avx512_bf16/amx_bf16), float32 on other CPUs; float32 is exact (bf16 loses near-ties)")
     p.add_argument("--device", default=_default(WorkerConfig, "device"),
                    help="auto (CUDA when the process sees a GPU; serve: on the GPUs Ray offers, if any) | cpu | "
                         "cuda | cuda:N (serve: the N-th GPU Ray assigns each actor)")
@@ -315,6 +315,16 @@ def _ask(url: str, model: str, question: str) -> int:
     return 0
 
 
+def disagg_lines(d: dict[str, Any]) -> list[str]:
+    """``pdcluster status``'s prefill-side lines from a proxy's ``/status`` ``disagg`` part. Pure."""
+    c = d.get("costs", {})
+    by = ", ".join(f"{k} {n}" for k, n in d.get("decisions", {}).items()) or "none yet"
+    return [f"prefill side: --disagg-mode {d.get('mode')}: {by}",
+            f"  measured: prefill {c.get('prefill_tok_s', 0):.0f} tok/s, decode step "
+            f"{1e3 * c.get('decode_step_s', 0):.1f} ms, hand-off {1e3 * c.get('handoff_s', 0):.1f} ms, exposed transfer "
+            f"{1e6 * c.get('transfer_s_per_token', 0):.2f} us/token"]
+
+
 def slo_lines(slo: dict[str, Any]) -> list[str]:
     """``pdcluster status``'s goodput lines from a proxy's ``/status`` ``slo`` part (:meth:`SloTracker.status`).
     Pure."""
@@ -372,6 +382,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
                   f"{(acc + ver) / ver:.2f} tokens per verify step")
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
+    if st.get("disagg"):  # disaggregated: where this proxy prefilled prompts (issue 48)
+        print("\n" + "\n".join(disagg_lines(st["disagg"])))
     ctrl = st.get("controller")
     if ctrl:
         mode = " (dry run: decisions are logged, not carried out)" if ctrl.get("dry_run") else ""

@@ -36,16 +36,17 @@ class CompletionProgress:
         self._whole: WholeCompletion | None = None  # built once, when finished
 
     # -- text -----------------------------------------------------------------------------------------------------
-    def append(self, delta: str) -> bool:
+    def append(self, delta: str, check_stops: bool = True) -> bool:
         """Mutates: add newly stable text. If a stop string now occurs overlapping ``delta``, cut the text where the
-        earliest one begins and return True. O(len(delta) + hold)."""
+        earliest one begins and return True (never with ``check_stops`` False: within ``min_tokens``).
+        O(len(delta) + hold)."""
         if not delta:
             return False
         window = self._tail[max(0, len(self._tail) - self.hold):] + delta if self.hold else delta
         self._pieces.append(delta)
         self.length += len(delta)
         self._tail = window
-        at = find_stop(window, self._stops, len(delta)) if self._stops else None
+        at = find_stop(window, self._stops, len(delta)) if self._stops and check_stops else None
         if at is None:
             return False
         self._truncate(self.length - len(window) + at)

@@ -58,15 +58,21 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return False
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    """``"auto"`` -> bfloat16 on CUDA, float32 on every CPU; other names unchanged. bfloat16 on a CPU is opt-in
-    (``--dtype bfloat16``; ~1.7x float32's speed where the CPU computes it natively), because bf16-rounded logits lose
-    near-ties there: on a Xeon with AMX (2026-12-02) the default model answers "What is the capital of France?" with
-    "L'Étoile, la Marseillaise, ..." in bfloat16 and "The capital of France is Paris." in float32 (the first token is
-    a near-tie, docs/benchmarks.md). Pure."""
+def resolve_dtype(dtype: str, device: torch.device, native_bf16: bool | None = None) -> str:
+    """``"auto"`` -> bfloat16 on CUDA and on a CPU that computes it natively (``avx512_bf16`` or ``amx_bf16``:
+    :func:`cpu_has_native_bf16`, or ``native_bf16`` when given), float32 on any other CPU (emulated bfloat16 is slower
+    than float32 there); other names unchanged. vLLM's CPU build defaults to bfloat16 too (issue 48).
+
+    The price, measured: bf16-rounded activations lose near-ties, so greedy text may differ from float32's after a
+    while (docs/numerics.md; on a Xeon with AMX, 2026-12-02, the default model answered "What is the capital of
+    France?" with "L'Étoile, ..." in bfloat16; on an AMD EPYC with AVX512-BF16, 2026-12-06, "Paris" in both). Tests
+    that compare text name float32 (``tests/factories.py: EXACT_DTYPE``); ``--dtype float32`` is the exact mode.
+    Pure apart from reading ``/proc/cpuinfo`` when ``native_bf16`` is None on a CPU."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    if device.type == "cuda":
+        return "bfloat16"
+    return "bfloat16" if (cpu_has_native_bf16() if native_bf16 is None else native_bf16) else "float32"
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,7 @@ class LLMEngine:
                                   config.shared_kv or (tp is not None and not per_rank),
                                   model.local.cache_heads if per_rank else None,
                                   tp.copy_blocks if tp is not None and per_rank else None)
+        self.runner.sampling.eos_token_ids = self.eos_token_ids  # what a row short of its min_tokens may not draw
         if per_rank:  # each follower allocates its own heads' cache, laid out as rank 0's
             tp.own_caches(self.runner.layout)
         elif tp is not None:  # the followers map the cache file (each rank's model attends over its heads of it)
@@ -426,7 +427,9 @@ class LLMEngine:
         delta = "" if stopped_by_token else detok.add_token(tok)
         if seq.is_finished and last:
             delta += detok.finish()
-        if req.progress[i].append(delta):  # a stop string: the text is cut where it begins
+        # within min_tokens no stop string ends (vLLM's rule: that text is not searched, later text may complete one);
+        # token ``at`` is output token at + 1
+        if req.progress[i].append(delta, check_stops=at + 1 > p.min_tokens):  # a stop string: cut where it begins
             if not last:
                 del seq.output_token_ids[at + 1:]
                 del seq.output_logprobs[at + 1:]

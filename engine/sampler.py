@@ -21,6 +21,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from engine.min_tokens import suppress
 from engine.philox import sample_uniforms, seed_as_int64
 from engine.sampling_bitmask import apply_token_bitmask
 from engine.sampling_plan import CandidateGroup, FilterParams, RowFacts, RowPlan, plan_rows
@@ -123,6 +124,9 @@ class SamplingMetadata:
     # int32 [N, ceil(V / 32)]: the tokens each row's grammar allows (engine/sampling_grammar.py), applied before any
     # other stage; logprobs stay the model's (raw logits). None: no row is constrained
     token_bitmask: torch.Tensor | None = None
+    # int64 [2, K]: (row, token id) pairs never sampled this step: end tokens of rows short of their min_tokens
+    # (engine/min_tokens.py), applied with the grammar mask. None: no row is
+    suppressed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.temperature.shape[0]
@@ -419,6 +423,8 @@ class Sampler:
         x = logits.float()
         if meta.token_bitmask is not None:
             x = apply_token_bitmask(x, meta.token_bitmask)
+        if meta.suppressed is not None:
+            x = suppress(x, meta.suppressed)
         if meta.penalties is not None:
             x = apply_penalties(x, meta)
         uniforms = (sample_uniforms(meta.seeds, meta.choices, meta.positions).to(x.device)

@@ -21,6 +21,9 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's: end tokens (EOS, stop_token_ids) are never sampled and stop strings never matched before this many
+    # output tokens (0: off); at most max_tokens
+    min_tokens: int = 0
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per generated token
     # top-k logprobs per prompt position (echo with logprobs): computed in prefill, which then skips the prefix cache
@@ -39,6 +42,9 @@ class SamplingParams:
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
+        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}]")
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise bad("temperature", "must be in [0, 100]")
         if not 0.0 < float(self.top_p) <= 1.0:
@@ -70,9 +76,16 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "grammar", GrammarSpec.of(self.grammar))
+        if self.min_tokens and self.grammar is not None:  # a grammar that is whole allows only an end token
+            raise bad("min_tokens", "cannot be combined with a grammar (structured output)")
         object.__setattr__(self, "stop_strings", stop)
         object.__setattr__(self, "stop_token_ids", ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def end_tokens_suppressed(self, num_output_tokens: int) -> bool:
+        """Whether the next token (after ``num_output_tokens``) may not be an end token, nor a stop string end
+        there: ``min_tokens`` not reached yet. Pure."""
+        return num_output_tokens < self.min_tokens

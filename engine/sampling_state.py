@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.min_tokens import suppressed_pairs
 from engine.philox import derive_seed, seed_as_int64
 from engine.sampler import (SamplerOutput, SamplingMetadata, TokenHistory, has_penalty, host_to_device,
                             write_histories)
@@ -74,6 +75,8 @@ class SamplingState:
         self.slots: dict[int, _Slot] = {}
         # the constrained sequences' matchers: set by the engine when its first constrained request comes
         self.grammars: GrammarMasks | None = None
+        # the engine's end tokens, which a row short of its min_tokens may not sample: set by the engine
+        self.eos_token_ids: frozenset[int] = frozenset()
 
     @property
     def num_penalty_rows(self) -> int:
@@ -123,6 +126,9 @@ class SamplingState:
             presence_penalty=floats[:, 3], frequency_penalty=floats[:, 4], repetition_penalty=floats[:, 5],
             seeds=ints[:, 1], choices=ints[:, 2], positions=positions,
             num_logprobs=[s.params.logprobs for s in slots], facts=facts, penalties=penalties)
+        held, banned = suppressed_pairs(seqs, self.eos_token_ids, self.vocab_size)
+        if held:  # rows short of their min_tokens (rare: a second small copy only then)
+            meta = dataclasses.replace(meta, suppressed=host_to_device([*held, *banned], self.device).view(2, -1))
         constrained = self.grammars is not None and any(q.params.grammar is not None for q in seqs)
         return SamplingBatch(meta, [q.seq_id for q in seqs], logits if rows else None,
                              pen_slots if pen else None, seqs if constrained else None)

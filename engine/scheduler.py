@@ -268,7 +268,8 @@ class Scheduler:
         updated.append(seq)
         p = seq.params
         reason = None
-        if tok.token_id in p.stop_token_ids or (not p.ignore_eos and tok.token_id in self.eos_token_ids):
+        if len(seq.output_token_ids) >= p.min_tokens and (  # within min_tokens an end token does not end
+                tok.token_id in p.stop_token_ids or (not p.ignore_eos and tok.token_id in self.eos_token_ids)):
             reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             reason = "length"

@@ -53,7 +53,8 @@ class SpecStats:
 def can_draft(seq: Sequence) -> bool:
     """Whether ``seq``'s sampling is reproduced exactly when it verifies drafts (see the module docstring). Pure."""
     p = seq.params
-    return p.grammar is None and not has_penalty(p)
+    # min_tokens: rows before it would need the end tokens masked per row position; past it nothing is masked
+    return p.grammar is None and not has_penalty(p) and len(seq.output_token_ids) >= p.min_tokens
 
 
 @dataclass

@@ -75,8 +75,11 @@ def expand(batch: SamplingBatch, base_rows: list[int], counts: list[int]) -> tup
     # penalized rows never carry drafts (one copy each): their histories stay, their rows move
     penalties = None if m.penalties is None else dataclasses.replace(
         m.penalties, rows=firsts_t.index_select(0, m.penalties.rows))
+    # min_tokens rows never carry drafts either (engine.spec_decode.can_draft): their (row, token) pairs move likewise
+    suppressed = None if m.suppressed is None else torch.stack(
+        [firsts_t.index_select(0, m.suppressed[0]), m.suppressed[1]])
     meta = dataclasses.replace(
-        m, temperature=m.temperature.index_select(0, idx_t), top_k=m.top_k.index_select(0, idx_t),
+        m, suppressed=suppressed, temperature=m.temperature.index_select(0, idx_t), top_k=m.top_k.index_select(0, idx_t),
         top_p=m.top_p.index_select(0, idx_t), min_p=m.min_p.index_select(0, idx_t),
         presence_penalty=m.presence_penalty.index_select(0, idx_t),
         frequency_penalty=m.frequency_penalty.index_select(0, idx_t),

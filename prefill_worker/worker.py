@@ -91,7 +91,9 @@ class PrefillWorker(EngineLoop):
         job = _Job(req, self.connector.open(msg.grant), submitted_at=time.monotonic())
 
         def add() -> None:  # also while draining: a proxy may have routed it here before it saw the drain
-            params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1})
+            # one token here: its min_tokens is whether that one may end (the decode owner holds the rest)
+            params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1,
+                                       "min_tokens": min(req.min_tokens, 1)})
             job.seed = self.engine.effective_seed(params)
             params = dataclasses.replace(params, seed=job.seed)
             self.engine.add_request(req.request_id, list(req.prompt_token_ids), params)

@@ -24,6 +24,7 @@ from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest,
 from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
 from proxy.admission import estimate_blocks
+from proxy.disagg import CostEstimator, DisaggPolicy, RequestView, decide
 from proxy.errors import APIError, generation_error, service_unavailable
 from proxy.gate import AdmissionGate
 from proxy.jobs import Job, Leg
@@ -44,6 +45,7 @@ class DispatchConfig:
     # preempts by recompute when its cache runs out): a request without max_tokens no longer reserves the context
     reserve_headroom_tokens: int = DEFAULTS.reserve_headroom_tokens
     watch_interval_s: float = 0.25  # how often a waiting relay checks its owners are still alive
+    disagg: DisaggPolicy = DisaggPolicy()  # disaggregated mode: where each prompt is prefilled (proxy/disagg.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -77,6 +79,8 @@ class Dispatcher:
         self.config = config
         self.render_logprob = render_logprob  # token id -> its text, for logprob entries
         self.inflight: dict[str, int] = {}  # prefill actor -> prompt tokens this proxy has in flight there
+        self.costs = CostEstimator()  # prefill speed, transfer, hand-off and decode step, as measured here
+        self.local_pending: dict[str, int] = {}  # request id -> prompt tokens its owner prefills, until its first delta
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- starting ---------------------------------------------------------------------------------------------------
@@ -94,11 +98,11 @@ class Dispatcher:
         req = leg.req
         resumed = req.resumed or req.choice_index > 0
         hashes = self._hashes(req.prompt_token_ids)
-        prefill = None if resumed else self._pick_prefill(hashes)
-        context = len(req.prompt_token_ids) + len(req.resume_token_ids)
-        need = self.config.reserve_blocks(context, req.max_tokens - len(req.resume_token_ids), req.n)
         prefix = PrefixHits(len(hashes), {a.name: leading_hits(hashes, a.cached_hashes)
                                           for a in self.pools.live_decode() if a.cached_hashes})
+        prefill = None if resumed else self._choose_prefill(req, hashes, prefix)
+        context = len(req.prompt_token_ids) + len(req.resume_token_ids)
+        need = self.config.reserve_blocks(context, req.max_tokens - len(req.resume_token_ids), req.n)
         asked = time.monotonic()
         try:
             actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None), prefix)
@@ -124,12 +128,52 @@ class Dispatcher:
             return []
         return hash_full_blocks(prompt, self.config.block_size, bytes.fromhex(actor.info.get("prefix_hash_extra", "")))
 
-    def _pick_prefill(self, hashes: list[int]) -> ActorRef | None:
-        """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
-        :mod:`proxy.router`) for a prompt whose full blocks hash to ``hashes``; None in colocated mode. Records the
-        prompt's blocks as that actor's."""
+    def _choose_prefill(self, req: Any, hashes: list[int], prefix: PrefixHits) -> ActorRef | None:
+        """Disaggregated mode: the prefill actor to compute ``req``'s prompt, or None to prefill it on its decode
+        owner, as :func:`proxy.disagg.decide` chooses from what this proxy measured and sees; counted in /metrics.
+        None in colocated mode."""
+        policy = self.config.disagg
         if not self.config.disaggregated:
             return None
+        if policy.mode == "never":
+            self.metrics.disagg_decision(False, "forced")
+            return None
+        if policy.mode == "auto" and not self.pools.live_prefill():
+            chosen = None
+        else:  # always: 503 when there is none
+            chosen = self._pick_prefill(hashes)
+        if policy.mode == "always":
+            self.metrics.disagg_decision(True, "forced")
+            return self._recorded(chosen, hashes)
+        decode = self.pools.live_decode()
+        for a in decode:
+            if a.stats is not None:
+                self.costs.observe_decode(a.name, a.stats.busy_seconds, a.stats.steps)
+        prompt = len(req.prompt_token_ids)
+        bs, per = self.config.block_size, max(1, len(decode))
+        remote_cached = 0 if chosen is None else self.router.cached_blocks(chosen.name, hashes, {
+            chosen.name: chosen.cached_hashes})
+        p_queued = 0 if chosen is None else max(self.inflight.get(chosen.name, 0), chosen.stats.queued_prefill_tokens
+                                                if chosen.stats is not None else 0)
+        view = RequestView(
+            remote_uncached=prompt - bs * remote_cached,
+            local_uncached=prompt - bs * max(prefix.by_actor.values(), default=0),
+            prefill_queued_tokens=p_queued,
+            decode_queued_tokens=(sum(self.local_pending.values())
+                                  + sum(a.stats.queued_prefill_tokens for a in decode if a.stats)) // per,
+            decode_running=sum(a.stats.running for a in decode if a.stats) // per,
+            expected_output_tokens=min(req.max_tokens, self.config.reserve_headroom_tokens),
+            has_prefill_actor=chosen is not None)
+        d = decide(policy, view, self.costs.costs)
+        self.metrics.disagg_decision(d.remote, d.reason)
+        if d.remote:
+            return self._recorded(chosen, hashes)
+        self.local_pending[req.request_id] = view.local_uncached
+        return None
+
+    def _pick_prefill(self, hashes: list[int]) -> ActorRef | None:
+        """The prefill actor the router scores best (prefix overlap against queued prompt tokens, see
+        :mod:`proxy.router`) for a prompt whose full blocks hash to ``hashes``."""
         live = {a.name: a for a in self.pools.live_prefill()}
         if not live:
             raise service_unavailable("No prefill actor is available.", 1)
@@ -137,8 +181,13 @@ class Dispatcher:
                                           self.inflight, {a.name: a.cached_hashes for a in live.values()})
         if choice is None:
             raise service_unavailable("No prefill actor is available.", 1)
-        self.router.record_prefill(choice.actor_id, hashes)
         return live[choice.actor_id]
+
+    def _recorded(self, prefill: ActorRef | None, hashes: list[int]) -> ActorRef | None:
+        """``prefill``, the prompt's blocks recorded as sent there (the router counts them as its cache)."""
+        if prefill is not None:
+            self.router.record_prefill(prefill.name, hashes)
+        return prefill
 
     async def _prefill(self, leg: Leg, prefill: ActorRef) -> PrefillResult:
         """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and return its typed result. The
@@ -149,6 +198,7 @@ class Dispatcher:
         n = len(leg.req.prompt_token_ids)
         self.inflight[prefill.name] = self.inflight.get(prefill.name, 0) + n
         leg.prefill = prefill
+        called = time.monotonic()
         try:
             raw = await self.pools.prefill_call(prefill, PrefillRequest(leg.req, leg.grant).to_dict())
         except (asyncio.CancelledError, ActorGone):
@@ -164,6 +214,8 @@ class Dispatcher:
         leg.prefill_queue_s, leg.prefill_compute_s, leg.send_wait_s = result.queue_s, result.compute_s, \
             result.send_wait_s
         self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
+        self.costs.observe_prefill(n - result.cached_tokens, result.compute_s, result.send_wait_s, result.queue_s,
+                                   time.monotonic() - called)
         if not result.delivered:  # the K/V channel could not carry it (kv_transfer.result_message): hand it over
             await self.pools.prefilled(leg.actor, raw)
         return result
@@ -250,6 +302,7 @@ class Dispatcher:
                 fut.cancel()
 
     def _take(self, job: Job, leg: Leg, d: TokenDelta) -> tuple[Job, TokenDelta, list[TokenLogprob]]:
+        self.local_pending.pop(leg.req.request_id, None)  # its prompt is computed: no longer queued on its owner
         k = job.req.logprobs
         lps = [] if d.logprobs is None or k is None else [
             token_logprob(t, pairs, k, self.render_logprob) for t, pairs in zip(d.token_ids, d.logprobs)]
@@ -264,6 +317,7 @@ class Dispatcher:
     # -- ending -----------------------------------------------------------------------------------------------------
     def release(self, leg: Leg) -> None:
         """Count ``leg``'s blocks as free again on its decode actor (it finished or was aborted). Idempotent."""
+        self.local_pending.pop(leg.req.request_id, None)
         if leg.actor is not None and leg.blocks:
             self.gate.released(leg.actor.name, leg.blocks)
             leg.blocks = 0

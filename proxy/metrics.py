@@ -65,6 +65,13 @@ class Metrics:
     resumes: int = 0  # completions resumed on another actor (a decode actor died, a prefill actor died)
     resume_pause: Histogram = field(default_factory=Histogram)  # seconds to restart a dead leg's completions
     slo: SloTracker = field(default_factory=SloTracker)  # goodput against the configured TTFT / TPOT SLOs
+    # where prompts were prefilled (proxy/disagg.py): (side "remote" | "local", reason) -> requests
+    disagg: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def disagg_decision(self, remote: bool, reason: str) -> None:
+        """Mutates: count one prompt's prefill side and why."""
+        key = ("remote" if remote else "local", reason)
+        self.disagg[key] = self.disagg.get(key, 0) + 1
 
     def transfer(self, backend: str, nbytes: int, seconds: float) -> None:
         """Mutates: count one request's KV transfer."""
@@ -118,6 +125,9 @@ class Metrics:
         lines += self.ttft.render("pdcluster_ttft_seconds") + self.tpot.render("pdcluster_tpot_seconds")
         lines += self.e2e.render("pdcluster_e2e_seconds") + self.render_slo()
         lines += ["# TYPE pdcluster_resumed_total counter", f"pdcluster_resumed_total {self.resumes}"]
+        lines += ["# TYPE pdcluster_disagg_decisions_total counter"]
+        lines += [f'pdcluster_disagg_decisions_total{{prefill="{side}",reason="{why}"}} {n}'
+                  for (side, why), n in sorted(self.disagg.items())]
         lines += self.resume_pause.render("pdcluster_resume_seconds")
         lines += ["# TYPE pdcluster_kv_transfer_bytes_total counter"]
         lines += [f'pdcluster_kv_transfer_bytes_total{{backend="{b}"}} {n}' for b, n in self.kv_transfer_bytes.items()]

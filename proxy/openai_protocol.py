@@ -34,6 +34,7 @@ _IMPLEMENTED = frozenset({
     "model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
     "stop", "presence_penalty", "frequency_penalty", "logprobs",
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",  # vLLM's
+    "min_tokens",  # vLLM's too
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 _IGNORED: dict[str, type] = {"user": str, "metadata": dict, "store": bool, "safety_identifier": str,
@@ -41,7 +42,7 @@ _IGNORED: dict[str, type] = {"user": str, "metadata": dict, "store": bool, "safe
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "service_tier": (None, "auto", "default"),
     # vLLM's extensions, at their defaults
-    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False), "use_beam_search": (None, False),
     "prompt_logprobs": (None,), "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None,),
     "bad_words": (None, []), "truncate_prompt_tokens": (None,),
 }
@@ -114,6 +115,7 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # vLLM's: no end token or stop string before this many output tokens
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per token (chat: top_logprobs when logprobs is true); None: off
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (completions' echo with logprobs)
@@ -266,6 +268,9 @@ def parse_chat_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> ChatComp
 
 
 def _with_grammar(sampling: SamplingOptions, grammar: GrammarSpec | None) -> SamplingOptions:
+    if grammar is not None and sampling.min_tokens:  # a whole structure allows only an end token
+        raise invalid_request("'min_tokens' cannot be combined with a structured output (a grammar, or tools the "
+                              "output must call).", "min_tokens")
     return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar.wire())
 
 
@@ -279,6 +284,9 @@ def to_generate_request(request_id: str, prompt_token_ids: list[int] | tuple[int
     max_tokens = max_tokens or 1  # echo only (0): the engine makes one token, which the response leaves out
     if max_tokens < 1 or prompt + max_tokens > max_model_len:
         raise context_length_exceeded(prompt, max(max_tokens, 1), max_model_len, param)
+    if sampling.min_tokens > max_tokens:  # a chat without max_tokens: what the context leaves after this prompt
+        raise invalid_request(f"'min_tokens' ({sampling.min_tokens}) must be at most max_tokens ({max_tokens}: "
+                              f"what the context leaves after the {prompt}-token prompt).", "min_tokens")
     fields = {k: getattr(sampling, k) for k in SamplingOptions.__dataclass_fields__}
     fields["max_tokens"] = max_tokens
     return GenerateRequest(request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), reply_to=reply_to,
@@ -341,6 +349,7 @@ def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, default_max_tokens: 
         stop=_stop(body.get("stop"), cfg.max_stop),
         stop_token_ids=_token_ids(opt(body.get("stop_token_ids"), []), "stop_token_ids", None, allow_empty=True),
         ignore_eos=opt(read_bool(body, "ignore_eos"), False),
+        min_tokens=_min_tokens(body, max_tokens, cfg.max_model_len),
         n=opt(read_int(body, "n", 1, cfg.max_n), 1),
         logprobs=logprobs,
         presence_penalty=opt(read_float(body, "presence_penalty", -2.0, 2.0), 0.0),
@@ -348,6 +357,15 @@ def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, default_max_tokens: 
         repetition_penalty=opt(read_float(body, "repetition_penalty", 0.0, 10.0, lo_open=True), 1.0),
         skip_special_tokens=opt(read_bool(body, "skip_special_tokens"), True),
     )
+
+
+def _min_tokens(body: Mapping[str, Any], max_tokens: int | None, max_model_len: int) -> int:
+    """vLLM's ``min_tokens``: 0 <= min_tokens <= max_tokens (checked again once a chat's max_tokens is resolved);
+    not with a grammar (``_with_grammar``). Pure; raises ``APIError``."""
+    value = read_int(body, "min_tokens", 0, max_model_len) or 0
+    if max_tokens is not None and value > max(max_tokens, 1):
+        raise invalid_request(f"'min_tokens' ({value}) must be at most max_tokens ({max_tokens}).", "min_tokens")
+    return value
 
 
 def _stop(value: Any, max_stop: int) -> tuple[str, ...]:

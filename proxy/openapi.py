@@ -52,6 +52,7 @@ def _fields(cfg: ProtocolConfig, chat: bool) -> dict[str, Any]:
         "stop": string_or_list,
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}},
         "ignore_eos": {"type": ["boolean", "null"]},
+        "min_tokens": _num("integer", 0, cfg.max_model_len),
         "n": _num("integer", 1, cfg.max_n),
         "presence_penalty": _num("number", -2.0, 2.0),
         "frequency_penalty": _num("number", -2.0, 2.0),

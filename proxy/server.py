@@ -28,6 +28,7 @@ from cluster.wire.proxy_settings import DEFAULTS, ProxySettings
 from cluster.wire.telemetry import WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
+from proxy.disagg import DisaggPolicy
 from proxy.dispatch import DispatchConfig, Dispatcher
 from proxy.errors import APIError, internal_error, unauthorized
 from proxy.gate import AdmissionGate
@@ -109,7 +110,10 @@ class Proxy:
         self.router = Router(RouterConfig(block_size=block_size))
         self.dispatch = Dispatcher(pools, self.gate, self.router, self.stream, self.metrics,
                                    DispatchConfig(block_size, disaggregated, cfg.settings.max_resumes,
-                                                  cfg.settings.reserve_headroom_tokens), lambda t: self.tok.decode_token(t))
+                                                  cfg.settings.reserve_headroom_tokens,
+                                                  disagg=DisaggPolicy(cfg.settings.disagg_mode, cfg.settings.slo_ttft_s,
+                                                                      cfg.settings.slo_tpot_s)),
+                                   lambda t: self.tok.decode_token(t))
         self._ids = itertools.count()
         self._refresher: asyncio.Task[None] | None = None
 
@@ -199,7 +203,17 @@ class Proxy:
                                   "waiting_for_blocks": self.gate.waiting, "actors": actors,
                                   "pool_refreshes": self.pools.refreshes,
                                   "slo": self.metrics.slo.status(),
+                                  "disagg": self._disagg_status(),
                                   "controller": await self.pools.manager_status()})
+
+    def _disagg_status(self) -> dict[str, object] | None:
+        """Where this proxy prefilled prompts (proxy/disagg.py): the mode, the decisions by side and reason, the costs
+        it measured. None in colocated mode. Pure."""
+        if not self.disaggregated:
+            return None
+        return {"mode": self.dispatch.config.disagg.mode,
+                "decisions": {f"{side}:{why}": n for (side, why), n in sorted(self.metrics.disagg.items())},
+                "costs": dataclasses.asdict(self.dispatch.costs.costs)}
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         kv = {a.name: a.stats.kv.gauges() for a in self.pools.live_decode() if a.stats}

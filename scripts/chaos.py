@@ -125,7 +125,7 @@ def reference(probes: list[Probe], max_tokens: int) -> list[tuple[str, int]]:
     """(text, token count) per probe from the offline engine, same chat template and sampling."""
     from engine import LLM, SamplingParams
 
-    llm = LLM("default", kv_cache_gib=0.25)
+    llm = LLM("default", dtype="float32", kv_cache_gib=0.25)  # text compared: the exact dtype
     params = [SamplingParams(max_tokens=max_tokens, temperature=p.temperature, seed=p.seed, top_p=p.top_p)
               for p in probes]
     outs = llm.chat([p.messages() for p in probes], params)
@@ -309,8 +309,8 @@ def run_round(cfg: ChaosConfig, number: int, probes: list[Probe], expected: list
     from cluster.launcher import Cluster, ServeConfig
     from cluster.wire.worker_config import WorkerConfig
 
-    cluster = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=cfg.kv_cache_gib), decode=cfg.decode,
-                                  prefill=cfg.prefill, port=0, kv_backend=cfg.kv_backend))
+    cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", kv_cache_gib=cfg.kv_cache_gib),
+                                  decode=cfg.decode, prefill=cfg.prefill, port=0, kv_backend=cfg.kv_backend))
     t_start = time.monotonic()
     cluster.start()
     kill: Kill | None = None

@@ -166,6 +166,7 @@ def _document(args: argparse.Namespace, plan: _Plan, model: str, points: list[di
 
 def run(args: argparse.Namespace) -> int:
     from cluster.loadgen.progress import ProgressBar
+    from cluster.loadgen.machine import isa_summary
     from cluster.loadgen.output import format_table, point_dict
     from cluster.loadgen.runner import Target, run_point
     from cluster.loadgen.tokenizer import load_tokenizer
@@ -213,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as f:
                 json.dump(_document(args, plan, model, results), f, indent=1)
     print(format_table(rows), flush=True)
+    print(f"[bench] client machine: {isa_summary()}", flush=True)  # the server's, when it runs here (issue 48)
     if args.json:
         print(f"[bench] results -> {args.json}", file=sys.stderr)
     if args.plot:

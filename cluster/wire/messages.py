@@ -26,8 +26,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine ended
 # bump on any change an older peer would misread (3: ReserveGrant.epoch; 4: resume fields, nonce; 5: token-stream
 # messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop; 7:
 # prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs; 8:
-# ReserveGrant.rank_endpoints, which an older prefill actor would drop and send every head to rank 0)
-WIRE_VERSION = 8
+# ReserveGrant.rank_endpoints, which an older prefill actor would drop and send every head to rank 0; 9:
+# GenerateRequest.min_tokens, which an older actor would drop and end early)
+WIRE_VERSION = 9
 
 
 class WireVersionError(ValueError):
@@ -153,6 +154,7 @@ class GenerateRequest(_Wire):
     stop: tuple[str, ...] = ()  # stop strings, excluded from the returned text
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # no end token or stop string ends a completion before this many output tokens
     n: int = 1
     logprobs: int | None = None  # top-k logprobs per generated token; None means none
     prompt_logprobs: int | None = None  # top-k logprobs per prompt token (echo with logprobs); None means none

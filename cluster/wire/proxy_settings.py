@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cluster.wire.slo import SloConfig
 
 TOOL_PARSERS = ("hermes", "llama3_json")  # how 'auto' tool calls are read from a completion's text (proxy/tools.py)
+DISAGG_MODES = ("auto", "always", "never")  # where a disaggregated cluster's prompts are prefilled (proxy/disagg.py)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ProxySettings:
     enable_auto_tool_choice: bool = False  # serve tool_choice 'auto', read by tool_call_parser
     tool_call_parser: str = ""  # one of TOOL_PARSERS, or "" (then 'auto' is refused)
     chat_template: str = ""  # a Jinja chat template file replacing the model's ("": the model's)
+    # disaggregated clusters: per request on a prefill actor or on the decode owner, from measured costs (auto), or
+    # always on a prefill actor, or never (proxy/disagg.py)
+    disagg_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.queue_timeout_s, bool) or not isinstance(self.queue_timeout_s, (int, float)) \
@@ -48,6 +52,8 @@ class ProxySettings:
             raise ValueError(f"slo_{e}") from None
         if self.tool_call_parser not in ("", *TOOL_PARSERS):
             raise ValueError(f"tool_call_parser: must be one of {TOOL_PARSERS} or empty, got {self.tool_call_parser!r}")
+        if self.disagg_mode not in DISAGG_MODES:
+            raise ValueError(f"disagg_mode: must be one of {DISAGG_MODES}, got {self.disagg_mode!r}")
         if self.enable_auto_tool_choice != bool(self.tool_call_parser):
             raise ValueError("enable_auto_tool_choice and tool_call_parser go together (--enable-auto-tool-choice "
                              f"--tool-call-parser NAME), got {self.enable_auto_tool_choice} and "
@@ -100,7 +106,11 @@ _FLAGS: tuple[tuple[str, str, type, str], ...] = (
      "how 'auto' tool calls are read from the text (needs --enable-auto-tool-choice)"),
     ("--chat-template", "chat_template", str,
      "a Jinja chat template FILE replacing the model's (e.g. one that renders tools)"),
+    ("--disagg-mode", "disagg_mode", str,
+     "disaggregated clusters: where each prompt is prefilled: auto (a prefill actor or its decode owner, whichever "
+     "the measured costs favour), always (a prefill actor), never (the decode owner)"),
 )
+_CHOICES = {"tool_call_parser": TOOL_PARSERS, "disagg_mode": DISAGG_MODES}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -109,8 +119,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", help=help_)
         elif kind is str:
-            extra = {"choices": TOOL_PARSERS} if name == "tool_call_parser" else {"metavar": "FILE"}
-            parser.add_argument(flag, dest=name, default=None, help=help_, **extra)
+            extra = {"choices": _CHOICES[name]} if name in _CHOICES else {"metavar": "FILE"}
+            default = getattr(DEFAULTS, name) or None
+            parser.add_argument(flag, dest=name, default=default, help=help_ if default is None
+                                else f"{help_} (default {default})", **extra)
         else:
             parser.add_argument(flag, dest=name, type=kind, default=getattr(DEFAULTS, name),
                                 metavar="SECONDS" if kind is float else "N",

@@ -23,6 +23,7 @@ from http_util import post_chat  # noqa: E402
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
+from tests.factories import EXACT_DTYPE  # noqa: E402  (served text is compared with offline)
 
 
 def _waiting(url: str) -> int:
@@ -130,7 +131,8 @@ def test_chats_without_max_tokens_all_run_on_growing_reservations() -> None:
 
     prompts = [f"{q} Answer in one sentence." for q in ("What is the capital of France?", "Name a primary color.",
                                                         "What is 2 + 2?", "Say hello in Spanish.")]
-    c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=100), decode=1, port=0, mode="colocated",
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, num_kv_blocks=100), decode=1, port=0,
+                            mode="colocated",
                             proxy=ProxySettings(queue_timeout_s=2.0)))
     try:
         c.start()
@@ -144,7 +146,7 @@ def test_chats_without_max_tokens_all_run_on_growing_reservations() -> None:
 
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
             got = list(ex.map(ask, prompts))
-        offline = LLM("default", num_kv_blocks=400)
+        offline = LLM("default", dtype=EXACT_DTYPE, num_kv_blocks=400)
         want = [o.text for o in offline.chat([[{"role": "user", "content": p}] for p in prompts],
                                              SamplingParams(max_tokens=1000))]
         assert got == want

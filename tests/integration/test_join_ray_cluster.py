@@ -24,7 +24,7 @@ def test_serve_joins_an_existing_ray_cluster() -> None:
         port = ray_head_port(own, head)  # bound to 0 by Ray, read back: never a probed port reused
         out = subprocess.run(
             [sys.executable, "-m", "cluster.cli", "serve", "--ray-address", f"127.0.0.1:{port}", "--port",
-             "0", "--kv-cache-gib", "0.25", "--ask", "What is the capital of France?"],
+             "0", "--kv-cache-gib", "0.25", "--dtype", "float32", "--ask", "What is the capital of France?"],
             capture_output=True, text=True, timeout=300, env=own.env)
         assert out.returncode == 0, out.stderr[-2000:]
         assert "Paris" in out.stdout

@@ -61,7 +61,7 @@ def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> Non
             start_ray_node(own, ray_start(f"--address={gcs}", f"--node-ip-address={ip}", "--num-cpus=1",
                                           f"--resources={json.dumps({f'pdcluster_{role}': 1})}", head=False))
         serve = own.start([sys.executable, "-m", "cluster.cli", "serve", "--ray-address", gcs, "--role-resources",
-                           "--prefill=1", "--decode=1", "--port=0", "--kv-cache-gib=0.25",
+                           "--prefill=1", "--decode=1", "--port=0", "--kv-cache-gib=0.25", "--dtype=float32",
                            "--on-transfer-failure=fail"], cwd=ROOT)
         url = f"http://127.0.0.1:{own.listening_port(serve, 300)}"  # bound to 0 and read back, never probed
         deadline = time.monotonic() + 300

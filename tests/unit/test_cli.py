@@ -8,7 +8,8 @@ import sys
 
 def test_generate_streams_an_answer() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", "What is the capital of France?", "--max-tokens", "16"],
+        [sys.executable, "-m", "cluster.cli", "generate", "What is the capital of France?", "--max-tokens", "16",
+         "--dtype", "float32"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

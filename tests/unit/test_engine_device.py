@@ -34,9 +34,12 @@ def test_auto_resolves_to_what_is_there() -> None:
     dev = resolve_device("auto")
     assert dev.type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == torch.device("cpu")
-    # float32 on every CPU, native bf16 or not: bf16-rounded logits lose the default model's first-token near-tie
-    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    # bfloat16 where it is computed natively (CUDA, a CPU with avx512_bf16 or amx_bf16), float32 on other CPUs
+    assert resolve_dtype("auto", torch.device("cpu"), native_bf16=True) == "bfloat16"
+    assert resolve_dtype("auto", torch.device("cpu"), native_bf16=False) == "float32"
+    assert resolve_dtype("auto", torch.device("cpu")) == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
+    assert resolve_dtype("bfloat16", torch.device("cpu"), native_bf16=False) == "bfloat16"
     assert resolve_dtype("float32", torch.device("cpu")) == "float32"
     assert resolve_dtype("float32", torch.device("cuda", 0)) == "float32"
 

@@ -142,7 +142,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 REFUSED = [
     ("completions", "best_of", 2), ("completions", "best_of", True), ("completions", "suffix", "end"),
     ("completions", "suffix", ""), ("completions", "logit_bias", {"50256": -100}), ("completions", "logit_bias", []),
-    ("completions", "add_special_tokens", False), ("completions", "min_tokens", 4),
+    ("completions", "add_special_tokens", False),
     ("completions", "use_beam_search", True), ("completions", "prompt_logprobs", 1),
     ("completions", "include_stop_str_in_output", True),
     ("completions", "service_tier", "flex"), ("completions", "bad_words", ["x"]),

@@ -208,7 +208,7 @@ def test_completion_defaults() -> None:
 def test_completion_full_body_round_trips_to_generate_request() -> None:
     body = completion(model="tiny-alias", max_tokens=20.0, n=3, stop="\n", temperature=0, top_p=0.5, top_k=5,
                       min_p=0.1, seed=7, logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
-                      repetition_penalty=1.2, stop_token_ids=[2], ignore_eos=True, user="u", stream=True,
+                      repetition_penalty=1.2, stop_token_ids=[2], ignore_eos=True, min_tokens=4, user="u", stream=True,
                       stream_options={"include_usage": True, "continuous_usage_stats": True})
     req = parse_completion_request(json.loads(json.dumps(body)), CFG)
     assert req.model == "tiny-alias" and req.user == "u" and req.stream
@@ -216,7 +216,7 @@ def test_completion_full_body_round_trips_to_generate_request() -> None:
     gen = to_generate_request("req-1", [5, 6, 7], req.sampling, CFG.max_model_len, reply_to="tcp://127.0.0.1:5000")
     assert gen.sampling_kwargs() == {
         "max_tokens": 20, "temperature": 0.0, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 7, "stop": ("\n",),
-        "stop_token_ids": (2,), "ignore_eos": True, "n": 3, "logprobs": 2, "presence_penalty": 0.5,
+        "stop_token_ids": (2,), "ignore_eos": True, "min_tokens": 4, "n": 3, "logprobs": 2, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "skip_special_tokens": True, "grammar": None,
         "prompt_logprobs": None}
     assert not req.echo

@@ -124,6 +124,37 @@ def test_penalized_requests_run_without_drafts(tiny_checkpoint) -> None:  # type
     _check_clean(spec)
 
 
+def test_min_tokens_rows_wait_for_drafts_and_keep_their_mask(tiny_checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A request still short of its min_tokens never drafts, and its end-token mask stays on its own row beside
+    requests that draft (the verify step's expanded batch moves rows): the same tokens as without drafts."""
+    folder = str(tiny_checkpoint("llama"))
+    base = LLM(folder, **COMMON)
+    loops = _loop_prompts(base)
+    free = base.generate([loops[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    stops = sorted(set(free[:10]))  # the completion would end at its first token without min_tokens
+    params = [SamplingParams(max_tokens=30, ignore_eos=True), SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=stops, min_tokens=10)]
+    prompts = [loops[0], loops[1], loops[2]]
+    want = base.generate(prompts, params)
+    assert len(want[2].outputs[0].token_ids) >= 10 and not set(stops) & set(want[2].outputs[0].token_ids[:10])
+    import engine.spec_verify as spec_verify
+
+    expand, moved = spec_verify.expand, []
+
+    def spy(batch, base_rows, counts):  # type: ignore[no-untyped-def]
+        wide, firsts = expand(batch, base_rows, counts)
+        if batch.meta.suppressed is not None:  # a masked row sits behind a row that drafts: its row number moves
+            moved.append(any(firsts[r] != r for r in batch.meta.suppressed[0].tolist()))
+        return wide, firsts
+
+    monkeypatch.setattr(spec_verify, "expand", spy)
+    spec = LLM(folder, speculative_config=SPEC, **COMMON)
+    got = spec.generate(prompts, params)
+    assert _ids(got) == _ids(want)
+    assert spec.engine.spec.stats.accepted_tokens > 0 and any(moved), moved
+    _check_clean(spec)
+
+
 def _hf_next_probs(folder: str, contexts: list[list[int]], temperature: float) -> Any:
     """Hugging Face's exact next-token distributions at ``temperature`` (float64 [len(contexts), V]) after each
     context (all of one length)."""
