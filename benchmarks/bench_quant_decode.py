@@ -63,7 +63,8 @@ def main() -> None:
                     gen.setdefault((n, b, i), []).append(_wall(llm, prompts[:b], args.tokens))
     print(f"torch {torch.__version__}; {args.dtype}; prompts {args.prompt} tokens, {args.tokens} generated; "
           f"{args.rounds} rounds, medians")
-    print(f"{'threads':>7} {'seqs':>4} {'model':<28} {'prefill tok/s':>13} {'x base':>7} {'gen tok/s':>10} {'x base':>7}")
+    print(f"{'threads':>7} {'seqs':>4} {'model':<28} {'prefill tok/s':>13} {'x base':>7} {'gen tok/s':>10} "
+          f"{'x base':>7}")
     for n in threads:
         for b in batches:
             base_p = b * args.prompt / statistics.median(pre[(n, b, 0)])

@@ -2,14 +2,15 @@
 ``reference_linear`` within the tolerances stated in ``tests/unit/test_quant_weights.py``. Measured against the
 references and dense ``F.linear`` by ``benchmarks/bench_quant_kernels.py`` (docs/kernels.md has the numbers).
 
-- W8A8 (:func:`int8_linear`): activations quantized per token in one pass (:func:`quant_ref.quantize_tokens_int8`,
-  the reference's own function), then ``torch._int_mm`` (int8 x int8 -> int32, exact; on the CPU it takes any M,
-  and the weight as the transposed view of the ``[N, K]`` int8 tensor, its fast layout: no prepacking needed), then
-  ``int32 * x_scale[:, None] * w_scale[None, :]`` in float32. oneDNN's quantized linear was measured beside it
-  (``onednn.qlinear_prepack`` once, ``qlinear_pointwise`` with uint8 activations at zero point 128: the same
-  integers, exact on AVX512-VNNI; it takes only a per-tensor activation scale, so the per-token one multiplies
-  after): in the benchmark's cold-cache rounds it was slower at one row (1.11-1.15 ms against 0.66-0.83 for the
-  four layers) and no faster at 8, so ``_int_mm`` serves. oneDNN with int8 activations is ~2,000x slower.
+- W8A8 (:func:`int8_linear`): activations quantized per token (the reference's own levels, in a few torch ops), then
+  up to ``QLINEAR_MAX_ROWS`` rows (decode) oneDNN's int8 linear on the weight prepacked once on first use
+  (``onednn.qlinear_prepack``; ``qlinear_pointwise`` with uint8 activations at zero point 128 and scale 1: the same
+  integers, exact where :func:`onednn_int8`'s probe says so, i.e. with VNNI; it applies the per-channel weight scale
+  and returns float32), more rows (prefill) through ``torch._int_mm`` (int8 x int8 -> int32, exact, on the
+  transposed view of the ``[N, K]`` weight); then the per-token scale in float32, the last product written straight
+  into x's dtype. With weights streamed from memory (30 layers of the default model's shapes, one thread) oneDNN's
+  path took 13.8 ms against ``_int_mm``'s 19.0 and packed bfloat16's 18.7 at 8 rows; ``_int_mm`` leads from ~128
+  rows. oneDNN with int8 (signed) activations is ~2,000x slower: never used.
 - W4A16 (:func:`int4_linear`): bfloat16/float16 activations of up to ``INT4PACK_MAX_ROWS`` rows go through torch's
   packed INT4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``; its convention is ``w = (level - 8) * s + z`` per
   group, so ours maps to ``s = scale``, ``z = (8 - zero) * scale``, both in x's dtype; packed once, on first use;

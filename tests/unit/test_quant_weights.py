@@ -275,7 +275,8 @@ def test_e4m3_float16_trick_is_exact_for_every_code() -> None:
 
 @pytest.mark.parametrize("max_rows", [0, 128])  # 0: every call through torch._int_mm; 128: oneDNN's int8 linear
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_both_cpu_gemms_match_reference(max_rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_w8a8_both_cpu_gemms_match_reference(max_rows: int, dtype: torch.dtype,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(quant_cpu, "QLINEAR_MAX_ROWS", max_rows)
     w = int8_weight(48, 64, seed=8)
     w.qweight[0, :] = -128  # the extreme levels both ways
