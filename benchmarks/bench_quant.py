@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=48, help="the mixed throughput batch (0: no tok/s)")
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB for each engine")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per engine and checkpoint")
+    ap.add_argument("--no-float32-row", action="store_true",
+                    help="skip our float32 dense row (slow; the reference is transformers' float32 anyway)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
 
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         python = sys.executable if engine == "ours" else args.vllm_python
         runs = [(n, p, dtype) for n, p in checkpoints]
-        if engine == "ours" and dtype != "float32":
+        if engine == "ours" and dtype != "float32" and not args.no_float32_row:
             runs.insert(0, ("dense", str(base), "float32"))
         for name, path, dt in runs:
             if engine == "vllm" and vver is None:

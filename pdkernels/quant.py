@@ -14,8 +14,9 @@ dequantize, quantize the activations as :mod:`pdkernels.quant_ref` defines, ``F.
 ``dequantize(dtype)``, ``cat`` (along N: fused q|k|v, gate|up), ``rows``/``cols`` (tensor-parallel slices),
 ``out_features``, ``in_features``, ``numel`` and ``nbytes``. Constructors validate shapes and dtypes, and on CPU
 tensors values too (finite scales, zero levels 0..15, no FP8 NaN codes), raising ``ValueError`` naming the field.
-All are immutable values, apart from :class:`Int4Weight`'s copy in torch's packed INT4 CPU layout, made on its first
-bfloat16/float16 CPU call (so W4A16 on the CPU holds 4 bits a weight twice: still half of bfloat16).
+All are immutable values, apart from the CPU kernels' copies made on first use: :class:`Int4Weight`'s in torch's packed
+INT4 CPU layout on its first bfloat16/float16 call (so W4A16 on the CPU holds 4 bits a weight twice: still half of
+bfloat16), :class:`Int8Weight`'s prepacked for oneDNN's int8 linear (a byte a weight twice: as much as bfloat16).
 
 ``linear`` dispatches: Triton (:mod:`pdkernels.triton_quant`) where :func:`pdkernels.uses_triton` (CUDA tensors,
 or anything under ``TRITON_INTERPRET=1``), the CPU fast paths of :mod:`pdkernels.quant_cpu` on CPU tensors, the

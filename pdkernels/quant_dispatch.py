@@ -4,20 +4,21 @@ the fast paths of :mod:`pdkernels.quant_cpu` on CPU tensors, the class's ``refer
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from pdkernels import quant_cpu, uses_triton
-from pdkernels.quant_ref import finish
 
 
-def _cpu_kernel(w: Any) -> Any:
+@functools.cache
+def _cpu_kernels() -> dict[type, Any]:
+    """Each weight class's CPU kernel ``(w, x [M, K], bias) -> [M, N]`` in x's dtype (built once: a lookup per call)."""
     from pdkernels.quant_fp8 import Fp8Weight
     from pdkernels.quant_int import Int4Weight, Int8Weight
 
-    return {Int8Weight: quant_cpu.int8_linear, Int4Weight: quant_cpu.int4_linear,
-            Fp8Weight: quant_cpu.fp8_linear}[type(w)]
+    return {Int8Weight: quant_cpu.int8_linear, Int4Weight: quant_cpu.int4_linear, Fp8Weight: quant_cpu.fp8_linear}
 
 
 def _triton_kernel(w: Any) -> Any:
@@ -38,5 +39,5 @@ def linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if uses_triton(x):
         return _triton_kernel(w)(w, x2, bias).view(*x.shape[:-1], w.out_features)
     if x.device.type == "cpu":
-        return finish(_cpu_kernel(w)(w, x2), x, bias)
+        return _cpu_kernels()[type(w)](w, x2, bias).view(*x.shape[:-1], w.out_features)
     return w.reference_linear(x, bias)

@@ -25,6 +25,7 @@ class Int8Weight:
         check(scale.device == qweight.device, "scale", f"on {scale.device}, qweight on {qweight.device}")
         self.qweight = qweight.contiguous()
         self.scale = scale.contiguous()
+        self._packed: object | None = None  # the CPU kernel's oneDNN form, made on first use
 
     @property
     def out_features(self) -> int:

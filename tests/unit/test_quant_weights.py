@@ -251,8 +251,8 @@ def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias
 
 
 def test_fast_paths_keep_no_dense_copy() -> None:
-    """What a weight holds after CPU calls: W8A8 nothing more; W4A16 torch's packed INT4 form (half a byte a
-    weight) and its scales; FP8 nothing more."""
+    """What a weight holds after CPU calls: W8A8 oneDNN's prepacked int8 form (a byte a weight, where oneDNN's int8
+    linear runs exactly); W4A16 torch's packed INT4 form (half a byte a weight) and its scales; FP8 nothing more."""
     i4 = int4_weight(48, 64, 32)
     before = i4.nbytes
     i4.linear(torch.randn(1, 64).bfloat16())
@@ -262,13 +262,44 @@ def test_fast_paths_keep_no_dense_copy() -> None:
     i8, f8 = int8_weight(48, 64), fp8_weight(48, 64, "block", block=(16, 32))
     i8.linear(torch.randn(2, 64))
     f8.linear(torch.randn(2, 64))
-    assert not hasattr(i8, "_packed") and not hasattr(f8, "_packed")
+    if quant_cpu.onednn_int8():
+        assert i8._packed is not None and i8._packed[0].nbytes == 48 * 64  # type: ignore[index]
+    assert not hasattr(f8, "_packed")
 
 
 def test_e4m3_float16_trick_is_exact_for_every_code() -> None:
     codes = torch.arange(256, dtype=torch.uint8)
     fp8 = codes[(codes & 0x7F) != 0x7F].view(FP8)
     assert torch.equal(quant_cpu.e4m3_as_float16(fp8).float() * 256, fp8.float())
+
+
+@pytest.mark.parametrize("max_rows", [0, 128])  # 0: every call through torch._int_mm; 128: oneDNN's int8 linear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_both_cpu_gemms_match_reference(max_rows: int, dtype: torch.dtype,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quant_cpu, "QLINEAR_MAX_ROWS", max_rows)
+    w = int8_weight(48, 64, seed=8)
+    w.qweight[0, :] = -128  # the extreme levels both ways
+    w.qweight[1, :] = 127
+    bias = torch.randn(48, generator=_gen(9))
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, 64, generator=_gen(rows)).to(dtype)
+        x[0, 3] = 0.0
+        for b in (None, bias):
+            want, got = w.reference_linear(x, b), w.linear(x, b)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=0,
+                                       atol=FAST_TOL[dtype] * want.float().abs().max().item())
+    assert (w._packed is not None) == (max_rows > 0 and quant_cpu.onednn_int8())  # type: ignore[attr-defined]
+
+
+def test_uint8_activations_are_the_int8_levels_plus_128() -> None:
+    x = torch.randn(6, 40, generator=_gen(10)).bfloat16()
+    x[2] = 0.0
+    q, s = quant_ref.quantize_tokens_int8(x)
+    u, su = quant_ref.quantize_tokens_uint8(x)
+    assert u.dtype == torch.uint8 and torch.equal(u.int() - 128, q.int()) and torch.equal(s, su)
+    assert q.abs().max().item() == 127 and s[2].item() == 0.0
 
 
 def test_w8a8_fast_path_is_exact_on_float32() -> None:
