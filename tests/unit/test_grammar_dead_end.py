@@ -76,7 +76,7 @@ def test_the_proxy_answers_an_error_delta_with_an_openai_error() -> None:
     req = GenerateRequest("r", (5, 6, 7), max_tokens=8, grammar=AB.wire())
     job = Job(req, 0)
     leg = Leg(req, asyncio.Queue())
-    this = SimpleNamespace(render_logprob=str)
+    this = SimpleNamespace(render_logprob=str, local_pending={})
     Dispatcher._take(this, job, leg, TokenDelta("r", 0, (1,), "a"))  # type: ignore[arg-type]
     with pytest.raises(APIError) as e:
         Dispatcher._take(this, job, leg, TokenDelta("r", 0, (), "", None, "error",  # type: ignore[arg-type]
