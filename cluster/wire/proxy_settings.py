@@ -35,8 +35,9 @@ class ProxySettings:
     tool_call_parser: str = ""  # one of TOOL_PARSERS, or "" (then 'auto' is refused)
     chat_template: str = ""  # a Jinja chat template file replacing the model's ("": the model's)
     # disaggregated clusters: per request on a prefill actor or on the decode owner, from measured costs (auto), or
-    # always on a prefill actor, or never (proxy/disagg.py)
-    disagg_mode: str = "auto"
+    # always on a prefill actor, or never (proxy/disagg.py). always by default until auto's cost model is tuned on
+    # measurements (docs/serving.md): under load auto moves prompts the tests and operators expect on prefill actors
+    disagg_mode: str = "always"
 
     def __post_init__(self) -> None:
         if isinstance(self.queue_timeout_s, bool) or not isinstance(self.queue_timeout_s, (int, float)) \
