@@ -119,13 +119,15 @@ class KVCacheManager:
         return copies
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Mutates the prefix index: register ``seq``'s blocks that are full and fully computed, each offered once
-        (O(new full blocks) per call)."""
+        """Mutates the prefix index: register ``seq``'s blocks that are full, fully computed and whose tokens are all
+        known, each offered once (O(new full blocks) per call). A speculative step computes K/V for drafts before
+        their tokens are appended: those blocks wait until the tokens are there."""
         if not self.enable_caching:
             return
-        self._hash_next_full_blocks(seq, seq.num_computed_tokens)
+        upto = min(seq.num_computed_tokens, seq.num_tokens)
+        self._hash_next_full_blocks(seq, upto)
         bs = self.block_size
-        full = seq.num_computed_tokens // bs
+        full = upto // bs
         for i in range(seq.num_offered_blocks, full):
             block = self.pool.blocks[seq.block_table[i]]
             if block.block_hash is None:

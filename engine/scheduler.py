@@ -228,11 +228,14 @@ class Scheduler:
             if not s.sample or toks is None or s.seq.is_finished:
                 continue
             seq = s.seq
-            if s.draft:
-                for tok in toks:
+            if s.draft:  # blocks become registrable as the accepted drafts' tokens are appended (cache_full_blocks
+                for tok in toks:  # registers no block past the known tokens)
+                    self.kv.cache_full_blocks(seq)
                     self._append(seq, tok, updated, finished)
                     if seq.is_finished:
                         break
+                if not seq.is_finished:
+                    self.kv.cache_full_blocks(seq)
                 self._trim_blocks(seq)
                 continue
             children, seq.pending_children = seq.pending_children, []

@@ -124,6 +124,22 @@ def test_penalized_requests_run_without_drafts(tiny_checkpoint) -> None:  # type
     _check_clean(spec)
 
 
+def test_accepted_drafts_blocks_reach_the_prefix_cache(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A verify step computes the drafts' K/V before their tokens are appended: the blocks they fill are registered
+    once the tokens are there (under the right hashes), so the next turn hits its whole history."""
+    folder = str(tiny_checkpoint("llama"))
+    spec = LLM(folder, speculative_config=SPEC, **COMMON)
+    prompt = [30, 31, 32, 33] * 5
+    out = spec.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert spec.engine.spec.stats.accepted_tokens > 0
+    history = prompt + out.outputs[0].token_ids
+    again = spec.generate([history + [7]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    bs = COMMON["block_size"]
+    # every full block of the history but the last (its last token's K/V was never computed) is a hit
+    assert again.num_cached_tokens >= (len(history) - 1) // bs * bs, (again.num_cached_tokens, len(history))
+    _check_clean(spec)
+
+
 def test_min_tokens_rows_wait_for_drafts_and_keep_their_mask(tiny_checkpoint, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A request still short of its min_tokens never drafts, and its end-token mask stays on its own row beside
     requests that draft (the verify step's expanded batch moves rows): the same tokens as without drafts."""
