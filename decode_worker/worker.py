@@ -122,7 +122,8 @@ class DecodeWorker(EngineLoop):
         self.engine.validate(list(req.prompt_token_ids), SamplingParams(**req.sampling_kwargs()))
         ttl = msg.ttl_s or self.config.reservation_ttl_s
         # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
-        prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(list(req.prompt_token_ids))
+        prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(
+            list(req.prompt_token_ids), req.kv_namespace)
         rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.model_config.num_layers,
                                      prefix, self.engine.config.block_size)
         if rec is None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_hash import NONE_HASH, hash_block
 from engine.block_pool import Block, BlockPool
+from engine.kv_tiers.keys import tenant_extra
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -32,9 +33,16 @@ class KVCacheManager:
     def _hash_next_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
         """Mutates ``seq.block_hashes``: extend it to cover every full block within the first ``upto_tokens``."""
         bs = self.block_size
+        extra = None
         for b in range(len(seq.block_hashes), upto_tokens // bs):
+            extra = extra if extra is not None else self.extra_for(seq.params.kv_namespace)
             parent = seq.block_hashes[-1] if seq.block_hashes else NONE_HASH
-            seq.block_hashes.append(hash_block(parent, seq.token_slice(b * bs, (b + 1) * bs), self.hash_extra))
+            seq.block_hashes.append(hash_block(parent, seq.token_slice(b * bs, (b + 1) * bs), extra))
+
+    def extra_for(self, namespace: str) -> bytes:
+        """What the block hashes of a request in K/V ``namespace`` bind besides tokens: the model's identity, scoped
+        to the namespace ("" = shared), so no other namespace's lookup can hit them (in L1 or any tier). Pure."""
+        return tenant_extra(self.hash_extra, namespace)
 
     def get_computed_blocks(self, seq: Sequence) -> list[Block]:
         """Longest run of cached full blocks matching the start of ``seq``'s tokens.
@@ -59,17 +67,19 @@ class KVCacheManager:
                                           hits, limit, cdiv(seq.num_tokens, bs))
         return hits
 
-    def lookup_prefix(self, token_ids: list[int]) -> list[Block]:
-        """The prefix-cache blocks holding the longest run of ``token_ids``' leading full blocks, leaving at least the
-        last token out (its K/V comes with its logits). Pure (apart from hit statistics)."""
+    def lookup_prefix(self, token_ids: list[int], namespace: str = "") -> list[Block]:
+        """The prefix-cache blocks holding the longest run of ``token_ids``' leading full blocks (in K/V
+        ``namespace``), leaving at least the last token out (its K/V comes with its logits). Pure (apart from hit
+        statistics)."""
         if not self.enable_caching:
             return []
         bs = self.block_size
         hits: list[Block] = []
         parent = NONE_HASH
+        extra = self.extra_for(namespace)
         for i in range((len(token_ids) - 1) // bs):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk, self.hash_extra)
+            parent = hash_block(parent, chunk, extra)
             block = self.pool.lookup(parent, chunk)
             if block is None:
                 break

@@ -17,6 +17,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ from proxy.openapi import openapi_spec
 from proxy.pools import Pools
 from proxy.controller_feed import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
+from proxy.tenant import kv_namespace
 from cluster.wire.slo import RequestLatency, SloTracker, request_latency, tpot_s
 from engine.tokenization import PromptTokenizer
 
@@ -240,7 +242,7 @@ class Proxy:
         trace = request.headers.get("X-Request-Id", "")[:128] or uuid.uuid4().hex
         jobs: list[Job] = []
         try:
-            parsed, jobs = await self._parse(await request.read(), chat, trace)
+            parsed, jobs = await self._parse(await request.read(), chat, trace, request.headers)
             for j in jobs:  # demand, whether it is then admitted, queued or refused
                 self.report.arrived(len(j.req.prompt_token_ids), j.req.max_tokens, j.req.n)
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
@@ -265,7 +267,7 @@ class Proxy:
         finally:
             self.dispatch.close(jobs)
 
-    async def _parse(self, raw: bytes, chat: bool, trace: str
+    async def _parse(self, raw: bytes, chat: bool, trace: str, headers: Mapping[str, str]
                      ) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
         parsed: ChatCompletionRequest | CompletionRequest
@@ -284,11 +286,12 @@ class Proxy:
         if parsed.sampling.grammar is not None:  # compiled off the loop, bounded: a 400 naming the field
             await check_compiles_async(GrammarSpec.of(parsed.sampling.grammar), grammar_param(body))  # type: ignore
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        namespace = kv_namespace(self.cfg.settings.kv_tenant_from, headers, parsed.user)
         jobs = []
         for i, ids in enumerate(prompts):  # one request per prompt, with all n completions: one reserve, one prefill
             gen = to_generate_request(f"{base}-{next(self._ids)}", ids, parsed.sampling, self.proto.max_model_len,
                                       param, self.stream.address)
-            gen = dataclasses.replace(gen, trace_id=trace)
+            gen = dataclasses.replace(gen, trace_id=trace, kv_namespace=namespace)
             job = Job(gen, i)
             self.dispatch.new_leg(job, gen)
             jobs.append(job)

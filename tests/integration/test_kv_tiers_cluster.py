@@ -48,3 +48,68 @@ def test_later_turns_hit_prompt_and_answer_even_after_a_prefill_actor_dies(tmp_p
             prev = total
     finally:
         cluster.stop()
+
+
+def _prefill_actor_with_blocks(actors: list[object]) -> list[int]:
+    """Indexes of the prefill actors whose prefix cache ever gained a block."""
+    return [i for i, a in enumerate(actors) if ray.get(a.prefix_events.remote(0))["added"]]
+
+
+def _wait_draining(url: str, name: str) -> None:
+    """Until the proxy's pool view shows actor ``name`` draining (it then routes no new prompt there)."""
+    import json
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
+            actors = json.loads(r.read())["actors"]
+        if any(a["name"] == name and a.get("draining") for a in actors):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the proxy never saw {name} draining")
+
+
+def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tmp_path: Path) -> None:
+    """Turn 2 of a chat is routed to the prefill actor that did not serve turn 1 (that one is drained, alive): it
+    still hits >= 90% of turn 1's prompt + answer (the decode actor's write-back, through the shared disk tier).
+    Tenants come from the OpenAI ``user`` field (--kv-tenant-from user): bob sending alice's exact turn 2 gets no
+    cached token (on any tier, device prefix cache included) and the same greedy text; alice again hits."""
+    from cluster.wire.proxy_settings import ProxySettings
+
+    cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256,
+                                                      kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.5,
+                                                      kv_host_gib=0.05),
+                                  decode=1, prefill=2, port=0, mode="disaggregated",
+                                  proxy=ProxySettings(kv_tenant_from="user")))
+    try:
+        cluster.start()
+        url = cluster.urls[0]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+        def turn(msgs: list[dict[str, str]], user: str) -> tuple[str, int, int, int]:
+            """(answer, prompt + answer tokens, cached tokens, prompt tokens)"""
+            r = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0,
+                                               user=user)
+            details = r.usage.prompt_tokens_details
+            return r.choices[0].message.content, r.usage.prompt_tokens + r.usage.completion_tokens, \
+                (details.cached_tokens or 0) if details else 0, r.usage.prompt_tokens
+
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a colour."}]
+        answer, prev, _, _ = turn(msgs, "alice")
+        (first,) = _prefill_actor_with_blocks(cluster.prefill_actors)
+        name = ray.get(cluster.prefill_actors[first].info.remote())["actor_id"]
+        ray.get(cluster.prefill_actors[first].drain.remote())
+        _wait_draining(url, name)
+        msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And a fruit?"}]
+        answer2, _, cached, prompt2 = turn(msgs, "alice")
+        assert _prefill_actor_with_blocks(cluster.prefill_actors) == [0, 1]  # the other actor prefilled turn 2
+        assert cached >= 0.9 * prev, (cached, prev)
+
+        other, _, bob_cached, _ = turn(msgs, "bob")
+        assert bob_cached == 0 and other == answer2
+        again, _, alice_cached, _ = turn(msgs, "alice")
+        assert alice_cached >= 0.9 * prompt2 and again == answer2, (alice_cached, prompt2)
+    finally:
+        cluster.stop()
