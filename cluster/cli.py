@@ -380,6 +380,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if prop:
             print(f"speculative {a['name']}: acceptance {acc / prop:.2f} ({acc}/{prop} drafts), "
                   f"{(acc + ver) / ver:.2f} tokens per verify step")
+    from proxy.tier_metrics import tier_status_lines
+
+    tiers = tier_status_lines(st["actors"])  # K/V tiers and their fetch-or-recompute break-even (issue 45)
+    if tiers:
+        print("\n" + "\n".join(tiers))
     if st.get("slo"):  # a proxy from before goodput has none
         print("\n" + "\n".join(slo_lines(st["slo"])))
     if st.get("disagg"):  # disaggregated: where this proxy prefilled prompts (issue 48)

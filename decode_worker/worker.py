@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine
+from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine, tier_stats
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.token_stream import TokenSender
@@ -314,7 +314,7 @@ class DecodeWorker(EngineLoop):
             proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, preemptions=self.preemptions,
             max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, busy_seconds=self.busy_s,
             steps=self.steps, results_via_channel=self.results_via_channel, results_via_ray=self.results_via_ray,
-            **_spec_counts(self.engine), **rx)
+            **_spec_counts(self.engine), **tier_stats(self.engine), **rx)
 
     def _close(self) -> None:
         self._sender.close()

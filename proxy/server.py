@@ -65,6 +65,7 @@ from proxy.pools import Pools
 from proxy.controller_feed import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
 from proxy.tenant import kv_namespace
+from proxy.tier_metrics import tier_metric_lines
 from cluster.wire.slo import RequestLatency, SloTracker, request_latency, tpot_s
 from engine.tokenization import PromptTokenizer
 
@@ -225,8 +226,10 @@ class Proxy:
         fallbacks = {a.name: a.stats.kv_inplace_fallbacks for a in self.pools.prefill.values() if a.stats}
         spec = {a.name: (a.stats.spec_verified_requests, a.stats.spec_proposed_tokens, a.stats.spec_accepted_tokens)
                 for a in self.pools.live_decode() if a.stats and a.stats.spec_proposed_tokens}
-        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks, spec),
-                            content_type="text/plain")
+        tiers = tier_metric_lines({a.name: a.stats for pool in (self.pools.prefill, self.pools.decode)
+                                   for a in pool.values() if a.alive and a.stats})
+        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks, spec)
+                            + "".join(f"{line}\n" for line in tiers), content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:

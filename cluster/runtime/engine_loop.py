@@ -107,6 +107,16 @@ def attach_tiers(engine: Any, config: Any, role: str) -> Any:
     return attach(engine.kv, engine.runner, tiers, disk)
 
 
+def tier_stats(engine: Any) -> dict[str, Any]:
+    """``WorkerStats`` fields for ``engine``'s K/V tiers (none attached: no fields). Pure."""
+    tiers = getattr(getattr(engine, "kv", None), "tiers", None)
+    if tiers is None:
+        return {}
+    from cluster.wire.telemetry import TierCounts
+
+    return {"kv_tiers": tuple(TierCounts(**t) for t in tiers.report()), "kv_bytes_per_token": tiers.bytes_per_token}
+
+
 class _Command(Generic[T]):
     __slots__ = ("fn", "done", "result", "error")
 

@@ -63,6 +63,8 @@ class EngineTiers:
         self.stats = TierStats()
         self.meters = {name: BandwidthMeter() for name in ("host", "disk")}  # read bandwidth per tier, measured
         self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        self.bytes_read: dict[str, int] = {}  # tier -> payload bytes promoted from it
+        self.put_by: dict[tuple[str, str], int] = {}  # (tier, "demotion" | "write_back") -> blocks handed to it
 
     def worth_fetching(self, tier: str) -> bool:
         """Whether loading one block from ``tier`` (at its measured bandwidth) beats computing it at the configured
@@ -92,10 +94,15 @@ class EngineTiers:
             if not self.host.contains(key):
                 self.host.put(key, tokens, self._copy_out(block.block_id))
                 self.stats.demoted += 1
+                self._count_put("host", "demotion")
         elif self.lower is not None and not self.lower.contains(key):
             self._sync_for_lower()
             self.lower.put(key, tokens, self._copy_out(block.block_id))
             self.stats.demoted += 1
+            self._count_put(self.lower.name, "demotion")
+
+    def _count_put(self, tier: str, why: str) -> None:
+        self.put_by[(tier, why)] = self.put_by.get((tier, why), 0) + 1
 
     def released(self, hashes: Seq[int], block_ids: Seq[int], tokens_of: Callable[[int], Seq[int]],
                  num_full: int) -> None:
@@ -115,11 +122,42 @@ class EngineTiers:
                 synced = True
             target.put(hashes[i], tuple(tokens_of(i)), self._copy_out(block_ids[i]))
             self.stats.written_back += 1
+            self._count_put(target.name, "write_back")
 
     def _sync_for_lower(self) -> None:
         """The disk writer reads host copies on its own thread: on CUDA, they must have landed first."""
         if self.kv.device.type == "cuda":
             torch.cuda.current_stream(self.kv.device).synchronize()
+
+    def report(self) -> list[dict[str, object]]:
+        """Per tier, what metrics and ``pdcluster status`` show: hits, misses, damaged blocks, bytes read, blocks put
+        by demotion and by write-back, blocks dropped, the writes queued, bytes held and allowed, the measured read
+        bandwidth (0 before the first read) and blocks promoted from it. Pure."""
+        out: list[dict[str, object]] = []
+        for store in (self.host, self.lower):
+            if store is None:
+                continue
+            name = store.name
+            meter = self.meters.get(name)
+            demoted = self.put_by.get((name, "demotion"), 0)
+            if store is self.lower and self.host is not None:
+                demoted += self.host.demoted_down  # pushed out of L2 into L3
+            out.append({
+                "tier": name, "hits": getattr(store, "hits", 0), "misses": getattr(store, "misses", 0),
+                "corrupt": getattr(store, "corrupt", 0), "bytes_read": self.bytes_read.get(name, 0),
+                "demotions": demoted, "write_backs": self.put_by.get((name, "write_back"), 0),
+                "dropped": getattr(store, "dropped", 0) + getattr(store, "write_errors", 0),
+                "pending_writes": getattr(store, "pending_writes", 0), "used_bytes": getattr(store, "used_bytes", 0),
+                "capacity_bytes": getattr(store, "capacity_bytes", 0),
+                "read_bytes_per_s": meter.bytes_per_s if meter is not None and meter.reads else 0.0,
+                "promoted": self.stats.promoted.get(name, 0),
+                "recomputed_cheaper": self.stats.recomputed_cheaper.get(name, 0)})
+        return out
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K/V bytes one token holds across every layer in this cache. Pure."""
+        return self.block_bytes // self.block_size
 
     # -- below -> L1 ------------------------------------------------------------------------------------------
     def find(self, key: int, tokens: tuple[int, ...]) -> tuple[str, torch.Tensor] | None:
@@ -135,6 +173,7 @@ class EngineTiers:
             if p is not None:
                 self.meters.setdefault(store.name, BandwidthMeter()).record(self.block_bytes,
                                                                            time.perf_counter() - t0)
+                self.bytes_read[store.name] = self.bytes_read.get(store.name, 0) + self.block_bytes
                 return store.name, p
         return None
 

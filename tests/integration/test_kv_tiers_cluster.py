@@ -71,6 +71,33 @@ def _wait_draining(url: str, name: str) -> None:
     raise AssertionError(f"the proxy never saw {name} draining")
 
 
+def _check_tier_metrics_and_status(url: str) -> None:
+    """/metrics counts the disk tier's hits (a prefill actor's) and write-backs (the decode actor's); ``pdcluster
+    status``'s tier lines give each tier's break-even prefill speed (stats reach the proxy within its refresh)."""
+    import json
+    import re
+    import time
+    import urllib.request
+
+    from proxy.tier_metrics import tier_status_lines
+
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        hits = [int(n) for n in re.findall(r'pdcluster_kv_tier_hits_total\{actor="[^"]+",tier="disk"\} (\d+)', text)]
+        backs = [int(n) for n in re.findall(r'pdcluster_kv_tier_write_backs_total\{actor="[^"]+",tier="disk"\} (\d+)',
+                                            text)]
+        if (sum(hits) and sum(backs)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert sum(hits) > 0 and sum(backs) > 0, text
+    assert "pdcluster_kv_tier_write_queue_depth" in text
+    with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
+        lines = tier_status_lines(json.loads(r.read())["actors"])
+    assert lines and any(" disk " in line and "break-even" in line and "tok/s: " in line for line in lines), lines
+
+
 def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tmp_path: Path) -> None:
     """Turn 2 of a chat is routed to the prefill actor that did not serve turn 1 (that one is drained, alive): it
     still hits >= 90% of turn 1's prompt + answer (the decode actor's write-back, through the shared disk tier).
@@ -111,5 +138,6 @@ def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tm
         assert bob_cached == 0 and other == answer2
         again, _, alice_cached, _ = turn(msgs, "alice")
         assert alice_cached >= 0.9 * prompt2 and again == answer2, (alice_cached, prompt2)
+        _check_tier_metrics_and_status(url)
     finally:
         cluster.stop()
