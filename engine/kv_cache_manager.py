@@ -44,7 +44,7 @@ class KVCacheManager:
         to the namespace ("" = shared), so no other namespace's lookup can hit them (in L1 or any tier). Pure."""
         return tenant_extra(self.hash_extra, namespace)
 
-    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+    def get_computed_blocks(self, seq: Sequence, use_tiers: bool = True) -> list[Block]:
         """Longest run of cached full blocks matching the start of ``seq``'s tokens.
 
         Mutates only ``seq.block_hashes`` (a memo). At least the last token is always left to compute, since its
@@ -62,7 +62,7 @@ class KVCacheManager:
                 break
             hits.append(block)
         limit = (seq.num_tokens - 1) // bs
-        if self.tiers is not None and len(hits) < limit:  # the L1 run ended: continue it from the tiers below
+        if use_tiers and self.tiers is not None and len(hits) < limit:  # the L1 run ended: continue it from the tiers below
             hits = self.tiers.extend_hits(self.pool, seq.block_hashes, lambda i: seq.token_slice(i * bs, (i + 1) * bs),
                                           hits, limit, cdiv(seq.num_tokens, bs))
         return hits
@@ -176,14 +176,23 @@ class KVCacheManager:
         taken from the prefix cache: those cached blocks replace the first reserved ones (which go back to the free
         list), so a request started on reserved blocks (colocated, or a recompute) still hits the cache. Returns the
         cached tokens."""
-        hits = self.get_computed_blocks(seq)[: len(block_ids)]
+        hits = self.get_computed_blocks(seq, use_tiers=False)[: len(block_ids)]
         self.adopt(seq, block_ids, 0)
         if hits:
             self.pool.touch(hits)
             self.pool.free(self.pool.blocks[b] for b in reversed(block_ids[: len(hits)]))
             seq.block_table[: len(hits)] = [b.block_id for b in hits]
-            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-        return len(hits) * self.block_size
+        bs = self.block_size
+        filled = 0
+        if self.tiers is not None:  # the tiers below fill the next reserved blocks in place (no room needed)
+            limit = min((seq.num_tokens - 1) // bs, len(seq.block_table))
+            filled = self.tiers.fill_reserved(self.pool, seq.block_hashes[:limit],
+                                              lambda i: seq.token_slice(i * bs, (i + 1) * bs), len(hits),
+                                              seq.block_table)
+            seq.num_offered_blocks = len(hits) + filled  # registered already
+        cached = (len(hits) + filled) * bs
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        return cached
 
     def free(self, seq: Sequence) -> None:
         """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest (after handing

@@ -206,6 +206,28 @@ class EngineTiers:
         return run
 
 
+    def fill_reserved(self, pool: BlockPool, hashes: Seq[int], tokens_of: Callable[[int], Seq[int]], start: int,
+                      block_ids: Seq[int]) -> int:
+        """Mutates L1: a request prefilled on blocks reserved for it (colocated, or a prompt computed on its decode
+        owner) continues its L1 prefix run of ``start`` blocks from the tiers below by copying each found block
+        straight into its own reserved block ``block_ids[i]`` (held by the request, so no allocation and no room
+        needed) and registering it in the prefix cache. Returns how many blocks, from ``start``, it filled."""
+        n = 0
+        for i in range(start, min(len(block_ids), len(hashes))):
+            if hashes[i] in pool.cached:  # another block holds this hash: never register over it
+                break
+            tokens = tuple(tokens_of(i))
+            found = self.find(hashes[i], tokens)
+            if found is None:
+                break
+            tier, payload = found
+            self.kv[:, :, block_ids[i]].copy_(payload.to(self.kv.device, non_blocking=True))
+            pool.register(pool.blocks[block_ids[i]], hashes[i], tokens)
+            self.stats.promoted[tier] = self.stats.promoted.get(tier, 0) + 1
+            n += 1
+        return n
+
+
 def attach(kv_manager: object, runner: object, config: KVTierConfig, lower: BlockStore | None = None) -> EngineTiers:
     """Mutates ``kv_manager`` and its pool: give them tiers built from ``config`` over ``runner``'s cache."""
     layout = getattr(runner, "layout")

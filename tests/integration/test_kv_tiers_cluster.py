@@ -141,3 +141,30 @@ def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tm
         _check_tier_metrics_and_status(url)
     finally:
         cluster.stop()
+
+
+def test_a_turn_prefilled_on_its_decode_owner_reads_the_tiers(tmp_path: Path) -> None:
+    """--disagg-mode never: every prompt is prefilled on its decode owner, on the blocks reserved for it (prompt +
+    headroom: most of the 40-block pool). Chat b's turn pushes chat a's history out of the device pool; a's next turn
+    still hits >= 90% of its previous prompt + answer (the host and disk tiers, copied into the reserved blocks)."""
+    from cluster.wire.proxy_settings import ProxySettings
+
+    cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256,
+                                                      kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.5,
+                                                      kv_host_gib=0.05),
+                                  decode=1, prefill=1, port=0, mode="disaggregated",
+                                  proxy=ProxySettings(disagg_mode="never")))
+    try:
+        cluster.start()
+        client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
+        chats = {c: [{"role": "system", "content": SYSTEM.replace("rule", f"rule {c}")},
+                     {"role": "user", "content": "Name a colour."}] for c in ("a", "b")}
+        prev = {}
+        for c in ("a", "b"):
+            answer, prev[c], _ = _turn(client, chats[c])
+            chats[c] += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And a fruit?"}]
+        _, _, cached = _turn(client, chats["a"])
+        assert cached >= 0.9 * prev["a"], (cached, prev["a"])
+        assert ray.get(cluster.prefill_actors[0].prefix_events.remote(0))["added"] == []  # never prefilled there
+    finally:
+        cluster.stop()

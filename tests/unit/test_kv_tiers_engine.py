@@ -166,3 +166,24 @@ def test_a_tier_slower_than_recomputing_is_not_read(tiny_checkpoint: Any, tmp_pa
     assert again[0][1] == 0 and tiers.stats.recomputed_cheaper["disk"] >= 1 and disk.hits == 0
     assert [ids for ids, _ in first + again] == [ids for ids, _ in plain[:4]]
     disk.close()
+
+
+def test_a_prompt_on_reserved_blocks_fills_them_from_the_tiers(tiny_checkpoint: Any) -> None:
+    """A prompt prefilled on blocks reserved for it (the decode owner's local prefill: colocated, --disagg-mode
+    never/auto, a resumed turn) reads the tiers as a prefill actor does, even when the reservation leaves the pool no
+    free block: the found blocks are copied straight into its own reserved ones."""
+    plain = _run(_llm(tiny_checkpoint), SEQUENCE[:3])
+    llm = _llm(tiny_checkpoint)
+    tiers = attach(llm.engine.kv, llm.engine.runner, KVTierConfig(host_bytes=64 << 20))
+    _run(llm, SEQUENCE[:3])  # prompt 1 is evicted to the host tier by 2 and 3
+    eng = llm.engine
+    reserved = [b.block_id for b in eng.kv.pool.allocate(15)]  # one block left free: too few to promote into
+    eng.add_request("r", SEQUENCE[0], GREEDY, block_ids=reserved)
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.finished else out
+    assert out is not None and out.num_cached_tokens == (120 - 1) // BLOCK * BLOCK
+    assert list(out.outputs[0].token_ids) == plain[0][0]
+    assert tiers.stats.promoted["host"] >= 7
+    eng.kv.pool.check_integrity()
