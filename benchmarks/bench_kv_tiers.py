@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--host-gib", type=float, default=0.25)
     ap.add_argument("--disk-gib", type=float, default=1.0)
-    ap.add_argument("--integrity", nargs="+", default=["payload_mac", "blake2b"], choices=("payload_mac", "blake2b"),
+    ap.add_argument("--integrity", nargs="+", default=["blake2b", "payload_mac"], choices=("payload_mac", "blake2b"),
                     help="the tiered runs: one per disk integrity check")
     args = ap.parse_args()
     runs: dict[str, ChatRun] = {}
@@ -110,6 +110,7 @@ def main() -> None:
               f"mean {statistics.mean(run.hit_share):.3f} (goal >= 0.90) | TTFT p50 {p50(run.ttft_later) * 1e3:.1f} "
               f"ms, ratio to untiered {p50(run.ttft_later) / p50(base.ttft_later):.3f} (goal <= 0.5) | answers "
               f"equal to untiered: {run.answers == base.answers}")
+        print(f"{'':>12}  later turns' TTFT (ms, sorted): {' '.join(f'{t * 1e3:.0f}' for t in sorted(run.ttft_later))}")
 
 
 if __name__ == "__main__":

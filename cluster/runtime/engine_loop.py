@@ -89,7 +89,7 @@ def tier_config_for(config: Any, role: str) -> Any:
     disk_dir = getattr(config, "kv_disk_dir", None)
     disk = int(getattr(config, "kv_disk_gib", 0.0) * 2**30) if disk_dir else 0
     tiers = KVTierConfig(host_bytes=host, disk_dir=disk_dir, disk_bytes=disk, write_back=role != "prefill",
-                         disk_integrity=getattr(config, "kv_disk_integrity", "payload_mac"),
+                         disk_integrity=getattr(config, "kv_disk_integrity", "blake2b"),
                          prefill_tokens_per_s=getattr(config, "kv_prefill_tokens_per_s", 0.0))
     return tiers if tiers.enabled else None
 

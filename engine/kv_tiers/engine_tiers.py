@@ -63,6 +63,9 @@ class EngineTiers:
         self.stats = TierStats()
         self.meters = {name: BandwidthMeter() for name in ("host", "disk")}  # read bandwidth per tier, measured
         self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        self.pool: BlockPool | None = None  # L1, whose prefix events routers read (set by attach)
+        if self.host is not None:
+            self.host.on_leave = self._left_host
         self.bytes_read: dict[str, int] = {}  # tier -> payload bytes promoted from it
         self.put_by: dict[tuple[str, str], int] = {}  # (tier, "demotion" | "write_back") -> blocks handed to it
 
@@ -85,21 +88,32 @@ class EngineTiers:
             return dst
         return src.to("cpu", copy=True)
 
-    def demote(self, block: Block) -> None:
-        """Mutates the tiers: keep a copy of the cached ``block`` that L1 is about to reuse."""
+    def demote(self, block: Block) -> bool:
+        """Mutates the tiers: keep a copy of the cached ``block`` that L1 is about to reuse. Returns whether this
+        engine's host tier (L2) holds it now: then the block still counts as this engine's for routing (the pool
+        does not report its eviction; :meth:`_left_host` does when L2 lets it go), since promoting it back costs a
+        host copy, not a prefill."""
         key, tokens = block.block_hash, block.token_ids
         if key is None or tokens is None:
-            return
+            return False
         if self.host is not None:
             if not self.host.contains(key):
                 self.host.put(key, tokens, self._copy_out(block.block_id))
                 self.stats.demoted += 1
                 self._count_put("host", "demotion")
+            return self.host.contains(key)
         elif self.lower is not None and not self.lower.contains(key):
             self._sync_for_lower()
             self.lower.put(key, tokens, self._copy_out(block.block_id))
             self.stats.demoted += 1
             self._count_put(self.lower.name, "demotion")
+        return False
+
+    def _left_host(self, key: int) -> None:
+        """A block left L2: unless L1 holds it again, tell the routers (the pool's prefix events) it is gone."""
+        pool = self.pool
+        if pool is not None and pool.events is not None and key not in pool.cached:
+            pool.events.evicted(key)
 
     def _count_put(self, tier: str, why: str) -> None:
         self.put_by[(tier, why)] = self.put_by.get((tier, why), 0) + 1
@@ -234,4 +248,5 @@ def attach(kv_manager: object, runner: object, config: KVTierConfig, lower: Bloc
     tiers = EngineTiers(getattr(runner, "kv"), layout.block_size, config, lower, scaled=layout.scaled)
     kv_manager.tiers = tiers  # type: ignore[attr-defined]
     kv_manager.pool.on_evict = tiers.demote  # type: ignore[attr-defined]
+    tiers.pool = kv_manager.pool  # type: ignore[attr-defined]
     return tiers

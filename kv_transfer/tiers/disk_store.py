@@ -59,7 +59,7 @@ class DiskBlockStore:
     name = "disk"
 
     def __init__(self, directory: str | Path, capacity_bytes: int, secret: ClusterSecret | None = None,
-                 max_pending: int = 256, integrity: str = "payload_mac") -> None:
+                 max_pending: int = 256, integrity: str = "blake2b") -> None:
         if integrity not in INTEGRITY:
             raise ValueError(f"integrity: must be one of {INTEGRITY}, got {integrity!r}")
         self.integrity = integrity

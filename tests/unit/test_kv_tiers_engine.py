@@ -187,3 +187,16 @@ def test_a_prompt_on_reserved_blocks_fills_them_from_the_tiers(tiny_checkpoint: 
     assert list(out.outputs[0].token_ids) == plain[0][0]
     assert tiers.stats.promoted["host"] >= 7
     eng.kv.pool.check_integrity()
+
+
+def test_routers_see_the_device_pool_and_the_host_tier(tiny_checkpoint: Any) -> None:
+    """The prefix events routers read cover L1 and L2 (a block demoted to host memory is promoted back for a copy,
+    not a prefill), and a block L2 lets go is reported evicted then."""
+    llm = _llm(tiny_checkpoint)
+    block_bytes = llm.engine.runner.kv[:, :, 0].numel() * 4
+    tiers = attach(llm.engine.kv, llm.engine.runner, KVTierConfig(host_bytes=5 * block_bytes))
+    _run(llm, SEQUENCE)
+    seen = set(llm.engine.prefix_events.since(0).added)
+    assert tiers.host is not None and len(tiers.host) == 5
+    host = set(tiers.host._entries)
+    assert seen == set(llm.engine.kv.pool.cached) | host and host - set(llm.engine.kv.pool.cached)
