@@ -122,8 +122,9 @@ class DecodeWorker(EngineLoop):
         self.engine.validate(list(req.prompt_token_ids), SamplingParams(**req.sampling_kwargs()))
         ttl = msg.ttl_s or self.config.reservation_ttl_s
         # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
+        # (its K/V tiers too: promoted here, the prefill actor sends only the rest)
         prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(
-            list(req.prompt_token_ids), req.kv_namespace)
+            list(req.prompt_token_ids), req.kv_namespace, room_for=msg.num_blocks)
         rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.model_config.num_layers,
                                      prefix, self.engine.config.block_size)
         if rec is None:

@@ -62,28 +62,39 @@ class KVCacheManager:
                 break
             hits.append(block)
         limit = (seq.num_tokens - 1) // bs
-        if use_tiers and self.tiers is not None and len(hits) < limit:  # the L1 run ended: continue it from the tiers below
+        # the L1 run ended: continue it from the tiers below (``use_tiers`` False: the caller fills reserved blocks)
+        if use_tiers and self.tiers is not None and len(hits) < limit:
             hits = self.tiers.extend_hits(self.pool, seq.block_hashes, lambda i: seq.token_slice(i * bs, (i + 1) * bs),
                                           hits, limit, cdiv(seq.num_tokens, bs))
         return hits
 
-    def lookup_prefix(self, token_ids: list[int], namespace: str = "") -> list[Block]:
+    def lookup_prefix(self, token_ids: list[int], namespace: str = "", room_for: int | None = None) -> list[Block]:
         """The prefix-cache blocks holding the longest run of ``token_ids``' leading full blocks (in K/V
         ``namespace``), leaving at least the last token out (its K/V comes with its logits). Pure (apart from hit
-        statistics)."""
+        statistics) unless ``room_for`` is given: then the run continues with blocks promoted from the tiers below
+        (mutating the pool), leaving room for ``room_for`` blocks in all (a reservation's)."""
         if not self.enable_caching:
             return []
         bs = self.block_size
         hits: list[Block] = []
+        hashes: list[int] = []
         parent = NONE_HASH
         extra = self.extra_for(namespace)
-        for i in range((len(token_ids) - 1) // bs):
+        limit = (len(token_ids) - 1) // bs
+        for i in range(limit):
             chunk = token_ids[i * bs : (i + 1) * bs]
             parent = hash_block(parent, chunk, extra)
+            hashes.append(parent)
+            if len(hits) < i:  # past the L1 run: only hashing, for the tiers
+                continue
             block = self.pool.lookup(parent, chunk)
-            if block is None:
+            if block is not None:
+                hits.append(block)
+            elif room_for is None or self.tiers is None:
                 break
-            hits.append(block)
+        if room_for is not None and self.tiers is not None and len(hits) < limit:
+            hits = self.tiers.extend_hits(self.pool, hashes, lambda i: token_ids[i * bs : (i + 1) * bs], hits, limit,
+                                          room_for)
         return hits
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block]) -> bool:

@@ -5,6 +5,7 @@ the measured read bandwidth and the fetch-or-recompute break-even prefill speed 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from cluster.wire.telemetry import WorkerStats
 
@@ -40,26 +41,25 @@ def tier_metric_lines(stats: Mapping[str, WorkerStats]) -> list[str]:
     return lines
 
 
-def tier_status_lines(actors: list[Mapping[str, object]]) -> list[str]:
+def tier_status_lines(actors: list[Mapping[str, Any]]) -> list[str]:
     """``pdcluster status``'s lines on the tiers: ``actors`` as ``/status`` lists them. Per actor and tier its
     counters, measured read bandwidth and the break-even prefill speed, against the prefill speed measured on the
     prefill actors (prompt tokens computed, not cached, per busy second): fetch while prefill is slower. Pure."""
-    rows = [(a, t) for a in actors for t in a.get("kv_tiers") or ()]  # type: ignore[union-attr]
+    rows = [(a, t) for a in actors for t in a.get("kv_tiers") or ()]
     if not rows:
         return []
-    computed = sum(int(a.get("prompt_tokens", 0)) - int(a.get("cached_prompt_tokens", 0))  # type: ignore[arg-type]
-                   for a in actors if a.get("role") == "prefill")
-    busy = sum(float(a.get("busy_seconds", 0.0)) for a in actors if a.get("role") == "prefill")  # type: ignore[arg-type]
+    prefill = [a for a in actors if a.get("role") == "prefill"]
+    computed = sum(int(a.get("prompt_tokens", 0)) - int(a.get("cached_prompt_tokens", 0)) for a in prefill)
+    busy = sum(float(a.get("busy_seconds", 0.0)) for a in prefill)
     speed = computed / busy if busy > 0 else 0.0
     lines = [f"kv tiers: measured prefill {speed:.0f} tok/s ({computed} prompt tokens computed in {busy:.1f} busy s); "
              "a tier is worth reading while prefill is slower than its break-even"]
     for a, t in rows:
-        bw = float(t.get("read_bytes_per_s", 0.0))  # type: ignore[union-attr, arg-type]
-        even = break_even_tokens_per_s(bw, int(a.get("kv_bytes_per_token", 0)))  # type: ignore[arg-type]
+        bw = float(t.get("read_bytes_per_s", 0.0))
+        even = break_even_tokens_per_s(bw, int(a.get("kv_bytes_per_token", 0)))
         verdict = "no read yet" if not even else ("fetch" if not speed or speed < even else "recompute")
-        lines.append(
-            f"  {a['name']:<22}{t['tier']:<5} hits {t['hits']} misses {t['misses']} corrupt {t['corrupt']}  "  # type: ignore[index]
-            f"read {int(t['bytes_read']) / 2**20:.1f} MiB at {bw / 1e6:.0f} MB/s  demoted {t['demotions']} "  # type: ignore[index,call-overload]
-            f"written back {t['write_backs']} dropped {t['dropped']} queued {t['pending_writes']}  "  # type: ignore[index]
-            f"break-even {even:.0f} tok/s: {verdict}")
+        lines.append(f"  {a['name']:<22}{t['tier']:<5} hits {t['hits']} misses {t['misses']} corrupt {t['corrupt']}"
+                     f"  read {int(t['bytes_read']) / 2**20:.1f} MiB at {bw / 1e6:.0f} MB/s  demoted {t['demotions']}"
+                     f" written back {t['write_backs']} dropped {t['dropped']} queued {t['pending_writes']}"
+                     f"  break-even {even:.0f} tok/s: {verdict}")
     return lines

@@ -31,7 +31,8 @@ class HostBlockPool:
         self.hits = 0
         self.misses = 0
         self.demoted_down = 0  # blocks pushed out of L2 into ``lower``
-        self.on_leave: Callable[[int], None] | None = None  # told the key of each block pushed out (its owner's routing)
+        # told the key of each block pushed out (its owner reports it to the routers)
+        self.on_leave: Callable[[int], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)

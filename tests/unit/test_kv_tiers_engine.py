@@ -200,3 +200,18 @@ def test_routers_see_the_device_pool_and_the_host_tier(tiny_checkpoint: Any) -> 
     assert tiers.host is not None and len(tiers.host) == 5
     host = set(tiers.host._entries)
     assert seen == set(llm.engine.kv.pool.cached) | host and host - set(llm.engine.kv.pool.cached)
+
+
+def test_a_decode_reservation_pins_its_prefix_from_the_tiers(tiny_checkpoint: Any) -> None:
+    """The decode actor's reserve pins the prompt head its pool holds, so the prefill actor sends only the rest: with
+    ``room_for`` (the reservation's size) the run continues from the tiers below, leaving room for the reservation."""
+    llm = _llm(tiny_checkpoint)
+    tiers = attach(llm.engine.kv, llm.engine.runner, KVTierConfig(host_bytes=64 << 20))
+    _run(llm, SEQUENCE[:3])  # prompt 1 is evicted to the host tier by 2 and 3
+    kv = llm.engine.kv
+    assert kv.lookup_prefix(SEQUENCE[0]) == []
+    pinned = kv.lookup_prefix(SEQUENCE[0], room_for=9)
+    assert len(pinned) == (120 - 1) // BLOCK and tiers.stats.promoted["host"] == len(pinned)
+    assert [b.block_hash for b in pinned] == [b.block_hash for b in kv.lookup_prefix(SEQUENCE[0])]
+    assert kv.pool.num_available >= 9 - len(pinned)
+    kv.pool.check_integrity()
