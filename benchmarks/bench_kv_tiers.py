@@ -131,6 +131,8 @@ def main() -> None:
               f"equal to untiered: {run.answers == base.answers}")
         if run.promoted:
             print(f"{'':>12}  blocks the prefill actors promoted, by tier: {run.promoted}")
+        print(f"{'':>12}  cached share per later turn (turn by turn, chat by chat): "
+              f"{' '.join(f'{x:.3f}' for x in run.hit_share)}")
         print(f"{'':>12}  later turns' TTFT (ms, sorted): {' '.join(f'{t * 1e3:.0f}' for t in sorted(run.ttft_later))}")
 
 
