@@ -30,7 +30,7 @@ class ChatRun:
     answers: list[list[str]] = field(default_factory=list)  # per chat, per turn
     ttft_later: list[float] = field(default_factory=list)  # TTFT of turns after the first (s)
     hit_share: list[float] = field(default_factory=list)  # cached_tokens / (previous prompt + answer tokens)
-    promoted: dict[str, int] = field(default_factory=dict)  # tier -> blocks the prefill actors promoted from it
+    promoted: dict[str, int] = field(default_factory=dict)  # tier -> blocks promoted from it (every actor)
 
 
 def run_chats(url: str, chats: int, turns: int, system_words: int, user_words: int, max_tokens: int) -> ChatRun:
@@ -67,8 +67,9 @@ def run_chats(url: str, chats: int, turns: int, system_words: int, user_words: i
     return run
 
 
-def _promoted_by_prefill_actors(url: str) -> dict[str, int]:
-    """Blocks promoted from each tier (by the prefill actors: the decode actor prefills nothing here), from /metrics."""
+def _promoted_blocks(url: str) -> dict[str, int]:
+    """Blocks promoted from each tier by every actor (the decode actor too: its reserve pins a prefix from its
+    tiers), from /metrics."""
     import re
     import urllib.request
 
@@ -97,7 +98,7 @@ def serve_and_run(tiers: str | None, args: argparse.Namespace, disk_dir: str) ->
         run = run_chats(cluster.urls[0], args.chats, args.turns, args.system_words, args.user_words,
                         args.max_tokens)
         if tiers:
-            run.promoted = _promoted_by_prefill_actors(cluster.urls[0])
+            run.promoted = _promoted_blocks(cluster.urls[0])
         return run
     finally:
         cluster.stop()
@@ -130,7 +131,7 @@ def main() -> None:
               f"ms, ratio to untiered {p50(run.ttft_later) / p50(base.ttft_later):.3f} (goal <= 0.5) | answers "
               f"equal to untiered: {run.answers == base.answers}")
         if run.promoted:
-            print(f"{'':>12}  blocks the prefill actors promoted, by tier: {run.promoted}")
+            print(f"{'':>12}  blocks promoted into device pools (every actor), by tier: {run.promoted}")
         print(f"{'':>12}  cached share per later turn (turn by turn, chat by chat): "
               f"{' '.join(f'{x:.3f}' for x in run.hit_share)}")
         print(f"{'':>12}  later turns' TTFT (ms, sorted): {' '.join(f'{t * 1e3:.0f}' for t in sorted(run.ttft_later))}")
