@@ -28,8 +28,8 @@ def test_config_reads_vllm_spelling_and_fills_lookup_bounds() -> None:
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported yet"),
-    ({"method": "mtp"}, "'mtp' is not supported yet"),
+    ({"method": "draft_model"}, "model: method 'draft_model' needs the draft model's folder"),
+    ({"method": "mtp", "model": "x"}, "model: is only read by method 'draft_model'"),
     ({"method": "eagle"}, "method: must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
