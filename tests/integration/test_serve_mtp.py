@@ -1,4 +1,4 @@
-"""MTP speculation served disaggregated (1P1D on local Ray, real proxy): a tiny DeepSeek-V3-shaped checkpoint with
+"""MTP and draft-model speculation served disaggregated (1P1D on local Ray, real proxy): a tiny DeepSeek-V3-shaped checkpoint with
 its next-token layer (random weights, float32) answers with exactly the offline engine's text without speculation.
 The prefill actor streams the MTP layer's K/V as one more layer and hands the layer's last output over in its
 PrefillResult; the decode actor verified MTP drafts (engine/spec_mtp.py)."""
@@ -26,3 +26,14 @@ def test_served_disaggregated_with_mtp_equals_offline(tiny_checkpoint, tmp_path)
     llm = LLM(str(model), dtype=EXACT_DTYPE, num_kv_blocks=256)
     texts = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
     assert_served_equals_offline(model, "disaggregated", PROMPTS, MAX_TOKENS, texts, speculative_config=SPEC)
+
+
+def test_served_disaggregated_with_a_draft_model_equals_offline(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A draft model (a 1-layer tiny Llama sharing the tokenizer) on the decode actor: its prompt K/V recomputed
+    there at the first verify; the completions equal the offline engine's without speculation."""
+    model = tiny_checkpoint("llama")
+    draft = tiny_checkpoint("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=48, seed=3)
+    llm = LLM(str(model), dtype=EXACT_DTYPE, num_kv_blocks=256)
+    texts = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "draft_token_cost": 0.0}
+    assert_served_equals_offline(model, "disaggregated", PROMPTS, MAX_TOKENS, texts, speculative_config=spec)
