@@ -164,3 +164,18 @@ def test_mtp_needs_a_checkpoint_with_its_next_token_layer(tiny_checkpoint) -> No
         LLM(str(tiny_checkpoint("deepseek_v3")), speculative_config={"method": "mtp"}, **COMMON)
     with pytest.raises(ValueError, match="needs a DeepSeek"):
         LLM(str(tiny_checkpoint("llama")), speculative_config={"method": "mtp"}, **COMMON)
+
+
+def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_accepted(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Nothing trained: a bigram main model and an MTP layer that computes the same bigram step on the next token
+    (tests/factories.py ``add_mtp_layer(predictive=True)``): its drafts, the chained ones included, are the model's
+    own greedy tokens, so (nearly) all are accepted, and the output still equals the output without drafts."""
+    folder = add_mtp_layer(shutil.copytree(tiny_checkpoint("deepseek_v3"), tmp_path / "p"), predictive=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = LLM(str(folder), **COMMON).generate(PROMPTS, params)
+    spec = LLM(str(folder), speculative_config=MTP, **COMMON)
+    got = spec.generate(PROMPTS, params)
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in want]
+    stats = spec.engine.spec.stats
+    assert stats.proposed_tokens > 0 and stats.acceptance_rate > 0.9, stats.as_dict()
+    assert stats.tokens_per_verify > K
