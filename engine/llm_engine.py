@@ -117,8 +117,9 @@ class LLMEngine:
             self.device, model, config.kv_cache_gib, config.gpu_memory_utilization, config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
             kv_block_bytes(model.local if config.tp_kv_cache == "per_rank"
-                           else dataclasses.replace(mc, num_layers=mc.num_layers + mtp_layers), config.block_size, kv_dtype)
-            + (0 if draft is None else kv_block_bytes(load_model_config(draft), config.block_size, dtype)),
+                           else dataclasses.replace(mc, num_layers=mc.num_layers + mtp_layers), config.block_size,
+                           kv_dtype) + (0 if draft is None else kv_block_bytes(load_model_config(draft),
+                                                                              config.block_size, dtype)),
             graphs, config.reserved_device_bytes)
         # the key binds the model's identity (engine/kv_tiers/keys.py): another checkpoint, dtype, K/V dtype, block
         # size or TP layout never shares a block

@@ -1,7 +1,8 @@
-"""MTP and draft-model speculation served disaggregated (1P1D on local Ray, real proxy): a tiny DeepSeek-V3-shaped checkpoint with
-its next-token layer (random weights, float32) answers with exactly the offline engine's text without speculation.
-The prefill actor streams the MTP layer's K/V as one more layer and hands the layer's last output over in its
-PrefillResult; the decode actor verified MTP drafts (engine/spec_mtp.py)."""
+"""MTP and draft-model speculation served disaggregated (1P1D on local Ray, real proxy): a tiny DeepSeek-V3-shaped
+checkpoint with its next-token layer (random weights, float32) answers with exactly the offline engine's text
+without speculation. The prefill actor streams the MTP layer's K/V as one more layer and hands the layer's last
+output over in its PrefillResult; the decode actor verified MTP drafts (engine/spec_mtp.py). A draft model's prompt
+K/V is recomputed on the decode actor (engine/spec_draft_model.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ MAX_TOKENS = 16
 SPEC = {"method": "mtp", "num_speculative_tokens": 3, "draft_token_cost": 0.0}
 
 
-def test_served_disaggregated_with_mtp_equals_offline(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_served_disaggregated_with_mtp_equals_offline(  # type: ignore[no-untyped-def]
+        tiny_checkpoint, tmp_path) -> None:
     import shutil
 
     model = add_mtp_layer(shutil.copytree(tiny_checkpoint("deepseek_v3"), tmp_path / "mtp"))
@@ -28,7 +30,8 @@ def test_served_disaggregated_with_mtp_equals_offline(tiny_checkpoint, tmp_path)
     assert_served_equals_offline(model, "disaggregated", PROMPTS, MAX_TOKENS, texts, speculative_config=SPEC)
 
 
-def test_served_disaggregated_with_a_draft_model_equals_offline(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_served_disaggregated_with_a_draft_model_equals_offline(  # type: ignore[no-untyped-def]
+        tiny_checkpoint) -> None:
     """A draft model (a 1-layer tiny Llama sharing the tokenizer) on the decode actor: its prompt K/V recomputed
     there at the first verify; the completions equal the offline engine's without speculation."""
     model = tiny_checkpoint("llama")

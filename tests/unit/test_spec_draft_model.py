@@ -27,7 +27,8 @@ def _spec(model: Path, k: int = 3) -> dict[str, Any]:
     SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_k=20, seed=5, logprobs=1),
     SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=6, n=2),
 ], ids=["greedy", "seeded", "seeded-n2"])
-def test_draft_model_output_equals_without_speculation(tiny_checkpoint, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
+def test_draft_model_output_equals_without_speculation(  # type: ignore[no-untyped-def]
+        tiny_checkpoint, params: SamplingParams) -> None:
     target = tiny_checkpoint("llama")
     draft = tiny_checkpoint("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=48, seed=3)
     want = LLM(str(target), **COMMON).generate(PROMPTS, params)
@@ -42,7 +43,8 @@ def test_draft_model_output_equals_without_speculation(tiny_checkpoint, params: 
     assert spec.engine.kv.pool.counts()["used"] == 0
 
 
-def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(  # type: ignore[no-untyped-def]
+        tiny_checkpoint) -> None:
     target = tiny_checkpoint("llama")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = LLM(str(target), **COMMON).generate(PROMPTS, params)
@@ -54,7 +56,8 @@ def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(tiny_checkp
     assert stats.tokens_per_verify > 3
 
 
-def test_a_draft_with_another_tokenizer_is_refused(tiny_checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_draft_with_another_tokenizer_is_refused(  # type: ignore[no-untyped-def]
+        tiny_checkpoint, tmp_path: Path) -> None:
     tok = tmp_path / "tok"
     tok.mkdir()
     build_tokenizer(tok, vocab_size=300)

@@ -166,7 +166,8 @@ def test_mtp_needs_a_checkpoint_with_its_next_token_layer(tiny_checkpoint) -> No
         LLM(str(tiny_checkpoint("llama")), speculative_config={"method": "mtp"}, **COMMON)
 
 
-def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_accepted(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_accepted(  # type: ignore[no-untyped-def]
+        tiny_checkpoint, tmp_path) -> None:
     """Nothing trained: a bigram main model and an MTP layer that computes the same bigram step on the next token
     (tests/factories.py ``add_mtp_layer(predictive=True)``): its drafts, the chained ones included, are the model's
     own greedy tokens, so (nearly) all are accepted, and the output still equals the output without drafts."""
