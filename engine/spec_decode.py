@@ -65,6 +65,8 @@ class Drafter(Protocol):
 
     def forget(self, live: set[int]) -> None: ...  # drop the state of sequences no longer running
 
+    def drop(self, seq_id: int) -> None: ...  # this sequence will never draft: no more passes for it
+
     def complete(self, out: SchedulerOutput) -> None: ...  # fill drafts 2.. of the scheduled (their blocks exist)
 
     def handoff(self, request_id: str) -> tuple[float, ...] | None: ...  # what a decode owner drafts from first
@@ -105,9 +107,15 @@ class SpeculativeDecoder:
         wishes: list[DraftWish] = []
         drafts: dict[int, list[int]] = {}
         for q in running:
+            state = self._states.get(q.seq_id)
+            if self.drafter is not None and (q.params.grammar is not None or has_penalty(q.params) or (
+                    state is not None and best_k(state.acceptance.alpha, cfg.num_speculative_tokens,
+                                                 cfg.draft_token_cost) < 1)):
+                # it will never draft (its acceptance only moves with drafts): the drafter stops its passes for it
+                self.drafter.drop(q.seq_id)
+                continue
             if q.num_tokens - q.num_computed_tokens != 1 or q.pending_children or not can_draft(q):
                 continue
-            state = self._states.get(q.seq_id)
             if state is None:
                 state = self._states[q.seq_id] = _State(SuffixIndex(cfg.prompt_lookup_min or 1), Acceptance())
             first = None if self.drafter is None else self.drafter.first(q)

@@ -94,6 +94,9 @@ class DraftModelDrafter:
         for gone in [s for s in self._done if s not in live]:
             del self._done[gone]
 
+    def drop(self, seq_id: int) -> None:
+        self._done.pop(seq_id, None)  # it never drafts again: nothing of the draft runs for it
+
     def handoff(self, request_id: str) -> tuple[float, ...] | None:
         return None  # the decode owner recomputes the draft's prompt K/V from the tokens
 

@@ -153,6 +153,10 @@ class MTPDrafter:
         for gone in [s for s in self._states if s not in live]:
             del self._states[gone]
 
+    def drop(self, seq_id: int) -> None:
+        """Mutates: ``seq_id`` will never draft; its state goes and the layer's pass skips it from now on (a gap)."""
+        self._states.pop(seq_id, None)
+
     def handoff(self, request_id: str) -> tuple[float, ...] | None:
         """The state a decode owner needs to draft at its first step for ``request_id``'s (one) completion: its
         last output ``g`` as float32 values, or None. Pure."""
