@@ -123,7 +123,7 @@ class DecodeWorker(EngineLoop):
         ttl = msg.ttl_s or self.config.reservation_ttl_s
         # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
         prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(list(req.prompt_token_ids))
-        rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.model_config.num_layers,
+        rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.num_cache_layers,
                                      prefix, self.engine.config.block_size)
         if rec is None:
             return None
@@ -206,7 +206,8 @@ class DecodeWorker(EngineLoop):
             else:
                 lps = None if result.first_logprobs is None else [dict(p) for p in result.first_logprobs]
                 out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
-                                                        list(result.first_token_ids), blocks, lps, pinned=pinned)
+                                                        list(result.first_token_ids), blocks, lps, pinned=pinned,
+                                                        draft_state=result.draft_state)
                 self._emit(out)
         except ValueError as e:
             pool.free(pool.blocks[b] for b in blocks)

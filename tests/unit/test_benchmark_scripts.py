@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,3 +113,11 @@ def test_bench_hot_path_prints_both_sides() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"counts\(\) at 4096 blocks: walk [\d.]+ ms, kept [\d.]+ us", out.stdout), out.stdout
     assert re.search(r"last 100 events, ring of 1024: [\d.]+ us; a reset .* [\d.]+ us", out.stdout), out.stdout
+
+
+def test_bench_spec_models_runs() -> None:
+    # the script builds its tiny checkpoints with tests/factories.py: the repository root on the path
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_spec_models.py"), "--max-tokens", "6"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("equal tokens True") == 4 and "mtp predictive" in out.stdout
