@@ -66,3 +66,22 @@ def test_a_draft_with_another_tokenizer_is_refused(  # type: ignore[no-untyped-d
         LLM(str(tiny_checkpoint("llama")), speculative_config=_spec(other), **COMMON)
     with pytest.raises(ValueError, match="speculative_config.model"):
         LLM(str(tiny_checkpoint("llama")), speculative_config=_spec(tmp_path / "missing"), **COMMON)
+
+
+# every family we serve as the target, a tiny Llama sharing the test tokenizer as the draft: greedy equal. One MoE
+# target in CI (the Llama target runs above); the other seven with -m slow
+TARGETS = [a if a == "qwen3_moe" else pytest.param(a, marks=pytest.mark.slow)
+           for a in ["qwen2", "mistral", "qwen3", "gemma3", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v2"]]
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_a_draft_model_keeps_every_family_greedy_output(tiny_checkpoint, arch: str) -> None:  # type: ignore[no-untyped-def]
+    target = tiny_checkpoint(arch)
+    draft = tiny_checkpoint("llama", num_hidden_layers=1, hidden_size=32, intermediate_size=48, seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = LLM(str(target), **COMMON).generate(PROMPTS, params)
+    spec = LLM(str(target), speculative_config=_spec(draft), **COMMON)
+    got = spec.generate(PROMPTS, params)
+    assert [o.token_ids for r in got for o in r.outputs] == [o.token_ids for r in want for o in r.outputs]
+    assert spec.engine.spec.stats.proposed_tokens > 0
+    spec.engine.check_integrity()
