@@ -98,6 +98,25 @@ def test_bench_cpu_prefill_runs(tiny_checkpoint) -> None:
     assert "engine prefill" in out.stdout and "chunked / flash" in out.stdout
 
 
+def test_bench_engine_profile_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_engine_profile.py"), "--model", str(tiny_checkpoint("llama")),
+         "--vllm-python", "", "--batch", "2", "--context", "40", "--prefill", "24", "--steps", "2",
+         "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("decode step (batch 2", "prefill chunk (24 tokens", "gemm", "attention", "step python"):
+        assert row in out.stdout, out.stdout
+
+
+def test_bench_step_ab_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_step_ab.py"), "--model", str(tiny_checkpoint("llama")),
+         "--before", str(ROOT), "--after", str(ROOT), "--dtype", "float32", "--contexts", "20", "--batch", "2",
+         "--prefill", "24", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode 2x20" in out.stdout and "prefill 24" in out.stdout and "after/before" in out.stdout, out.stdout
+
+
 def test_bench_payload_mac_runs() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_payload_mac.py"), "--mib", "0.25",
                           "--iters", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
