@@ -246,6 +246,7 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
     if predicted is not None:
         mean_output = predicted
     asked = d.max_output_tokens / d.arrivals if d.arrivals else None  # what was asked for bounds what will come
+    known = mean_output is not None
     if mean_output is None:  # nothing finished yet
         mean_output = asked or 0.0
     elif asked is not None and asked < mean_output:
@@ -283,7 +284,9 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
         admission_backlog_tokens=d.gate_prompt_tokens * (1 - cache_hit), decode_backlog_tokens=decode_waiting * mean_output,
         rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), tpot_s=mean(d.tpot_s),
         kv_tokens=cfg.kv_unit_tokens * sum(kv_totals) / len(kv_totals) if kv_totals else 0.0, admission_wait_s=mean(d.admission_wait_s),
-        prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s))
+        prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s),
+        arrivals_by_class=tuple(d.arrivals_by_class), output_by_class=model.per_class() or (),
+        output_known=known)
     return obs, new_state
 
 

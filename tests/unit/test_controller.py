@@ -257,6 +257,9 @@ def test_kv_projection_is_littles_law_on_the_arriving_mix() -> None:
     # a TTFT past its SLO counts as the SLO (the excess is a queue, not K/V demand); unknown sizes: no projection
     assert kv_projected(replace(obs, ttft_s=30.0), cfg) == pytest.approx(10 * 1256 * 9.0 / 50000)
     assert kv_projected(replace(obs, kv_tokens=0.0), cfg) == 0.0
+    # nothing finished yet: the mean output is only what arrivals asked for (the rest of the context), no projection
+    # (issue 47: Azure code's first minute flipped 14P:2D to 1P:15D on an ask of 16,384 tokens)
+    assert kv_projected(replace(obs, mean_output_tokens=16000.0, output_known=False), cfg) == 0.0
 
 
 def test_kv_pressure_ahead_grows_decode_before_admission_waits() -> None:
