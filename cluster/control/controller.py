@@ -326,7 +326,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         why.append(f"decode backlog {obs.decode_backlog_tokens:.0f} tokens")
     # SLO misses the rates did not explain: grow the missing pool (prefill and TPOT: by the missed share, at least
     # one actor; decode memory: one); a TTFT miss goes to the pool whose part of the TTFT dominates
-    ttft_miss, tpot_miss = obs.ttft_attainment < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
+    # TTFT misses a split could fix: a prompt whose prefill alone exceeds the SLO misses on every split (Azure code's
+    # 8,000-token prompts read as prefill's misses and grew prefill to 15P:1D, where decode's K/V then waited)
+    fixable = obs.ttft_attainment / (1 - obs.ttft_unfixable) if obs.ttft_unfixable < 1 else 1.0
+    ttft_miss, tpot_miss = fixable < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
     cause = obs.ttft_cause()
     if ttft_miss and _grew_lately(obs, cfg, state, cause):  # the window's misses are the old sizes' (they lag)
         ttft_miss = False

@@ -27,6 +27,7 @@ from cluster.control.split_model import Capacity, Mix, attainment, best_split
 
 QUARTERS = 4  # the long window is cut in this many parts to measure the gain's noise
 MIN_ARRIVALS = 20.0  # fewer arrivals in the long window: too little to judge, no override
+STEADY_SHARE = 0.25  # the newest minute's load within this share of the window's: a steady mix, the guard judges
 
 
 class GuardConfig(Protocol):
@@ -68,6 +69,19 @@ def mix(counts: Sequence[Sequence[float]], tokens: Sequence[float], outputs: Seq
     return Mix(interval_s * len(counts), tuple(total), tuple(m * scale for m in mid), tuple(outputs), burst, work)
 
 
+def steady(long: Mix, short: Mix | None) -> bool:
+    """Whether the newest part of the window brings the window's load: its arrivals and its prefill tokens per second
+    within ``STEADY_SHARE`` of the window's. Pure."""
+    if short is None:
+        return False
+
+    def work(m: Mix) -> float:
+        return sum(c * p for c, p in zip(m.count, m.prompt)) / m.seconds
+
+    return all(abs(s - w) <= STEADY_SHARE * w for s, w in ((short.arrivals / short.seconds,
+                                                              long.arrivals / long.seconds), (work(short), work(long))))
+
+
 def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Sequence[float],
           outputs: Sequence[float], cap: Capacity, now: tuple[int, int], target: tuple[int, int], cfg: GuardConfig) -> tuple[tuple[int, int], str] | None:
     """The split to take instead of ``target`` (and why), or None to let it stand. ``counts`` and ``tokens`` are the
@@ -83,6 +97,8 @@ def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Seque
     if long is None or long.arrivals < MIN_ARRIVALS or len(counts) < QUARTERS:
         return None
     short = mix(counts[-k_short:], tokens[-k_short:], outputs, cfg.interval_s)
+    if not steady(long, short):  # a surge coming or going: the window's mix is no longer the one arriving
+        return None
 
     def gain(m: Mix | None, to: int, frm: int) -> float:
         if m is None:
@@ -101,9 +117,10 @@ def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Seque
         seen = sum(m * w for m, w in zip(met, weights)) / sum(weights)
         se = statistics.pstdev(met) / math.sqrt(len(met)) if len(met) > 1 else 0.0
         explained = seen >= attainment(long, cap, now[0], now[1]) - cfg.guard_margin - 2 * se
-    if target != now and (explained or not cfg.guard_explained):  # a move predicted to lose, on the window and on its newest part, is not made
+    # a move predicted to lose on the window, with no gain in its newest part either, is not made
+    if target != now and (explained or not cfg.guard_explained):
         g_long, g_short = gain(long, target[0], now[0]), gain(short, target[0], now[0])
-        if max(g_long, g_short) < -(cfg.guard_veto + cost(target[0])):
+        if g_long < -(cfg.guard_veto + cost(target[0])) and g_short <= cfg.guard_margin:
             return now, (f"hold {now[0]}P:{now[1]}D: {target[0]}P:{target[1]}D is predicted worse "
                          f"({g_long:+.1%} on the observed mix, {g_short:+.1%} on the newest {cfg.guard_short_s:.0f}s)")
     if len(counts) < k_long:

@@ -35,6 +35,8 @@ class Observation:
     ttft_attainment: float = 1.0
     tpot_attainment: float = 1.0
     slo_attainment: float = 1.0
+    # share of the window's judged requests whose prefill compute alone exceeded the TTFT SLO: misses no split fixes
+    ttft_unfixable: float = 0.0
     pending_changes: int = 0  # actors still starting, draining or flipping
     # decode KV pressure: requests waiting at the proxies' admission gates for decode blocks now, and their prompt
     # tokens (part of prefill_backlog_tokens, but no prefill actor can start them before decode has room)

@@ -364,3 +364,14 @@ def test_spare_decode_actors_wait_in_prefill_while_the_loads_are_steady() -> Non
     assert not d.changes, d.reason
     d, _ = decide(observe(30.0, 3000.0, 1000.0, 8, 8), cfg, replace(peak, decode_seen=(1500.0, 1000.0)))
     assert d.changes, d.reason  # three windows ago: no longer
+
+
+def test_ttft_misses_no_split_fixes_do_not_grow_prefill() -> None:
+    """Issue 47: Azure code's prompts whose prefill alone exceeds the TTFT SLO read as prefill's misses and grew
+    prefill to 15P:1D, where one decode actor's K/V then made bursts wait (84% against 14P:2D's 87%)."""
+    cfg = ControllerConfig(budget=16, cooldown_s=0)
+    base = observe(0.0, 2000.0, 100.0, 14, 2, ttft_attainment=0.88, prefill_compute_s=1.0)
+    d, _ = decide(base, cfg, ControllerState())
+    assert d.n_prefill == 15 and "TTFT" in d.reason  # 12% missed: prefill grows
+    d, _ = decide(replace(base, ttft_unfixable=0.12), cfg, ControllerState())  # the 12% missed on any split
+    assert not d.changes, d.reason
