@@ -397,11 +397,13 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # most it carried over the last cooldown needs. Without the steadiness check ``alternating`` at 1,000 workers
     # fell from 99.2% to 96.2%
     steady = all(abs(x - s) <= STEADY_SHARE * s for x, s in ((obs.prefill_tps, sp), (obs.decode_tps, sd)))
+    spared = False
     if (t_p, t_d) == (n_p, n_d) and flips and steady and not (over_p or over_d or ttft_miss or tpot_miss):
         recent = state.decode_seen[-math.ceil(cfg.cooldown_s / cfg.interval_s):] if cfg.cooldown_s > 0 else ()
         spare = budget.spare((n_p, n_d), max([want_d] + [math.ceil(x / (mu_d * util_d)) for x in recent]), cfg,
                              cfg.hysteresis)
         if spare:
+            spared = True
             t_p, t_d = n_p + spare, n_d - spare
             why.append(f"{spare} spare decode actor(s) to prefill")
     # the guard (cluster.control.guard) judges moves on the observed mix; a load past a pool's capacity, a queue, a
@@ -411,7 +413,8 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
             and not unseen:
         cap = Capacity(mu_p, mu_d, obs.kv_tokens, cfg.kv_headroom_tokens, cfg.slo_ttft_s, cfg.slo_tpot_s,
                        obs.tpot_s or cfg.slo_tpot_s)
-        held = guard.check(state.mix_seen, state.tokens_seen, state.met_seen, obs.output_by_class, cap, (n_p, n_d), (t_p, t_d), cfg)
+        held = guard.check(state.mix_seen, state.tokens_seen, state.met_seen, obs.output_by_class, cap, (n_p, n_d),
+                           (t_p, t_d), cfg, discretionary=spared)
         if held is not None:
             (t_p, t_d), why = held[0], [held[1]]
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s and not seasonal:

@@ -83,10 +83,12 @@ def steady(long: Mix, short: Mix | None) -> bool:
 
 
 def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Sequence[float],
-          outputs: Sequence[float], cap: Capacity, now: tuple[int, int], target: tuple[int, int], cfg: GuardConfig) -> tuple[tuple[int, int], str] | None:
+          outputs: Sequence[float], cap: Capacity, now: tuple[int, int], target: tuple[int, int], cfg: GuardConfig,
+          discretionary: bool = False) -> tuple[tuple[int, int], str] | None:
     """The split to take instead of ``target`` (and why), or None to let it stand. ``counts`` and ``tokens`` are the
     kept intervals' per-class arrivals and prefill tokens, oldest first; ``outputs`` the predicted output per class;
-    ``met`` their SLO attainment; ``now`` the present sizes; both splits use the whole budget ``sum(now)``. Pure."""
+    ``met`` their SLO attainment; ``now`` the present sizes; ``discretionary``: the move answers no pressure (spare
+    actors parked in prefill), so any predicted loss vetoes it, steady mix and explained attainment or not; both splits use the whole budget ``sum(now)``. Pure."""
     if cfg.guard_window_s <= 0:
         return None
     total = sum(now)
@@ -97,7 +99,7 @@ def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Seque
     if long is None or long.arrivals < MIN_ARRIVALS or len(counts) < QUARTERS:
         return None
     short = mix(counts[-k_short:], tokens[-k_short:], outputs, cfg.interval_s)
-    if not steady(long, short):  # a surge coming or going: the window's mix is no longer the one arriving
+    if not steady(long, short) and not discretionary:  # a surge coming or going: the window's mix is not arriving
         return None
 
     def gain(m: Mix | None, to: int, frm: int) -> float:
@@ -118,7 +120,7 @@ def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Seque
         se = statistics.pstdev(met) / math.sqrt(len(met)) if len(met) > 1 else 0.0
         explained = seen >= attainment(long, cap, now[0], now[1]) - cfg.guard_margin - 2 * se
     # a move predicted to lose on the window, with no gain in its newest part either, is not made
-    if target != now and (explained or not cfg.guard_explained):
+    if target != now and (explained or discretionary or not cfg.guard_explained):
         g_long, g_short = gain(long, target[0], now[0]), gain(short, target[0], now[0])
         if g_long < -(cfg.guard_veto + cost(target[0])) and g_short <= cfg.guard_margin:
             return now, (f"hold {now[0]}P:{now[1]}D: {target[0]}P:{target[1]}D is predicted worse "
