@@ -95,3 +95,16 @@ def test_the_guard_moves_to_the_best_split_only_past_its_margin_and_the_newest_m
                        cfg) is None
     # too little seen: no override
     assert guard.check(counts[:2], tokens[:2], met[:2], outputs, cap, (15, 1), (15, 1), cfg) is None
+
+
+def test_a_discretionary_move_predicted_worse_is_vetoed_even_unexplained() -> None:
+    """Issue 47 at 1,000 workers: spare decode actors parked in prefill took decode to its mean K/V need and bursts of
+    long prompts waited; the veto needed the model to explain the present attainment, which it did not."""
+    cfg = ControllerConfig(budget=16, interval_s=15.0, slo_ttft_s=5.0, slo_tpot_s=0.25)
+    counts, tokens = windows(40, 12, 5.0, 3500.0)
+    outputs, cap = tuple([30.0] * CLASSES), replace(CAP, kv_tokens=30000.0)
+    unexplained = [0.2] * 40
+    reactive = guard.check(counts, tokens, unexplained, outputs, cap, (14, 2), (15, 1), cfg)
+    assert reactive is None or "predicted worse" not in reactive[1]
+    spare = guard.check(counts, tokens, unexplained, outputs, cap, (14, 2), (15, 1), cfg, discretionary=True)
+    assert spare is not None and spare[0] == (14, 2) and "predicted worse" in spare[1]
