@@ -153,12 +153,12 @@ def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s
 def kv_projected(obs: Observation, cfg: ControllerConfig, at_slo: bool = False) -> float:
     """Decode K/V the arriving traffic will hold, in actors' worth (Little's law): requests per second x the K/V each
     holds (its prompt plus its output or the reservation headroom, whichever is more: a reservation is granted at
-    admission and growth past it is counted as taken) x how long it holds it (admission to last token: the TTFT, at
-    most its SLO, plus its output at the window's TPOT, or at the TPOT SLO before any was measured). A mix that
-    turns to longer prompts shows here in its first window, while the K/V in use still holds the old mix. 0 when
-    the decode actors' size is unknown, or while no output has finished (the arrivals' ask is no projection). ``at_slo``: each output token at the TPOT SLO (the longest a request may hold
-    its K/V and meet it: a smaller decode pool runs bigger batches, longer steps, and holds each request longer).
-    Pure."""
+    admission and growth past it is counted as taken) x how long it holds it (admission to last token: the TTFT, at most
+    its SLO, plus its output at the window's TPOT, or at the TPOT SLO before any was measured). A mix that turns to
+    longer prompts shows here in its first window, while the K/V in use still holds the old mix. 0 when the decode
+    actors' size is unknown, or while no output has finished (the arrivals' ask is no projection). ``at_slo``: each
+    output token at the TPOT SLO (the longest a request may hold its K/V and meet it: a smaller decode pool runs bigger
+    batches, longer steps, and holds each request longer). Pure."""
     if obs.kv_tokens <= 0 or obs.request_rate <= 0 or not obs.output_known:  # an ask is no projection
         return 0.0
     need = obs.mean_prompt_tokens + max(obs.mean_output_tokens, cfg.kv_headroom_tokens)

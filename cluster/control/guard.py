@@ -48,9 +48,10 @@ class GuardConfig(Protocol):
 
 def mix(counts: Sequence[Sequence[float]], tokens: Sequence[float], outputs: Sequence[float],
         interval_s: float) -> Mix | None:
-    """The mix of the given intervals: per-class arrivals summed, each class's prompt length its class's middle
-    (``1.5 x 2^c``) scaled so the intervals' prefill tokens are matched, the arrivals' burstiness from the intervals'
-    counts (variance over mean) and the work's from their prefill tokens; None when nothing arrived or no output is predicted yet. Pure."""
+    """The mix of the given intervals: per-class arrivals summed, each class's prompt length its class's middle (``1.5 x
+    2^c``) scaled so the intervals' prefill tokens are matched, the arrivals' burstiness from the intervals' counts
+    (variance over mean) and the work's from their prefill tokens; None when nothing arrived or no output is predicted
+    yet. Pure."""
     if not counts or not outputs:
         return None
     n = len(outputs)
@@ -88,7 +89,8 @@ def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Seque
     """The split to take instead of ``target`` (and why), or None to let it stand. ``counts`` and ``tokens`` are the
     kept intervals' per-class arrivals and prefill tokens, oldest first; ``outputs`` the predicted output per class;
     ``met`` their SLO attainment; ``now`` the present sizes; ``discretionary``: the move answers no pressure (spare
-    actors parked in prefill), so any predicted loss vetoes it, steady mix and explained attainment or not; both splits use the whole budget ``sum(now)``. Pure."""
+    actors parked in prefill), so any predicted loss vetoes it, steady mix and explained attainment or not; both splits
+    use the whole budget ``sum(now)``. Pure."""
     if cfg.guard_window_s <= 0:
         return None
     total = sum(now)

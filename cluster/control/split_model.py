@@ -6,10 +6,10 @@ lengths: no true output length), never by simulating them. Per split ``(n_p, n_d
 
 - **prefill** is an M/G/n queue of prompts (service ``prompt / prefill_tps`` each): the chance a prompt waits comes
   from Erlang C (exact for small pools, the Halfin-Whitt approximation for large ones), the wait's tail is
-  exponential with the Allen-Cunneen correction for bursty arrivals and uneven prompts (or the
-  observed variability of the prefill work per interval, when larger: long prompts that come together). A class meets the TTFT SLO
-  when its wait fits in what its own prefill leaves of the SLO (a prompt whose prefill alone exceeds the SLO misses
-  on every split);
+  exponential with the Allen-Cunneen correction for bursty arrivals and uneven prompts (or the observed variability
+  of the prefill work per interval, when larger: long prompts that come together); bursty arrivals also wait more
+  often (Erlang C's chance to the power 1/variability). A class meets the TTFT SLO when its wait fits in what its own
+  prefill leaves of the SLO (a prompt whose prefill alone exceeds the SLO misses on every split);
 - **decode K/V** is an M/G/infinity occupancy: a request holds its prompt plus its output (at least the reservation
   headroom) from admission (before its prefill queue) to its last token; the held tokens are approximately normal
   (mean ``sum rate * need * hold``, variance that times ``need``, scaled by the arrivals' burstiness) and a request
