@@ -139,7 +139,7 @@ class ControllerState:
     # the guard's window (cluster.control.guard): each window's arrivals per prompt class and prefill tokens
     mix_seen: tuple[tuple[float, ...], ...] = field(default=())
     tokens_seen: tuple[float, ...] = field(default=())
-    met_seen: tuple[float, ...] = field(default=())  # each window's SLO attainment
+    met_seen: tuple[float, ...] = field(default=())  # each window's SLO attainment (nan: it judged nothing)
 
 
 def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s: float) -> tuple[float, float]:
@@ -230,9 +230,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
                         sizes_seen=(*state.sizes_seen, (n_p, n_d))[-kept:])
     if cfg.guard_window_s > 0 and cfg.policy == "adaptive":
         kept = int(cfg.guard_window_s // cfg.interval_s)
+        judged = obs.ttft_s > 0 or obs.rejected_rate > 0  # a window where nothing finished or was refused judges none
         state = replace(state, mix_seen=(*state.mix_seen, obs.arrivals_by_class)[-kept:],
                         tokens_seen=(*state.tokens_seen, obs.prefill_tps * cfg.interval_s)[-kept:],
-                        met_seen=(*state.met_seen, obs.slo_attainment)[-kept:])
+                        met_seen=(*state.met_seen, obs.slo_attainment if judged else math.nan)[-kept:])
     hold = Decision(n_p, n_d)
     if cfg.policy == "fixed" or fixed_sizes(cfg.policy):
         return replace(hold, reason="fixed policy"), state

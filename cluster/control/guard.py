@@ -114,8 +114,10 @@ def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Seque
 
     # the model explains the present split's attainment (no worse than it estimates, within the observed noise):
     # only then may it veto a move (misses it does not explain are the adaptive policy's to answer)
-    met = [m for m in list(met)[-len(counts):]]
-    weights = [sum(c) for c in counts[-len(met):]]
+    met = list(met)[-len(counts):]  # nan: the window judged nothing (its 100% is no measurement)
+    judged = [(m, sum(c)) for m, c in zip(met, counts[-len(met):]) if m == m]
+    met = [m for m, _ in judged]
+    weights = [w for _, w in judged]
     explained = False
     if met and sum(weights) > 0:
         seen = sum(m * w for m, w in zip(met, weights)) / sum(weights)

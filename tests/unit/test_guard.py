@@ -108,3 +108,17 @@ def test_a_discretionary_move_predicted_worse_is_vetoed_even_unexplained() -> No
     assert reactive is None or "predicted worse" not in reactive[1]
     spare = guard.check(counts, tokens, unexplained, outputs, cap, (14, 2), (15, 1), cfg, discretionary=True)
     assert spare is not None and spare[0] == (14, 2) and "predicted worse" in spare[1]
+
+
+def test_windows_that_judged_nothing_do_not_make_the_model_look_right() -> None:
+    """Live, a decode-heavy phase's first windows finish nothing (their attainment reads 100%); they must not count as
+    the model explaining the present split, or the guard vetoes the move the first TPOT misses ask for."""
+    cfg = ControllerConfig(budget=16, interval_s=15.0, slo_ttft_s=5.0, slo_tpot_s=0.25)
+    counts, tokens = windows(40, 12, 5.0, 3500.0)
+    outputs, cap = tuple([30.0] * CLASSES), replace(CAP, kv_tokens=30000.0)
+    missed = [float("nan")] * 36 + [0.2] * 4
+    held = guard.check(counts, tokens, missed, outputs, cap, (14, 2), (15, 1), cfg)
+    assert held is None or "predicted worse" not in held[1]
+    as_full = [1.0] * 36 + [0.2] * 4  # the old reading: nothing judged as everything met
+    held = guard.check(counts, tokens, as_full, outputs, cap, (14, 2), (15, 1), cfg)
+    assert held is not None and "predicted worse" in held[1]
