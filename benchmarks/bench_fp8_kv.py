@@ -4,7 +4,9 @@ text, judged against issue 27's targets; greedy agreement and the K/V round-trip
     python benchmarks/bench_fp8_kv.py --text FILE_OR_DIR... [--dtype float32|bfloat16] [--tokens 4096]
         [--window 1024] [--chunk 32] [--greedy-tokens 48] [--smoke]
 
-**The measure.** The texts (files, or folders of ``*.txt`` / ``*.md``; default: the repo's README and docs) are
+**The measure.** The texts (files, or folders of ``*.txt`` / ``*.md``; default: CPython's language reference as its standard library ships
+it, ``pydoc_data/topics.py``: real English text nobody here wrote, the same on every install of one Python version,
+so a row reproduces; the repo's own docs changed with every edit) are
 tokenized with the model's tokenizer, cut into windows of ``--window`` tokens (taken from the documents in turn), and
 each window is fed through the engine's :class:`ModelRunner` (its batch builder, the model's forward over a paged
 cache, the model's logits) in chunks of ``--chunk`` tokens, as a chunked prefill writes a prompt (``--chunk 1``: one
@@ -118,6 +120,13 @@ def tally(ref: torch.Tensor, lp: torch.Tensor, targets: torch.Tensor) -> Tally:
 def verdict(t: Tally, ref: Tally, target: Target) -> tuple[bool, bool]:
     """(agreement target met, perplexity target met) for ``t`` against the reference's ``ref``. Pure."""
     return t.agreement >= target.min_agreement, t.perplexity / ref.perplexity - 1 <= target.max_ppl_increase
+
+
+def _reference_text() -> str:
+    """CPython's language reference as text (``pydoc_data/topics.py``, shipped with every install)."""
+    import pydoc_data.topics
+
+    return str(pydoc_data.topics.__file__)
 
 
 def windows(docs: list[list[int]], size: int, tokens: int) -> list[list[int]]:
@@ -296,8 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"],
                     help="weights, activations and the reference's KV")
-    ap.add_argument("--text", nargs="+", default=[str(ROOT / "README.md"), str(ROOT / "docs")],
-                    help="files or folders (their *.txt and *.md) of real text; default: the repo's README and docs")
+    ap.add_argument("--text", nargs="+", default=[_reference_text()],
+                    help="files or folders (their *.txt and *.md) of real text; default: CPython's pydoc_data/topics.py")
     ap.add_argument("--tokens", type=int, default=4096, help="predictions scored per cache")
     ap.add_argument("--window", type=int, default=1024, help="tokens per window (each starts from an empty cache)")
     ap.add_argument("--chunk", type=int, default=32, help="tokens per forward (1: one token per step, as decode)")

@@ -15,7 +15,8 @@ prompts, each made unique so no prefix cache serves it, one token out, ``--prefi
 writes its autoscale record (``DIR/<run>.jsonl``);
 attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
-the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record.
+the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record, through the checked-in profile and
+through the profile calibrated from the record (:mod:`cluster.control.calibrate`).
 """
 
 from __future__ import annotations
@@ -156,10 +157,12 @@ def main() -> int:
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
 
-    profile = CostProfile.load(DEFAULT_PROFILE)
+    from cluster.control.calibrate import calibrate
+
     rec = rows[0][1]
-    result, _ = replay(rec, profile)
-    print("\n" + format_report(side_by_side(rec, result, profile)))
+    for profile in (CostProfile.load(DEFAULT_PROFILE), calibrate(rec, CostProfile.load(DEFAULT_PROFILE))):
+        result, _ = replay(rec, profile)  # the checked-in profile, then calibrated from the record (issue 47)
+        print("\n" + format_report(side_by_side(rec, result, profile)))
     return 0
 
 

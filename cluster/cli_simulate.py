@@ -28,7 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds; required unless --replay")
     s.add_argument("--slo-tpot", type=float, help="TPOT SLO, seconds; required unless --replay")
     s.add_argument("--profile", default=None, help="cost profile JSON (default: the checked-in CPU profile; with "
-                                                    "--replay: the record's own profile, if it has one)")
+                                                    "--replay: the record's own profile, if it has one, and a live "
+                                                    "record's calibrated from its measurements)")
     s.add_argument("--record", default=None, metavar="FILE",
                    help="write the run's record (arrivals, every observation and decision) for --replay")
     s.add_argument("--trace-rate", type=float, default=1.0, help="--public-trace: arrival rate multiplier")
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from cluster.control.calibrate import calibrate
     from cluster.control.record import read_record
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
@@ -58,6 +60,8 @@ def _replay(args: argparse.Namespace) -> int:
             profile = CostProfile.load(args.profile or DEFAULT_PROFILE)
         else:
             profile = CostProfile(**rec.profile)
+        if rec.source == "live" and not args.profile:  # the machine it ran on, from what the record measured
+            profile = calibrate(rec, profile)
         result, _ = replay(rec, profile)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

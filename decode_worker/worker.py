@@ -125,7 +125,7 @@ class DecodeWorker(EngineLoop):
         # (its K/V tiers too: promoted here, the prefill actor sends only the rest)
         prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(
             list(req.prompt_token_ids), req.kv_namespace, room_for=msg.num_blocks)
-        rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.model_config.num_layers,
+        rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.num_cache_layers,
                                      prefix, self.engine.config.block_size)
         if rec is None:
             return None
@@ -208,7 +208,8 @@ class DecodeWorker(EngineLoop):
             else:
                 lps = None if result.first_logprobs is None else [dict(p) for p in result.first_logprobs]
                 out = self.engine.add_prefilled_request(req.request_id, list(req.prompt_token_ids), params,
-                                                        list(result.first_token_ids), blocks, lps, pinned=pinned)
+                                                        list(result.first_token_ids), blocks, lps, pinned=pinned,
+                                                        draft_state=result.draft_state)
                 self._emit(out)
         except ValueError as e:
             pool.free(pool.blocks[b] for b in blocks)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence as Sequence_
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -31,6 +31,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, seq_id_counter
 from engine.spec_decode import SpeculativeDecoder
+from engine.spec_draft_model import DraftModelDrafter, resolve_draft
+from engine.spec_mtp import MTPDrafter, MTPLayer
 from engine.tp_group import TPGroup, check_device, start_group, visible_gpus
 
 
@@ -100,13 +102,24 @@ class LLMEngine:
             shard = load_shard(path, mc, dtype, 0, config.tensor_parallel_size, self.device)
             self.tp_group, model = start_group(mc, shard, path, dtype, self.max_model_len, config, self.device, progress)
         else:
-            model = DecoderModel(mc, load_state_dict(path, dtype, self.device), dtype, self.max_model_len)
+            state = load_state_dict(path, dtype, self.device)
+            model = DecoderModel(mc, state, dtype, self.max_model_len)
+        spec = config.speculative_config
+        # method "mtp": the checkpoint's next-token layer (what the model left of the state), its K/V one more layer
+        mtp = MTPLayer.load(model, state) if spec is not None and spec.method == "mtp" else None
+        mtp_layers = 0 if mtp is None else 1
+        # method "draft_model": its own K/V beside the pool's, on the same block tables (sized with it)
+        draft = resolve_draft(spec.model, config.cache_dir, progress) if spec and spec.method == "draft_model" \
+            else None
         kv_dtype = KV_DTYPES.get(config.kv_cache_dtype, dtype)
-        graphs = captures_decode_graphs(self.device, config)
+        graphs = captures_decode_graphs(self.device, config) and mtp is None  # its pass reads the eager hidden
         num_blocks = config.num_kv_blocks or num_kv_blocks(
             self.device, model, config.kv_cache_gib, config.gpu_memory_utilization, config.max_num_batched_tokens,
             config.max_num_seqs, self.max_model_len, config.block_size, kv_dtype,
-            kv_block_bytes(model.local if config.tp_kv_cache == "per_rank" else mc, config.block_size, kv_dtype),
+            kv_block_bytes(model.local if config.tp_kv_cache == "per_rank"
+                           else dataclasses.replace(mc, num_layers=mc.num_layers + mtp_layers), config.block_size,
+                           kv_dtype) + (0 if draft is None else kv_block_bytes(load_model_config(draft),
+                                                                              config.block_size, dtype)),
             graphs, config.reserved_device_bytes)
         # the key binds the model's identity (engine/kv_tiers/keys.py): another checkpoint, dtype, K/V dtype, block
         # size or TP layout never shares a block
@@ -128,7 +141,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, kv_dtype,
                                   config.shared_kv or (tp is not None and not per_rank),
                                   model.local.cache_heads if per_rank else None,
-                                  tp.copy_blocks if tp is not None and per_rank else None)
+                                  tp.copy_blocks if tp is not None and per_rank else None, mtp_layers)
         self.runner.sampling.eos_token_ids = self.eos_token_ids  # what a row short of its min_tokens may not draw
         if per_rank:  # each follower allocates its own heads' cache, laid out as rank 0's
             tp.own_caches(self.runner.layout)
@@ -142,7 +155,13 @@ class LLMEngine:
         self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
         self._grammars: GrammarCompiler | None = None  # see grammar_compiler()
         # speculative decoding (engine/spec_decode.py): drafts proposed before each step, verified in it
-        self.spec = SpeculativeDecoder(config.speculative_config) if config.speculative_config else None
+        drafter: MTPDrafter | DraftModelDrafter | None = None
+        if mtp is not None:
+            drafter = MTPDrafter(mtp, self.runner)
+            self.runner.after_sample = drafter.after_step
+        elif draft is not None:
+            drafter = DraftModelDrafter(draft, self.tokenizer, mc.vocab_size, self.runner, self.max_model_len)
+        self.spec = SpeculativeDecoder(spec, drafter) if spec else None
 
     def enable_decode_graphs(self) -> bool:
         """Mutates: capture the decode CUDA graphs now, if this engine decodes with graphs (CUDA, not
@@ -276,7 +295,7 @@ class LLMEngine:
     def add_prefilled_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, first_tokens: list[int],
         block_ids: list[int], first_logprobs: list[dict[int, float]] | None = None, arrival: float | None = None,
-        pinned: int = 0,
+        pinned: int = 0, draft_state: Sequence_[float] | None = None,
     ) -> RequestOutput:
         """Decode side of disaggregation: join a request whose prompt K/V already sits in ``block_ids`` (allocated
         in this engine's pool, e.g. a committed reservation) and whose first tokens were sampled by a prefill actor:
@@ -286,7 +305,8 @@ class LLMEngine:
         blocks past the prompt go back to the pool (each completion allocates its own as it grows). Returns the
         output after the first tokens (finished if they already stop). Raises ``ValueError`` (changing nothing) if
         the request is invalid. ``pinned``: the first blocks are this engine's prefix-cache blocks (held with one
-        reference each, which passes to the request), the rest fresh.
+        reference each, which passes to the request), the rest fresh. ``draft_state``: what a next-token (MTP)
+        drafter drafts from at the first step (:meth:`draft_state` on the prefill side; ignored without one).
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -301,6 +321,9 @@ class LLMEngine:
         seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,
                          arrival=arrival, seed=seed) for i in range(params.n)]
         self._adopt_reserved(seqs[0], block_ids, len(ids), pinned)
+        drafter = None if self.spec is None else self.spec.drafter
+        if drafter is not None and draft_state is not None and params.n == 1:
+            drafter.adopt(seqs[0], draft_state)
         req = _Request(request_id, ids, seqs,
                        [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs],
                        [CompletionProgress(params.stop_strings) for _ in seqs])
@@ -330,6 +353,17 @@ class LLMEngine:
         else:  # computed here (colocated, recompute): a cached prefix still counts
             self.kv.adopt_with_prefix(parent, block_ids[:keep])
         self.kv.pool.free(self.kv.pool.blocks[b] for b in reversed(block_ids[keep:]))
+
+    def draft_state(self, request_id: str) -> tuple[float, ...] | None:
+        """What a decode owner's drafter needs to draft at its first step for ``request_id`` (just prefilled here):
+        the MTP layer's last output (engine/spec_mtp.py), or None without one. Pure."""
+        drafter = None if self.spec is None else self.spec.drafter
+        return None if drafter is None else drafter.handoff(request_id)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers of the K/V pool: the model's, and a next-token (MTP) layer's (a prefill actor streams them all)."""
+        return self.runner.layout.num_layers
 
     def kv_layer(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s KV cache ``[2, num_blocks, block_size, kv_heads, head_dim]``, every head (a view: writes
@@ -373,6 +407,8 @@ class LLMEngine:
         """
         drafts = None if self.spec is None else self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule(drafts)
+        if self.spec is not None:
+            self.spec.complete(out)
         self.last_preempted = [s.request_id for s in out.preempted]
         hook = None if after_kv_store is None else (lambda layer: after_kv_store(layer, out))
         sampled = self.runner.execute(out, hook)

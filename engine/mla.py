@@ -51,12 +51,15 @@ class MLAWeights:
 class MLAttention:
     """The attention of every MLA layer of a model; :meth:`forward` is pure apart from writing the latents."""
 
-    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], eps: float) -> None:
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], eps: float,
+                 layers: range | None = None) -> None:
+        """``layers``: the checkpoint's layer indices to load (every decoder layer by default; a next-token (MTP)
+        layer's own attention is layer ``num_layers``, engine/spec_mtp.py); ``forward``'s ``i`` counts them from 0."""
         assert cfg.mla is not None
         self.cfg = cfg
         self.m = cfg.mla
         self.eps = eps
-        self.layers = [self._layer(state, i) for i in range(cfg.num_layers)]
+        self.layers = [self._layer(state, i) for i in (range(cfg.num_layers) if layers is None else layers)]
 
     def _layer(self, state: dict[str, torch.Tensor], i: int) -> MLAWeights:
         m, heads = self.m, self.cfg.num_heads

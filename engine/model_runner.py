@@ -74,12 +74,13 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, seed: int,
                  kv_dtype: torch.dtype | None = None, shared_kv: bool = False, cache_heads: int | None = None,
-                 on_copy: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
+                 on_copy: Callable[[list[tuple[int, int]]], None] | None = None, extra_layers: int = 0) -> None:
         """``shared_kv`` (CPU): the KV cache lives in a shared-memory file same-node peers can map
         (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it. ``cache_heads``: the heads this cache holds, every
         cache head by default (a tensor-parallel rank's model attends over its own head slice of it:
         engine/model.py), or a tensor-parallel rank's own heads (``tp_kv_cache="per_rank"``). ``on_copy(pairs)``:
-        called before this cache's block copies (a group whose ranks hold their own caches copies on each)."""
+        called before this cache's block copies (a group whose ranks hold their own caches copies on each).
+        ``extra_layers``: cache layers after the model's (a next-token layer's K/V, engine/spec_mtp.py)."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
@@ -88,7 +89,7 @@ class ModelRunner:
         dtype = kv_dtype or model.dtype
         # [layers, 2, num_blocks, block_size, kv_heads, head_dim] (MLA: [..., 1, half the latent]); layer i's view
         # is the contract's per-layer layout
-        self.layout = KVLayout(cfg.num_layers, num_blocks, block_size, cache_heads or cfg.cache_heads,
+        self.layout = KVLayout(cfg.num_layers + extra_layers, num_blocks, block_size, cache_heads or cfg.cache_heads,
                                cfg.cache_head_dim, str(dtype).removeprefix("torch."), dtype in SCALED_DTYPES,
                                cfg.kv_layout)
         self.shared_kv: SharedKVMemory | None = None
@@ -109,6 +110,9 @@ class ModelRunner:
         # prefill chunks as one varlen attention call (GPU, Triton) or one call per chunk (the CPU's torch path): the
         # device decides (engine.step_wire.varlen_prefill); a CPU test sets it to run a GPU's layout here
         self.varlen_prefill = varlen_prefill(self.device)
+        # after_sample(order, hidden, sampled, after_kv_store): runs after each eager step sampled (a drafter's pass
+        # over the step's final hidden states, engine/spec_mtp.py); None: nothing
+        self.after_sample: Callable[..., None] | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Mutates: decode-only steps from now on run on a :class:`DecodeGraphRunner`'s persistent padded buffers,
@@ -196,7 +200,7 @@ class ModelRunner:
         if out.is_empty:
             return {}
         graphs = self.decode_graphs
-        if graphs is not None and after_kv_store is None and graphs.fits(out):
+        if graphs is not None and after_kv_store is None and self.after_sample is None and graphs.fits(out):
             order = sorted(out.decodes, key=lambda s: s.start)
             # built (and sent) before the step is launched; the rows read the graph's logits row of their sequence
             sampling = self._sampling_batch([(i, s) for i, s in enumerate(order) if s.sample])
@@ -210,12 +214,16 @@ class ModelRunner:
         prompt_rows = plan_prompt_rows(len(out.decodes), out.prefills)
         if prompt_rows:  # echo with logprobs: the prompt positions' logits too, for the sequences that ask
             compute_prompt_logprobs(lambda rows: self.model.logits(hidden, rows), prompt_rows)
-        if sampling[0] is None:
-            return {}
-        logits = self.model.logits(hidden, step.sample_rows, step.sample_index)
-        if any(s.draft for s in samplers):
-            return sample_verified(self.sampling, self.sampler, logits, sampling, samplers)
-        return self._sample(logits, sampling)
+        sampled: dict[int, list[SampledToken]] = {}
+        if sampling[0] is not None:
+            logits = self.model.logits(hidden, step.sample_rows, step.sample_index)
+            if any(s.draft for s in samplers):
+                sampled = sample_verified(self.sampling, self.sampler, logits, sampling, samplers)
+            else:
+                sampled = self._sample(logits, sampling)
+        if self.after_sample is not None:
+            self.after_sample(step.order, hidden, sampled, after_kv_store)
+        return sampled
 
     def _sampling_batch(self, scheduled: list[tuple[int, ScheduledSeq]]) -> tuple[SamplingBatch | None, list[int]]:
         """The sampling rows of the sequences that sample, each reading logits row ``r`` of its ``(r, scheduled)``,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "mtp")
-BUILT_METHODS = ("ngram",)  # the others are refused with their name until their proposers exist
+BUILT_METHODS = ("ngram", "mtp", "draft_model")  # the others are refused with their name until their proposers exist
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default n-gram window when neither bound is given
 
 
@@ -19,7 +19,10 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default n-gram window when neither bound is 
 class SpeculativeConfig:
     """How drafts are proposed and how many. Invalid values raise ``ValueError`` naming the field."""
 
-    method: str = "ngram"  # "ngram" (prompt lookup + suffix match over the request's own context); others refused
+    # "ngram" (prompt lookup + suffix match over the request's own context), "mtp" (the checkpoint's next-token
+    # layer: engine/spec_mtp.py), "draft_model" (a smaller model sharing the tokenizer, ``model``:
+    # engine/spec_draft_model.py)
+    method: str = "ngram"
     num_speculative_tokens: int = 4  # the most draft tokens verified per request and step (k); adaptive below it
     # n-gram window: the current context's last n tokens (prompt_lookup_min <= n <= prompt_lookup_max) must occur
     # earlier in the request's context; the tokens after that occurrence are the draft. One given: the other equals
@@ -27,7 +30,7 @@ class SpeculativeConfig:
     # among matches the longest wins, engine/spec_ngram.py)
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    model: str | None = None  # the draft model's folder (method "draft_model"): not built yet
+    model: str | None = None  # the draft model's folder (method "draft_model", which needs it; as --model spells it)
     # the load switch (vLLM's name): no drafts at all in a step with this many running requests or more; None: only
     # the verify budget below decides
     disable_by_batch_size: int | None = None
@@ -50,8 +53,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method: {self.method!r} is not supported yet (supported: "
                              f"{', '.join(BUILT_METHODS)}; {', '.join(m for m in METHODS if m not in BUILT_METHODS)} "
                              f"are planned)")
-        if self.model is not None:
-            raise bad("model", "is only read by method 'draft_model', which is not supported yet")
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model.strip():
+                raise bad("model", "method 'draft_model' needs the draft model's folder")
+        elif self.model is not None:
+            raise bad("model", "is only read by method 'draft_model'")
         if not _int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
             raise bad("num_speculative_tokens", "must be an int in [1, 16]")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max

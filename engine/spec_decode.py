@@ -11,6 +11,7 @@ drafts. How many: engine/spec_policy.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from engine.sampler import has_penalty
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -57,6 +58,22 @@ def can_draft(seq: Sequence) -> bool:
     return p.grammar is None and not has_penalty(p) and len(seq.output_token_ids) >= p.min_tokens
 
 
+class Drafter(Protocol):
+    """A model that drafts (engine/spec_mtp.py): it keeps its own per-sequence state and K/V."""
+
+    def first(self, seq: Sequence) -> int | None: ...  # the first draft, None: this sequence cannot draft now
+
+    def forget(self, live: set[int]) -> None: ...  # drop the state of sequences no longer running
+
+    def drop(self, seq_id: int) -> None: ...  # this sequence will never draft: no more passes for it
+
+    def complete(self, out: SchedulerOutput) -> None: ...  # fill drafts 2.. of the scheduled (their blocks exist)
+
+    def handoff(self, request_id: str) -> tuple[float, ...] | None: ...  # what a decode owner drafts from first
+
+    def adopt(self, seq: Sequence, values: tuple[float, ...] | list[float]) -> None: ...  # ... and takes it
+
+
 @dataclass
 class _State:
     index: SuffixIndex
@@ -66,8 +83,10 @@ class _State:
 class SpeculativeDecoder:
     """Owns each running sequence's n-gram index and measured acceptance. ``propose`` and ``observe`` mutate."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter | Any = None) -> None:
+        """``drafter``: a model proposing the drafts (method ``mtp``); None: the n-gram index."""
         self.config = config
+        self.drafter = drafter
         self.stats = SpecStats()
         self._states: dict[int, _State] = {}
 
@@ -78,6 +97,8 @@ class SpeculativeDecoder:
         live = {q.seq_id for q in running}
         for gone in [s for s in self._states if s not in live]:
             del self._states[gone]
+        if self.drafter is not None:
+            self.drafter.forget(live)
         if running and not allocate_drafts([DraftWish(-1, 1.0, 1)], len(running), cfg.verify_budget_tokens,
                                            cfg.disable_by_batch_size):
             # the load switch grants nothing at this batch size: skip proposing (indexes catch up when it reopens)
@@ -86,19 +107,30 @@ class SpeculativeDecoder:
         wishes: list[DraftWish] = []
         drafts: dict[int, list[int]] = {}
         for q in running:
+            state = self._states.get(q.seq_id)
+            if self.drafter is not None and (q.params.grammar is not None or has_penalty(q.params) or (
+                    state is not None and best_k(state.acceptance.alpha, cfg.num_speculative_tokens,
+                                                 cfg.draft_token_cost) < 1)):
+                # it will never draft (its acceptance only moves with drafts): the drafter stops its passes for it
+                self.drafter.drop(q.seq_id)
+                continue
             if q.num_tokens - q.num_computed_tokens != 1 or q.pending_children or not can_draft(q):
                 continue
-            state = self._states.get(q.seq_id)
             if state is None:
                 state = self._states[q.seq_id] = _State(SuffixIndex(cfg.prompt_lookup_min or 1), Acceptance())
-            state.index.sync(q.prompt_token_ids, q.output_token_ids)
+            first = None if self.drafter is None else self.drafter.first(q)
+            if self.drafter is not None and first is None:
+                continue
+            if self.drafter is None:
+                state.index.sync(q.prompt_token_ids, q.output_token_ids)
             # drafts past the request's last token would be verified for nothing
             room = min(q.params.max_tokens - len(q.output_token_ids) - 1, cfg.num_speculative_tokens)
             alpha = state.acceptance.alpha
             k = min(room, best_k(alpha, cfg.num_speculative_tokens, cfg.draft_token_cost))
             if k < 1:
                 continue
-            draft, _ = state.index.propose(k)
+            # a drafter's drafts past the first are placeholders until ``complete`` (they need the verify's blocks)
+            draft = [first] * k if first is not None else state.index.propose(k)[0]
             if draft:
                 drafts[q.seq_id] = draft
                 wishes.append(DraftWish(q.seq_id, alpha, len(draft)))
@@ -106,6 +138,12 @@ class SpeculativeDecoder:
         if wishes and not granted:
             self.stats.stepped_back += 1
         return {s: drafts[s][:k] for s, k in granted.items()}
+
+    def complete(self, out: SchedulerOutput) -> None:
+        """Mutates ``out``: a drafter fills the drafts past the first of the scheduled sequences (after
+        ``schedule``, which allocated their positions). Nothing for n-gram drafts."""
+        if self.drafter is not None:
+            self.drafter.complete(out)
 
     def observe(self, out: SchedulerOutput, sampled: dict[int, list[SampledToken]]) -> None:
         """Mutates: each verified request's acceptance and the counters, from what the step emitted."""

@@ -14,8 +14,8 @@ use at that position: greedy rows give the argmax, sampled rows the same token t
 speculation, whatever was drafted (the output is the same sequence, not only the same distribution). It is
 rejection sampling for a proposer that puts all its mass on one token (n-gram drafts): such a draft is accepted
 with probability ``p(d)``, and a rejected position's token is distributed as ``p`` without ``d``, renormalized, the
-residual ``max(0, p - q)`` of Leviathan et al. (2023). A proposer with a spread distribution ``q`` (a draft model)
-needs the general accept test ``u < p/q`` instead; none is built yet.
+residual ``max(0, p - q)`` of Leviathan et al. (2023). The MTP layer and the draft model draft greedily (their argmax),
+so this holds for them too; drafts sampled from a spread ``q`` would need the general test ``u < p/q``: none is.
 
 Rows the drafts' positions change in ways the persistent sampling state cannot express are never drafted
 (engine/spec_decode.py): penalties (row ``j`` would count ``d1..dj``) and grammars (row ``j``'s mask would follow

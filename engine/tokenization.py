@@ -1,8 +1,12 @@
-"""Torch-free prompt tokenization: ``tokenizers`` for the vocabulary, jinja2 for the chat template.
+"""Torch-free prompt tokenization: ``tokenizers`` for the vocabulary, transformers' own renderer for the chat template.
 
 In the engine's room (beside the detokenizer) because both the proxy and the load generator (``cluster.loadgen``)
 tokenize as the model does; importing it loads no torch (``engine/__init__`` is lazy). The proxy tokenizes (it needs token counts for admission and block hashes for routing); decode actors detokenize.
-Matches ``transformers``' ``encode`` and ``apply_chat_template`` for the model folder (checked in tests).
+Matches ``transformers``' ``encode`` and ``apply_chat_template`` for the model folder (checked in tests). The chat
+template is rendered by ``transformers.utils.chat_template_utils.render_jinja_template`` (the function
+``apply_chat_template`` calls; it imports no torch): the same sandbox, extensions (``loopcontrols``, ``{% generation %}``),
+globals (``raise_exception``, ``strftime_now``, ``namespace``, ``dict``) and ``tojson``, the same named special tokens as
+variables, and message keys whose value is None dropped first, as ``apply_chat_template`` does.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.exceptions import TemplateError
 from tokenizers import Tokenizer
+from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+
+# the named special tokens transformers passes to a chat template (``special_tokens_map``), when the folder sets them
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def _token_text(value: Any) -> str | None:
@@ -33,17 +41,23 @@ class PromptTokenizer:
         self._tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        map_path = folder / "special_tokens_map.json"
+        named = json.loads(map_path.read_text()) if map_path.exists() else {}
         template = cfg.get("chat_template")
         if (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()
         if chat_template is not None:
             template = chat_template
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(template) if isinstance(template, str) else None
+        self.special_tokens = {name: text for name in SPECIAL_TOKEN_NAMES
+                               if (text := _token_text(cfg.get(name, named.get(name)))) is not None}
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
+        self._template = template if isinstance(template, str) else None
+        if self._template is not None:  # compiled (and cached by transformers) now: a broken template fails the start
+            try:
+                _compile_jinja_template(self._template)
+            except TemplateError as e:
+                raise ValueError(f"chat template: {type(e).__name__}: {e}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
@@ -59,11 +73,13 @@ class PromptTokenizer:
         transformers passes them). Raises ``ValueError`` if the model has none or rejects them."""
         if self._template is None:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
+        chat = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         try:
-            return self._template.render(**kwargs, messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except _TemplateError as e:
+            rendered, _ = render_jinja_template([chat], tools=tools, chat_template=self._template,
+                                                add_generation_prompt=add_generation_prompt,
+                                                **{**self.special_tokens, **kwargs})
+            return rendered[0]
+        except TemplateError as e:  # raise_exception() in the template, or a template that does not parse
             raise ValueError(f"messages: {e}") from None
         except Exception as e:  # a template reading a kwarg or a tool field of another shape
             raise ValueError(f"messages: the chat template failed: {type(e).__name__}: {e}") from None
@@ -80,11 +96,3 @@ class PromptTokenizer:
                     **kwargs: Any) -> list[int]:
         """Prompt ids of a conversation with a generation prompt (special tokens come from the template)."""
         return self.encode(self.render_chat(messages, tools=tools, **kwargs), add_special_tokens=False)
-
-
-class _TemplateError(Exception):
-    pass
-
-
-def _raise(message: str) -> None:
-    raise _TemplateError(message)

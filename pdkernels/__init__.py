@@ -45,6 +45,9 @@ __all__ = [
 ]
 
 
+_ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 @functools.cache
 def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
@@ -92,10 +95,25 @@ def _head_slice(k_cache: torch.Tensor, heads: tuple[int, int] | None) -> bool:
     return (a, b) != (0, k_cache.shape[2])
 
 
+def _cache_ok(k_cache: torch.Tensor, v_cache: torch.Tensor, contiguous_blocks: bool) -> bool:
+    """:func:`_check_cache`'s conditions as one expression, without building its messages: the engine calls the
+    kernels twice per layer per step, and formatting every message up front cost ~2 ms of a 16-sequence decode step
+    at one thread (benchmarks/bench_engine_profile.py). Pure."""
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        return False
+    if not contiguous_blocks:
+        return k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _, bs, kvh, hd = k_cache.shape
+    want = (kvh * hd, hd, 1)
+    return k_cache.stride()[1:] == want and v_cache.stride()[1:] == want
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, contiguous_blocks: bool = True) -> None:
     """A paged cache pair. ``contiguous_blocks``: each block must be contiguous (the Triton stores, block copies);
     otherwise any strides with a unit head_dim stride serve (a tensor-parallel rank's head slice of the group's
     cache: the attention kernels and the torch stores read every stride)."""
+    if _cache_ok(k_cache, v_cache, contiguous_blocks):
+        return
     _check(k_cache.dim() == 4, "k_cache", f"expected [num_blocks, block_size, kv_heads, head_dim], got {tuple(k_cache.shape)}")
     _check(v_cache.shape == k_cache.shape, "v_cache", f"shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
     _check(v_cache.dtype == k_cache.dtype, "v_cache", f"dtype {v_cache.dtype} != k_cache {k_cache.dtype}")
@@ -110,6 +128,9 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, contiguous_blocks
 
 def _check_token_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """New tokens' K/V ``[num_tokens, kv_heads, head_dim]`` for a cache, and their int slots ``[num_tokens]``."""
+    if (key.dim() == 3 and key.shape[1:] == k_cache.shape[2:] and value.shape == key.shape
+            and slot_mapping.shape == (key.shape[0],) and not slot_mapping.is_floating_point()):
+        return  # the messages below are built only for a failing call (see _cache_ok)
     _check(key.dim() == 3 and key.shape[1:] == k_cache.shape[2:], "key",
            f"expected [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], got {tuple(key.shape)}")
     _check(value.shape == key.shape, "value", f"shape {tuple(value.shape)} != key {tuple(key.shape)}")
@@ -121,7 +142,9 @@ def _check_scales(k_cache: torch.Tensor, k_scales: torch.Tensor | None, v_scales
     """A scaled cache needs both float32 scale tensors (:func:`reference.scales_shape`: FP8 ``[num_blocks,
     kv_heads]``, int8 ``[num_blocks, block_size, kv_heads]``); any other cache none."""
     if k_cache.dtype not in reference.SCALED_DTYPES:
-        _check(k_scales is None and v_scales is None, "k_scales",
+        if k_scales is None and v_scales is None:
+            return
+        _check(False, "k_scales",
                f"only an FP8 or int8 cache takes scales, not {k_cache.dtype}")
         return
     want = reference.scales_shape(k_cache)
@@ -148,6 +171,9 @@ def _sm_count(device_index: int) -> int:
 
 def _check_decode_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor, n: int, sliding_window: int | None) -> None:
     """``n`` decode rows: integer block tables ``[n, max_blocks]`` and lengths ``[n]``, and the sliding window."""
+    if ((sliding_window is None or sliding_window >= 1) and block_tables.dim() == 2 and block_tables.shape[0] == n
+            and not block_tables.is_floating_point() and seq_lens.shape == (n,) and not seq_lens.is_floating_point()):
+        return  # the messages below are built only for a failing call (see _cache_ok)
     _check(sliding_window is None or sliding_window >= 1, "sliding_window", f"must be >= 1, got {sliding_window}")
     _check(block_tables.dim() == 2 and block_tables.shape[0] == n, "block_tables",
            f"expected [{n}, max_blocks], got {tuple(block_tables.shape)}")
@@ -201,16 +227,20 @@ def paged_decode_attention(
     ``sliding_window`` (its value checks were made there); the Triton path ignores it."""
     _check_cache(k_cache, v_cache, contiguous_blocks=False)
     _check_scales(k_cache, k_scales, v_scales)
-    _check(q.dtype in (torch.float32, torch.float16, torch.bfloat16), "q", f"unsupported dtype {q.dtype}")
-    _check(q.dim() == 3, "q", f"expected [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
-    _check(q.shape[2] == k_cache.shape[3], "q", f"head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
-    _check(q.shape[1] % k_cache.shape[2] == 0, "q", f"num_heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
+    if not (q.dtype in _ATTENTION_DTYPES and q.dim() == 3 and q.shape[2] == k_cache.shape[3]
+            and q.shape[1] % k_cache.shape[2] == 0):  # the messages only for a failing call (see _cache_ok)
+        _check(q.dtype in _ATTENTION_DTYPES, "q", f"unsupported dtype {q.dtype}")
+        _check(q.dim() == 3, "q", f"expected [num_seqs, num_heads, head_dim], got {tuple(q.shape)}")
+        _check(q.shape[2] == k_cache.shape[3], "q", f"head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
+        _check(q.shape[1] % k_cache.shape[2] == 0, "q",
+               f"num_heads {q.shape[1]} not a multiple of kv heads {k_cache.shape[2]}")
     _check_decode_rows(block_tables, seq_lens, q.shape[0], sliding_window)
-    _check(num_splits is None or num_splits >= 1, "num_splits", f"must be >= 1, got {num_splits}")
+    if num_splits is not None and num_splits < 1:
+        _check(False, "num_splits", f"must be >= 1, got {num_splits}")
     if plan is None:
         _check_lens(seq_lens, block_tables, k_cache)
-    else:
-        _check(plan.allowed.shape[0] == q.shape[0], "plan", f"made for {plan.allowed.shape[0]} sequences, not {q.shape[0]}")
+    elif plan.allowed.shape[0] != q.shape[0]:
+        _check(False, "plan", f"made for {plan.allowed.shape[0]} sequences, not {q.shape[0]}")
     if uses_triton(q):
         if num_splits is None:
             num_splits = 1 if not q.is_cuda else decode_num_splits(
@@ -309,11 +339,12 @@ def store_kv(
 ) -> None:
     """Write K/V of each token into its slot (``-1`` skips). Mutates the caches (any strides on the torch path; each
     block contiguous for Triton's)."""
-    _check_cache(k_cache, v_cache, contiguous_blocks=uses_triton(key))
+    triton = uses_triton(key)
+    _check_cache(k_cache, v_cache, contiguous_blocks=triton)
     _check_token_rows(key, value, k_cache, slot_mapping)
-    _check(k_cache.dtype not in reference.SCALED_DTYPES, "k_cache",
-           f"a {k_cache.dtype} cache is written with store_kv_quantized")
-    if uses_triton(key):
+    if k_cache.dtype in reference.SCALED_DTYPES:
+        _check(False, "k_cache", f"a {k_cache.dtype} cache is written with store_kv_quantized")
+    if triton:
         _triton().store_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)

@@ -19,11 +19,20 @@ engine's float32 identity with Hugging Face is untouched. Same contract as :func
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pdkernels import reference
 
 MAX_KV_HEADS = 8  # beyond this the block-diagonal product wastes more than the flash kernel's tiling costs
+
+
+@functools.cache
+def _own(kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """The block-diagonal mask ``[1, kv_heads, 1, kv_heads, 1]`` (query head group g keeps kv head g's columns),
+    made once per shape: a fresh ``eye`` per layer and step was two of the step's ops. Never mutated."""
+    return torch.eye(kv_heads, dtype=dtype).view(1, kv_heads, 1, kv_heads, 1)
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -60,11 +69,13 @@ def paged_decode_attention(
     k = reference.gather_blocks(k_cache, idx, k_scales, q.dtype).view(n, ctx, width)
     v = reference.gather_blocks(v_cache, idx, v_scales, q.dtype).view(n, ctx, width)
     group = num_heads // kv_heads
-    own = torch.eye(kv_heads, dtype=q.dtype).view(1, kv_heads, 1, kv_heads, 1)
-    q_diag = (q.view(n, kv_heads, group, 1, head_dim) * own).reshape(n, num_heads, width)
+    q_diag = (q.view(n, kv_heads, group, 1, head_dim) * _own(kv_heads, q.dtype)).reshape(n, num_heads, width)
     scores = torch.bmm(q_diag, k.transpose(1, 2)).float().mul_(scale)  # [n, num_heads, ctx]
     scores.masked_fill_(~allowed[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(q.dtype)  # an empty row: all -inf, NaN -> zeros
+    probs = torch.softmax(scores, dim=-1)
+    if span.has_empty:  # an empty row: all -inf, NaN -> zeros
+        probs.nan_to_num_(0.0)
+    probs = probs.to(q.dtype)
     out = torch.bmm(probs, v).view(n, kv_heads, group, kv_heads, head_dim)
     return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, num_heads, head_dim)
 

@@ -44,6 +44,7 @@ class _Job:
     submitted_at: float = 0.0
     started_at: float | None = None
     computed_at: float = 0.0
+    draft_state: tuple[float, ...] | None = None  # what the decode owner's MTP drafts from (engine/spec_mtp.py)
 
     @property
     def grant(self) -> ReserveGrant:
@@ -189,6 +190,7 @@ class PrefillWorker(EngineLoop):
                 if job.started_at is None:  # computed in one step that shipped nothing
                     job.started_at = self._step_t0
                 job.output = out
+                job.draft_state = self.engine.draft_state(out.request_id) if len(out.outputs) == 1 else None
                 job.done.set()  # the caller's thread waits for the wire, not this loop
         return True
 
@@ -251,4 +253,4 @@ class PrefillWorker(EngineLoop):
             cached_tokens=out.num_cached_tokens, parts_sent=len(job.transfer.handles), failed_parts=tuple(failed),
             bytes_sent=job.transfer.bytes_sent, transfer_s=busy, backend=self.connector.name,
             queue_s=max(0.0, started - job.submitted_at), compute_s=max(0.0, job.computed_at - started),
-            send_wait_s=send_wait)
+            send_wait_s=send_wait, draft_state=job.draft_state)

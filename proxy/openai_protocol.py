@@ -20,6 +20,7 @@ from cluster.wire.messages import GenerateRequest
 from engine.grammar_spec import GrammarSpec
 from proxy.errors import (body_too_large, context_length_exceeded, invalid_json, invalid_request, json_type_name,
                           model_not_found, read_bool, read_float, read_int, read_str, type_error)
+from proxy.chat_messages import ChatMessage, content_text, tool_calls_of
 from proxy.structured import grammar_param, parse_grammar
 from proxy.tools import PARSERS, ToolPlan, parse_tools
 
@@ -165,15 +166,6 @@ class CompletionRequest:
             return ""
         prompt = self.prompts[self.prompt_index(choice_index)]
         return prompt if isinstance(prompt, str) else decode(prompt)
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str  # text parts joined with "\n" (as vLLM does); null assistant content becomes ""
-    name: str | None = None
-    tool_call_id: str | None = None  # a "tool" message's answer-to id, handed to the chat template as vLLM does
-    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant turn's calls (arguments parsed), for the template
 
 
 @dataclass(frozen=True)
@@ -432,56 +424,10 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise invalid_request(f"'{at}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}.", f"{at}.role")
-        out.append(ChatMessage(role, _content(m.get("content"), role, f"{at}.content"),
+        out.append(ChatMessage(role, content_text(m.get("content"), role, f"{at}.content"),
                                read_str(m, "name", f"{at}.name"), read_str(m, "tool_call_id", f"{at}.tool_call_id"),
-                               _tool_calls(m.get("tool_calls"), role, f"{at}.tool_calls")))
+                               tool_calls_of(m.get("tool_calls"), role, f"{at}.tool_calls")))
     return tuple(out)
-
-
-def _tool_calls(value: Any, role: str, at: str) -> tuple[dict[str, Any], ...]:
-    """An assistant message's earlier calls, their arguments parsed (templates read them as objects). Pure."""
-    if value is None or value == []:
-        return ()
-    if role != "assistant":
-        raise invalid_request(f"'{at}' is only allowed on assistant messages.", at)
-    if not isinstance(value, list):
-        raise type_error(at, "an array", value)
-    out = []
-    for j, call in enumerate(value):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise type_error(f"{at}[{j}].function", "an object with a name", fn)
-        args = fn.get("arguments", "{}")
-        try:
-            parsed = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            raise invalid_request(f"'{at}[{j}].function.arguments' is not valid JSON.",
-                                  f"{at}[{j}].function.arguments") from None
-        out.append({"id": call.get("id", ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": parsed}})
-    return tuple(out)
-
-
-def _content(value: Any, role: str, at: str) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None:
-        if role == "assistant":  # an assistant turn may carry only tool calls
-            return ""
-        raise invalid_request(f"'{at}' is required.", at, "missing_required_parameter")
-    if not isinstance(value, list):
-        raise type_error(at, "a string or an array of content parts", value)
-    texts = []
-    for j, part in enumerate(value):
-        if not isinstance(part, dict):
-            raise type_error(f"{at}[{j}]", "an object", part)
-        if part.get("type") != "text":
-            raise invalid_request(f"'{at}[{j}].type' must be 'text' (this server serves a text-only model), "
-                                  f"got {part.get('type')!r}.", f"{at}[{j}].type")
-        if not isinstance(part.get("text"), str):
-            raise type_error(f"{at}[{j}].text", "a string", part.get("text"))
-        texts.append(part["text"])
-    return "\n".join(texts)
 
 
 def _stream(body: Mapping[str, Any]) -> tuple[bool, StreamOptions]:

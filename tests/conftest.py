@@ -9,6 +9,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from factories import build_checkpoint, build_tokenizer  # noqa: E402
 
+# a skip for a missing or broken dependency fails the run (tests/skip_guard.py says why)
+pytest_plugins = ["skip_guard"]
+
 
 def _import_triton_for_its_interpreter() -> None:
     """Triton's CPU interpreter works only if ``triton`` was first imported with ``TRITON_INTERPRET=1`` (its own

@@ -182,3 +182,59 @@ def hf_greedy_logprobs(folder: Path, prompts: list[list[int]], max_new_tokens: i
             lps = [float(lg[0].float().log_softmax(-1)[t]) for lg, t in zip(g.logits, toks)]
             outs.append((toks, lps))
     return outs
+
+
+def add_mtp_layer(folder: Path, seed: int = 1, predictive: bool = False) -> Path:
+    """Give a tiny DeepSeek-V3 checkpoint (``build_checkpoint(..., "deepseek_v3")``) its next-token (MTP) layer as
+    DeepSeek-V3 ships it: ``num_nextn_predict_layers: 1`` and ``model.layers.N.*`` (N = num_hidden_layers):
+    ``embed_tokens`` and ``shared_head.head`` (copies of the main model's), ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm`` and a decoder layer (an MoE one, shaped like the main model's last layer); random weights
+    (float32). ``predictive``: trains nothing but makes the layer predict the model's next-but-one token: the main
+    model becomes a bigram model (every attention output projection and every MLP but layer 1's zero, embedding rows
+    of RMS 1: its next token is a function of the current one) and the MTP layer a copy of layer 1 reading only the
+    next token's embedding (``eh_proj = [I | 0]``), normed and projected as the main model's last step. Rewrites
+    ``folder`` in place; returns it."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg_path = folder / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    files = sorted(folder.glob("*.safetensors"))
+    assert len(files) == 1, files
+    state = load_file(str(files[0]))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm() -> torch.Tensor:
+        return 1.0 + torch.rand(hidden, generator=gen) * 0.6 - 0.3
+
+    if predictive:
+        e = state["model.embed_tokens.weight"]
+        state["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
+        for name in list(state):
+            if name.endswith("o_proj.weight") or ("down_proj" in name and not name.startswith("model.layers.1.")):
+                state[name] = torch.zeros_like(state[name])
+    src, new = f"model.layers.{1 if predictive else n - 1}.", f"model.layers.{n}."
+    for name, t in list(state.items()):
+        if name.startswith(src):
+            state[new + name[len(src):]] = t.clone() if predictive or "e_score_correction_bias" in name else \
+                rand(*t.shape) if t.dim() > 1 else 1.0 + rand(*t.shape, std=0.3)
+    state[new + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[new + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    if predictive:
+        state[new + "eh_proj.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+        state[new + "enorm.weight"] = torch.ones(hidden)
+        state[new + "hnorm.weight"] = torch.ones(hidden)
+        state[new + "shared_head.norm.weight"] = state["model.norm.weight"].clone()
+    else:
+        state[new + "eh_proj.weight"] = rand(hidden, 2 * hidden)
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            state[f"{new}{name}.weight"] = norm()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(files[0]), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return folder

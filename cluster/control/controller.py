@@ -32,7 +32,9 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-from cluster.control import budget, forecast
+from cluster.control import budget, forecast, guard
+from cluster.control.observation import ActorObservation, Observation
+from cluster.control.split_model import Capacity
 
 ROLES = ("prefill", "decode")
 POLICIES = ("fixed", "throughput", "adaptive")
@@ -71,6 +73,13 @@ class ControllerConfig:
     # arriving load kept to find its period in (0: no forecasting), and the shortest period looked for
     season_window_s: float = 7200.0
     season_min_s: float = 300.0
+    # adaptive: never worse than a fixed split it could have held (cluster.control.guard): the observed mix's window,
+    # its newest part, and the least estimated gain that overrides the target (0 window: no guard)
+    guard_window_s: float = 600.0
+    guard_short_s: float = 60.0
+    guard_margin: float = 0.01
+    guard_veto: float = 0.0  # a move predicted to lose more than this (plus its cost) is not made
+    guard_explained: bool = True  # veto only while the model explains the present split's attainment
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES and fixed_sizes(self.policy) is None:
@@ -79,7 +88,8 @@ class ControllerConfig:
             if not getattr(self, name) > 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number > 0, got {getattr(self, name)!r}")
         for name in ("headroom", "cooldown_s", "start_s", "flip_s", "kv_headroom_tokens", "season_window_s",
-                     "season_min_s"):
+                     "season_min_s", "guard_window_s", "guard_short_s", "guard_margin",
+                     "guard_veto"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("hysteresis", "attainment_target"):
@@ -94,82 +104,6 @@ class ControllerConfig:
         if self.budget < budget.used(self.min_prefill, self.min_decode, self):
             raise ValueError(f"budget: must hold min_prefill and min_decode actors at {self.ranks} ranks each, "
                              f"got {self.budget}")
-
-
-@dataclass(frozen=True)
-class ActorObservation:
-    actor_id: str
-    role: str  # prefill | decode
-    capacity_tps: float | None  # measured tokens/s within its SLO (prefill or decode tokens); None: not yet known
-    queue_depth: int = 0  # requests waiting or running on it
-    draining: bool = False
-    kv_free: float | None = None  # decode: share of its KV blocks free (prefix-cache blocks count as free); None: n/a
-    kv_reserved: float = 0.0  # decode: share of its KV blocks reserved for requests whose K/V has not arrived yet
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What the controller sees each interval (all rates over the last window)."""
-
-    t: float  # seconds (any monotonic clock)
-    prefill_tps: float  # prefill tokens arriving per second, after prefix-cache hits
-    decode_tps: float  # decode (output) tokens demanded per second
-    request_rate: float  # requests per second (the throughput planner's forecast input)
-    mean_prompt_tokens: float
-    mean_output_tokens: float
-    actors: tuple[ActorObservation, ...]
-    prefill_backlog_tokens: float = 0.0  # prompt tokens queued, not yet prefilled (at prefill actors and the gates)
-    prefill_queue_wait_s: float = 0.0  # mean wait in a prefill actor's queue (a TTFT part), last window
-    # the window's requests within the TTFT SLO, the TPOT SLO, and both (goodput: the objective, the number
-    # pdcluster_slo_attainment shows for this window); refused (429) and failed requests count as misses of each
-    ttft_attainment: float = 1.0
-    tpot_attainment: float = 1.0
-    slo_attainment: float = 1.0
-    pending_changes: int = 0  # actors still starting, draining or flipping
-    # decode KV pressure: requests waiting at the proxies' admission gates for decode blocks now, and their prompt
-    # tokens (part of prefill_backlog_tokens, but no prefill actor can start them before decode has room)
-    admission_waiting: int = 0
-    admission_backlog_tokens: float = 0.0
-    decode_backlog_tokens: float = 0.0  # output tokens owed to sequences waiting for a decode batch slot
-    rejected_rate: float = 0.0  # requests refused (429) per second
-    # the window's mean TTFT and its parts (finished requests): waiting for decode blocks, prefill compute, exposed
-    # KV transfer (the prefill queue is prefill_queue_wait_s); what the parts leave is RPCs and the decode join
-    ttft_s: float = 0.0
-    admission_wait_s: float = 0.0
-    prefill_compute_s: float = 0.0
-    transfer_s: float = 0.0
-    tpot_s: float = 0.0  # the window's mean TPOT (finished requests)
-    kv_tokens: float = 0.0  # KV tokens one decode actor holds (mean over live ones); 0: unknown or unbounded
-
-    def live(self, role: str) -> list[ActorObservation]:
-        return [a for a in self.actors if a.role == role and not a.draining]
-
-    def kv_in_use(self) -> tuple[float, float]:
-        """Decode KV in actors' worth: ``(running, reserved)``: held by the decode pool's own sequences, and reserved
-        for requests still on their way through prefill (a prefill queue holds decode memory too). Pure."""
-        live = [a for a in self.live("decode") if a.kv_free is not None]
-        return (sum(max(0.0, 1 - a.kv_free - a.kv_reserved) for a in live),  # type: ignore[operator]
-                sum(a.kv_reserved for a in live))
-
-    def kv_short(self) -> bool:
-        """Requests wait for decode KV blocks because decode is short of memory: some wait now (or the window's
-        waits were long), and the decode pool's own sequences hold at least as much of its KV as reservations
-        awaiting prefill do (otherwise the prefill queue is what holds the memory). Pure."""
-        waiting = self.admission_waiting > 0 or self.admission_wait_s > 0
-        running, reserved = self.kv_in_use()
-        return waiting and running >= reserved
-
-    def ttft_cause(self) -> str:
-        """Which pool a TTFT miss points at: ``decode`` when waiting for decode KV blocks dominates the TTFT parts
-        and decode's own sequences hold its memory, ``transfer`` when the exposed KV transfer dominates (neither
-        pool's size fixes a slow link), else ``prefill`` (its queue and compute, the reservations a prefill queue
-        holds on decode, and the default when no part was measured). Pure."""
-        parts = {"decode": self.admission_wait_s, "prefill": self.prefill_queue_wait_s + self.prefill_compute_s,
-                 "transfer": self.transfer_s}
-        cause = max(parts, key=lambda k: parts[k])
-        if parts[cause] <= 0 or (cause == "decode" and not self.kv_short()):
-            return "prefill"
-        return cause
 
 
 @dataclass(frozen=True)
@@ -202,6 +136,10 @@ class ControllerState:
     prefill_seen: tuple[float, ...] = field(default=())
     decode_seen: tuple[float, ...] = field(default=())
     sizes_seen: tuple[tuple[int, int], ...] = field(default=())  # each window's live (prefill, decode) pool sizes
+    # the guard's window (cluster.control.guard): each window's arrivals per prompt class and prefill tokens
+    mix_seen: tuple[tuple[float, ...], ...] = field(default=())
+    tokens_seen: tuple[float, ...] = field(default=())
+    met_seen: tuple[float, ...] = field(default=())  # each window's SLO attainment (nan: it judged nothing)
 
 
 def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s: float) -> tuple[float, float]:
@@ -215,13 +153,13 @@ def attainment(samples: list[tuple[float, float]], slo_ttft_s: float, slo_tpot_s
 def kv_projected(obs: Observation, cfg: ControllerConfig, at_slo: bool = False) -> float:
     """Decode K/V the arriving traffic will hold, in actors' worth (Little's law): requests per second x the K/V each
     holds (its prompt plus its output or the reservation headroom, whichever is more: a reservation is granted at
-    admission and growth past it is counted as taken) x how long it holds it (admission to last token: the TTFT, at
-    most its SLO, plus its output at the window's TPOT, or at the TPOT SLO before any was measured). A mix that
-    turns to longer prompts shows here in its first window, while the K/V in use still holds the old mix. 0 when
-    the decode actors' size is unknown. ``at_slo``: each output token at the TPOT SLO (the longest a request may hold
-    its K/V and meet it: a smaller decode pool runs bigger batches, longer steps, and holds each request longer).
-    Pure."""
-    if obs.kv_tokens <= 0 or obs.request_rate <= 0:
+    admission and growth past it is counted as taken) x how long it holds it (admission to last token: the TTFT, at most
+    its SLO, plus its output at the window's TPOT, or at the TPOT SLO before any was measured). A mix that turns to
+    longer prompts shows here in its first window, while the K/V in use still holds the old mix. 0 when the decode
+    actors' size is unknown, or while no output has finished (the arrivals' ask is no projection). ``at_slo``: each
+    output token at the TPOT SLO (the longest a request may hold its K/V and meet it: a smaller decode pool runs bigger
+    batches, longer steps, and holds each request longer). Pure."""
+    if obs.kv_tokens <= 0 or obs.request_rate <= 0 or not obs.output_known:  # an ask is no projection
         return 0.0
     need = obs.mean_prompt_tokens + max(obs.mean_output_tokens, cfg.kv_headroom_tokens)
     ttft = min(obs.ttft_s, cfg.slo_ttft_s) if obs.ttft_s > 0 else cfg.slo_ttft_s / 2
@@ -290,6 +228,12 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         state = replace(state, prefill_seen=(*state.prefill_seen, obs.prefill_tps)[-kept:],
                         decode_seen=(*state.decode_seen, obs.decode_tps)[-kept:],
                         sizes_seen=(*state.sizes_seen, (n_p, n_d))[-kept:])
+    if cfg.guard_window_s > 0 and cfg.policy == "adaptive":
+        kept = int(cfg.guard_window_s // cfg.interval_s)
+        judged = obs.ttft_s > 0 or obs.rejected_rate > 0  # a window where nothing finished or was refused judges none
+        state = replace(state, mix_seen=(*state.mix_seen, obs.arrivals_by_class)[-kept:],
+                        tokens_seen=(*state.tokens_seen, obs.prefill_tps * cfg.interval_s)[-kept:],
+                        met_seen=(*state.met_seen, obs.slo_attainment if judged else math.nan)[-kept:])
     hold = Decision(n_p, n_d)
     if cfg.policy == "fixed" or fixed_sizes(cfg.policy):
         return replace(hold, reason="fixed policy"), state
@@ -383,7 +327,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         why.append(f"decode backlog {obs.decode_backlog_tokens:.0f} tokens")
     # SLO misses the rates did not explain: grow the missing pool (prefill and TPOT: by the missed share, at least
     # one actor; decode memory: one); a TTFT miss goes to the pool whose part of the TTFT dominates
-    ttft_miss, tpot_miss = obs.ttft_attainment < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
+    # TTFT misses a split could fix: a prompt whose prefill alone exceeds the SLO misses on every split (Azure code's
+    # 8,000-token prompts read as prefill's misses and grew prefill to 15P:1D, where decode's K/V then waited)
+    fixable = obs.ttft_attainment / (1 - obs.ttft_unfixable) if obs.ttft_unfixable < 1 else 1.0
+    ttft_miss, tpot_miss = fixable < cfg.attainment_target, obs.tpot_attainment < cfg.attainment_target
     cause = obs.ttft_cause()
     if ttft_miss and _grew_lately(obs, cfg, state, cause):  # the window's misses are the old sizes' (they lag)
         ttft_miss = False
@@ -451,13 +398,26 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
     # most it carried over the last cooldown needs. Without the steadiness check ``alternating`` at 1,000 workers
     # fell from 99.2% to 96.2%
     steady = all(abs(x - s) <= STEADY_SHARE * s for x, s in ((obs.prefill_tps, sp), (obs.decode_tps, sd)))
+    spared = False
     if (t_p, t_d) == (n_p, n_d) and flips and steady and not (over_p or over_d or ttft_miss or tpot_miss):
         recent = state.decode_seen[-math.ceil(cfg.cooldown_s / cfg.interval_s):] if cfg.cooldown_s > 0 else ()
         spare = budget.spare((n_p, n_d), max([want_d] + [math.ceil(x / (mu_d * util_d)) for x in recent]), cfg,
                              cfg.hysteresis)
         if spare:
+            spared = True
             t_p, t_d = n_p + spare, n_d - spare
             why.append(f"{spare} spare decode actor(s) to prefill")
+    # the guard (cluster.control.guard) judges moves on the observed mix; a load past a pool's capacity, a queue, a
+    # K/V wait or a season ahead are what the mix has not shown yet (vetoed, aperiodic's surges fell 3-8 points)
+    unseen = seasonal or over_p or over_d
+    if flips and not cfg.elastic and budget.full(n_p, n_d, cfg) and t_p + t_d == n_p + n_d and obs.output_by_class \
+            and not unseen:
+        cap = Capacity(mu_p, mu_d, obs.kv_tokens, cfg.kv_headroom_tokens, cfg.slo_ttft_s, cfg.slo_tpot_s,
+                       obs.tpot_s or cfg.slo_tpot_s)
+        held = guard.check(state.mix_seen, state.tokens_seen, state.met_seen, obs.output_by_class, cap, (n_p, n_d),
+                           (t_p, t_d), cfg, discretionary=spared)
+        if held is not None:
+            (t_p, t_d), why = held[0], [held[1]]
     if (t_p, t_d) != (n_p, n_d) and obs.t - state.last_change_t < cfg.cooldown_s and not seasonal:
         # only the pool whose own SLO is missed may skip the cooldown (growing the other would feed a see-saw)
         pressing = (t_p > n_p and ((ttft_miss and cause == "prefill") or over_p)) or \

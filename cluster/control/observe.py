@@ -126,6 +126,7 @@ class Demand:
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
     transfer_s: float = 0.0
+    unfixable: int = 0  # finished requests whose prefill compute alone exceeded the TTFT SLO (missed on any split)
     # per prompt-length class (cluster.control.predict): arrivals, and finished requests with their output tokens;
     # what the output-length predictor learns from and predicts for (empty: no class counts, the overall mean only)
     arrivals_by_class: tuple[float, ...] = ()
@@ -137,7 +138,7 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
     """Sum the proxies' reports of one window (``waiting`` from each proxy's newest report only). Pure."""
     newest: dict[str, ProxyReport] = {}
     sums: dict[str, float] = {}
-    arrivals = rejected = failed = finished = ttft_met = tpot_met = met = 0
+    arrivals = rejected = failed = finished = ttft_met = tpot_met = met = unfixable = 0
     slo = SloConfig(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s)
 
     by_class = {k: [0.0] * CLASSES for k in ("arrivals_by_class", "finished_by_class", "finished_output_by_class")}
@@ -163,13 +164,14 @@ def demand_from_reports(reports: Iterable[ProxyReport], slo_ttft_s: float, slo_t
             ttft_met += outcome.ttft_met
             tpot_met += outcome.tpot_met
             met += outcome.met
+            unfixable += f.prefill_compute_s > slo_ttft_s
             for name, v in (("finished_prompt_tokens", f.prompt_tokens), ("finished_cached_tokens", f.cached_tokens),
                             ("finished_output_tokens", f.output_tokens), ("ttft_s", f.ttft_s), ("tpot_s", f.tpot_s),
                             ("admission_wait_s", f.admission_wait_s), ("prefill_queue_s", f.prefill_queue_s),
                             ("prefill_compute_s", f.prefill_compute_s), ("transfer_s", f.transfer_s)):
                 add(name, v)
     return Demand(arrivals=arrivals, rejected=rejected, failed=failed, finished=finished, ttft_met=ttft_met,
-                  tpot_met=tpot_met, met=met,
+                  tpot_met=tpot_met, met=met, unfixable=unfixable,
                   gate_waiting=sum(r.waiting for r in newest.values()),
                   gate_prompt_tokens=float(sum(r.waiting_prompt_tokens for r in newest.values())),
                   **{k: tuple(v) for k, v in by_class.items()}, **sums)
@@ -246,6 +248,7 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
     if predicted is not None:
         mean_output = predicted
     asked = d.max_output_tokens / d.arrivals if d.arrivals else None  # what was asked for bounds what will come
+    known = mean_output is not None
     if mean_output is None:  # nothing finished yet
         mean_output = asked or 0.0
     elif asked is not None and asked < mean_output:
@@ -278,12 +281,14 @@ def build(now: float, actors: Iterable[ActorCounters], demand: Demand, cfg: Obse
         + d.gate_prompt_tokens * (1 - cache_hit),
         prefill_queue_wait_s=mean(d.prefill_queue_s),
         ttft_attainment=d.ttft_met / judged if judged else 1.0, tpot_attainment=d.tpot_met / judged if judged else 1.0,
-        slo_attainment=d.met / judged if judged else 1.0,
+        slo_attainment=d.met / judged if judged else 1.0, ttft_unfixable=d.unfixable / judged if judged else 0.0,
         pending_changes=pending_changes, admission_waiting=d.gate_waiting,
         admission_backlog_tokens=d.gate_prompt_tokens * (1 - cache_hit), decode_backlog_tokens=decode_waiting * mean_output,
         rejected_rate=d.rejected / dt, ttft_s=mean(d.ttft_s), tpot_s=mean(d.tpot_s),
         kv_tokens=cfg.kv_unit_tokens * sum(kv_totals) / len(kv_totals) if kv_totals else 0.0, admission_wait_s=mean(d.admission_wait_s),
-        prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s))
+        prefill_compute_s=mean(d.prefill_compute_s), transfer_s=mean(d.transfer_s),
+        arrivals_by_class=tuple(d.arrivals_by_class), output_by_class=model.per_class() or (),
+        output_known=known)
     return obs, new_state
 
 

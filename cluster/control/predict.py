@@ -52,6 +52,14 @@ class OutputModel:
         n = sum(self.count)
         return sum(self.total) / n if n > 0 else None
 
+    def per_class(self) -> tuple[float, ...] | None:
+        """Each class's predicted output (its mean, or the overall mean where it has too few samples); None while
+        nothing has finished. Pure."""
+        overall = self.overall()
+        if overall is None:
+            return None
+        return tuple(t / c if c >= MIN_SAMPLES else overall for t, c in zip(self.total, self.count))
+
     def predict(self, arrival_count: Sequence[float]) -> float | None:
         """Mean output of arrivals with these per-class counts; None while nothing has finished. Pure."""
         overall = self.overall()

@@ -91,7 +91,8 @@ def observation_fields(obs: Observation) -> dict[str, Any]:
 def observation_from_dict(d: dict[str, Any]) -> Observation:
     """The inverse of :func:`observation_fields`' ``observation``. Pure."""
     actors = tuple(ActorObservation(**a) for a in d.get("actors", ()))
-    return Observation(**{**d, "actors": actors})
+    lists = {k: tuple(d[k]) for k in ("arrivals_by_class", "output_by_class") if k in d}  # JSON gives lists
+    return Observation(**{**d, "actors": actors, **lists})
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,6 @@ import dataclasses
 import heapq
 import itertools
 import math
-import operator
 from collections import deque
 from collections.abc import Callable
 
@@ -42,8 +41,9 @@ import numpy as np
 
 from cluster.control import budget
 from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
-from cluster.control.observe import Demand, ObserverConfig, ObserverState, build
-from cluster.control.predict import CLASSES, prompt_classes
+from cluster.control.observe import ObserverConfig, ObserverState, build
+from cluster.control.predict import prompt_classes
+from cluster.control.sim_demand import window_demand
 from cluster.control.sim_model import CostProfile, Trace
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
@@ -247,7 +247,6 @@ class Simulation:
             self.pending -= 1
             self._record(now)
 
-
     def _ready(self, a: SimActor, now: float) -> None:
         a.live = True
         a.t_last = now
@@ -266,36 +265,11 @@ class Simulation:
         if not self.timeline or (self.timeline[-1]["n_prefill"], self.timeline[-1]["n_decode"]) != (n_p, n_d):
             self.timeline.append({"t": round(float(now), 3), "n_prefill": n_p, "n_decode": n_d})
 
-    def _demand(self, upto: int) -> Demand:
-        """The window's demand, summed as :func:`cluster.control.observe.demand_from_reports` sums the proxies' reports."""
-        tr, cfg = self.trace, self.cfg
-        lo = self.mark
-        done = self.window_done
-        idx = np.asarray(done, dtype=np.int64)
-        t, out = tr.t[idx], tr.output[idx]
-        first, last, t_adm = _take(self.first, done), _take(self.last, done), _take(self.t_adm, done)
-        ttft = first - t
-        tpot = (last - first) / np.maximum(1, out - 1)
-        cls = self._class[idx]
-        return Demand(
-            arrivals=upto - lo, prompt_tokens=float(tr.prompt[lo:upto].sum()), rejected=self.window_refused,
-            max_output_tokens=float(self._asked[lo:upto].sum()), gate_waiting=len(self.adm_queue),
-            gate_prompt_tokens=self.adm_tokens, finished=len(done),
-            finished_prompt_tokens=float(tr.prompt[idx].sum()), finished_output_tokens=float(out.sum()),
-            ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
-            met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
-            ttft_s=float(ttft.sum()), tpot_s=float(tpot.sum()), admission_wait_s=float((t_adm - t).sum()),
-            prefill_queue_s=float(_take(self.t_pq, done).sum()), prefill_compute_s=float(_take(self.t_pc, done).sum()),
-            transfer_s=float(_take(self.t_xf, done).sum()),
-            arrivals_by_class=tuple(np.bincount(self._class[lo:upto], minlength=CLASSES).astype(float).tolist()),
-            finished_by_class=tuple(np.bincount(cls, minlength=CLASSES).astype(float).tolist()),
-            finished_output_by_class=tuple(np.bincount(cls, out, minlength=CLASSES).tolist()))
-
     def _control(self, now: float, upto: int) -> None:
         bounded = self.kv_total < UNBOUNDED
         counters = [a.counters(now, self.prof.prefill_tps, bounded) for a in self.actors if a.live]
         self._expire(now)
-        obs, self.obs_state = build(now, counters, self._demand(upto), self.obs_cfg, self.obs_state, self.pending)
+        obs, self.obs_state = build(now, counters, window_demand(self, upto), self.obs_cfg, self.obs_state, self.pending)
         self.mark, self.window_done, self.window_refused = upto, [], 0
         if obs is None:
             return
@@ -334,7 +308,6 @@ class Simulation:
         if a.flip_to is not None:
             self.pending -= 1  # the drain part of a flip is done
         self._leave(a, now)
-
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -530,11 +503,3 @@ class Simulation:
         ok = (ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)
         return SimResult(ttft, tpot, ok, self.timeline, self.decisions, float(max(tr.duration, tr.t[-1])),
                          np.asarray(t_adm) - tr.t, np.asarray(self.refused, dtype=bool))
-
-def _take(values: list[float], idx: list[int]) -> np.ndarray:
-    """``values`` at ``idx`` as an array. Pure."""
-    if not idx:
-        return np.zeros(0)
-    if len(idx) == 1:
-        return np.array([values[idx[0]]])
-    return np.array(operator.itemgetter(*idx)(values))

@@ -348,10 +348,19 @@ class PrefillResult(_Wire):
     # (kv_transfer.result_message), and the backend reported it sent: the proxy then makes no ``prefilled`` call.
     # False: a backend or peer that could not carry it; the proxy hands it over itself, as before
     delivered: bool = False
+    # speculative decoding with a next-token (MTP) layer (engine/spec_mtp.py): that layer's output at the prompt's
+    # last position as float32 values, what the decode owner drafts from at its first step (the layer's K/V came
+    # with the stream as one more layer); None: nothing to hand over (no MTP, or n > 1)
+    draft_state: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.delivered, bool):
             raise ValueError(f"PrefillResult.delivered: must be a bool, got {self.delivered!r}")
+        if self.draft_state is not None:
+            if not isinstance(self.draft_state, (list, tuple)) or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) for x in self.draft_state):
+                raise ValueError("PrefillResult.draft_state: must be a list of numbers or null")
+            _set(self, "draft_state", tuple(float(x) for x in self.draft_state))
         for name in ("request_id", "reservation_id"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"PrefillResult.{name}: must be a non-empty string, got {getattr(self, name)!r}")

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 pytest.importorskip("ray")
-pytest.importorskip("engine.tp_group")  # the engine's TP runtime
 openai = pytest.importorskip("openai")
 
 import ray  # noqa: E402

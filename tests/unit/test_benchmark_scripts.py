@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,25 @@ def test_bench_cpu_prefill_runs(tiny_checkpoint) -> None:
     assert "engine prefill" in out.stdout and "chunked / flash" in out.stdout
 
 
+def test_bench_engine_profile_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_engine_profile.py"), "--model", str(tiny_checkpoint("llama")),
+         "--vllm-python", "", "--batch", "2", "--context", "40", "--prefill", "24", "--steps", "2",
+         "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row in ("decode step (batch 2", "prefill chunk (24 tokens", "gemm", "attention", "step python"):
+        assert row in out.stdout, out.stdout
+
+
+def test_bench_step_ab_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_step_ab.py"), "--model", str(tiny_checkpoint("llama")),
+         "--before", str(ROOT), "--after", str(ROOT), "--dtype", "float32", "--contexts", "20", "--batch", "2",
+         "--prefill", "24", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode 2x20" in out.stdout and "prefill 24" in out.stdout and "after/before" in out.stdout, out.stdout
+
+
 def test_bench_payload_mac_runs() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_payload_mac.py"), "--mib", "0.25",
                           "--iters", "2", "--device", "cpu"], capture_output=True, text=True, timeout=600)
@@ -112,3 +132,11 @@ def test_bench_hot_path_prints_both_sides() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"counts\(\) at 4096 blocks: walk [\d.]+ ms, kept [\d.]+ us", out.stdout), out.stdout
     assert re.search(r"last 100 events, ring of 1024: [\d.]+ us; a reset .* [\d.]+ us", out.stdout), out.stdout
+
+
+def test_bench_spec_models_runs() -> None:
+    # the script builds its tiny checkpoints with tests/factories.py: the repository root on the path
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_spec_models.py"), "--max-tokens", "6"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("equal tokens True") == 4 and "mtp predictive" in out.stdout

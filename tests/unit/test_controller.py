@@ -257,6 +257,9 @@ def test_kv_projection_is_littles_law_on_the_arriving_mix() -> None:
     # a TTFT past its SLO counts as the SLO (the excess is a queue, not K/V demand); unknown sizes: no projection
     assert kv_projected(replace(obs, ttft_s=30.0), cfg) == pytest.approx(10 * 1256 * 9.0 / 50000)
     assert kv_projected(replace(obs, kv_tokens=0.0), cfg) == 0.0
+    # nothing finished yet: the mean output is only what arrivals asked for (the rest of the context), no projection
+    # (issue 47: Azure code's first minute flipped 14P:2D to 1P:15D on an ask of 16,384 tokens)
+    assert kv_projected(replace(obs, mean_output_tokens=16000.0, output_known=False), cfg) == 0.0
 
 
 def test_kv_pressure_ahead_grows_decode_before_admission_waits() -> None:
@@ -361,3 +364,14 @@ def test_spare_decode_actors_wait_in_prefill_while_the_loads_are_steady() -> Non
     assert not d.changes, d.reason
     d, _ = decide(observe(30.0, 3000.0, 1000.0, 8, 8), cfg, replace(peak, decode_seen=(1500.0, 1000.0)))
     assert d.changes, d.reason  # three windows ago: no longer
+
+
+def test_ttft_misses_no_split_fixes_do_not_grow_prefill() -> None:
+    """Issue 47: Azure code's prompts whose prefill alone exceeds the TTFT SLO read as prefill's misses and grew
+    prefill to 15P:1D, where one decode actor's K/V then made bursts wait (84% against 14P:2D's 87%)."""
+    cfg = ControllerConfig(budget=16, cooldown_s=0)
+    base = observe(0.0, 2000.0, 100.0, 14, 2, ttft_attainment=0.88, prefill_compute_s=1.0)
+    d, _ = decide(base, cfg, ControllerState())
+    assert d.n_prefill == 15 and "TTFT" in d.reason  # 12% missed: prefill grows
+    d, _ = decide(replace(base, ttft_unfixable=0.12), cfg, ControllerState())  # the 12% missed on any split
+    assert not d.changes, d.reason

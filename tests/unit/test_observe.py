@@ -191,3 +191,14 @@ def test_a_new_mix_asking_for_fewer_tokens_bounds_the_output_estimate() -> None:
     obs, _ = build(20.0, [], demand_from_reports([ProxyReport("a", (ArrivalSample(100, 4096),) * 5,
                                                               finished=long_done)], 2.0, 0.1), CFG, st)
     assert obs.mean_output_tokens == 400
+
+
+def test_misses_whose_prefill_alone_exceeds_the_ttft_slo_are_counted_apart() -> None:
+    long = FinishedSample(8000, 0, 20, ttft_s=9.5, tpot_s=0.05, prefill_compute_s=8.9)  # over a 5 s SLO on any split
+    short = FinishedSample(500, 0, 20, ttft_s=6.0, tpot_s=0.05, prefill_queue_s=5.4, prefill_compute_s=0.5)
+    ok = FinishedSample(500, 0, 20, ttft_s=1.0, tpot_s=0.05, prefill_compute_s=0.5)
+    d = demand_from_reports([ProxyReport("a", finished=(long, short, ok, ok))], 5.0, 0.1)
+    assert d.unfixable == 1
+    _, st = build(0.0, [], Demand(), CFG, ObserverState())
+    obs, _ = build(5.0, [], d, CFG, st)
+    assert obs.ttft_attainment == 0.5 and obs.ttft_unfixable == 0.25

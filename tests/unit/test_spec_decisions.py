@@ -28,8 +28,8 @@ def test_config_reads_vllm_spelling_and_fills_lookup_bounds() -> None:
 
 
 @pytest.mark.parametrize("value, match", [
-    ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported yet"),
-    ({"method": "mtp"}, "'mtp' is not supported yet"),
+    ({"method": "draft_model"}, "model: method 'draft_model' needs the draft model's folder"),
+    ({"method": "mtp", "model": "x"}, "model: is only read by method 'draft_model'"),
     ({"method": "eagle"}, "method: must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
@@ -209,3 +209,42 @@ def test_decoder_steps_back_at_a_full_batch_and_drafts_below_it() -> None:
     assert dec.propose(seqs) == {} and dec.stats.stepped_back == 1
     got = dec.propose(seqs[:2])  # 2 decode rows leave 14 positions: each drafts what followed "2" before
     assert got == {0: [3, 1], 1: [3, 1]}  # k 2: best_k at the prior's alpha 0.5 and cost 0.1
+
+
+class _FakeDrafter:
+    """A model drafter's seam (engine/spec_decode.Drafter): always has a first draft; records what it is told."""
+
+    def __init__(self) -> None:
+        self.dropped: list[int] = []
+
+    def first(self, seq: Sequence) -> int | None:
+        return 7
+
+    def forget(self, live: set[int]) -> None:
+        pass
+
+    def drop(self, seq_id: int) -> None:
+        self.dropped.append(seq_id)
+
+    def complete(self, out: object) -> None:
+        pass
+
+
+def test_a_model_drafter_proposes_placeholders_and_stops_for_requests_that_never_draft() -> None:
+    """Drafts past the first are placeholders until the drafter completes them; a request that can never draft (a
+    penalty, a grammar, an acceptance that gave k = 0, which only drafts could raise again) is dropped from the
+    drafter's passes (an MTP layer's pass costs a layer per step)."""
+    from engine.spec_decode import SpeculativeDecoder
+
+    fake = _FakeDrafter()
+    dec = SpeculativeDecoder(SpeculativeConfig(method="mtp", num_speculative_tokens=3, verify_budget_tokens=64), fake)
+    seqs = [_seq(i, [1, 2, 3, 4]) for i in range(3)]
+    seqs[1].params = SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.2)
+    for q in seqs:
+        q.num_computed_tokens = 3
+    got = dec.propose(seqs)
+    assert set(got) == {0, 2} and all(set(d) == {7} for d in got.values()) and fake.dropped == [1]
+    for _ in range(10):  # missed again and again: k falls to 0
+        dec._states[2].acceptance.observe(1, 0)
+    assert best_k(dec._states[2].acceptance.alpha, 3, 0.1) == 0
+    assert set(dec.propose(seqs)) == {0} and fake.dropped == [1, 1, 2]

@@ -230,5 +230,5 @@ def test_sampled_distribution_with_drafts_is_the_models(tiny_checkpoint) -> None
 
 
 def test_unknown_method_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'mtp' is not supported yet"):
-        LLM(str(tmp_path), speculative_config={"method": "mtp"})
+    with pytest.raises(ValueError, match="method: must be one of"):
+        LLM(str(tmp_path), speculative_config={"method": "eagle"})

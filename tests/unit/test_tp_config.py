@@ -173,7 +173,6 @@ def test_no_flip_in_place_between_tp_sizes(monkeypatch: pytest.MonkeyPatch) -> N
 
 # -- the model check ------------------------------------------------------------------------------------------------
 def test_serve_refuses_a_size_the_model_cannot_split(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    pytest.importorskip("engine.tp")
     from cluster.cli import check_model_tp
 
     llama = str(tiny_checkpoint("llama"))  # 4 heads, 2 kv heads, intermediate 128
