@@ -30,6 +30,7 @@ class ChatRun:
     answers: list[list[str]] = field(default_factory=list)  # per chat, per turn
     ttft_later: list[float] = field(default_factory=list)  # TTFT of turns after the first (s)
     hit_share: list[float] = field(default_factory=list)  # cached_tokens / (previous prompt + answer tokens)
+    promoted: dict[str, int] = field(default_factory=dict)  # tier -> blocks promoted from it (every actor)
 
 
 def run_chats(url: str, chats: int, turns: int, system_words: int, user_words: int, max_tokens: int) -> ChatRun:
@@ -66,6 +67,22 @@ def run_chats(url: str, chats: int, turns: int, system_words: int, user_words: i
     return run
 
 
+def _promoted_blocks(url: str) -> dict[str, int]:
+    """Blocks promoted from each tier by every actor (the decode actor too: its reserve pins a prefix from its
+    tiers), from /metrics."""
+    import re
+    import urllib.request
+
+    time.sleep(2.0)
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, int] = {}
+    for tier, n in re.findall(r'pdcluster_kv_tier_promoted_blocks_total\{actor="[^"]*",tier="(\w+)"\} (\d+)',
+                              text):
+        out[tier] = out.get(tier, 0) + int(n)
+    return out
+
+
 def serve_and_run(tiers: str | None, args: argparse.Namespace, disk_dir: str) -> ChatRun:
     """``tiers``: None (untiered), or the disk tier's integrity check ("payload_mac", "blake2b")."""
     from cluster.launcher import Cluster, ServeConfig
@@ -78,8 +95,11 @@ def serve_and_run(tiers: str | None, args: argparse.Namespace, disk_dir: str) ->
                                   decode=1, prefill=2, port=0, mode="disaggregated"))
     try:
         cluster.start()
-        return run_chats(cluster.urls[0], args.chats, args.turns, args.system_words, args.user_words,
-                         args.max_tokens)
+        run = run_chats(cluster.urls[0], args.chats, args.turns, args.system_words, args.user_words,
+                        args.max_tokens)
+        if tiers:
+            run.promoted = _promoted_blocks(cluster.urls[0])
+        return run
     finally:
         cluster.stop()
 
@@ -95,7 +115,7 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--host-gib", type=float, default=0.25)
     ap.add_argument("--disk-gib", type=float, default=1.0)
-    ap.add_argument("--integrity", nargs="+", default=["payload_mac", "blake2b"], choices=("payload_mac", "blake2b"),
+    ap.add_argument("--integrity", nargs="+", default=["blake2b", "payload_mac"], choices=("payload_mac", "blake2b"),
                     help="the tiered runs: one per disk integrity check")
     args = ap.parse_args()
     runs: dict[str, ChatRun] = {}
@@ -110,6 +130,11 @@ def main() -> None:
               f"mean {statistics.mean(run.hit_share):.3f} (goal >= 0.90) | TTFT p50 {p50(run.ttft_later) * 1e3:.1f} "
               f"ms, ratio to untiered {p50(run.ttft_later) / p50(base.ttft_later):.3f} (goal <= 0.5) | answers "
               f"equal to untiered: {run.answers == base.answers}")
+        if run.promoted:
+            print(f"{'':>12}  blocks promoted into device pools (every actor), by tier: {run.promoted}")
+        print(f"{'':>12}  cached share per later turn (turn by turn, chat by chat): "
+              f"{' '.join(f'{x:.3f}' for x in run.hit_share)}")
+        print(f"{'':>12}  later turns' TTFT (ms, sorted): {' '.join(f'{t * 1e3:.0f}' for t in sorted(run.ttft_later))}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine
+from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine, tier_stats
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.token_stream import TokenSender
@@ -122,7 +122,9 @@ class DecodeWorker(EngineLoop):
         self.engine.validate(list(req.prompt_token_ids), SamplingParams(**req.sampling_kwargs()))
         ttl = msg.ttl_s or self.config.reservation_ttl_s
         # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
-        prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(list(req.prompt_token_ids))
+        # (its K/V tiers too: promoted here, the prefill actor sends only the rest)
+        prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(
+            list(req.prompt_token_ids), req.kv_namespace, room_for=msg.num_blocks)
         rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.num_cache_layers,
                                      prefix, self.engine.config.block_size)
         if rec is None:
@@ -314,7 +316,7 @@ class DecodeWorker(EngineLoop):
             proxy_stalls=self.proxy_stalls, recomputes=self.recomputes, preemptions=self.preemptions,
             max_preemptions=self.max_preemptions, kv_address=self.kv_endpoint, busy_seconds=self.busy_s,
             steps=self.steps, results_via_channel=self.results_via_channel, results_via_ray=self.results_via_ray,
-            **_spec_counts(self.engine), **rx)
+            **_spec_counts(self.engine), **tier_stats(self.engine), **rx)
 
     def _close(self) -> None:
         self._sender.close()

@@ -90,7 +90,7 @@ class BlockPool:
         self.num_queries = 0
         self.events: PrefixEventLog | None = None  # told of every hash registered and evicted (for routers)
         # called with a cached block about to be reused, its K/V still intact: the tiers below demote it
-        self.on_evict: Callable[[Block], None] | None = None
+        self.on_evict: Callable[[Block], bool | None] | None = None
         # blocks in the free list that hold a hash (the "cached" state), kept incrementally: counts() is O(1)
         self._num_cached_free = 0
 
@@ -123,10 +123,10 @@ class BlockPool:
             if b.block_hash is not None:
                 self._num_cached_free -= 1
                 if self.cached.get(b.block_hash) is b:
-                    if self.on_evict is not None:
-                        self.on_evict(b)
+                    # a tier below that keeps the block (engine/kv_tiers) reports its eviction itself, later
+                    kept = self.on_evict(b) if self.on_evict is not None else False
                     del self.cached[b.block_hash]
-                    if self.events is not None:
+                    if self.events is not None and not kept:
                         self.events.evicted(b.block_hash)
                 b.block_hash = None
                 b.token_ids = None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.block_hash import NONE_HASH, hash_block
 from engine.block_pool import Block, BlockPool
+from engine.kv_tiers.keys import tenant_extra
 from engine.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -32,11 +33,18 @@ class KVCacheManager:
     def _hash_next_full_blocks(self, seq: Sequence, upto_tokens: int) -> None:
         """Mutates ``seq.block_hashes``: extend it to cover every full block within the first ``upto_tokens``."""
         bs = self.block_size
+        extra = None
         for b in range(len(seq.block_hashes), upto_tokens // bs):
+            extra = extra if extra is not None else self.extra_for(seq.params.kv_namespace)
             parent = seq.block_hashes[-1] if seq.block_hashes else NONE_HASH
-            seq.block_hashes.append(hash_block(parent, seq.token_slice(b * bs, (b + 1) * bs), self.hash_extra))
+            seq.block_hashes.append(hash_block(parent, seq.token_slice(b * bs, (b + 1) * bs), extra))
 
-    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+    def extra_for(self, namespace: str) -> bytes:
+        """What the block hashes of a request in K/V ``namespace`` bind besides tokens: the model's identity, scoped
+        to the namespace ("" = shared), so no other namespace's lookup can hit them (in L1 or any tier). Pure."""
+        return tenant_extra(self.hash_extra, namespace)
+
+    def get_computed_blocks(self, seq: Sequence, use_tiers: bool = True) -> list[Block]:
         """Longest run of cached full blocks matching the start of ``seq``'s tokens.
 
         Mutates only ``seq.block_hashes`` (a memo). At least the last token is always left to compute, since its
@@ -54,26 +62,39 @@ class KVCacheManager:
                 break
             hits.append(block)
         limit = (seq.num_tokens - 1) // bs
-        if self.tiers is not None and len(hits) < limit:  # the L1 run ended: continue it from the tiers below
+        # the L1 run ended: continue it from the tiers below (``use_tiers`` False: the caller fills reserved blocks)
+        if use_tiers and self.tiers is not None and len(hits) < limit:
             hits = self.tiers.extend_hits(self.pool, seq.block_hashes, lambda i: seq.token_slice(i * bs, (i + 1) * bs),
                                           hits, limit, cdiv(seq.num_tokens, bs))
         return hits
 
-    def lookup_prefix(self, token_ids: list[int]) -> list[Block]:
-        """The prefix-cache blocks holding the longest run of ``token_ids``' leading full blocks, leaving at least the
-        last token out (its K/V comes with its logits). Pure (apart from hit statistics)."""
+    def lookup_prefix(self, token_ids: list[int], namespace: str = "", room_for: int | None = None) -> list[Block]:
+        """The prefix-cache blocks holding the longest run of ``token_ids``' leading full blocks (in K/V
+        ``namespace``), leaving at least the last token out (its K/V comes with its logits). Pure (apart from hit
+        statistics) unless ``room_for`` is given: then the run continues with blocks promoted from the tiers below
+        (mutating the pool), leaving room for ``room_for`` blocks in all (a reservation's)."""
         if not self.enable_caching:
             return []
         bs = self.block_size
         hits: list[Block] = []
+        hashes: list[int] = []
         parent = NONE_HASH
-        for i in range((len(token_ids) - 1) // bs):
+        extra = self.extra_for(namespace)
+        limit = (len(token_ids) - 1) // bs
+        for i in range(limit):
             chunk = token_ids[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk, self.hash_extra)
+            parent = hash_block(parent, chunk, extra)
+            hashes.append(parent)
+            if len(hits) < i:  # past the L1 run: only hashing, for the tiers
+                continue
             block = self.pool.lookup(parent, chunk)
-            if block is None:
+            if block is not None:
+                hits.append(block)
+            elif room_for is None or self.tiers is None:
                 break
-            hits.append(block)
+        if room_for is not None and self.tiers is not None and len(hits) < limit:
+            hits = self.tiers.extend_hits(self.pool, hashes, lambda i: token_ids[i * bs : (i + 1) * bs], hits, limit,
+                                          room_for)
         return hits
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: list[Block]) -> bool:
@@ -166,14 +187,23 @@ class KVCacheManager:
         taken from the prefix cache: those cached blocks replace the first reserved ones (which go back to the free
         list), so a request started on reserved blocks (colocated, or a recompute) still hits the cache. Returns the
         cached tokens."""
-        hits = self.get_computed_blocks(seq)[: len(block_ids)]
+        hits = self.get_computed_blocks(seq, use_tiers=False)[: len(block_ids)]
         self.adopt(seq, block_ids, 0)
         if hits:
             self.pool.touch(hits)
             self.pool.free(self.pool.blocks[b] for b in reversed(block_ids[: len(hits)]))
             seq.block_table[: len(hits)] = [b.block_id for b in hits]
-            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
-        return len(hits) * self.block_size
+        bs = self.block_size
+        filled = 0
+        if self.tiers is not None:  # the tiers below fill the next reserved blocks in place (no room needed)
+            limit = min((seq.num_tokens - 1) // bs, len(seq.block_table))
+            filled = self.tiers.fill_reserved(self.pool, seq.block_hashes[:limit],
+                                              lambda i: seq.token_slice(i * bs, (i + 1) * bs), len(hits),
+                                              seq.block_table)
+            seq.num_offered_blocks = len(hits) + filled  # registered already
+        cached = (len(hits) + filled) * bs
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        return cached
 
     def free(self, seq: Sequence) -> None:
         """Mutates: release ``seq``'s blocks, tail first, so the prefix's head stays cached longest (after handing

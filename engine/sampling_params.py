@@ -34,6 +34,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # what the output must match (constrained decoding); a (kind, text) pair is accepted and normalized
     grammar: GrammarSpec | tuple[str, str] | Any = None
+    # the K/V namespace this request's cache blocks are keyed under (a digest of its tenant, never a raw key: see
+    # engine/kv_tiers/keys.py); "": the shared one. Another namespace never hits this one's blocks, on any tier
+    kv_namespace: str = ""
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +79,8 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "grammar", GrammarSpec.of(self.grammar))
+        if not isinstance(self.kv_namespace, str) or len(self.kv_namespace) > 128:
+            raise bad("kv_namespace", "must be a string of at most 128 characters")
         if self.min_tokens and self.grammar is not None:  # a grammar that is whole allows only an end token
             raise bad("min_tokens", "cannot be combined with a grammar (structured output)")
         object.__setattr__(self, "stop_strings", stop)

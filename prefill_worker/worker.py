@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from cluster.runtime.engine_loop import EngineLoop, load_engine
+from cluster.runtime.engine_loop import EngineLoop, load_engine, tier_stats
 from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant,
                                    prompt_logprob_pairs)
 from cluster.wire.telemetry import KVCounts, WorkerStats
@@ -162,7 +162,8 @@ class PrefillWorker(EngineLoop):
             prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
             kv_bytes_sent=self.connector.bytes_sent, kv_transfer_seconds=self.connector.transfer_s,
             kv_transfer_busy_seconds=self.connector.transfer_busy_s, backend=self.connector.name,
-            kv_inplace_fallbacks=self.connector.fallbacks(), busy_seconds=self.busy_s, steps=self.steps)
+            kv_inplace_fallbacks=self.connector.fallbacks(), busy_seconds=self.busy_s, steps=self.steps,
+            **tier_stats(e))
 
     def _idle(self) -> bool:
         return not self._jobs and not self.engine.has_unfinished_requests()

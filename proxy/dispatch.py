@@ -23,6 +23,7 @@ from cluster.wire.proxy_settings import DEFAULTS
 from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest, TokenDelta
 from cluster.wire.token_stream import TokenStreamServer
 from engine.block_hash import hash_full_blocks
+from engine.kv_tiers.keys import tenant_extra
 from proxy.admission import estimate_blocks
 from proxy.disagg import CostEstimator, DisaggPolicy, RequestView, decide
 from proxy.errors import APIError, generation_error, service_unavailable
@@ -97,7 +98,7 @@ class Dispatcher:
         is computed by its decode actor itself."""
         req = leg.req
         resumed = req.resumed or req.choice_index > 0
-        hashes = self._hashes(req.prompt_token_ids)
+        hashes = self._hashes(req.prompt_token_ids, req.kv_namespace)
         prefix = PrefixHits(len(hashes), {a.name: leading_hits(hashes, a.cached_hashes)
                                           for a in self.pools.live_decode() if a.cached_hashes})
         prefill = None if resumed else self._choose_prefill(req, hashes, prefix)
@@ -120,13 +121,14 @@ class Dispatcher:
             self._give_up(leg, f"prefill actor {gone} is gone")
             await self._resume(job, leg, f"prefill actor {gone} died")
 
-    def _hashes(self, prompt: tuple[int, ...]) -> list[int]:
-        """The prompt's full blocks hashed as the actors hash their prefix caches (bound to the model), so their
-        reported caches compare; none while no actor is known."""
+    def _hashes(self, prompt: tuple[int, ...], namespace: str = "") -> list[int]:
+        """The prompt's full blocks hashed as the actors hash their prefix caches (bound to the model and the
+        request's K/V namespace), so their reported caches compare; none while no actor is known."""
         actor = next(iter(self.pools.live_prefill() + self.pools.live_decode()), None)
         if actor is None:
             return []
-        return hash_full_blocks(prompt, self.config.block_size, bytes.fromhex(actor.info.get("prefix_hash_extra", "")))
+        return hash_full_blocks(prompt, self.config.block_size,
+                                tenant_extra(bytes.fromhex(actor.info.get("prefix_hash_extra", "")), namespace))
 
     def _choose_prefill(self, req: Any, hashes: list[int], prefix: PrefixHits) -> ActorRef | None:
         """Disaggregated mode: the prefill actor to compute ``req``'s prompt, or None to prefill it on its decode

@@ -17,6 +17,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,8 @@ from proxy.openapi import openapi_spec
 from proxy.pools import Pools
 from proxy.controller_feed import ReportCollector, finished_sample
 from proxy.router import Router, RouterConfig
+from proxy.tenant import kv_namespace
+from proxy.tier_metrics import tier_metric_lines
 from cluster.wire.slo import RequestLatency, SloTracker, request_latency, tpot_s
 from engine.tokenization import PromptTokenizer
 
@@ -223,8 +226,10 @@ class Proxy:
         fallbacks = {a.name: a.stats.kv_inplace_fallbacks for a in self.pools.prefill.values() if a.stats}
         spec = {a.name: (a.stats.spec_verified_requests, a.stats.spec_proposed_tokens, a.stats.spec_accepted_tokens)
                 for a in self.pools.live_decode() if a.stats and a.stats.spec_proposed_tokens}
-        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks, spec),
-                            content_type="text/plain")
+        tiers = tier_metric_lines({a.name: a.stats for pool in (self.pools.prefill, self.pools.decode)
+                                   for a in pool.values() if a.alive and a.stats})
+        return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks, spec)
+                            + "".join(f"{line}\n" for line in tiers), content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -240,7 +245,7 @@ class Proxy:
         trace = request.headers.get("X-Request-Id", "")[:128] or uuid.uuid4().hex
         jobs: list[Job] = []
         try:
-            parsed, jobs = await self._parse(await request.read(), chat, trace)
+            parsed, jobs = await self._parse(await request.read(), chat, trace, request.headers)
             for j in jobs:  # demand, whether it is then admitted, queued or refused
                 self.report.arrived(len(j.req.prompt_token_ids), j.req.max_tokens, j.req.n)
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
@@ -265,7 +270,7 @@ class Proxy:
         finally:
             self.dispatch.close(jobs)
 
-    async def _parse(self, raw: bytes, chat: bool, trace: str
+    async def _parse(self, raw: bytes, chat: bool, trace: str, headers: Mapping[str, str]
                      ) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
         parsed: ChatCompletionRequest | CompletionRequest
@@ -284,11 +289,12 @@ class Proxy:
         if parsed.sampling.grammar is not None:  # compiled off the loop, bounded: a 400 naming the field
             await check_compiles_async(GrammarSpec.of(parsed.sampling.grammar), grammar_param(body))  # type: ignore
         base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        namespace = kv_namespace(self.cfg.settings.kv_tenant_from, headers, parsed.user)
         jobs = []
         for i, ids in enumerate(prompts):  # one request per prompt, with all n completions: one reserve, one prefill
             gen = to_generate_request(f"{base}-{next(self._ids)}", ids, parsed.sampling, self.proto.max_model_len,
                                       param, self.stream.address)
-            gen = dataclasses.replace(gen, trace_id=trace)
+            gen = dataclasses.replace(gen, trace_id=trace, kv_namespace=namespace)
             job = Job(gen, i)
             self.dispatch.new_leg(job, gen)
             jobs.append(job)

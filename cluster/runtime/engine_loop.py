@@ -89,7 +89,7 @@ def tier_config_for(config: Any, role: str) -> Any:
     disk_dir = getattr(config, "kv_disk_dir", None)
     disk = int(getattr(config, "kv_disk_gib", 0.0) * 2**30) if disk_dir else 0
     tiers = KVTierConfig(host_bytes=host, disk_dir=disk_dir, disk_bytes=disk, write_back=role != "prefill",
-                         disk_integrity=getattr(config, "kv_disk_integrity", "payload_mac"),
+                         disk_integrity=getattr(config, "kv_disk_integrity", "blake2b"),
                          prefill_tokens_per_s=getattr(config, "kv_prefill_tokens_per_s", 0.0))
     return tiers if tiers.enabled else None
 
@@ -105,6 +105,16 @@ def attach_tiers(engine: Any, config: Any, role: str) -> Any:
     disk = (DiskBlockStore(tiers.disk_dir, tiers.disk_bytes, getattr(config, "cluster_secret", None),
                            tiers.max_pending_writes, tiers.disk_integrity) if tiers.disk_dir else None)
     return attach(engine.kv, engine.runner, tiers, disk)
+
+
+def tier_stats(engine: Any) -> dict[str, Any]:
+    """``WorkerStats`` fields for ``engine``'s K/V tiers (none attached: no fields). Pure."""
+    tiers = getattr(getattr(engine, "kv", None), "tiers", None)
+    if tiers is None:
+        return {}
+    from cluster.wire.telemetry import TierCounts
+
+    return {"kv_tiers": tuple(TierCounts(**t) for t in tiers.report()), "kv_bytes_per_token": tiers.bytes_per_token}
 
 
 class _Command(Generic[T]):

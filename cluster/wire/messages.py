@@ -27,8 +27,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine ended
 # messages are TokenFrames, numbered per stream; 6: GenerateRequest.grammar, which an older peer would drop; 7:
 # prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs; 8:
 # ReserveGrant.rank_endpoints, which an older prefill actor would drop and send every head to rank 0; 9:
-# GenerateRequest.min_tokens, which an older actor would drop and end early)
-WIRE_VERSION = 9
+# GenerateRequest.min_tokens, which an older actor would drop and end early; 10: GenerateRequest.kv_namespace, which
+# an older actor would drop and so share K/V across tenants)
+WIRE_VERSION = 10
 
 
 class WireVersionError(ValueError):
@@ -164,6 +165,9 @@ class GenerateRequest(_Wire):
     skip_special_tokens: bool = True
     # constrained decoding: [kind, text] of an engine.grammar_spec.GrammarSpec (data; each actor compiles it)
     grammar: tuple[str, str] | None = None
+    # the tenant's K/V namespace (a digest made by the proxy, proxy/tenant.py; never an API key in clear): block keys
+    # bind it on every tier, so another tenant's identical prompt never hits; "": the shared namespace
+    kv_namespace: str = ""
     reply_to: str = ""  # the owning proxy's token-stream address: where TokenDeltas go (several proxies may serve)
     trace_id: str = ""  # the client's X-Request-Id (or one the proxy made): every hop logs it
     # A resumed completion (migrated off a dead decode actor, or retried): the tokens of it the client already has.

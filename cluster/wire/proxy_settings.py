@@ -38,6 +38,9 @@ class ProxySettings:
     # always on a prefill actor, or never (proxy/disagg.py). always by default until auto's cost model is tuned on
     # measurements (docs/serving.md): under load auto moves prompts the tests and operators expect on prefill actors
     disagg_mode: str = "always"
+    # where a request's K/V tenant comes from (proxy/tenant.py): none, api-key, user or header:NAME; another tenant's
+    # prefix is never a cache hit on any tier
+    kv_tenant_from: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.queue_timeout_s, bool) or not isinstance(self.queue_timeout_s, (int, float)) \
@@ -55,6 +58,7 @@ class ProxySettings:
             raise ValueError(f"tool_call_parser: must be one of {TOOL_PARSERS} or empty, got {self.tool_call_parser!r}")
         if self.disagg_mode not in DISAGG_MODES:
             raise ValueError(f"disagg_mode: must be one of {DISAGG_MODES}, got {self.disagg_mode!r}")
+        tenant_source(self.kv_tenant_from)
         if self.enable_auto_tool_choice != bool(self.tool_call_parser):
             raise ValueError("enable_auto_tool_choice and tool_call_parser go together (--enable-auto-tool-choice "
                              f"--tool-call-parser NAME), got {self.enable_auto_tool_choice} and "
@@ -84,6 +88,18 @@ class ProxySettings:
                       for _, name, kind, _ in _FLAGS})
 
 
+def tenant_source(spec: str) -> tuple[str, str]:
+    """``--kv-tenant-from``'s value as (kind, header name): ``none``, ``api-key``, ``user`` or ``header:NAME``
+    (``ValueError`` naming the field otherwise). Pure."""
+    if spec in ("none", "api-key", "user"):
+        return spec, ""
+    if isinstance(spec, str) and spec.startswith("header:"):
+        name = spec[7:]
+        if name and all(c.isalnum() or c in "-_" for c in name):
+            return "header", name
+    raise ValueError(f"kv_tenant_from: must be none, api-key, user or header:NAME (a header name), got {spec!r}")
+
+
 DEFAULTS = ProxySettings()
 
 # (flag, field, type, help): the order is --help's
@@ -110,6 +126,9 @@ _FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--disagg-mode", "disagg_mode", str,
      "disaggregated clusters: where each prompt is prefilled: auto (a prefill actor or its decode owner, whichever "
      "the measured costs favour), always (a prefill actor), never (the decode owner)"),
+    ("--kv-tenant-from", "kv_tenant_from", str,
+     "where a request's K/V tenant comes from: none (one shared namespace), api-key (the Bearer key, hashed), user "
+     "(the OpenAI user field) or header:NAME; another tenant's prefix is never a cache hit"),
 )
 _CHOICES = {"tool_call_parser": TOOL_PARSERS, "disagg_mode": DISAGG_MODES}
 
@@ -120,7 +139,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, dest=name, action="store_true", help=help_)
         elif kind is str:
-            extra = {"choices": _CHOICES[name]} if name in _CHOICES else {"metavar": "FILE"}
+            extra = {"choices": _CHOICES[name]} if name in _CHOICES else {
+                "metavar": "SOURCE" if name == "kv_tenant_from" else "FILE"}
             default = getattr(DEFAULTS, name) or None
             parser.add_argument(flag, dest=name, default=default, help=help_ if default is None
                                 else f"{help_} (default {default})", **extra)

@@ -110,6 +110,35 @@ class KVCounts(_Wire):
 
 
 @dataclass(frozen=True)
+class TierCounts(_Wire):
+    """One K/V tier below a worker's device pool (engine/kv_tiers: "host" L2, "disk" L3), cumulative since start
+    except the gauges (pending_writes, used_bytes, capacity_bytes, read_bytes_per_s)."""
+
+    tier: str
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  # blocks whose file failed its check (a miss, the file removed)
+    bytes_read: int = 0  # payload bytes promoted from this tier into the device pool
+    demotions: int = 0  # blocks put here because a faster tier evicted them
+    write_backs: int = 0  # blocks of finished requests put here (decode write-back)
+    dropped: int = 0  # blocks not stored: a full write queue, a full disk
+    pending_writes: int = 0  # blocks queued for the writer now (the write-back queue's depth)
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    read_bytes_per_s: float = 0.0  # measured read bandwidth (checks included); 0 before the first read
+    promoted: int = 0  # blocks promoted from this tier into the device pool
+    recomputed_cheaper: int = 0  # lookups left to recompute because reading here was slower
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tier, str) or not self.tier:
+            raise ValueError(f"TierCounts.tier: must be a non-empty string, got {self.tier!r}")
+        for f in dataclasses.fields(self):
+            if f.type == "int":
+                _check_int("TierCounts", f.name, getattr(self, f.name))
+        _check_seconds("TierCounts", "read_bytes_per_s", self.read_bytes_per_s)
+
+
+@dataclass(frozen=True)
 class WorkerStats(_Wire):
     """What a worker actor (either role) reports about itself: ``WorkerActor.stats()`` sends this, proxies and the pool
     manager read it. Counters are cumulative since the actor started (a reader takes differences); the other role's
@@ -168,8 +197,16 @@ class WorkerStats(_Wire):
     spec_verified_requests: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # K/V tiers below the device pool (issue 45), each with its counters; and the K/V bytes one token holds (the
+    # fetch-or-recompute break-even is a tier's bandwidth over it)
+    kv_tiers: tuple[TierCounts, ...] = ()
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
+        _set(self, "kv_tiers", tuple(TierCounts.from_dict(t) if isinstance(t, Mapping) else t
+                                     for t in self.kv_tiers))
+        if any(not isinstance(t, TierCounts) for t in self.kv_tiers):
+            raise ValueError(f"WorkerStats.kv_tiers: must be TierCounts, got {self.kv_tiers!r}")
         if not isinstance(self.actor_id, str) or not self.actor_id:
             raise ValueError(f"WorkerStats.actor_id: must be a non-empty string, got {self.actor_id!r}")
         if self.role not in ROLES:

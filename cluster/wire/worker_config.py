@@ -79,7 +79,7 @@ class WorkerConfig:
     kv_host_gib: float = 0.0
     kv_disk_dir: str | None = None
     kv_disk_gib: float = 0.0
-    kv_disk_integrity: str = "payload_mac"  # how L3 files are checked: payload_mac | blake2b
+    kv_disk_integrity: str = "blake2b"  # how L3 files are checked: blake2b (keyed, ~8x faster on a CPU) | payload_mac
     kv_prefill_tokens_per_s: float = 0.0  # fetch from a tier only when it loads faster than this computes; 0: always
     # speculative decoding (EngineConfig.speculative_config), as vLLM's dict or its JSON text; held as the validated
     # dict (JSON-able, crosses to the actors as is). None: off

@@ -13,7 +13,7 @@ class KVTierConfig:
     disk_dir: str | None = None  # L3: a directory of block files (shared by the actors of one node); None: no L3
     disk_bytes: int = 0  # L3: the most bytes of block files this engine writes before it evicts its oldest
     write_back: bool = False  # a finished request's full blocks (prompt and answer) go to the tiers (decode actors)
-    disk_integrity: str = "payload_mac"  # how L3 files are checked: "payload_mac" or "blake2b" (kv_transfer/tiers)
+    disk_integrity: str = "blake2b"  # how L3 files are checked: "blake2b" or "payload_mac" (kv_transfer/tiers)
     # the prefill speed (tokens/s) a fetch must beat: a tier whose measured bandwidth loads a block slower than this
     # computes it is not read (engine/kv_tiers/fetch_or_recompute.py); 0: always fetch
     prefill_tokens_per_s: float = 0.0

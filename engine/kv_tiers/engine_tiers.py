@@ -63,6 +63,11 @@ class EngineTiers:
         self.stats = TierStats()
         self.meters = {name: BandwidthMeter() for name in ("host", "disk")}  # read bandwidth per tier, measured
         self.block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        self.pool: BlockPool | None = None  # L1, whose prefix events routers read (set by attach)
+        if self.host is not None:
+            self.host.on_leave = self._left_host
+        self.bytes_read: dict[str, int] = {}  # tier -> payload bytes promoted from it
+        self.put_by: dict[tuple[str, str], int] = {}  # (tier, "demotion" | "write_back") -> blocks handed to it
 
     def worth_fetching(self, tier: str) -> bool:
         """Whether loading one block from ``tier`` (at its measured bandwidth) beats computing it at the configured
@@ -83,19 +88,35 @@ class EngineTiers:
             return dst
         return src.to("cpu", copy=True)
 
-    def demote(self, block: Block) -> None:
-        """Mutates the tiers: keep a copy of the cached ``block`` that L1 is about to reuse."""
+    def demote(self, block: Block) -> bool:
+        """Mutates the tiers: keep a copy of the cached ``block`` that L1 is about to reuse. Returns whether this
+        engine's host tier (L2) holds it now: then the block still counts as this engine's for routing (the pool
+        does not report its eviction; :meth:`_left_host` does when L2 lets it go), since promoting it back costs a
+        host copy, not a prefill."""
         key, tokens = block.block_hash, block.token_ids
         if key is None or tokens is None:
-            return
+            return False
         if self.host is not None:
             if not self.host.contains(key):
                 self.host.put(key, tokens, self._copy_out(block.block_id))
                 self.stats.demoted += 1
+                self._count_put("host", "demotion")
+            return self.host.contains(key)
         elif self.lower is not None and not self.lower.contains(key):
             self._sync_for_lower()
             self.lower.put(key, tokens, self._copy_out(block.block_id))
             self.stats.demoted += 1
+            self._count_put(self.lower.name, "demotion")
+        return False
+
+    def _left_host(self, key: int) -> None:
+        """A block left L2: unless L1 holds it again, tell the routers (the pool's prefix events) it is gone."""
+        pool = self.pool
+        if pool is not None and pool.events is not None and key not in pool.cached:
+            pool.events.evicted(key)
+
+    def _count_put(self, tier: str, why: str) -> None:
+        self.put_by[(tier, why)] = self.put_by.get((tier, why), 0) + 1
 
     def released(self, hashes: Seq[int], block_ids: Seq[int], tokens_of: Callable[[int], Seq[int]],
                  num_full: int) -> None:
@@ -115,11 +136,42 @@ class EngineTiers:
                 synced = True
             target.put(hashes[i], tuple(tokens_of(i)), self._copy_out(block_ids[i]))
             self.stats.written_back += 1
+            self._count_put(target.name, "write_back")
 
     def _sync_for_lower(self) -> None:
         """The disk writer reads host copies on its own thread: on CUDA, they must have landed first."""
         if self.kv.device.type == "cuda":
             torch.cuda.current_stream(self.kv.device).synchronize()
+
+    def report(self) -> list[dict[str, object]]:
+        """Per tier, what metrics and ``pdcluster status`` show: hits, misses, damaged blocks, bytes read, blocks put
+        by demotion and by write-back, blocks dropped, the writes queued, bytes held and allowed, the measured read
+        bandwidth (0 before the first read) and blocks promoted from it. Pure."""
+        out: list[dict[str, object]] = []
+        for store in (self.host, self.lower):
+            if store is None:
+                continue
+            name = store.name
+            meter = self.meters.get(name)
+            demoted = self.put_by.get((name, "demotion"), 0)
+            if store is self.lower and self.host is not None:
+                demoted += self.host.demoted_down  # pushed out of L2 into L3
+            out.append({
+                "tier": name, "hits": getattr(store, "hits", 0), "misses": getattr(store, "misses", 0),
+                "corrupt": getattr(store, "corrupt", 0), "bytes_read": self.bytes_read.get(name, 0),
+                "demotions": demoted, "write_backs": self.put_by.get((name, "write_back"), 0),
+                "dropped": getattr(store, "dropped", 0) + getattr(store, "write_errors", 0),
+                "pending_writes": getattr(store, "pending_writes", 0), "used_bytes": getattr(store, "used_bytes", 0),
+                "capacity_bytes": getattr(store, "capacity_bytes", 0),
+                "read_bytes_per_s": meter.bytes_per_s if meter is not None and meter.reads else 0.0,
+                "promoted": self.stats.promoted.get(name, 0),
+                "recomputed_cheaper": self.stats.recomputed_cheaper.get(name, 0)})
+        return out
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K/V bytes one token holds across every layer in this cache. Pure."""
+        return self.block_bytes // self.block_size
 
     # -- below -> L1 ------------------------------------------------------------------------------------------
     def find(self, key: int, tokens: tuple[int, ...]) -> tuple[str, torch.Tensor] | None:
@@ -135,6 +187,7 @@ class EngineTiers:
             if p is not None:
                 self.meters.setdefault(store.name, BandwidthMeter()).record(self.block_bytes,
                                                                            time.perf_counter() - t0)
+                self.bytes_read[store.name] = self.bytes_read.get(store.name, 0) + self.block_bytes
                 return store.name, p
         return None
 
@@ -167,10 +220,33 @@ class EngineTiers:
         return run
 
 
+    def fill_reserved(self, pool: BlockPool, hashes: Seq[int], tokens_of: Callable[[int], Seq[int]], start: int,
+                      block_ids: Seq[int]) -> int:
+        """Mutates L1: a request prefilled on blocks reserved for it (colocated, or a prompt computed on its decode
+        owner) continues its L1 prefix run of ``start`` blocks from the tiers below by copying each found block
+        straight into its own reserved block ``block_ids[i]`` (held by the request, so no allocation and no room
+        needed) and registering it in the prefix cache. Returns how many blocks, from ``start``, it filled."""
+        n = 0
+        for i in range(start, min(len(block_ids), len(hashes))):
+            if hashes[i] in pool.cached:  # another block holds this hash: never register over it
+                break
+            tokens = tuple(tokens_of(i))
+            found = self.find(hashes[i], tokens)
+            if found is None:
+                break
+            tier, payload = found
+            self.kv[:, :, block_ids[i]].copy_(payload.to(self.kv.device, non_blocking=True))
+            pool.register(pool.blocks[block_ids[i]], hashes[i], tokens)
+            self.stats.promoted[tier] = self.stats.promoted.get(tier, 0) + 1
+            n += 1
+        return n
+
+
 def attach(kv_manager: object, runner: object, config: KVTierConfig, lower: BlockStore | None = None) -> EngineTiers:
     """Mutates ``kv_manager`` and its pool: give them tiers built from ``config`` over ``runner``'s cache."""
     layout = getattr(runner, "layout")
     tiers = EngineTiers(getattr(runner, "kv"), layout.block_size, config, lower, scaled=layout.scaled)
     kv_manager.tiers = tiers  # type: ignore[attr-defined]
     kv_manager.pool.on_evict = tiers.demote  # type: ignore[attr-defined]
+    tiers.pool = kv_manager.pool  # type: ignore[attr-defined]
     return tiers

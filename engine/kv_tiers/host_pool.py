@@ -8,6 +8,7 @@ Owned by one engine and used only on its serving thread (no lock). A block pushe
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -30,6 +31,8 @@ class HostBlockPool:
         self.hits = 0
         self.misses = 0
         self.demoted_down = 0  # blocks pushed out of L2 into ``lower``
+        # told the key of each block pushed out (its owner reports it to the routers)
+        self.on_leave: Callable[[int], None] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -65,6 +68,8 @@ class HostBlockPool:
             k, (t, p) = self._entries.popitem(last=False)
             self.used_bytes -= p.numel() * p.element_size()
             self._push_down(k, t, p)
+            if self.on_leave is not None:
+                self.on_leave(k)
         self._entries[key] = (tokens, payload)
         self.used_bytes += nbytes
 

@@ -59,7 +59,7 @@ class DiskBlockStore:
     name = "disk"
 
     def __init__(self, directory: str | Path, capacity_bytes: int, secret: ClusterSecret | None = None,
-                 max_pending: int = 256, integrity: str = "payload_mac") -> None:
+                 max_pending: int = 256, integrity: str = "blake2b") -> None:
         if integrity not in INTEGRITY:
             raise ValueError(f"integrity: must be one of {INTEGRITY}, got {integrity!r}")
         self.integrity = integrity
@@ -78,6 +78,16 @@ class DiskBlockStore:
         self.hits = self.misses = self.corrupt = 0
         # the writer reads host copies only: it enters no device (engine/device_threads.py starts every thread)
         self._writer = DeviceThreads("cpu").start(self._write_loop, "kv-disk-writer")
+
+    @property
+    def pending_writes(self) -> int:
+        """Blocks queued for the writer, not yet on disk (the write-back queue's depth). Pure."""
+        return self._queue.qsize()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the files this store wrote and still keeps. Pure (a racy read of the writer's count)."""
+        return self._bytes
 
     def path(self, key: int) -> Path:
         return self.dir / f"{key & (2**64 - 1):016x}.kvb"

@@ -166,3 +166,52 @@ def test_a_tier_slower_than_recomputing_is_not_read(tiny_checkpoint: Any, tmp_pa
     assert again[0][1] == 0 and tiers.stats.recomputed_cheaper["disk"] >= 1 and disk.hits == 0
     assert [ids for ids, _ in first + again] == [ids for ids, _ in plain[:4]]
     disk.close()
+
+
+def test_a_prompt_on_reserved_blocks_fills_them_from_the_tiers(tiny_checkpoint: Any) -> None:
+    """A prompt prefilled on blocks reserved for it (the decode owner's local prefill: colocated, --disagg-mode
+    never/auto, a resumed turn) reads the tiers as a prefill actor does, even when the reservation leaves the pool no
+    free block: the found blocks are copied straight into its own reserved ones."""
+    plain = _run(_llm(tiny_checkpoint), SEQUENCE[:3])
+    llm = _llm(tiny_checkpoint)
+    tiers = attach(llm.engine.kv, llm.engine.runner, KVTierConfig(host_bytes=64 << 20))
+    _run(llm, SEQUENCE[:3])  # prompt 1 is evicted to the host tier by 2 and 3
+    eng = llm.engine
+    reserved = [b.block_id for b in eng.kv.pool.allocate(15)]  # one block left free: too few to promote into
+    eng.add_request("r", SEQUENCE[0], GREEDY, block_ids=reserved)
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.finished else out
+    assert out is not None and out.num_cached_tokens == (120 - 1) // BLOCK * BLOCK
+    assert list(out.outputs[0].token_ids) == plain[0][0]
+    assert tiers.stats.promoted["host"] >= 7
+    eng.kv.pool.check_integrity()
+
+
+def test_routers_see_the_device_pool_and_the_host_tier(tiny_checkpoint: Any) -> None:
+    """The prefix events routers read cover L1 and L2 (a block demoted to host memory is promoted back for a copy,
+    not a prefill), and a block L2 lets go is reported evicted then."""
+    llm = _llm(tiny_checkpoint)
+    block_bytes = llm.engine.runner.kv[:, :, 0].numel() * 4
+    tiers = attach(llm.engine.kv, llm.engine.runner, KVTierConfig(host_bytes=5 * block_bytes))
+    _run(llm, SEQUENCE)
+    seen = set(llm.engine.prefix_events.since(0).added)
+    assert tiers.host is not None and len(tiers.host) == 5
+    host = set(tiers.host._entries)
+    assert seen == set(llm.engine.kv.pool.cached) | host and host - set(llm.engine.kv.pool.cached)
+
+
+def test_a_decode_reservation_pins_its_prefix_from_the_tiers(tiny_checkpoint: Any) -> None:
+    """The decode actor's reserve pins the prompt head its pool holds, so the prefill actor sends only the rest: with
+    ``room_for`` (the reservation's size) the run continues from the tiers below, leaving room for the reservation."""
+    llm = _llm(tiny_checkpoint)
+    tiers = attach(llm.engine.kv, llm.engine.runner, KVTierConfig(host_bytes=64 << 20))
+    _run(llm, SEQUENCE[:3])  # prompt 1 is evicted to the host tier by 2 and 3
+    kv = llm.engine.kv
+    assert kv.lookup_prefix(SEQUENCE[0]) == []
+    pinned = kv.lookup_prefix(SEQUENCE[0], room_for=9)
+    assert len(pinned) == (120 - 1) // BLOCK and tiers.stats.promoted["host"] == len(pinned)
+    assert [b.block_hash for b in pinned] == [b.block_hash for b in kv.lookup_prefix(SEQUENCE[0])]
+    assert kv.pool.num_available >= 9 - len(pinned)
+    kv.pool.check_integrity()

@@ -218,7 +218,7 @@ def test_completion_full_body_round_trips_to_generate_request() -> None:
         "max_tokens": 20, "temperature": 0.0, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 7, "stop": ("\n",),
         "stop_token_ids": (2,), "ignore_eos": True, "min_tokens": 4, "n": 3, "logprobs": 2, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "skip_special_tokens": True, "grammar": None,
-        "prompt_logprobs": None}
+        "prompt_logprobs": None, "kv_namespace": ""}  # the proxy sets the K/V tenant after (proxy/tenant.py)
     assert not req.echo
     wire = msgpack.unpackb(msgpack.packb(gen.to_dict()))
     assert GenerateRequest.from_dict(wire) == gen and gen.reply_to == "tcp://127.0.0.1:5000"
