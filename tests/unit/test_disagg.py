@@ -95,7 +95,7 @@ def test_estimator_learns_speed_transfer_handoff_and_step() -> None:
 
 
 def test_pdcluster_status_prints_the_prefill_sides() -> None:
-    from cluster.cli import disagg_lines
+    from cluster.cli_status import disagg_lines
 
     lines = disagg_lines({"mode": "auto", "decisions": {"local:faster_local": 3, "remote:within_margin": 5},
                           "costs": {"prefill_tok_s": 2100.0, "decode_step_s": 0.031, "handoff_s": 0.012,

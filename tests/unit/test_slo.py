@@ -152,7 +152,7 @@ def test_single_token_completions_are_not_timed_in_the_tpot_histogram() -> None:
 
 
 def test_pdcluster_status_prints_attainment_and_goodput() -> None:
-    from cluster.cli import slo_lines
+    from cluster.cli_status import slo_lines
 
     t, _ = tracker()
     assert "attainment -," in "\n".join(slo_lines(t.status()))  # no request in the window yet
