@@ -174,3 +174,32 @@ def test_share_node_gpus_is_on_unless_turned_off() -> None:
     for vals, off in ((None, False), ({"engine": {"shareNodeGpus": False}}, True)):
         (_, containers) = _cluster_auth(vals)
         assert ("--no-share-node-gpus" in containers["serve"]["command"]) is off
+
+
+def test_speculation_tiers_disagg_mode_and_tenant_reach_serve_and_the_proxies() -> None:
+    """The chart's values for issues 45, 46 and 48 become the flags serve and the proxies parse; the disk tier gets an
+    emptyDir of its size on every pod that runs actors; everything is off by default."""
+    from cluster.cli import build_parser, serve_config
+    from cluster.wire.proxy_settings import ProxySettings
+
+    vals = {"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4}},
+            "kvTiers": {"hostGib": 2, "diskGib": 8, "diskIntegrity": "payload_mac"},
+            "proxy": {"disaggMode": "auto", "kvTenantFrom": "header:X-Tenant"}}
+    _, c = _cluster_auth(vals)
+    serve = [a for a in c["serve"]["command"] if a.startswith("--")]
+    assert '--speculative-config={"method":"ngram","num_speculative_tokens":4}' in serve
+    assert {"--kv-host-gib=2", "--kv-disk-dir=/kv-tier", "--kv-disk-gib=8", "--kv-disk-integrity=payload_mac"} <= set(serve)
+    cmd = c["serve"]["command"]
+    args = build_parser().parse_args(cmd[cmd.index("serve"):])
+    assert (args.kv_host_gib, args.kv_disk_gib, args.kv_disk_integrity) == (2.0, 8.0, "payload_mac")
+    cfg = serve_config(args, environ={"PDCLUSTER_CLUSTER_SECRET": "s" * 32})
+    assert (cfg.worker.speculative_config["method"], cfg.worker.speculative_config["num_speculative_tokens"]) == ("ngram", 4)
+    assert {"--disagg-mode=auto", "--kv-tenant-from=header:X-Tenant"} <= set(c["proxy"]["command"])
+    (rc,) = [o for o in objects(render(vals)) if o["kind"] == "RayCluster"]
+    for pod in [rc["spec"]["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]:
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
+        assert vol["emptyDir"]["sizeLimit"] == "9216Mi"
+    _, off = _cluster_auth(None)
+    assert not [a for a in off["serve"]["command"] if a.startswith(("--speculative-config", "--kv-host", "--kv-disk"))]
+    assert "--disagg-mode=always" in off["proxy"]["command"] and "--kv-tenant-from=none" in off["proxy"]["command"]
+    assert ProxySettings().disagg_mode == "always"

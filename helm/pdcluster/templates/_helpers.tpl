@@ -72,6 +72,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "pdcluster.volumeMounts" -}}
 - name: tmp
   mountPath: /tmp
+{{- if gt (float64 .Values.kvTiers.diskGib) 0.0 }}
+- name: kv-tier
+  mountPath: /kv-tier
+{{- end }}
 {{- if ne .Values.model.source "default" }}
 - name: model
   mountPath: /models
@@ -85,6 +89,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "pdcluster.volumes" -}}
 - name: tmp
   emptyDir: {}
+{{- if gt (float64 .Values.kvTiers.diskGib) 0.0 }}
+- name: kv-tier
+  emptyDir:
+    sizeLimit: {{ printf "%.0fMi" (mulf (addf .Values.kvTiers.diskGib 1.0) 1024.0) }}
+{{- end }}
 {{- if eq .Values.model.source "pvc" }}
 - name: model
   persistentVolumeClaim:
