@@ -1,6 +1,8 @@
 """Which kernel runs a quantized weight's ``linear`` (see :mod:`pdkernels.quant`): the Triton kernels of
 :mod:`pdkernels.triton_quant` where :func:`pdkernels.uses_triton` (CUDA tensors, or any under ``TRITON_INTERPRET=1``),
-the fast paths of :mod:`pdkernels.quant_cpu` on CPU tensors, the class's ``reference_linear`` anywhere else."""
+on CPU tensors the fused C++ kernels of :mod:`pdkernels.quant_fused` for W8A8 and W4A16 where they run (else, with the
+reason logged once, and for FP8 the torch paths of :mod:`pdkernels.quant_cpu`), the class's ``reference_linear``
+anywhere else."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pdkernels import quant_cpu, uses_triton
+from pdkernels import quant_cpu, quant_fused, uses_triton
 
 
 @functools.cache
@@ -18,7 +20,7 @@ def _cpu_kernels() -> dict[type, Any]:
     from pdkernels.quant_fp8 import Fp8Weight
     from pdkernels.quant_int import Int4Weight, Int8Weight
 
-    return {Int8Weight: quant_cpu.int8_linear, Int4Weight: quant_cpu.int4_linear, Fp8Weight: quant_cpu.fp8_linear}
+    return {Int8Weight: quant_fused.int8_linear, Int4Weight: quant_fused.int4_linear, Fp8Weight: quant_cpu.fp8_linear}
 
 
 def _triton_kernel(w: Any) -> Any:

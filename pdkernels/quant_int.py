@@ -26,6 +26,7 @@ class Int8Weight:
         self.qweight = qweight.contiguous()
         self.scale = scale.contiguous()
         self._packed: object | None = None  # the CPU kernel's oneDNN form, made on first use
+        self._fused: object | None = None  # the fused CPU kernel's form (pdkernels.quant_fused), made on first use
 
     @property
     def out_features(self) -> int:
@@ -113,6 +114,7 @@ class Int4Weight:
         self.zero = None if zero is None else zero.contiguous()
         self.group_size = group_size
         self._packed: object | None = None  # the CPU kernel's packed form, made on first use
+        self._fused: object | None = None  # the fused CPU kernel's form (pdkernels.quant_fused), made on first use
 
     @property
     def out_features(self) -> int:

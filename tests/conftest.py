@@ -90,6 +90,7 @@ INTEGRATION = {
     "tests/unit/test_llm_api.py": "the default model (SmolLM2-135M) against Hugging Face",
     "tests/unit/test_openai_protocol.py::test_proxy_modules_do_not_import_torch": "a fresh interpreter",
     "tests/unit/test_prompt_tokenizer.py::test_no_torch_import": "a fresh interpreter",
+    "tests/unit/test_quant_fused.py::test_fresh_build_is_timed_and_quick": "runs the C++ compiler (a fresh build)",
     "tests/unit/test_prompt_tokenizer.py::test_matches_transformers[default]": "the default model (converted once)",
     "tests/unit/test_ray_address.py::test_cli_scale_on_dead_address_exits_fast": "runs `pdcluster` as a subprocess",
     "tests/unit/test_reliability_scripts.py::test_descendants_and_rss_of_a_real_child": "a child process",

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdkernels import quant_cpu, quant_ref
+from pdkernels import quant_cpu, quant_fused, quant_ref
 from pdkernels.quant import Fp8Weight, Int4Weight, Int8Weight, cat, is_quantized
 from pdkernels.quant_ref import FP8, pack_int4, unpack_int4
 
@@ -236,8 +236,12 @@ FAST_WEIGHTS: dict[str, Callable[[], object]] = {
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", sorted(FAST_WEIGHTS))
-def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias: bool, tile_rows: int,
+@pytest.mark.parametrize("fused", [True, False])
+def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias: bool, tile_rows: int, fused: bool,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    if not fused:
+        monkeypatch.setattr(quant_fused, "INT8_MAX_ROWS", 0)
+        monkeypatch.setattr(quant_fused, "INT4_MAX_ROWS", 0)
     monkeypatch.setattr(quant_cpu, "TILE_ROWS", tile_rows)  # 24: several tiles, not aligned with 16-row blocks
     w = FAST_WEIGHTS[kind]()
     bias = torch.randn(w.out_features, generator=_gen(3)) if has_bias else None  # type: ignore[attr-defined]
@@ -250,9 +254,18 @@ def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=FAST_TOL[dtype] * scale)
 
 
+@pytest.fixture
+def torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W8A8 and W4A16 through the torch paths of :mod:`pdkernels.quant_cpu` (what runs without the fused kernels)."""
+    monkeypatch.setattr(quant_fused, "INT8_MAX_ROWS", 0)
+    monkeypatch.setattr(quant_fused, "INT4_MAX_ROWS", 0)
+
+
+@pytest.mark.usefixtures("torch_paths")
 def test_fast_paths_keep_no_dense_copy() -> None:
-    """What a weight holds after CPU calls: W8A8 oneDNN's prepacked int8 form (a byte a weight, where oneDNN's int8
-    linear runs exactly); W4A16 torch's packed INT4 form (half a byte a weight) and its scales; FP8 nothing more."""
+    """What a weight holds after CPU calls of the torch paths: W8A8 oneDNN's prepacked int8 form (a byte a weight,
+    where oneDNN's int8 linear runs exactly); W4A16 torch's packed INT4 form (half a byte a weight) and its scales; FP8
+    nothing more."""
     i4 = int4_weight(48, 64, 32)
     before = i4.nbytes
     i4.linear(torch.randn(1, 64).bfloat16())
@@ -273,6 +286,7 @@ def test_e4m3_float16_trick_is_exact_for_every_code() -> None:
     assert torch.equal(quant_cpu.e4m3_as_float16(fp8).float() * 256, fp8.float())
 
 
+@pytest.mark.usefixtures("torch_paths")
 @pytest.mark.parametrize("max_rows", [0, 128])  # 0: every call through torch._int_mm; 128: oneDNN's int8 linear
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_w8a8_both_cpu_gemms_match_reference(max_rows: int, dtype: torch.dtype,
@@ -403,6 +417,7 @@ def test_fp8_block_experts_refused() -> None:
         Fp8BlockExperts.stack([fp8_weight(64, 32, "channel")], [fp8_weight(32, 32, "channel")])
 
 
+@pytest.mark.usefixtures("torch_paths")
 def test_int4_packed_kernel_weight_shared_between_dtypes() -> None:
     w = int4_weight(48, 64, 32)
     x = torch.randn(2, 64, generator=_gen(4))
