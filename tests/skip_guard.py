@@ -40,6 +40,7 @@ DEPENDENCY_MODULES: dict[str, str] = {
     "gguf": "gguf",
     "accelerate": "accelerate",
     "llguidance": "llguidance",
+    "ninja": "ninja",
     "pytest": "pytest",
     "pytest-timeout": "pytest_timeout",
     "pytest-xdist": "xdist",
