@@ -30,6 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--profile", default=None, help="cost profile JSON (default: the checked-in CPU profile; with "
                                                     "--replay: the record's own profile, if it has one, and a live "
                                                     "record's calibrated from its measurements)")
+    s.add_argument("--speculative", default=None, metavar="A:K[:BUDGET[:DISABLE_AT]]",
+                   help="decode with speculation: each draft accepted with probability A, K drafts per request, the "
+                        "engine's verify_budget_tokens (default 16) and disable_by_batch_size (0: none); a generated "
+                        "workload is sized without it, so runs with and without see the same traffic")
     s.add_argument("--record", default=None, metavar="FILE",
                    help="write the run's record (arrivals, every observation and decision) for --replay")
     s.add_argument("--trace-rate", type=float, default=1.0, help="--public-trace: arrival rate multiplier")
@@ -76,6 +80,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, load_trace, make_workload
+    from cluster.control.sim_spec import SpecCost
     from cluster.control.sim_summary import plot, summarize
     from cluster.control.simulator import Simulation
 
@@ -97,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
                                        rate=args.trace_rate, seed=args.seed)
         else:
             trace = make_workload(args.workload, args.workers, profile, args.duration, args.seed, args.load)
+        if args.speculative:
+            profile = profile.with_spec(SpecCost.parse(args.speculative))
         initial = None
         if args.initial:
             p, _, d = args.initial.partition(":")
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     report = summarize(result, trace)
     report.update(policy=args.policy, workers=args.workers, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                  profile=profile.source, simulation_wall_s=round(wall, 3),
+                  profile=profile.source, simulation_wall_s=round(wall, 3), speculative=args.speculative,
                   source=args.trace or (f"public trace {args.public_trace} (rate x{args.trace_rate}, seed {args.seed})"
                                         if args.public_trace else
                                         f"workload {args.workload} (seed {args.seed}, load {args.load})"))

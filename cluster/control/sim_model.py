@@ -29,6 +29,7 @@ import numpy as np
 
 from cluster.control.controller import ControllerConfig
 from cluster.control.observe import ObserverConfig
+from cluster.control.sim_spec import SpecCost
 
 WORKLOADS = ("diurnal", "bursts", "alternating", "steady", "aperiodic", "shifted")
 DEFAULT_PROFILE = Path(__file__).parents[1] / "profiles" / "cpu-default.json"
@@ -55,6 +56,12 @@ class CostProfile:
     start_s: float = 60.0  # a new actor: start, load weights, join
     flip_s: float = 5.0  # an actor changing role once drained (same weights, no reload)
     queue_timeout_s: float = 10.0  # a request waiting longer for decode K/V is refused (429), as the proxies' default
+    # speculative decoding (cluster/control/sim_spec.py; spec_k 0: off): each draft accepted with spec_acceptance,
+    # spec_k drafts per request, the engine's load switch (its verify_budget_tokens, disable_by_batch_size; 0: none)
+    spec_acceptance: float = 0.0
+    spec_k: int = 0
+    spec_verify_budget_tokens: int = 16
+    spec_disable_by_batch_size: int = 0
     source: str = "checked-in default"
 
     def __post_init__(self) -> None:
@@ -64,11 +71,27 @@ class CostProfile:
                 raise ValueError(f"{f.name}: must be a finite number >= 0, got {v!r}")
         if self.prefill_tps <= 0 or self.link_gbps <= 0 or self.max_batch < 1:
             raise ValueError("prefill_tps, link_gbps and max_batch must be > 0")
+        _ = self.spec  # validates the speculation keys
+
+    @property
+    def spec(self) -> SpecCost:
+        """The speculation keys as a :class:`SpecCost`. Raises ``ValueError`` on a bad one. Pure."""
+        return SpecCost(self.spec_acceptance, self.spec_k, self.spec_verify_budget_tokens,
+                        self.spec_disable_by_batch_size)
+
+    def with_spec(self, spec: SpecCost) -> CostProfile:
+        """This profile with ``spec``'s speculation. Pure."""
+        return replace(self, spec_acceptance=float(spec.acceptance), spec_k=spec.k,
+                       spec_verify_budget_tokens=spec.verify_budget_tokens,
+                       spec_disable_by_batch_size=spec.disable_by_batch_size)
 
     def decode_capacity_tps(self, batch: int, context_tokens: float) -> float:
-        """Decode tokens per second at a batch size and mean context. Pure."""
-        step = self.decode_base_s + self.decode_per_seq_s * batch + self.decode_per_kv_token_s * batch * context_tokens
-        return batch / step
+        """Decode tokens per second at a batch size and mean context (with speculation: its positions cost, its
+        tokens per step). Pure."""
+        positions, tokens = self.spec.step(batch)
+        step = self.decode_base_s + self.decode_per_seq_s * positions \
+            + self.decode_per_kv_token_s * batch * context_tokens
+        return batch * tokens / step
 
     def decode_capacity_within(self, slo_tpot_s: float, context_tokens: float) -> float:
         """Decode tokens per second at the largest batch whose step stays within ``slo_tpot_s`` (at least 1). Pure."""

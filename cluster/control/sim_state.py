@@ -20,7 +20,7 @@ class SimActor:
     __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
                  "sum_p", "sum_vj", "heap", "version", "due", "next_t", "ready_at", "left", "kv_total", "kv_held",
                  "kv_reserved", "holds", "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy",
-                 "steps")
+                 "steps", "per_step")
 
     def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
         self.aid, self.role, self.ready_at = aid, role, ready_at
@@ -33,6 +33,7 @@ class SimActor:
         self.v = 0.0  # decode: tokens each running sequence has received since t=0 (virtual time)
         self.t_last = 0.0
         self.step = 0.0  # decode: seconds per token at the present batch
+        self.per_step = 1.0  # decode: tokens each running sequence gets per engine step (more with speculation)
         self.sum_p = 0  # decode: prompt tokens of the running sequences
         self.sum_vj = 0.0  # decode: sum of the virtual times they joined at
         self.heap: list[tuple[float, int]] = []  # decode: (virtual finish, request)
@@ -62,7 +63,7 @@ class SimActor:
             dv = (now - self.t_last) / self.step
             self.v += dv
             self.d_tokens += self.b * dv
-            self.steps += dv
+            self.steps += dv / self.per_step
             self.busy += now - self.t_last
         self.t_last = now
 

@@ -16,6 +16,7 @@ The model (costs from a :class:`~cluster.control.sim_model.CostProfile`), in the
   ``exposed_transfer`` of it behind the prefill, and the request joins its decode actor when the last layer arrived.
 - **Decode**: continuous batching as processor sharing: every running sequence gets one token per step, and a step
   takes ``base + per_seq x batch + per_kv_token x context tokens`` (batch and context as they are after each event).
+  Speculation (``spec_*`` profile keys): a step's drafts cost ``per_seq`` each; it gives ``E`` tokens (sim_spec).
   At most ``max_batch`` sequences per actor; the rest wait on their actor for a slot (the decode backlog).
 - **Changes**: a new actor is ready after ``start_s``; a drained actor takes no new work and leaves when it holds
   nothing (no sequence, no reservation); a flipped one is drained, then changes role after ``flip_s`` (same
@@ -327,6 +328,7 @@ class Simulation:
         kvb, link = prof.kv_bytes_per_token, prof.link_gbps * 1e9
         base, per_seq, per_kv, max_batch = prof.decode_base_s, prof.decode_per_seq_s, prof.decode_per_kv_token_s, \
             prof.max_batch
+        positions, tokens = (list(x) for x in zip(*(prof.spec.step(b) for b in range(max_batch + 1))))  # per batch
         # per-request constants of prefill and transfer, computed once for the whole trace
         p_arr = self.trace.prompt
         works = (p_arr / ptps + pover).tolist()
@@ -416,7 +418,7 @@ class Simulation:
                     dv = (t - a.t_last) / a.step
                     a.v += dv
                     a.d_tokens += b * dv
-                    a.steps += dv
+                    a.steps += dv / a.per_step
                     a.busy += t - a.t_last
                 a.t_last = t
                 heap, done_list = a.heap, self.window_done
@@ -437,7 +439,8 @@ class Simulation:
                 b = a.b
                 if b:
                     v = a.v
-                    a.step = step = base + per_seq * b + per_kv * (a.sum_p + b * v - a.sum_vj)
+                    a.per_step = tok = tokens[b]
+                    a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) / tok
                     left = heap[0][0] - v
                     a.due = a.next_t = due = t + (left if left > 0.0 else 0.0) * step
                     heappush(events, (due, _FINISH, next(seq), x, a.version))
@@ -464,7 +467,7 @@ class Simulation:
                         dv = (t - a.t_last) / a.step
                         a.v += dv
                         a.d_tokens += b * dv
-                        a.steps += dv
+                        a.steps += dv / a.per_step
                         a.busy += t - a.t_last
                     a.t_last = t
                     v = a.v
@@ -473,7 +476,8 @@ class Simulation:
                     a.sum_vj += v
                     heap = a.heap
                     heappush(heap, (v + o - 1, r))
-                    a.step = step = base + per_seq * b + per_kv * (a.sum_p + b * v - a.sum_vj)
+                    a.per_step = tok = tokens[b]
+                    a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) / tok
                     left = heap[0][0] - v
                     a.due = due = t + (left if left > 0.0 else 0.0) * step
                     # one finish event per actor: a join mostly moves the next finish later (a longer step), so the

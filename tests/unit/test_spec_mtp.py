@@ -180,3 +180,33 @@ def test_an_mtp_layer_that_predicts_the_model_has_its_drafts_accepted(  # type: 
     stats = spec.engine.spec.stats
     assert stats.proposed_tokens > 0 and stats.acceptance_rate > 0.9, stats.as_dict()
     assert stats.tokens_per_verify > K
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=14, ignore_eos=True),
+    SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+], ids=["greedy", "seeded"])
+def test_a_migrated_mtp_completion_drafts_at_once_on_its_new_owner(mtp_checkpoint: Path,
+                                                                    params: SamplingParams) -> None:
+    """Migration is a resume (proxy/dispatch.py): the new decode owner takes the completion with the tokens the
+    client already has (``output_prefix``, into blocks it reserved) and computes prompt + those tokens itself; that
+    computation runs the MTP layer's catch-up over every position too, so its MTP K/V and last output are whole and
+    the very first decode step after it verifies real drafts (nothing to carry). The output equals the uninterrupted
+    completion without speculation, token for token."""
+    folder, bs = str(mtp_checkpoint), COMMON["block_size"]
+    prompt, have = PROMPTS[0], 5
+    want = LLM(folder, **COMMON).generate([prompt], params)[0].outputs[0].token_ids
+    new_owner = LLM(folder, speculative_config=MTP, **COMMON)
+    steps = _spy_drafts(new_owner)
+    engine = new_owner.engine
+    reserved = [b.block_id for b in engine.kv.pool.allocate(cdiv(len(prompt) + params.max_tokens, bs))]
+    engine.add_request("r.1", prompt, params, block_ids=reserved, output_prefix=list(want[:have]))
+    tokens = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens = o.outputs[0].token_ids if o.finished else tokens
+    assert tokens == want
+    assert not steps[0] and steps[1].get(tuple(prompt)), steps  # prefill + prefix, then drafts at once
+    assert engine.spec.stats.proposed_tokens > 0
+    engine.check_integrity()
+    assert engine.kv.pool.counts()["used"] == 0
