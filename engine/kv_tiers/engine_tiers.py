@@ -209,12 +209,9 @@ class EngineTiers:
                 found = self.find(hashes[i], tokens)
                 if found is None:
                     break
-                tier, payload = found
                 (blk,) = pool.allocate(1)  # may evict (and so demote) the free list's head first
-                self.kv[:, :, blk.block_id].copy_(payload.to(self.kv.device, non_blocking=True))
-                pool.register(blk, hashes[i], tokens)
+                self._install(pool, blk, hashes[i], tokens, found)
                 run.append(blk)
-                self.stats.promoted[tier] = self.stats.promoted.get(tier, 0) + 1
         finally:
             pool.free(reversed(run))  # the head of the prefix freed last: it stays cached longest
         return run
@@ -234,12 +231,17 @@ class EngineTiers:
             found = self.find(hashes[i], tokens)
             if found is None:
                 break
-            tier, payload = found
-            self.kv[:, :, block_ids[i]].copy_(payload.to(self.kv.device, non_blocking=True))
-            pool.register(pool.blocks[block_ids[i]], hashes[i], tokens)
-            self.stats.promoted[tier] = self.stats.promoted.get(tier, 0) + 1
+            self._install(pool, pool.blocks[block_ids[i]], hashes[i], tokens, found)
             n += 1
         return n
+
+    def _install(self, pool: BlockPool, blk: Block, block_hash: int, tokens: tuple[int, ...],
+                 found: tuple[str, torch.Tensor]) -> None:
+        """Mutates L1: a block found in tier ``found[0]`` copied into ``blk`` and registered under its hash."""
+        tier, payload = found
+        self.kv[:, :, blk.block_id].copy_(payload.to(self.kv.device, non_blocking=True))
+        pool.register(blk, block_hash, tokens)
+        self.stats.promoted[tier] = self.stats.promoted.get(tier, 0) + 1
 
 
 def attach(kv_manager: object, runner: object, config: KVTierConfig, lower: BlockStore | None = None) -> EngineTiers:
