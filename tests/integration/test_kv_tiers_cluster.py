@@ -17,6 +17,12 @@ from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 SYSTEM = " ".join(f"rule {i}: answer briefly and in plain words." for i in range(30))
 
 
+def _tiered_worker(tmp_path: Path) -> WorkerConfig:
+    """Actors whose 40-block device pool is too small for the chats' histories, over host and disk tiers."""
+    return WorkerConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256,
+                        kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.5, kv_host_gib=0.05)
+
+
 def _turn(client: object, msgs: list[dict[str, str]]) -> tuple[str, int, int]:
     """(answer, prompt tokens, cached tokens) of one greedy chat turn."""
     r = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0)
@@ -26,9 +32,7 @@ def _turn(client: object, msgs: list[dict[str, str]]) -> tuple[str, int, int]:
 
 
 def test_later_turns_hit_prompt_and_answer_even_after_a_prefill_actor_dies(tmp_path: Path) -> None:
-    cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256,
-                                                      kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.5,
-                                                      kv_host_gib=0.05),
+    cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=2, port=0, mode="disaggregated"))
     try:
         cluster.start()
@@ -105,9 +109,7 @@ def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tm
     cached token (on any tier, device prefix cache included) and the same greedy text; alice again hits."""
     from cluster.wire.proxy_settings import ProxySettings
 
-    cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256,
-                                                      kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.5,
-                                                      kv_host_gib=0.05),
+    cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=2, port=0, mode="disaggregated",
                                   proxy=ProxySettings(kv_tenant_from="user")))
     try:
@@ -149,9 +151,7 @@ def test_a_turn_prefilled_on_its_decode_owner_reads_the_tiers(tmp_path: Path) ->
     still hits >= 90% of its previous prompt + answer (the host and disk tiers, copied into the reserved blocks)."""
     from cluster.wire.proxy_settings import ProxySettings
 
-    cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=40, max_num_batched_tokens=256,
-                                                      kv_disk_dir=str(tmp_path / "kv"), kv_disk_gib=0.5,
-                                                      kv_host_gib=0.05),
+    cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=1, port=0, mode="disaggregated",
                                   proxy=ProxySettings(disagg_mode="never")))
     try:
