@@ -6,6 +6,7 @@ callers importorskip them first."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from pathlib import Path
 
 import openai
@@ -37,7 +38,13 @@ def assert_served_equals_offline(model: Path, mode: str, prompts: list[str], max
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
             assert list(ex.map(ask, prompts)) == offline_texts
         if mode == "disaggregated":
-            stats = ray.get(cluster.decode_actors[0].stats.remote())
+            # the loop publishes its stats after the step that sent the last token: wait until they show no work left
+            deadline = time.monotonic() + 10
+            while True:
+                stats = ray.get(cluster.decode_actors[0].stats.remote())
+                if (stats["running"] == 0 and stats["waiting"] == 0) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             assert stats["kv_parts_installed"] > 0 and stats["kv_parts_rejected"] == 0
             if speculative_config is not None:
                 assert stats["spec_proposed_tokens"] > 0, stats

@@ -189,6 +189,7 @@ class EngineLoop:
         bind = getattr(self.engine, "bind_threads", None)  # OpenMP's thread count is per thread: set it on this one
         if bind is not None:
             bind()
+        was_busy = False
         while not self._stop.is_set():
             self._run_inbox()
             try:
@@ -198,7 +199,9 @@ class EngineLoop:
                 if busy:
                     self.busy_s += now - t0
                     self.steps += 1
-                if now - self._published_at >= self.stats_interval_s:
+                # throttled while busy; at once when the work runs out, so whoever saw its last token reads stats
+                # that count it
+                if now - self._published_at >= self.stats_interval_s or (was_busy and not busy):
                     self._publish_stats()
                     self._published_at = now
             except Exception as e:  # a bug in one step must not kill the actor's loop; the request's owner reports it
@@ -209,6 +212,7 @@ class EngineLoop:
                     os._exit(75)
                 log.exception("%s: step failed", self.actor_id)
                 busy = False
+            was_busy = busy
             if not busy and self._inbox.empty():
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
