@@ -12,8 +12,9 @@ parts and TPOT, and every window's observation (decode actors' queue depths, the
 - ``prefill_overhead_s``: plus the median of what the TTFT parts leave of the TTFT (the unmodelled path), since the
   simulator's TTFT is its admission wait, prefill queue, prefill compute and exposed transfer only;
 - ``exposed_transfer``: the measured exposed transfer over the base profile's full transfer time;
-- the decode step's three coefficients scaled together, so a step at the decode actors' mean batch and context
-  takes the finished requests' median TPOT;
+- the decode step's three coefficients scaled together, so a step at the batch the decoded tokens saw (the decode
+  actors' depths, weighted by the tokens each decodes) and the decoding requests' mean context takes the finished
+  requests' median TPOT;
 - ``decode_kv_tokens``: the K/V tokens a decode actor holds, as the observations saw it.
 
 With the engine's step budget (``budget_tokens``: the workers' ``max_num_batched_tokens``) the prefill is calibrated
@@ -66,11 +67,14 @@ def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> Cost
         full = [s.prompt_tokens * base.kv_bytes_per_token / (base.link_gbps * 1e9) for s in parts]
         if sum(full) > 0:
             changes["exposed_transfer"] = min(1.0, sum(s.transfer_s for s in parts) / sum(full))
-    tpots = [s.tpot_s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
-    decode = [(a.queue_depth, o.kv_tokens) for _, o in rec.observations for a in o.live("decode") if a.queue_depth > 0]
+    decoded = [s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
+    tpots = [s.tpot_s for s in decoded]
+    depths = [a.queue_depth for _, o in rec.observations for a in o.live("decode") if a.queue_depth > 0]
     if len(tpots) >= MIN_SAMPLES:
-        batch = min(base.max_batch, statistics.mean(b for b, _ in decode)) if decode else 1.0
-        ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in done)
+        # the batch a decoded token saw: the actors' depths weighted by the tokens they decode (their depth), and
+        # the context of the requests that decoded (a prefill phase's one-token answers never do)
+        batch = min(base.max_batch, sum(b * b for b in depths) / sum(depths)) if depths else 1.0
+        ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in decoded)
         step = base.decode_base_s + base.decode_per_seq_s * batch + base.decode_per_kv_token_s * ctx * batch
         k = statistics.median(tpots) / step
         changes.update(decode_base_s=base.decode_base_s * k, decode_per_seq_s=base.decode_per_seq_s * k,

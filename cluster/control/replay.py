@@ -77,7 +77,8 @@ def replay(rec: Recording, profile: CostProfile) -> tuple[SimResult, Trace]:
     """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured.
     Pure (deterministic)."""
     trace = trace_from_recording(rec)
-    sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer)
+    sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer,
+                     baseline_first=rec.source == "live")  # live, the manager's first step takes baselines only
     return sim.run(), trace
 
 

@@ -60,9 +60,12 @@ class Simulation(PoolChanges):
 
     def __init__(self, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
                  initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
-                 on_control: Callable[[float, Observation, Decision], None] | None = None) -> None:
+                 on_control: Callable[[float, Observation, Decision], None] | None = None,
+                 baseline_first: bool = False) -> None:
         """``observer``: how observations are built (default: seeded from ``profile``; a replay passes the recorded
-        one); ``on_control``: called with every window's observation and decision, holds included (a record)."""
+        one); ``on_control``: called with every window's observation and decision, holds included (a record);
+        ``baseline_first``: the first window only takes the actors' counters as baselines, as the live pool manager's
+        first step does (a live record's replay), instead of counting from t=0."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
         self.on_control = on_control
         rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
@@ -111,7 +114,7 @@ class Simulation(PoolChanges):
         self.state = ControllerState()
         # the simulated actors count K/V in tokens (a replayed live record's observer counted blocks)
         self.obs_cfg = dataclasses.replace(observer or profile.observer_config(cfg), kv_unit_tokens=1)
-        self.obs_state = ObserverState(t=0.0)
+        self.obs_state = ObserverState() if baseline_first else ObserverState(t=0.0)
         self.timeline: list[dict] = []
         self.decisions: list[dict] = []
         self.pending = 0
