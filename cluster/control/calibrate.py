@@ -97,11 +97,12 @@ def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
     s_ny = sum(n * y for n, _, y in samples)
     s_ky = sum(k * y for _, k, y in samples)
     det = s_nn * s_kk - s_nk * s_nk
-    if det > 0:
+    if det > 1e-9 * s_nn * s_kk:  # else steps and tokens move together: one cost explains both
         a, b = (s_ny * s_kk - s_ky * s_nk) / det, (s_ky * s_nn - s_ny * s_nk) / det
         if a >= 0 and b >= 0:
             return a, b
     a_only, b_only = s_ny / s_nn if s_nn else 0.0, s_ky / s_kk if s_kk else 0.0
     err_a = sum((y - n * a_only) ** 2 for n, _, y in samples)
     err_b = sum((y - k * b_only) ** 2 for _, k, y in samples)
-    return (max(0.0, a_only), 0.0) if err_a <= err_b else (0.0, max(0.0, b_only))
+    # on a tie (every sample one step of the same size) the step's fixed cost: a small prompt's is all fixed cost
+    return (max(0.0, a_only), 0.0) if err_a <= err_b + 1e-12 else (0.0, max(0.0, b_only))
