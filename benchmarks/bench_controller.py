@@ -187,8 +187,11 @@ def main(argv: list[str] | None = None) -> None:
                             f"error {np.mean(errs):.0%}; {int(np.mean(n_req))} requests")
                 print(f"{name:<11} {w:>7} {label:<22} {np.mean(xs):>6.1%} {min(xs):>6.1%} {max(xs):>6.1%}  {note}",
                       flush=True)
-            for s, a, b in zip(seeds, rows["adaptive"], rows["best fixed"]):
-                if a < b - GOAL_GAP or (b >= 0.97 and a < GOAL_HIGH):
+            for s, a, b, sp in zip(seeds, rows["adaptive"], rows["best fixed"], splits):
+                miss = a < b - GOAL_GAP or (b >= 0.97 and a < GOAL_HIGH)
+                print(f"{name:<11} {w:>7} seed {s:<17} adaptive {a:.2%} best fixed {b:.2%} ({sp}) {a - b:+.2%} "
+                      f"{'MISSED' if miss else 'met'}", flush=True)
+                if miss:
                     misses.append(f"{name} {w} seed {s}: adaptive {a:.1%} vs best fixed {b:.1%}")
     print("\nattainment: requests meeting both SLOs (429s are misses); min/max over the seeds")
     print("goal adaptive >= best fixed - 1 point, >= 95% where best fixed >= 97%: "

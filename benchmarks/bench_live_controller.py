@@ -1,7 +1,7 @@
 """The live controller against fixed splits, on one two-phase load, one run after another on this machine.
 
     python benchmarks/bench_live_controller.py [--phase-s 45] [--interval 3] [--slo-ttft 3.5] [--slo-tpot 0.1]
-                                               [--decode-streams 24] [--decode-tokens 48] [--kv-blocks N] [--out DIR]
+                                               [--decode-streams 24] [--decode-tokens 48] [--kv-blocks N] [--runs adaptive] [--out DIR]
 
 The defaults make each phase decide between the splits on this 2-core machine (one torch thread per actor): 24
 decode streams miss a 0.1 s TPOT on one decode actor and mostly meet it on two; two ~730-token prefill streams miss
@@ -38,6 +38,7 @@ from cluster.wire.worker_config import WorkerConfig
 
 SHORT_PROMPT = "Count from one to one hundred."
 LONG_PROMPT = " ".join(["Summarise the history of the printing press in Europe, with dates."] * 50)
+BUDGET_TOKENS = 64  # the workers' step budget (max_num_batched_tokens): small, so prompts take several steps
 RUNS = (("adaptive", (2, 1), False), ("fixed 1P2D", (1, 2), True), ("fixed 2P1D", (2, 1), True))
 
 
@@ -85,7 +86,7 @@ def attainment(rec: Recording, phase: str | None) -> tuple[float | None, int]:
 
 def one_run(name: str, sizes: tuple[int, int], dry_run: bool, args: argparse.Namespace, record: Path) -> Recording:
     kv = dict(num_kv_blocks=args.kv_blocks) if args.kv_blocks else dict(kv_cache_gib=0.5)
-    c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, max_num_batched_tokens=64, **kv),
+    c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, max_num_batched_tokens=BUDGET_TOKENS, **kv),
                             prefill=sizes[0], decode=sizes[1], port=0, budget=3, cpus_per_actor=0.5,
                             controller_interval_s=args.interval,
                             proxy=ProxySettings(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)))
@@ -119,12 +120,18 @@ def main() -> int:
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="K/V blocks per actor (16 tokens each; default 0.5 GiB): small enough and the decode phase "
                          "is bound by decode K/V (reservations of prompt + 256 tokens), not by its token rate")
+    ap.add_argument("--runs", default=",".join(r[0] for r in RUNS),
+                    help="which runs, comma-separated (default all; 'adaptive' alone: a short live run to replay)")
     ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-live-controller-"))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, sizes, dry_run in RUNS:
+    wanted = [w.strip() for w in args.runs.split(",")]
+    unknown = [w for w in wanted if w not in {r[0] for r in RUNS}]
+    if unknown or "adaptive" not in wanted:
+        ap.error(f"--runs: {unknown or 'adaptive'}: the runs are {', '.join(r[0] for r in RUNS)}, adaptive among them")
+    for name, sizes, dry_run in (r for r in RUNS if r[0] in wanted):
         path = out / f"{name.replace(' ', '-')}.jsonl"
         rec = one_run(name, sizes, dry_run, args, path)
         rows.append((name, rec, path))
@@ -149,7 +156,7 @@ def main() -> int:
               f"{statistics.median(ttft) if ttft else float('nan'):>14.2f}"
               f"{len(changes):>6}{' (dry)' if rec.dry_run else ''}")
     for fixed in ("fixed 1P2D", "fixed 2P1D"):
-        if att["adaptive"] is not None and att[fixed]:
+        if att["adaptive"] is not None and att.get(fixed):
             print(f"adaptive / {fixed}: {att['adaptive'] / att[fixed]:.2f}x")
     for name, rec, _ in rows:
         for d in (d for d in rec.decisions if d["changes"]):
@@ -160,8 +167,11 @@ def main() -> int:
     from cluster.control.calibrate import calibrate
 
     rec = rows[0][1]
-    for profile in (CostProfile.load(DEFAULT_PROFILE), calibrate(rec, CostProfile.load(DEFAULT_PROFILE))):
-        result, _ = replay(rec, profile)  # the checked-in profile, then calibrated from the record (issue 47)
+    base = CostProfile.load(DEFAULT_PROFILE)
+    # the checked-in profile, then calibrated from the record with prefill per request, then as the engine's steps
+    # of max_num_batched_tokens (BUDGET_TOKENS, as one_run starts the workers; issue 47)
+    for profile in (base, calibrate(rec, base), calibrate(rec, base, BUDGET_TOKENS)):
+        result, _ = replay(rec, profile)
         print("\n" + format_report(side_by_side(rec, result, profile)))
     return 0
 

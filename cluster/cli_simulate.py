@@ -30,6 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--profile", default=None, help="cost profile JSON (default: the checked-in CPU profile; with "
                                                     "--replay: the record's own profile, if it has one, and a live "
                                                     "record's calibrated from its measurements)")
+    s.add_argument("--prefill-budget", type=int, default=0, metavar="TOKENS",
+                   help="--replay of a live record: the workers' max_num_batched_tokens, so the calibrated profile "
+                        "prefills as the engine's steps do (several prompts share a step's budget and fixed cost)")
     s.add_argument("--speculative", default=None, metavar="A:K[:BUDGET[:DISABLE_AT]]",
                    help="decode with speculation: each draft accepted with probability A, K drafts per request, the "
                         "engine's verify_budget_tokens (default 16) and disable_by_batch_size (0: none); a generated "
@@ -65,7 +68,7 @@ def _replay(args: argparse.Namespace) -> int:
         else:
             profile = CostProfile(**rec.profile)
         if rec.source == "live" and not args.profile:  # the machine it ran on, from what the record measured
-            profile = calibrate(rec, profile)
+            profile = calibrate(rec, profile, args.prefill_budget)
         result, _ = replay(rec, profile)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

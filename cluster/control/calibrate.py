@@ -12,9 +12,19 @@ parts and TPOT, and every window's observation (decode actors' queue depths, the
 - ``prefill_overhead_s``: plus the median of what the TTFT parts leave of the TTFT (the unmodelled path), since the
   simulator's TTFT is its admission wait, prefill queue, prefill compute and exposed transfer only;
 - ``exposed_transfer``: the measured exposed transfer over the base profile's full transfer time;
-- the decode step's three coefficients scaled together, so a step at the decode actors' mean batch and context
-  takes the finished requests' median TPOT;
+- the decode step's three coefficients scaled together, so a step at the batch the decoded tokens saw (the decode
+  actors' depths, weighted by the tokens each decodes) and the decoding requests' mean context takes the finished
+  requests' median TPOT;
 - ``decode_kv_tokens``: the K/V tokens a decode actor holds, as the observations saw it.
+
+With the engine's step budget (``budget_tokens``: the workers' ``max_num_batched_tokens``) the prefill is calibrated
+for the simulator's step model instead (:mod:`cluster.control.sim_prefill`), from the measured step costs:
+
+- ``prefill_step_s`` and ``prefill_tps``: a least-squares fit of every finished request's prefill compute seconds
+  to ``steps x prefill_step_s + tokens / prefill_tps``, its steps ``ceil(tokens computed / budget)`` (each step's
+  fixed cost and its per-token cost; both kept >= 0);
+- ``ttft_path_s``: the median of what the TTFT parts leave (RPCs, the decode join), a latency that occupies no
+  actor, where the per-request model had to charge it to the prefill actor as ``prefill_overhead_s`` (0 here).
 
 What the record does not show (too few samples: under 8 finished requests with a measured part) is left as ``base``
 has it; ``source`` says what was calibrated.
@@ -23,6 +33,7 @@ has it; ``source`` says what was calibrated.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 from cluster.control.record import Recording
@@ -31,27 +42,39 @@ from cluster.control.sim_model import CostProfile
 MIN_SAMPLES = 8
 
 
-def calibrate(rec: Recording, base: CostProfile) -> CostProfile:
-    """``base`` corrected by what ``rec`` measured (see the module docstring). Pure."""
+def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> CostProfile:
+    """``base`` corrected by what ``rec`` measured (see the module docstring); ``budget_tokens`` > 0: the engine's
+    step budget, for the step model of prefill. Pure."""
     done = [f.sample for f in rec.finished]
     changes: dict[str, float] = {}
     pre = [s for s in done if s.prefill_compute_s > 0 and s.prompt_tokens > s.cached_tokens]
-    if len(pre) >= MIN_SAMPLES:
+    if len(pre) >= MIN_SAMPLES and budget_tokens > 0:
+        step_s, per_token = step_fit([(math.ceil((s.prompt_tokens - s.cached_tokens) / budget_tokens),
+                                       s.prompt_tokens - s.cached_tokens, s.prefill_compute_s) for s in pre])
+        changes.update(prefill_budget_tokens=budget_tokens, prefill_step_s=step_s, prefill_overhead_s=0.0,
+                       prefill_tps=1.0 / per_token if per_token > 0 else 1e9)
+    elif len(pre) >= MIN_SAMPLES:
         changes["prefill_tps"] = (sum(s.prompt_tokens - s.cached_tokens for s in pre)
                                   / sum(s.prefill_compute_s for s in pre))
     parts = [s for s in done if s.prefill_compute_s > 0]
     if len(parts) >= MIN_SAMPLES:
         rest = statistics.median(max(0.0, s.ttft_s - s.admission_wait_s - s.prefill_queue_s - s.prefill_compute_s
                                      - s.transfer_s) for s in parts)
-        changes["prefill_overhead_s"] = base.prefill_overhead_s + rest
+        if budget_tokens > 0:
+            changes["ttft_path_s"] = base.ttft_path_s + rest
+        else:
+            changes["prefill_overhead_s"] = base.prefill_overhead_s + rest
         full = [s.prompt_tokens * base.kv_bytes_per_token / (base.link_gbps * 1e9) for s in parts]
         if sum(full) > 0:
             changes["exposed_transfer"] = min(1.0, sum(s.transfer_s for s in parts) / sum(full))
-    tpots = [s.tpot_s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
-    decode = [(a.queue_depth, o.kv_tokens) for _, o in rec.observations for a in o.live("decode") if a.queue_depth > 0]
+    decoded = [s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
+    tpots = [s.tpot_s for s in decoded]
+    depths = [a.queue_depth for _, o in rec.observations for a in o.live("decode") if a.queue_depth > 0]
     if len(tpots) >= MIN_SAMPLES:
-        batch = min(base.max_batch, statistics.mean(b for b, _ in decode)) if decode else 1.0
-        ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in done)
+        # the batch a decoded token saw: the actors' depths weighted by the tokens they decode (their depth), and
+        # the context of the requests that decoded (a prefill phase's one-token answers never do)
+        batch = min(base.max_batch, sum(b * b for b in depths) / sum(depths)) if depths else 1.0
+        ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in decoded)
         step = base.decode_base_s + base.decode_per_seq_s * batch + base.decode_per_kv_token_s * ctx * batch
         k = statistics.median(tpots) / step
         changes.update(decode_base_s=base.decode_base_s * k, decode_per_seq_s=base.decode_per_seq_s * k,
@@ -63,3 +86,23 @@ def calibrate(rec: Recording, base: CostProfile) -> CostProfile:
         return base
     what = ", ".join(f"{k} {v:.4g}" for k, v in changes.items())
     return dataclasses.replace(base, **changes, source=f"{base.source}, calibrated from the record: {what}")
+
+
+def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """``(step seconds, seconds per token)`` fitting ``(steps, tokens, seconds)`` samples to ``seconds = steps x a +
+    tokens x b`` by least squares, both kept >= 0 (a negative one is set to 0 and the other refitted alone). Pure."""
+    s_nn = sum(n * n for n, _, _ in samples)
+    s_nk = sum(n * k for n, k, _ in samples)
+    s_kk = sum(k * k for _, k, _ in samples)
+    s_ny = sum(n * y for n, _, y in samples)
+    s_ky = sum(k * y for _, k, y in samples)
+    det = s_nn * s_kk - s_nk * s_nk
+    if det > 1e-9 * s_nn * s_kk:  # else steps and tokens move together: one cost explains both
+        a, b = (s_ny * s_kk - s_ky * s_nk) / det, (s_ky * s_nn - s_ny * s_nk) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    a_only, b_only = s_ny / s_nn if s_nn else 0.0, s_ky / s_kk if s_kk else 0.0
+    err_a = sum((y - n * a_only) ** 2 for n, _, y in samples)
+    err_b = sum((y - k * b_only) ** 2 for _, k, y in samples)
+    # on a tie (every sample one step of the same size) the step's fixed cost: a small prompt's is all fixed cost
+    return (max(0.0, a_only), 0.0) if err_a <= err_b + 1e-12 else (0.0, max(0.0, b_only))

@@ -403,7 +403,10 @@ def decide(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> t
         recent = state.decode_seen[-math.ceil(cfg.cooldown_s / cfg.interval_s):] if cfg.cooldown_s > 0 else ()
         spare = budget.spare((n_p, n_d), max([want_d] + [math.ceil(x / (mu_d * util_d)) for x in recent]), cfg,
                              cfg.hysteresis)
-        if spare:
+        if spare and cfg.guard_window_s > 0 and not guard.judgeable(state.mix_seen, state.tokens_seen,
+                                                                     obs.output_by_class, cfg):
+            why.append(f"{spare} spare decode actor(s) stay until the guard can judge the move")  # guard.judgeable
+        elif spare:
             spared = True
             t_p, t_d = n_p + spare, n_d - spare
             why.append(f"{spare} spare decode actor(s) to prefill")

@@ -83,6 +83,21 @@ def steady(long: Mix, short: Mix | None) -> bool:
                                                               long.arrivals / long.seconds), (work(short), work(long))))
 
 
+def judgeable(counts: Sequence[Sequence[float]], tokens: Sequence[float], outputs: Sequence[float],
+              cfg: GuardConfig) -> bool:
+    """Whether :func:`check` can weigh a move on these intervals: the guard is on and its window holds at least
+    ``QUARTERS`` intervals, ``MIN_ARRIVALS`` arrivals and a predicted output. A discretionary move (spare actors
+    parked in prefill) waits until it can: at 1,000 workers on Azure code the first window parked 494 spare decode
+    actors in prefill (500P:500D -> 994P:6D) before the guard had seen enough to veto it, and the K/V bursts of long
+    prompts cost 3 points of the hour in the 10 minutes before its override moved back. Pure."""
+    if cfg.guard_window_s <= 0:
+        return False
+    k_long = max(QUARTERS, int(cfg.guard_window_s // cfg.interval_s))
+    counts, tokens = list(counts)[-k_long:], list(tokens)[-k_long:]
+    long = mix(counts, tokens, outputs, cfg.interval_s)
+    return long is not None and long.arrivals >= MIN_ARRIVALS and len(counts) >= QUARTERS
+
+
 def check(counts: Sequence[Sequence[float]], tokens: Sequence[float], met: Sequence[float],
           outputs: Sequence[float], cap: Capacity, now: tuple[int, int], target: tuple[int, int], cfg: GuardConfig,
           discretionary: bool = False) -> tuple[tuple[int, int], str] | None:

@@ -8,8 +8,9 @@ requests the proxies reported, 429s counted as misses) beside simulated attainme
 
 Output lengths: a simulator's record carries each arrival's; a live record has the requested ``max_tokens`` per
 arrival and the finished requests' output lengths with no request id linking the two, so each arrival takes the
-output of the next unmatched finished request from the same proxy with the same prompt length (in time order), and
-``max_tokens x n`` (an upper bound) when there is none (a refused or unfinished request).
+output (and prefix-cache hit: its prefill computes only the rest) of the next unmatched finished request from the
+same proxy with the same prompt length (in time order), and ``max_tokens x n`` (an upper bound) when there is none (a
+refused or unfinished request).
 
 :func:`record_simulation` writes a record of a simulated run (what a replay of it must reproduce exactly: the
 simulator is deterministic given its arrivals).
@@ -36,24 +37,27 @@ def trace_from_recording(rec: Recording) -> Trace:
     """The recorded arrivals as a simulator trace (times from the record's start, never negative). Pure."""
     if not rec.arrivals:
         raise ValueError("the record holds no arrivals: nothing to replay")
-    outputs: dict[tuple[str, int], deque[int]] = defaultdict(deque)
+    outputs: dict[tuple[str, int], deque[tuple[int, int]]] = defaultdict(deque)
     for f in rec.finished:  # in time order
-        outputs[(f.proxy, f.sample.prompt_tokens)].append(f.sample.output_tokens)
-    t, prompt, output, asked = [], [], [], []
+        outputs[(f.proxy, f.sample.prompt_tokens)].append((f.sample.output_tokens, f.sample.cached_tokens))
+    t, prompt, output, asked, cached = [], [], [], [], []
     for a in rec.arrivals:
+        hit = 0
         if a.output_tokens is not None:
             out = a.output_tokens
         else:
             q = outputs.get((a.proxy, a.prompt_tokens))
-            out = q.popleft() if q else a.max_tokens * a.n
+            out, hit = q.popleft() if q else (a.max_tokens * a.n, 0)
         t.append(max(0.0, a.t))
         prompt.append(max(1, a.prompt_tokens))
         output.append(max(1, out))
         asked.append(max(1, out, a.max_tokens * a.n))
+        cached.append(min(hit, max(0, a.prompt_tokens - 1)))
     order = np.argsort(np.asarray(t), kind="stable")
     ts = np.asarray(t, dtype=np.float64)[order]
     return Trace(ts, np.asarray(prompt, dtype=np.int64)[order], np.asarray(output, dtype=np.int64)[order],
-                 float(max(rec.end_t, ts[-1])), max_tokens=np.asarray(asked, dtype=np.int64)[order])
+                 float(max(rec.end_t, ts[-1])), max_tokens=np.asarray(asked, dtype=np.int64)[order],
+                 cached=np.asarray(cached, dtype=np.int64)[order] if any(cached) else None)
 
 
 def live_attainment(rec: Recording) -> dict[str, Any]:
@@ -73,7 +77,8 @@ def replay(rec: Recording, profile: CostProfile) -> tuple[SimResult, Trace]:
     """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured.
     Pure (deterministic)."""
     trace = trace_from_recording(rec)
-    sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer)
+    sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer,
+                     baseline_first=rec.source == "live")  # live, the manager's first step takes baselines only
     return sim.run(), trace
 
 

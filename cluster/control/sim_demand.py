@@ -32,6 +32,7 @@ def window_demand(sim: Simulation, upto: int) -> Demand:
         max_output_tokens=float(sim._asked[lo:upto].sum()), gate_waiting=len(sim.adm_queue),
         gate_prompt_tokens=sim.adm_tokens, finished=len(done),
         finished_prompt_tokens=float(tr.prompt[idx].sum()), finished_output_tokens=float(out.sum()),
+        finished_cached_tokens=float(tr.cached[idx].sum()) if tr.cached is not None else 0.0,
         ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
         met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
         ttft_s=float(ttft.sum()), tpot_s=float(tpot.sum()), admission_wait_s=float((t_adm - t).sum()),

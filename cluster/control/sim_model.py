@@ -40,7 +40,13 @@ class CostProfile:
     """What one worker costs. ``pdcluster simulate --profile FILE`` reads these keys from JSON."""
 
     prefill_tps: float = 900.0  # prompt tokens per second one prefill actor processes (chunked, full budget)
-    prefill_overhead_s: float = 0.01  # fixed cost per request on the prefill actor
+    prefill_overhead_s: float = 0.01  # fixed cost per request on the prefill actor (per-request model only)
+    # the engine's step (cluster/control/sim_prefill.py): its token budget (max_num_batched_tokens; 0: the per-request
+    # model, each prompt alone for prompt / prefill_tps + prefill_overhead_s) and the fixed cost of one step, which
+    # then takes prefill_step_s + tokens / prefill_tps whatever prompts share it
+    prefill_budget_tokens: int = 0
+    prefill_step_s: float = 0.0
+    ttft_path_s: float = 0.0  # latency outside the engines in every TTFT (RPCs, the decode join): occupies no actor
     kv_bytes_per_token: float = 23040.0  # KV bytes per prompt token crossing the link (all layers)
     link_gbps: float = 2.0  # KV transfer bandwidth between a prefill and a decode actor, GB/s
     exposed_transfer: float = 1 / 30  # share of the transfer not hidden by layer-by-layer streaming (~1 layer)
@@ -140,9 +146,16 @@ class Trace:
     output: np.ndarray  # int64 output tokens (>= 1)
     duration: float
     max_tokens: np.ndarray | None = None  # int64 requested max_tokens (>= output); None: the rest of the context
+    cached: np.ndarray | None = None  # int64 prompt tokens the prefix cache serves (not computed); None: none
 
     def __len__(self) -> int:
         return len(self.t)
+
+    def computed(self) -> np.ndarray:
+        """Prompt tokens each request's prefill computes: its prompt less its prefix-cache hit, at least 1. Pure."""
+        if self.cached is None:
+            return self.prompt
+        return np.maximum(1, self.prompt - self.cached)
 
     def asked(self) -> np.ndarray:
         """Each request's ``max_tokens`` as its client sent it, or the rest of a :data:`CONTEXT_TOKENS` context

@@ -20,7 +20,7 @@ class SimActor:
     __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
                  "sum_p", "sum_vj", "heap", "version", "due", "next_t", "ready_at", "left", "kv_total", "kv_held",
                  "kv_reserved", "holds", "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy",
-                 "steps", "per_step")
+                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due")
 
     def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
         self.aid, self.role, self.ready_at = aid, role, ready_at
@@ -28,7 +28,13 @@ class SimActor:
         self.draining = False
         self.flip_to: str | None = None
         self.left = False
-        self.free_at = 0.0  # prefill: when its queue is done
+        self.free_at = 0.0  # prefill: when its queue is done (the step model: an estimate, to route by)
+        # prefill, the step model (cluster/control/sim_prefill.py; pq None: the per-request model): [request, tokens
+        # left] not yet in a formed step, their tokens, the end of its formed steps, whether a step event is due
+        self.pq: deque[list[int]] | None = None
+        self.p_queued = 0
+        self.p_end = 0.0
+        self.p_step_due = False
         self.b = 0  # decode: running sequences
         self.v = 0.0  # decode: tokens each running sequence has received since t=0 (virtual time)
         self.t_last = 0.0
@@ -73,11 +79,12 @@ class SimActor:
         back."""
         draining = self.draining or self.flip_to is not None
         if self.role == "prefill":
-            left = max(0.0, self.free_at - now)
+            left = max(0.0, (self.free_at if self.pq is None else self.p_end) - now)
             busy = self.p_work - left
             self.p_counted = max(self.p_counted, busy * self.p_tokens / self.p_work if self.p_work else 0.0)
             return ActorCounters(str(self.aid), "prefill", self.epoch, draining, prefill_tokens=self.p_counted,
-                                 busy_s=busy, queued_prefill_tokens=left * prefill_tps, running=int(left > 0))
+                                 busy_s=busy, queued_prefill_tokens=left * prefill_tps + self.p_queued,
+                                 running=int(left > 0 or self.p_queued > 0))
         self.advance(now)
         return ActorCounters(str(self.aid), "decode", self.epoch, draining, decode_tokens=self.d_tokens,
                              busy_s=self.busy, steps=self.steps, waiting=len(self.pending), running=self.b,

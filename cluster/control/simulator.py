@@ -9,9 +9,11 @@ The model (costs from a :class:`~cluster.control.sim_model.CostProfile`), in the
   one FIFO queue (a newcomer never overtakes), and that wait is part of its TTFT, as it is live. A wait longer than
   the profile's ``queue_timeout_s`` ends in a 429, as live after ``--queue-timeout``: the request is refused, counts
   as a miss, and the controller sees it in ``Demand.rejected``.
-- **Prefill**: it goes to the prefill actor that will be free first; each actor serves its queue first come first
-  served at ``prefill_tps`` (chunked prefill keeps it at full budget), plus a fixed overhead per request. The first
-  token leaves when the prompt is done.
+- **Prefill** (:mod:`cluster.control.sim_prefill`): it goes to the prefill actor that will be free first. With the
+  profile's ``prefill_budget_tokens`` set, each actor runs the engine's steps: up to that many prompt tokens a step,
+  first come first served, several prompts sharing one step and its fixed cost; else each prompt alone, in turn, at
+  ``prefill_tps`` plus a fixed overhead per request. The first token leaves when the prompt is done (plus the
+  profile's ``ttft_path_s``).
 - **KV transfer**: ``prompt tokens x kv_bytes_per_token`` over ``link_gbps``; layer-by-layer streaming hides all but
   ``exposed_transfer`` of it behind the prefill, and the request joins its decode actor when the last layer arrived.
 - **Decode**: continuous batching as processor sharing: every running sequence gets one token per step, and a step
@@ -40,27 +42,30 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cluster.control import budget
-from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, fixed_sizes
-from cluster.control.observe import ObserverConfig, ObserverState, build
+from cluster.control import budget, sim_prefill
+from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, fixed_sizes
+from cluster.control.observe import ObserverConfig, ObserverState
 from cluster.control.predict import prompt_classes
-from cluster.control.sim_demand import window_demand
 from cluster.control.sim_model import CostProfile, Trace
+from cluster.control.sim_pool import PoolChanges
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
-_JOIN, _FINISH, _READY, _RETRY, _DRAINED = 0, 1, 2, 3, 4  # event kinds
+_JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP = 0, 1, 2, 3, 4, 5  # event kinds (sim_pool, sim_prefill)
 
 
-class Simulation:
+class Simulation(PoolChanges):
     """One run. Per-request state lives in plain lists while it runs (numpy scalars cost ~10x a float per operation
     in the event loop) and becomes arrays in :class:`SimResult`; K/V is counted per decode actor as sums (held,
     reserved, requests owned), never per block."""
 
     def __init__(self, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
                  initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
-                 on_control: Callable[[float, Observation, Decision], None] | None = None) -> None:
+                 on_control: Callable[[float, Observation, Decision], None] | None = None,
+                 baseline_first: bool = False) -> None:
         """``observer``: how observations are built (default: seeded from ``profile``; a replay passes the recorded
-        one); ``on_control``: called with every window's observation and decision, holds included (a record)."""
+        one); ``on_control``: called with every window's observation and decision, holds included (a record);
+        ``baseline_first``: the first window only takes the actors' counters as baselines, as the live pool manager's
+        first step does (a live record's replay), instead of counting from t=0."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
         self.on_control = on_control
         rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
@@ -70,6 +75,10 @@ class Simulation:
             raise ValueError(f"initial sizes {sizes[0]}P:{sizes[1]}D must be >= 1 each and fit {workers} workers "
                              f"(ranks: {rp} per prefill actor, {rd} per decode actor)")
         self.kv_total = profile.decode_kv_tokens or UNBOUNDED
+        budget_tokens = profile.prefill_budget_tokens
+        self.step_mode = budget_tokens > 0  # the engine's chunked-prefill steps (sim_prefill), else per request
+        # seconds per prompt token in full steps: the prefill queue's value when a proxy picks an actor
+        self.step_per_token = (profile.prefill_step_s + budget_tokens / profile.prefill_tps) / max(1, budget_tokens)
         self.actors: list[SimActor] = []
         for role, n in zip(("prefill", "decode"), sizes):
             for _ in range(n):
@@ -78,6 +87,7 @@ class Simulation:
         self._t: list[float] = trace.t.tolist()
         self._p: list[int] = trace.prompt.tolist()
         self._o: list[int] = trace.output.tolist()
+        self._pf: list[int] = trace.computed().tolist()  # prompt tokens prefill computes (prefix-cache hits left out)
         # what the proxies see of each request: its ask and its prompt's class, never its output until it finishes
         self._asked = trace.asked()
         self._class = prompt_classes(trace.prompt)
@@ -104,7 +114,7 @@ class Simulation:
         self.state = ControllerState()
         # the simulated actors count K/V in tokens (a replayed live record's observer counted blocks)
         self.obs_cfg = dataclasses.replace(observer or profile.observer_config(cfg), kv_unit_tokens=1)
-        self.obs_state = ObserverState(t=0.0)
+        self.obs_state = ObserverState() if baseline_first else ObserverState(t=0.0)
         self.timeline: list[dict] = []
         self.decisions: list[dict] = []
         self.pending = 0
@@ -114,6 +124,8 @@ class Simulation:
     # -- actors -----------------------------------------------------------------------------------------------
     def _new_actor(self, role: str, ready_at: float) -> SimActor:
         a = SimActor(len(self.actors), role, ready_at, self.kv_total)
+        if self.step_mode:
+            a.pq = deque()
         self.actors.append(a)
         return a
 
@@ -208,22 +220,10 @@ class Simulation:
         if self.adm_queue:
             self._admit(now)
 
-    # -- prefill -----------------------------------------------------------------------------------------------
+    # -- prefill (cluster/control/sim_prefill.py) --------------------------------------------------------------
     def _prefill(self, a: SimActor, r: int, now: float) -> None:
-        prof = self.prof
-        p = self._p[r]
-        start = a.free_at if a.free_at > now else now
-        work = p / prof.prefill_tps + prof.prefill_overhead_s
-        done = start + work
-        a.free_at = done
-        a.p_tokens += p
-        a.p_work += work
-        heapq.heapreplace(self.prefill_heap, (done, a.aid))  # a's entry was the top
-        transfer = p * prof.kv_bytes_per_token / (prof.link_gbps * 1e9)
-        exposed = transfer * prof.exposed_transfer
-        self.first[r] = done + exposed
-        self.t_pq[r], self.t_pc[r], self.t_xf[r] = start - now, work, exposed
-        heapq.heappush(self.events, (done + transfer, _JOIN, next(self.seq), r, 0))
+        """``r`` (admitted at ``now``) goes to prefill actor ``a``, the top of the prefill heap."""
+        (sim_prefill.enqueue if self.step_mode else sim_prefill.per_request)(self, a, r, now)
 
     # -- decode (processor sharing in virtual time) -------------------------------------------------------------
     def _start(self, a: SimActor, r: int) -> None:
@@ -231,84 +231,6 @@ class Simulation:
         a.sum_p += self._p[r]
         a.sum_vj += a.v
         heapq.heappush(a.heap, (a.v + self._o[r] - 1, r))
-
-    # -- controller ---------------------------------------------------------------------------------------------
-    def _leave(self, a: SimActor, now: float) -> None:
-        if a.left:
-            return
-        a.live = False
-        if a.flip_to is not None:  # changes role once empty; its counters start over
-            a.role, a.flip_to, a.draining = a.flip_to, None, False
-            a.free_at, a.ready_at = 0.0, now + self.prof.flip_s
-            a.epoch += 1
-            a.p_tokens = a.p_work = a.p_counted = a.d_tokens = a.busy = a.steps = 0.0
-            self._push(a.ready_at, _READY, a.aid)
-        else:
-            a.left = True
-            self.pending -= 1
-            self._record(now)
-
-    def _ready(self, a: SimActor, now: float) -> None:
-        a.live = True
-        a.t_last = now
-        a.free_at = now
-        self.pending -= 1
-        if a.role == "prefill":
-            heapq.heappush(self.prefill_heap, (a.free_at, a.aid))
-        else:
-            heapq.heappush(self.kv_heap, (-a.kv_free(), a.aid))
-            self._admit(now)
-        self._record(now)
-
-    def _record(self, now: float) -> None:
-        n_p = sum(1 for a in self.actors if a.live and a.role == "prefill")
-        n_d = sum(1 for a in self.actors if a.live and a.role == "decode")
-        if not self.timeline or (self.timeline[-1]["n_prefill"], self.timeline[-1]["n_decode"]) != (n_p, n_d):
-            self.timeline.append({"t": round(float(now), 3), "n_prefill": n_p, "n_decode": n_d})
-
-    def _control(self, now: float, upto: int) -> None:
-        bounded = self.kv_total < UNBOUNDED
-        counters = [a.counters(now, self.prof.prefill_tps, bounded) for a in self.actors if a.live]
-        self._expire(now)
-        obs, self.obs_state = build(now, counters, window_demand(self, upto), self.obs_cfg, self.obs_state, self.pending)
-        self.mark, self.window_done, self.window_refused = upto, [], 0
-        if obs is None:
-            return
-        decision, self.state = decide(obs, self.cfg, self.state)
-        if self.on_control is not None:
-            self.on_control(float(now), obs, decision)
-        if not decision.changes:
-            return
-        self.decisions.append({"t": round(float(now), 3), "reason": decision.reason, "add": list(decision.add),
-                               "drain": list(decision.drain), "flip": [list(f) for f in decision.flip]})
-        for role in decision.add:
-            a = self._new_actor(role, now + self.prof.start_s)
-            self.pending += 1
-            self._push(a.ready_at, _READY, a.aid)
-        for aid, new_role in decision.flip:
-            a = self.actors[int(aid)]
-            a.draining, a.flip_to = True, new_role
-            self.pending += 2  # the drain and the role change
-            self._drain_check(a, now)
-        for aid in decision.drain:
-            a = self.actors[int(aid)]
-            a.draining = True
-            self.pending += 1
-            self._drain_check(a, now)
-
-    def _drain_check(self, a: SimActor, now: float) -> None:
-        if a.role == "prefill":
-            if a.free_at <= now:
-                self._leave_counted(a, now)
-            else:
-                self._push(a.free_at, _DRAINED, a.aid)
-        elif a.holds == 0:
-            self._leave_counted(a, now)
-
-    def _leave_counted(self, a: SimActor, now: float) -> None:
-        if a.flip_to is not None:
-            self.pending -= 1  # the drain part of a flip is done
-        self._leave(a, now)
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -330,11 +252,11 @@ class Simulation:
             prof.max_batch
         positions, tokens = (list(x) for x in zip(*(prof.spec.step(b) for b in range(max_batch + 1))))  # per batch
         # per-request constants of prefill and transfer, computed once for the whole trace
-        p_arr = self.trace.prompt
-        works = (p_arr / ptps + pover).tolist()
+        p_arr, computed = self.trace.prompt, self._pf
+        works = (self.trace.computed() / ptps + pover).tolist()
         transfers = (p_arr * kvb / link).tolist()
         exposeds = (p_arr * kvb / link * expo).tolist()
-        interval = cfg.interval_s
+        interval, step_mode = cfg.interval_s, self.step_mode
         next_control = interval
         self._record(0.0)
         i = 0
@@ -389,12 +311,15 @@ class Simulation:
                 if pa is None:
                     self._push(ta + 0.05, _RETRY, r)
                     continue
-                start = pa.free_at  # prefill: as _prefill
+                if step_mode:
+                    sim_prefill.enqueue(self, pa, r, ta)
+                    continue
+                start = pa.free_at  # prefill, per request: as sim_prefill.per_request
                 if start < ta:
                     start = ta
                 work = works[r]
                 pa.free_at = done = start + work
-                pa.p_tokens += prompt[r]
+                pa.p_tokens += computed[r]
                 pa.p_work += work
                 heapreplace(prefill_heap, (done, pa.aid))
                 exposed = exposeds[r]
@@ -489,6 +414,8 @@ class Simulation:
                         heappush(events, (due, _FINISH, next(seq), a.aid, a.version))
                 else:
                     a.pending.append(r)
+            elif kind == _STEP:
+                sim_prefill.form(self, actors[x], t)
             elif kind == _READY:
                 self._ready(actors[x], t)
             elif kind == _DRAINED:

@@ -346,8 +346,9 @@ def test_a_prefill_backlog_it_cannot_clear_keeps_prefills_floor() -> None:
 def test_spare_decode_actors_wait_in_prefill_while_the_loads_are_steady() -> None:
     """8P:8D where 4 prefill and 5 decode actors carry the load: the spare waits in prefill, which grows only by
     draining decode actors (tens of seconds), while decode takes a prefill actor in seconds; decode keeps one actor
-    over its need, and nothing moves again on the same load."""
-    cfg = ControllerConfig(budget=16, cooldown_s=60)
+    over its need, and nothing moves again on the same load. (Guard off: with it on, a spare move waits until it can
+    be judged, next test.)"""
+    cfg = ControllerConfig(budget=16, cooldown_s=60, guard_window_s=0)
     steps = run(cfg, [(3000.0, 1000.0)] * 12, 8, 8)
     assert steps[0][:2] == (10, 6) and "2 spare decode actor(s) to prefill" in steps[0][2].reason
     assert all(s[:2] == (10, 6) and not s[2].changes for s in steps[1:])
@@ -364,6 +365,21 @@ def test_spare_decode_actors_wait_in_prefill_while_the_loads_are_steady() -> Non
     assert not d.changes, d.reason
     d, _ = decide(observe(30.0, 3000.0, 1000.0, 8, 8), cfg, replace(peak, decode_seen=(1500.0, 1000.0)))
     assert d.changes, d.reason  # three windows ago: no longer
+
+
+def test_spare_actors_wait_until_the_guard_can_judge_the_move() -> None:
+    """Issue 47 at 1,000 workers, Azure code: the first window parked 494 spare decode actors in prefill (500P:500D ->
+    994P:6D) before the guard had seen enough of the mix to veto it; bursts of long prompts then waited for decode
+    K/V for ten minutes (84.7% against the best fixed split's 87.8%). A spare move now waits for the guard's first
+    judgeable window (``guard.judgeable``: four intervals), and then the guard weighs it as any discretionary move."""
+    cfg = ControllerConfig(budget=16, cooldown_s=60, interval_s=15.0)
+    mix = dict(arrivals_by_class=tuple([0.0] * 9 + [10.0] + [0.0] * 6), output_by_class=tuple([100.0] * 16))
+    state = ControllerState()
+    for k in range(3):  # three windows of a steady load whose spare decode actors could go to prefill
+        d, state = decide(observe(k * 15.0, 3000.0, 1000.0, 8, 8, **mix), cfg, state)
+        assert not d.changes and "stay until the guard can judge" in d.reason, d.reason
+    d, state = decide(observe(45.0, 3000.0, 1000.0, 8, 8, **mix), cfg, state)  # the fourth: judged, and made
+    assert d.changes and "spare decode actor(s) to prefill" in d.reason, d.reason
 
 
 def test_ttft_misses_no_split_fixes_do_not_grow_prefill() -> None:

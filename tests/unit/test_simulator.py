@@ -168,8 +168,10 @@ def test_bench_controller_prints_every_policy_and_the_goals(capsys: pytest.Captu
 
     bench_main(["--workers", "4", "--duration", "300", "--workloads", "aperiodic,shifted", "--seeds", "0,1"])
     out = capsys.readouterr().out
-    for row in ("aperiodic", "shifted"):
-        assert sum(1 for line in out.splitlines() if line.startswith(row)) == 4, out
+    for row in ("aperiodic", "shifted"):  # four policies, then one line per seed: adaptive against best fixed
+        assert sum(1 for line in out.splitlines() if line.startswith(row)) == 4 + 2, out
+        assert sum(1 for line in out.splitlines() if line.startswith(row) and " seed " in line
+                   and "best fixed" in line and line.rstrip().endswith(("met", "MISSED"))) == 2, out
     for label in ("adaptive", "even", "best fixed", "throughput", "splits ", "output predictor error"):
         assert label in out
     assert "goal adaptive >= best fixed - 1 point" in out
