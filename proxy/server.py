@@ -283,7 +283,8 @@ class Proxy:
             parsed = parse_chat_request(body, self.proto)
             try:
                 tools = list(parsed.tools.tools) if parsed.tools is not None else None
-                rendered = self.tok.render_chat(parsed.template_messages(), tools, **dict(parsed.template_kwargs))
+                rendered = self.tok.render_chat(parsed.template_messages(), tools=tools,
+                                                 **dict(parsed.template_kwargs))
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             # the ids a recorded earlier turn was served with for the rendered text's head, the rest tokenized
