@@ -130,12 +130,12 @@ _FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--disagg-mode", "disagg_mode", str,
      "disaggregated clusters: where each prompt is prefilled: auto (a prefill actor or its decode owner, whichever "
      "the measured costs favour), always (a prefill actor), never (the decode owner)"),
-    ("--kv-tenant-from", "kv_tenant_from", str,
-     "where a request's K/V tenant comes from: none (one shared namespace), api-key (the Bearer key, hashed), user "
-     "(the OpenAI user field) or header:NAME; another tenant's prefix is never a cache hit"),
     ("--chat-token-cache-mib", "chat_token_cache_mib", int,
      "MiB of finished chat turns each proxy remembers (rendered text -> the token ids served, per tenant), so a "
      "conversation's next turn reuses its answers' generated ids and hits their cached K/V; 0 turns it off"),
+    ("--kv-tenant-from", "kv_tenant_from", str,
+     "where a request's K/V tenant comes from: none (one shared namespace), api-key (the Bearer key, hashed), user "
+     "(the OpenAI user field) or header:NAME; another tenant's prefix is never a cache hit"),
 )
 _CHOICES = {"tool_call_parser": TOOL_PARSERS, "disagg_mode": DISAGG_MODES}
 
