@@ -21,8 +21,9 @@ from __future__ import annotations
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 Scope = tuple[str, str]  # (model fingerprint, K/V tenant namespace)
 Encode = Callable[[str], list[int]]  # text -> ids, no special tokens added (the template renders them)
@@ -162,5 +163,26 @@ class ChatTokenCache:
                 ("reused_tokens_total", "counter", self.reused_tokens),
                 ("recorded_total", "counter", self.recorded), ("unrecorded_total", "counter", self.unrecorded),
                 ("entries", "gauge", self.entries), ("bytes", "gauge", self.bytes))
-        return [line for name, kind, v in rows
-                for line in (f"# TYPE pdcluster_chat_token_cache_{name} {kind}", f"pdcluster_chat_token_cache_{name} {v}")]
+        return [line for name, kind, v in rows for line in (f"# TYPE pdcluster_chat_token_cache_{name} {kind}",
+                                                           f"pdcluster_chat_token_cache_{name} {v}")]
+
+
+def chat_scope(decode_infos: Iterable[Mapping[str, Any]], namespace: str) -> Scope | None:
+    """Whose records a request may reuse: the model fingerprint the live decode actors (their ``info``) share and
+    the request's K/V tenant namespace; None when they share none (no actor yet, a rolling model change). Pure."""
+    fingerprints = {info.get("fingerprint", "") for info in decode_infos}
+    return (fingerprints.pop(), namespace) if len(fingerprints) == 1 else None
+
+
+def record_finished(cache: ChatTokenCache, jobs: Sequence[Any], decode: Decode) -> None:
+    """Mutates ``cache``: every finished completion of each chat prompt in ``jobs`` (``proxy.jobs.Job`` values with a
+    ``chat_turn``), with the ids it was generated as; a prompt ended by an error, or served by any actor (a leg) of
+    another fingerprint than the one it was looked up under, is skipped."""
+    for j in jobs:
+        turn: ChatTurn | None = j.chat_turn
+        if turn is None or turn.scope is None or j.error is not None or any(
+                leg.actor is None or leg.actor.info.get("fingerprint", "") != turn.scope[0] for leg in j.legs):
+            continue
+        for c in j.choices:
+            if c.finish is not None:
+                cache.record(turn, c.text, c.token_ids, decode)

@@ -29,7 +29,7 @@ from cluster.wire.proxy_settings import DEFAULTS, ProxySettings
 from cluster.wire.telemetry import WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
-from proxy.chat_token_cache import ChatTokenCache, ChatTurn, Scope
+from proxy.chat_token_cache import ChatTokenCache, ChatTurn, chat_scope, record_finished
 from proxy.disagg import DisaggPolicy
 from proxy.dispatch import DispatchConfig, Dispatcher
 from proxy.errors import APIError, internal_error, unauthorized
@@ -288,7 +288,9 @@ class Proxy:
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             # the ids a recorded earlier turn was served with for the rendered text's head, the rest tokenized
-            turn = self.chat_tokens.prompt(self._chat_scope(headers, parsed.user), rendered,
+            scope = chat_scope([a.info for a in self.pools.live_decode()],
+                               kv_namespace(self.cfg.settings.kv_tenant_from, headers, parsed.user))
+            turn = self.chat_tokens.prompt(scope, rendered,
                                            lambda text: self.tok.encode(text, add_special_tokens=False))
             prompts = [list(turn.ids)]
             param = "messages"
@@ -310,26 +312,6 @@ class Proxy:
             jobs.append(job)
         return parsed, jobs
 
-    def _chat_scope(self, headers: Mapping[str, str], user: str | None) -> Scope | None:
-        """Whose recorded chat turns a request may reuse: the model fingerprint the live decode actors share (None
-        when they do not share one) and the request's K/V tenant namespace. Pure."""
-        fingerprints = {a.info.get("fingerprint", "") for a in self.pools.live_decode()}
-        if len(fingerprints) != 1:
-            return None
-        return fingerprints.pop(), kv_namespace(self.cfg.settings.kv_tenant_from, headers, user)
-
-    def _record_chat(self, jobs: list[Job]) -> None:
-        """Mutates the chat token cache: every finished completion of a chat prompt, with the ids it was generated
-        as, when every actor that served it has the fingerprint the prompt was looked up under."""
-        for j in jobs:
-            turn: ChatTurn | None = j.chat_turn
-            if turn is None or turn.scope is None or j.error is not None or any(
-                    leg.actor is None or leg.actor.info.get("fingerprint", "") != turn.scope[0] for leg in j.legs):
-                continue
-            for c in j.choices:
-                if c.finish is not None:
-                    self.chat_tokens.record(turn, c.text, c.token_ids, self.tok.decode)
-
     def _usage(self, jobs: list[Job], only_prompt: bool = False) -> Usage:
         """Every prompt counted (duplicates too), every completion's tokens (none under echo with max_tokens 0), the
         owners' cached-token counts."""
@@ -346,7 +328,7 @@ class Proxy:
         async for _ in self.dispatch.deltas(jobs):
             pass
         if chat:
-            self._record_chat(jobs)
+            record_finished(self.chat_tokens, jobs, self.tok.decode)
         latency = self._observe(jobs, start)
         rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
         echo = getattr(parsed, "echo_text", None)
@@ -418,7 +400,7 @@ class Proxy:
             self._done(e.status)
             return resp
         if chat:
-            self._record_chat(jobs)
+            record_finished(self.chat_tokens, jobs, self.tok.decode)
         if include:
             await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs, only))))
         await resp.write(SSE_DONE)

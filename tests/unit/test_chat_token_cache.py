@@ -158,3 +158,36 @@ def test_the_flag_and_its_metrics() -> None:
     assert "pdcluster_chat_token_cache_hits_total 1" in lines and "pdcluster_chat_token_cache_misses_total 1" in lines
     assert "pdcluster_chat_token_cache_entries 1" in lines
     assert "# TYPE pdcluster_chat_token_cache_bytes gauge" in lines
+
+
+def test_the_scope_needs_one_fingerprint_and_answers_are_recorded_only_whole_and_from_that_model() -> None:
+    import asyncio
+
+    from cluster.wire.messages import GenerateRequest
+    from proxy.chat_token_cache import chat_scope, record_finished
+    from proxy.jobs import Job, Leg
+    from types import SimpleNamespace
+
+    assert chat_scope([{"fingerprint": "fp"}, {"fingerprint": "fp"}], "t") == ("fp", "t")
+    assert chat_scope([{"fingerprint": "fp"}, {"fingerprint": "new"}], "t") is None  # a rolling model change
+    assert chat_scope([], "t") is None
+
+    def job(fingerprint: str, finish: str | None, error: str | None = None) -> Job:
+        cache_turn = cache.prompt(SCOPE, render([], "tree?"), encode)
+        j = Job(GenerateRequest(request_id="r", prompt_token_ids=tuple(cache_turn.ids), n=2), 0,
+                chat_turn=cache_turn)
+        j.legs.append(Leg(j.req, asyncio.Queue(), actor=SimpleNamespace(info={"fingerprint": fingerprint})))
+        j.choices[0].text, j.choices[0].token_ids, j.choices[0].finish = ANSWER, list(GENERATED), finish
+        j.choices[1].text, j.choices[1].token_ids, j.choices[1].finish = "Th", [ID["T"], ID["h"]], "length"
+        j.error = error
+        return j
+
+    cache = ChatTokenCache(1 << 20)
+    record_finished(cache, [job("other", "stop"), job("fp", "stop", error="boom")], decode)
+    assert cache.entries == 0
+    record_finished(cache, [job("fp", None)], decode)  # the first completion never finished: the second is kept
+    assert cache.entries == 1
+    record_finished(cache, [job("fp", "stop")], decode)  # n=2: both answers
+    assert cache.entries == 2
+    assert cache.prompt(SCOPE, render([("tree?", ANSWER)], "more"), encode).reused_tokens == \
+        len(encode(render([], "tree?"))) + len(GENERATED) - 1
