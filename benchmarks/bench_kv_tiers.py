@@ -121,11 +121,18 @@ def main() -> None:
                     help="the tiered runs: one per disk integrity check")
     ap.add_argument("--chat-token-cache-mib", type=int, default=64,
                     help="every cluster's proxy chat token cache (proxy/chat_token_cache.py); 0: off, as before it")
+    ap.add_argument("--answers-out", default=None,
+                    help="write every run's answers here (JSON: run -> chat -> turn), to compare runs")
     args = ap.parse_args()
     runs: dict[str, ChatRun] = {}
     for name in ("untiered", *args.integrity):
         with tempfile.TemporaryDirectory(prefix="kv-tiers-") as disk_dir:
             runs[name] = serve_and_run(None if name == "untiered" else name, args, disk_dir)
+    if args.answers_out:
+        import json
+
+        with open(args.answers_out, "w") as f:
+            json.dump({name: run.answers for name, run in runs.items()}, f)
     p50 = statistics.median
     base = runs["untiered"]
     print(f"chats {args.chats} x turns {args.turns}, 2 prefill + 1 decode, {args.blocks} blocks/actor, float32")
