@@ -86,13 +86,15 @@ def _promoted_blocks(url: str) -> dict[str, int]:
 def serve_and_run(tiers: str | None, args: argparse.Namespace, disk_dir: str) -> ChatRun:
     """``tiers``: None (untiered), or the disk tier's integrity check ("payload_mac", "blake2b")."""
     from cluster.launcher import Cluster, ServeConfig
+    from cluster.wire.proxy_settings import ProxySettings
     from cluster.wire.worker_config import WorkerConfig
 
     extra: dict[str, Any] = dict(kv_host_gib=args.host_gib, kv_disk_dir=disk_dir, kv_disk_gib=args.disk_gib,
                                  kv_disk_integrity=tiers) if tiers else {}
     cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=args.blocks,
                                                       max_num_batched_tokens=args.batch_tokens, **extra),
-                                  decode=1, prefill=2, port=0, mode="disaggregated"))
+                                  decode=1, prefill=2, port=0, mode="disaggregated",
+                                  proxy=ProxySettings(chat_token_cache_mib=args.chat_token_cache_mib)))
     try:
         cluster.start()
         run = run_chats(cluster.urls[0], args.chats, args.turns, args.system_words, args.user_words,
@@ -117,11 +119,20 @@ def main() -> None:
     ap.add_argument("--disk-gib", type=float, default=1.0)
     ap.add_argument("--integrity", nargs="+", default=["blake2b", "payload_mac"], choices=("payload_mac", "blake2b"),
                     help="the tiered runs: one per disk integrity check")
+    ap.add_argument("--chat-token-cache-mib", type=int, default=64,
+                    help="every cluster's proxy chat token cache (proxy/chat_token_cache.py); 0: off, as before it")
+    ap.add_argument("--answers-out", default=None,
+                    help="write every run's answers here (JSON: run -> chat -> turn), to compare runs")
     args = ap.parse_args()
     runs: dict[str, ChatRun] = {}
     for name in ("untiered", *args.integrity):
         with tempfile.TemporaryDirectory(prefix="kv-tiers-") as disk_dir:
             runs[name] = serve_and_run(None if name == "untiered" else name, args, disk_dir)
+    if args.answers_out:
+        import json
+
+        with open(args.answers_out, "w") as f:
+            json.dump({name: run.answers for name, run in runs.items()}, f)
     p50 = statistics.median
     base = runs["untiered"]
     print(f"chats {args.chats} x turns {args.turns}, 2 prefill + 1 decode, {args.blocks} blocks/actor, float32")

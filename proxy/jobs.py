@@ -68,6 +68,8 @@ class Job:
     # the prompt's (token id, logprob) pairs when asked (echo with logprobs): from the prefill actor's result or the
     # colocated owner's first delta; the first that comes is kept (a resumed leg recomputes the same)
     prompt_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    # a chat prompt as rendered and tokenized (proxy/chat_token_cache.ChatTurn): its answers are recorded under it
+    chat_turn: Any = None
 
     def __post_init__(self) -> None:
         if not self.choices:

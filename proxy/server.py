@@ -29,6 +29,7 @@ from cluster.wire.proxy_settings import DEFAULTS, ProxySettings
 from cluster.wire.telemetry import WorkerStats
 from cluster.wire.token_stream import TokenStreamServer
 from proxy.admission import AdmissionConfig
+from proxy.chat_token_cache import ChatTokenCache, ChatTurn, chat_scope, record_finished
 from proxy.disagg import DisaggPolicy
 from proxy.dispatch import DispatchConfig, Dispatcher
 from proxy.errors import APIError, internal_error, unauthorized
@@ -118,6 +119,8 @@ class Proxy:
                                                                       cfg.settings.slo_tpot_s)),
                                    lambda t: self.tok.decode_token(t))
         self._ids = itertools.count()
+        # finished chat turns' token ids, so a conversation's next turn hits its answers' K/V (--chat-token-cache-mib)
+        self.chat_tokens = ChatTokenCache(cfg.settings.chat_token_cache_mib * 2**20)
         self._refresher: asyncio.Task[None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
@@ -229,7 +232,8 @@ class Proxy:
         tiers = tier_metric_lines({a.name: a.stats for pool in (self.pools.prefill, self.pools.decode)
                                    for a in pool.values() if a.alive and a.stats})
         return web.Response(text=self.metrics.render(self.gate.waiting, kv, pools, decisions, fallbacks, spec)
-                            + "".join(f"{line}\n" for line in tiers), content_type="text/plain")
+                            + "".join(f"{line}\n" for line in tiers + self.chat_tokens.metric_lines()),
+                            content_type="text/plain")
 
     # -- generation --------------------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -274,13 +278,21 @@ class Proxy:
                      ) -> tuple[ChatCompletionRequest | CompletionRequest, list[Job]]:
         body = decode_body(raw, self.cfg.max_body_bytes)
         parsed: ChatCompletionRequest | CompletionRequest
+        turn: ChatTurn | None = None
         if chat:
             parsed = parse_chat_request(body, self.proto)
             try:
                 tools = list(parsed.tools.tools) if parsed.tools is not None else None
-                prompts = [self.tok.encode_chat(parsed.template_messages(), tools, **dict(parsed.template_kwargs))]
+                rendered = self.tok.render_chat(parsed.template_messages(), tools=tools,
+                                                 **dict(parsed.template_kwargs))
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
+            # the ids a recorded earlier turn was served with for the rendered text's head, the rest tokenized
+            scope = chat_scope([a.info for a in self.pools.live_decode()],
+                               kv_namespace(self.cfg.settings.kv_tenant_from, headers, parsed.user))
+            turn = self.chat_tokens.prompt(scope, rendered,
+                                           lambda text: self.tok.encode(text, add_special_tokens=False))
+            prompts = [list(turn.ids)]
             param = "messages"
         else:
             parsed = parse_completion_request(body, self.proto)
@@ -295,7 +307,7 @@ class Proxy:
             gen = to_generate_request(f"{base}-{next(self._ids)}", ids, parsed.sampling, self.proto.max_model_len,
                                       param, self.stream.address)
             gen = dataclasses.replace(gen, trace_id=trace, kv_namespace=namespace)
-            job = Job(gen, i)
+            job = Job(gen, i, chat_turn=turn)
             self.dispatch.new_leg(job, gen)
             jobs.append(job)
         return parsed, jobs
@@ -315,6 +327,8 @@ class Proxy:
     async def _collect(self, parsed: Any, jobs: list[Job], chat: bool, start: float, trace: str) -> web.Response:
         async for _ in self.dispatch.deltas(jobs):
             pass
+        if chat:
+            record_finished(self.chat_tokens, jobs, self.tok.decode)
         latency = self._observe(jobs, start)
         rid, created = jobs[0].req.request_id.rsplit("-", 1)[0], int(time.time())
         echo = getattr(parsed, "echo_text", None)
@@ -385,6 +399,8 @@ class Proxy:
             await resp.write_eof()
             self._done(e.status)
             return resp
+        if chat:
+            record_finished(self.chat_tokens, jobs, self.tok.decode)
         if include:
             await resp.write(sse_event(usage_chunk_body(chat, rid, parsed.model, created, self._usage(jobs, only))))
         await resp.write(SSE_DONE)

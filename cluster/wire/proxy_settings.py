@@ -41,12 +41,16 @@ class ProxySettings:
     # where a request's K/V tenant comes from (proxy/tenant.py): none, api-key, user or header:NAME; another tenant's
     # prefix is never a cache hit on any tier
     kv_tenant_from: str = "none"
+    # MiB of finished chat turns (rendered text -> the token ids served) each proxy keeps, so a conversation's next
+    # turn reuses the answer's generated ids and hits its K/V (proxy/chat_token_cache.py); 0 turns it off
+    chat_token_cache_mib: int = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.queue_timeout_s, bool) or not isinstance(self.queue_timeout_s, (int, float)) \
                 or not self.queue_timeout_s > 0:
             raise ValueError(f"queue_timeout_s: must be a number of seconds > 0, got {self.queue_timeout_s!r}")
-        for name, least in (("max_waiting", 0), ("reserve_headroom_tokens", 1), ("max_resumes", 0)):
+        for name, least in (("max_waiting", 0), ("reserve_headroom_tokens", 1), ("max_resumes", 0),
+                            ("chat_token_cache_mib", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"{name}: must be an integer >= {least}, got {v!r}")
@@ -126,6 +130,9 @@ _FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--disagg-mode", "disagg_mode", str,
      "disaggregated clusters: where each prompt is prefilled: auto (a prefill actor or its decode owner, whichever "
      "the measured costs favour), always (a prefill actor), never (the decode owner)"),
+    ("--chat-token-cache-mib", "chat_token_cache_mib", int,
+     "MiB of finished chat turns each proxy remembers (rendered text -> the token ids served, per tenant), so a "
+     "conversation's next turn reuses its answers' generated ids and hits their cached K/V; 0 turns it off"),
     ("--kv-tenant-from", "kv_tenant_from", str,
      "where a request's K/V tenant comes from: none (one shared namespace), api-key (the Bearer key, hashed), user "
      "(the OpenAI user field) or header:NAME; another tenant's prefix is never a cache hit"),

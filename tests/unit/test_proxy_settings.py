@@ -19,7 +19,7 @@ from proxy.tools import PARSERS
 
 CHANGED = ProxySettings(queue_timeout_s=2.5, max_waiting=7, reserve_headroom_tokens=64, max_resumes=0, slo_ttft_s=1.25,
                         slo_tpot_s=0.05, slo_window_s=30.0, enable_auto_tool_choice=True, tool_call_parser="hermes",
-                        chat_template="/tmp/template.jinja")
+                        chat_template="/tmp/template.jinja", chat_token_cache_mib=0)
 PROXY_REQUIRED = ["--ray-address", "127.0.0.1:1", "--port", "0"]
 
 
