@@ -22,7 +22,8 @@ namespace {
 constexpr int CHUNK = 128;     // positions per online-softmax step
 constexpr int MAX_DIM = 256;   // head_dim bound (the caller falls back above it)
 constexpr int MAX_GROUP = 16;  // query heads per kv head bound (likewise)
-constexpr int MAX_TASK_HEADS = 8;  // kv heads of one sequence computed together in one task
+constexpr int MAX_TASK_HEADS = 8;
+constexpr int PREFETCH = 16;   // rows ahead that the loops ask the cache for (the rows of a chunk are scattered)  // kv heads of one sequence computed together in one task
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -38,6 +39,12 @@ inline uint16_t float_to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return uint16_t(u >> 16);
+}
+
+// Ask for every cache line of a row of n values (a hint: no effect on results).
+template <typename T>
+inline void prefetch_row(const T* p, int n) {
+  for (int b = 0; b < int(sizeof(T)) * n; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
 }
 
 inline void widen(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
@@ -102,7 +109,30 @@ struct HeadState {
   float m[MAX_GROUP], l[MAX_GROUP];
 };
 
-// Positions [c0, c0 + cn) of kv head h into st (the online-softmax step). DIM: head_dim as a compile-time constant
+// q . row over D values. With D a multiple of 16 known at compile time: 16 partial sums (one vector register) and a
+// tree to add them (log2(16) steps); otherwise an OpenMP simd reduction.
+template <int DIM>
+inline float dot(const float* q, const float* row, int D) {
+  if constexpr (DIM % 16 == 0 && DIM > 0) {
+    float lanes[16] = {};
+    for (int d0 = 0; d0 < DIM; d0 += 16)
+#pragma omp simd
+      for (int l = 0; l < 16; ++l) lanes[l] += q[d0 + l] * row[d0 + l];
+#pragma omp simd
+    for (int l = 0; l < 8; ++l) lanes[l] += lanes[l + 8];
+#pragma omp simd
+    for (int l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
+    return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+  } else {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int d = 0; d < D; ++d) sum += q[d] * row[d];
+    return sum;
+  }
+}
+
+// Positions [c0, c0 + cn) of kv head h into st (the online-softmax step): the chunk's row addresses from the block
+// table, scores, softmax, then P @ V, each loop asking PREFETCH rows ahead for the rows it will read. DIM: head_dim as a compile-time constant
 // (the common sizes: loops fully unrolled), or 0 for any head_dim read from L.
 template <typename T, int DIM>
 void chunk(HeadState& st, const T* kc, const T* vc, const int32_t* table, const Layout& L, int64_t h, int64_t c0,
@@ -110,17 +140,16 @@ void chunk(HeadState& st, const T* kc, const T* vc, const int32_t* table, const 
   const int G = int(L.heads / L.kv_heads), D = DIM ? DIM : int(L.dim);
   alignas(64) float s[MAX_GROUP * CHUNK];
   alignas(64) float row[MAX_DIM];
+  const T* rows[CHUNK];  // the chunk's K rows, then its V rows
   int64_t blk = c0 / L.block_size, off = c0 % L.block_size;
-  for (int i = 0; i < cn; ++i) {  // scores of the chunk: s[g][i] = q_g . k_t
-    widen(kc + table[blk] * L.k_sb + off * L.k_st + h * L.k_sh, row, D);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = st.q + g * D;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int d = 0; d < D; ++d) dot += qg[d] * row[d];
-      s[g * CHUNK + i] = dot;
-    }
+  for (int i = 0; i < cn; ++i) {
+    rows[i] = kc + table[blk] * L.k_sb + off * L.k_st + h * L.k_sh;
     if (++off == L.block_size) off = 0, ++blk;
+  }
+  for (int i = 0; i < cn; ++i) {  // scores of the chunk: s[g][i] = q_g . k_t
+    if (i + PREFETCH < cn) prefetch_row(rows[i + PREFETCH], D);
+    widen(rows[i], row, D);
+    for (int g = 0; g < G; ++g) s[g * CHUNK + i] = dot<DIM>(st.q + g * D, row, D);
   }
   for (int g = 0; g < G; ++g) {  // online softmax: new max, rescale what was summed, exponentiate the chunk
     float* sg = s + g * CHUNK;
@@ -141,15 +170,19 @@ void chunk(HeadState& st, const T* kc, const T* vc, const int32_t* table, const 
     }
   }
   blk = c0 / L.block_size, off = c0 % L.block_size;
+  for (int i = 0; i < cn; ++i) {
+    rows[i] = vc + table[blk] * L.v_sb + off * L.v_st + h * L.v_sh;
+    if (++off == L.block_size) off = 0, ++blk;
+  }
   for (int i = 0; i < cn; ++i) {  // acc[g] += p[g][i] * v_t
-    widen(vc + table[blk] * L.v_sb + off * L.v_st + h * L.v_sh, row, D);
+    if (i + PREFETCH < cn) prefetch_row(rows[i + PREFETCH], D);
+    widen(rows[i], row, D);
     for (int g = 0; g < G; ++g) {
       const float p = s[g * CHUNK + i];
       float* ag = st.acc + g * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) ag[d] += p * row[d];
     }
-    if (++off == L.block_size) off = 0, ++blk;
   }
 }
 
