@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -201,7 +202,9 @@ bool one_task(const T* q, const T* kc, const T* vc, T* out, const Layout& L, int
   const int32_t* table = L.tables + b * L.t_s0;
   for (int64_t i = start / L.block_size, e = (len - 1) / L.block_size; i <= e; ++i)
     if (table[i] < 0 || table[i] >= L.num_blocks) return false;
-  HeadState states[MAX_TASK_HEADS];
+  thread_local std::vector<HeadState> pool;  // ~33 KB per head: on the heap, not an OpenMP worker's stack
+  if (pool.size() < size_t(h1 - h0)) pool.resize(size_t(h1 - h0));
+  HeadState* states = pool.data();
   for (int64_t h = h0; h < h1; ++h) {
     HeadState& st = states[h - h0];
     for (int g = 0; g < G; ++g) {
