@@ -1,4 +1,6 @@
-"""CPU decode attention: torch's flash kernel (the reference path) against pdkernels.cpu_decode's two batched matmuls.
+"""CPU decode attention: torch's flash kernel (the reference path) against pdkernels.cpu_decode's two batched matmuls
+and pdkernels.cpu_fused_decode's C++ kernel (the call alone; the engine steps compare the two torch paths, with the
+fused kernel switched off: ``benchmarks/bench_step_ab.py`` measures it in the engine).
 
     python benchmarks/bench_cpu_decode.py [--model default] [--dtype bfloat16|float32] [--threads 1] [--batches 8,16]
                                           [--repeats 3]
@@ -14,6 +16,7 @@ Two tables, each measured side by side in one run (alternating, so that a noisy 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -32,7 +35,7 @@ def timed(fn: Callable[[], object], n: int) -> float:
 def kernel_rows(batches: list[int], repeats: int, dtype: str) -> None:
     import torch
 
-    from pdkernels import cpu_decode, reference
+    from pdkernels import cpu_decode, cpu_fused_decode, reference
 
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, hd, bs, nb = 9, 3, 64, 16, 4096
@@ -40,21 +43,25 @@ def kernel_rows(batches: list[int], repeats: int, dtype: str) -> None:
     kc = torch.randn(nb, bs, kv_heads, hd, generator=g).to(dt)
     vc = torch.randn(nb, bs, kv_heads, hd, generator=g).to(dt)
     print(f"attention call, one layer (9 heads / 3 kv heads x 64, {dtype}), microseconds:")
-    print(f"{'batch':>6} {'flash':>9} {'bmm':>9} {'bmm / flash':>12}")
+    print(f"{'batch':>6} {'flash':>9} {'bmm':>9} {'bmm / flash':>12} {'fused':>9} {'fused / bmm':>12}")
     for b in batches:
         lens = torch.randint(290, 351, (b,), generator=g, dtype=torch.int32)
         tables = torch.randperm(nb, generator=g)[: b * 22].view(b, 22).int()
         q = torch.randn(b, heads, hd, generator=g).to(dt)
         args = (q, kc, vc, tables, lens, hd**-0.5)
-        flash, bmm = [], []
+        flash, bmm, fused = [], [], []
         for _ in range(repeats):
             flash.append(timed(lambda: reference.paged_decode_attention(*args), 50))
             bmm.append(timed(lambda: cpu_decode.paged_decode_attention(*args), 50))
+            if cpu_fused_decode.fits(q, kc, None):
+                fused.append(timed(lambda: cpu_fused_decode.paged_decode_attention(*args), 50))
         f, m = statistics.median(flash) * 1e6, statistics.median(bmm) * 1e6
-        print(f"{b:>6} {f:>9.0f} {m:>9.0f} {m / f:>11.2f}x")
+        u = statistics.median(fused) * 1e6 if fused else float("nan")
+        print(f"{b:>6} {f:>9.0f} {m:>9.0f} {m / f:>11.2f}x {u:>9.0f} {u / m:>11.2f}x")
 
 
 def step_rows(model: str, dtype: str, threads: int, batches: list[int], repeats: int) -> None:
+    os.environ["PDCLUSTER_FUSED_ATTN"] = "0"  # the two torch paths (read at every call)
     import pdkernels.cpu_decode as cd
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine

@@ -3,8 +3,9 @@
 Each public function checks its arguments (raising ``ValueError`` that names the offending one) and runs the
 implementation for the tensors' device: the Triton kernels of :mod:`pdkernels.triton_kv` on CUDA tensors, or on any
 tensors when ``TRITON_INTERPRET=1`` (Triton's CPU interpreter: how the tests check them here), and otherwise the
-pure-torch reference of :mod:`pdkernels.reference`, which is the engine's CPU path (decode attention in bfloat16 /
-float16 on the CPU goes through :mod:`pdkernels.cpu_decode`'s two batched matmuls instead, and prefill attention
+pure-torch reference of :mod:`pdkernels.reference`, which is the engine's CPU path (decode attention over float32 and
+bfloat16 caches on the CPU goes through :mod:`pdkernels.cpu_fused_decode`'s C++ kernel where it is built, else, in
+bfloat16 / float16, through :mod:`pdkernels.cpu_decode`'s two batched matmuls; prefill attention
 without a sliding window through :mod:`pdkernels.cpu_prefill`'s query-chunked matmuls). Callers never change.
 
 An FP8 cache (``float8_e4m3fn``) carries one float32 scale per (block, kv head): ``k_scales``/``v_scales``
@@ -25,7 +26,7 @@ import os
 
 import torch
 
-from pdkernels import cpu_decode, cpu_prefill, grouped_moe, reference
+from pdkernels import cpu_decode, cpu_fused_decode, cpu_prefill, grouped_moe, reference
 
 __all__ = [
     "copy_blocks_between",
@@ -247,6 +248,9 @@ def paged_decode_attention(
                 q.shape[0], k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1], _sm_count(q.device.index or 0))
         return _triton().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                                 k_scales, v_scales, num_splits)
+    if cpu_fused_decode.fits(q, k_cache, k_scales):
+        return cpu_fused_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                       sliding_window)
     if cpu_decode.fits(q, k_cache):
         return cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                                  k_scales, v_scales, plan)

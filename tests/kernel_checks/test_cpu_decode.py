@@ -49,7 +49,8 @@ def test_fp8_cache_is_dequantized_like_the_reference() -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
 
 
-def test_the_wrapper_takes_it_for_reduced_precision_cpu_tensors_only() -> None:
+def test_the_wrapper_takes_it_for_reduced_precision_cpu_tensors_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDCLUSTER_FUSED_ATTN", "0")  # the fused kernel off: test_cpu_fused_decode.py covers it
     q, kc, vc, tables, lens, scale = _case(16, 3, 3, torch.bfloat16)
     fast = pdkernels.paged_decode_attention(q, kc, vc, tables, lens, scale)
     assert torch.equal(fast, cpu_decode.paged_decode_attention(q, kc, vc, tables, lens, scale))

@@ -87,7 +87,16 @@ def test_bench_cpu_decode_runs(tiny_checkpoint) -> None:
         [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--model", str(tiny_checkpoint("llama")),
          "--batches", "2", "--repeats", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "engine decode step" in out.stdout and "bmm / flash" in out.stdout
+    assert "engine decode step" in out.stdout and "bmm / flash" in out.stdout and "fused / bmm" in out.stdout
+
+
+def test_bench_decode_attention_share_runs(tiny_checkpoint) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_decode_attention_share.py"), "--model",
+         str(tiny_checkpoint("llama")), "--dtype", "float32", "--batch", "2", "--contexts", "20", "--steps", "2"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fused kernel available" in out.stdout and "attn share" in out.stdout and "f/t" in out.stdout
 
 
 def test_bench_cpu_prefill_runs(tiny_checkpoint) -> None:

@@ -1,0 +1,106 @@
+"""Building and loading a plain-C++ kernel file as a ``ctypes`` library at first use (a shared helper; the fused
+decode attention of :mod:`pdkernels.cpu_fused_decode` uses it).
+
+The source compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, ``is_python_module=False``) into
+``~/.cache/pdcluster/ext/<name>-<hash>-torch<version>`` (``PDCLUSTER_EXT_CACHE`` overrides the root). The hash covers
+the source, the flags and, where the flags say ``-march=native``, this CPU's feature flags, so a home directory shared
+by different machines never loads a build made for another ISA. The first process compiles (timed and logged), the
+next ones load it. Where it cannot run (the library's off switch set to ``0``, no compiler, no ninja, a failed build)
+:func:`load` says why and the caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NativeLibrary:
+    """One C++ source built into a ``ctypes`` library: its base ``name``, ``source`` file, compiler ``cflags``, the
+    environment variable whose value ``0`` turns it off (``switch``), and each exported function's ``ctypes``
+    argument types and return type (``signatures``: name -> (argtypes, restype))."""
+
+    name: str
+    source: Path
+    cflags: tuple[str, ...]
+    switch: str
+    signatures: dict[str, tuple[list[Any], Any]] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"name: must be an identifier, got {self.name!r}")
+        if not self.switch:
+            raise ValueError("switch: an environment variable name is required")
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none). Reads a file."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def build_dir(lib: NativeLibrary) -> Path:
+    """Where ``lib`` is built: keyed by its source, flags (and this CPU's flags under ``-march=native``) and torch's
+    version. Reads the source."""
+    root = Path(os.environ.get("PDCLUSTER_EXT_CACHE", Path.home() / ".cache" / "pdcluster" / "ext"))
+    key = lib.source.read_bytes() + " ".join(lib.cflags).encode()
+    if "-march=native" in lib.cflags:
+        key += " ".join(sorted(cpu_flags())).encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
+    return root / f"{lib.name}-{digest}-torch{torch.__version__.replace('+', '_')}"
+
+
+def enabled(lib: NativeLibrary) -> bool:
+    """Whether ``lib``'s off switch is unset (or anything but ``0``). Reads the environment."""
+    return os.environ.get(lib.switch, "1") != "0"
+
+
+def load(lib: NativeLibrary) -> tuple[ctypes.CDLL | None, str]:
+    """``lib`` built (on first use) and loaded with its signatures set, and ``"ok"``; or None and why not. Compiles
+    where no build is cached (the compile time is logged)."""
+    if not enabled(lib):
+        return None, f"{lib.switch}=0"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return None, "ninja is not installed"
+    where = build_dir(lib)
+    where.mkdir(parents=True, exist_ok=True)
+    so = where / f"{lib.name}.so"
+    fresh = not so.exists()
+    t0 = time.perf_counter()
+    try:
+        cpp_extension.load(name=lib.name, sources=[str(lib.source)], extra_cflags=list(lib.cflags),
+                           extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
+                           verbose=False)
+        dll = ctypes.CDLL(str(so))
+        for fn, (args, res) in lib.signatures.items():
+            getattr(dll, fn).argtypes = args
+            getattr(dll, fn).restype = res
+    except (RuntimeError, OSError, ImportError, AttributeError) as e:
+        return None, f"build failed in {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+    if fresh:
+        log.warning("compiled %s in %.1f s (once; cached in %s)", lib.name, time.perf_counter() - t0, where)
+    return dll, "ok"
