@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from cluster.runtime.thread_priority import restore_niceness
 from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
 from engine.device_threads import DeviceThreads, entering_device
@@ -60,6 +61,8 @@ class WorkerActor:
         resolves to; a test passes one with a recording ``set_device``)."""
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
+        # before any thread starts (they inherit it): the node's priority, not Ray's nice 15 for workers
+        restore_niceness()
         self.actor_id = actor_id
         self.config, self.kv = on_assigned_gpu(config), kv
         if threads is None:
