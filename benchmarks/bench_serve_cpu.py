@@ -1,4 +1,4 @@
-"""Where the served path spends the CPU: the engine in-process, pdcluster colocated and 1P1D, vLLM's CPU build (issue 48).
+"""Where the served path spends the CPU: the engine alone, pdcluster colocated and 1P1D, vLLM's CPU build (issue 48).
 
     python benchmarks/bench_serve_cpu.py [--systems inproc,colocated,disaggregated,vllm] [--num-requests 48]
         [--concurrency 16] [--input-len 512] [--output-len 96] [--pd-args "--dtype bfloat16"] [--json out.json]
@@ -190,7 +190,8 @@ def inproc_child(args: argparse.Namespace) -> None:
 
 # -- report ---------------------------------------------------------------------------------------------------------
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| system | wall s | out tok/s | TTFT p50 s | CPU s | CPU ms / out token | cores got | load | CPU s by group |",
+    lines = ["| system | wall s | out tok/s | TTFT p50 s | CPU s | CPU ms / out token | cores got | load "
+             "| CPU s by group |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cpu = sum(r["cpu_groups"].values())

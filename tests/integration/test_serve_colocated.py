@@ -262,3 +262,21 @@ def test_worker_threads_run_at_the_raylets_niceness_not_rays_worker_default(clus
     assert parent == "raylet"
     assert len(threads) > 3  # the engine loop and Ray's threads, not just the main one
     assert set(threads) == {parent_nice}, (parent_nice, threads)
+
+
+def test_the_engine_loop_thread_is_pinned_to_its_own_core(cluster) -> None:  # type: ignore[no-untyped-def]
+    """One colocated actor with one thread on this machine: its engine loop runs on the first allowed CPU only (the
+    rest are left to the proxies and Ray, as vLLM's CPU build does), its other threads are not pinned (issue 48)."""
+    import os
+
+    import ray
+
+    def affinity(actor):  # type: ignore[no-untyped-def]  # runs in the actor (nested: pickled by value)
+        import os
+
+        return (sorted(os.sched_getaffinity(actor.impl._thread.native_id)), sorted(os.sched_getaffinity(0)))
+
+    allowed = sorted(os.sched_getaffinity(0))
+    loop, main = ray.get(cluster.decode_actors[0].__ray_call__.remote(affinity), timeout=60)
+    assert loop == ([allowed[0]] if len(allowed) >= 2 else allowed)
+    assert main == allowed

@@ -1,4 +1,4 @@
-"""The engine loop's opt-in cProfile (PDCLUSTER_PROFILE_DIR, issue 48): off by default, a pstats file per actor when on."""
+"""The engine loop's opt-in cProfile (PDCLUSTER_PROFILE_DIR, issue 48): off by default, one pstats file per actor."""
 
 from __future__ import annotations
 
