@@ -17,7 +17,7 @@ process whose parent is not a raylet (a worker hosted in a test or a script) is 
 :func:`cpu_sets` gives each actor of a local cluster its own CPUs when they all fit, and :func:`pin_calling_thread`
 pins an engine loop thread to them: on two shared cores an unpinned engine thread migrates between them (the load
 balancer moves it when the other sessions' work shifts) and each move costs it its caches; pinned, the served
-colocated engine used 0.93x the CPU for the same tokens (docs/serving.md, 2026-12-07).
+colocated engine loop used 0.92x the CPU for the same tokens (docs/serving.md, 2026-12-07).
 """
 
 from __future__ import annotations
