@@ -163,6 +163,7 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         kv_host=args.kv_host,
         port=args.port, cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         share_node_gpus=not args.no_share_node_gpus,
+        pin_cpus=not args.no_pin_cpus,
         on_transfer_failure=args.on_transfer_failure,
         proxies=args.proxies, ray_address=args.ray_address, model_name=args.served_model_name,
         budget=args.budget, controller_interval_s=args.controller_interval,
@@ -370,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU actors see only their own GPUs (Ray's CUDA_VISIBLE_DEVICES) instead of every GPU of "
                          "their node (each still runs on the one Ray assigned it); actors on different GPUs of one "
                          "node then move K/V over --kv-fallback instead of writing it in place")
+    sv.add_argument("--no-pin-cpus", action="store_true",
+                    help="leave the worker actors' engine threads unpinned (by default a local CPU cluster pins each "
+                         "actor's engine thread to its own cores when they all fit: one colocated actor on 2 cores "
+                         "runs on CPU 0, a 1P1D pair on CPUs 0 and 1; pass this when other work shares the machine)")
     sv.add_argument("--host", default=_serve_default("host"),
                     help="where the proxies serve HTTP (0.0.0.0: every interface)")
     sv.add_argument("--kv-host", default=None,

@@ -77,6 +77,8 @@ class ServeConfig:
     # too when a pool is tensor-parallel on GPUs: a TP engine puts rank r on cuda:r of the GPUs its actor sees, so the
     # actor must see exactly the GPUs Ray assigned it
     share_node_gpus: bool = True
+    # a local CPU cluster pins each worker actor's engine thread to its own cores when they fit (thread_priority.py)
+    pin_cpus: bool = True
     on_transfer_failure: str = "recompute"  # decode actors: recompute the prompt, or "fail" the request
     model_name: str = "default"
     # each proxy's queue, reservations, resumes, SLOs, tool calls and chat template (cluster.wire.proxy_settings,
@@ -264,6 +266,23 @@ def controller_config(cfg: ServeConfig) -> Any:
     return ctrl if cfg.worker.flips_keep_tp else dataclasses.replace(ctrl, flip_s=ctrl.start_s)
 
 
+def local_cpu_sets(cfg: ServeConfig, placement: Placement) -> list[tuple[int, ...]] | None:
+    """The CPUs each worker actor's engine thread is pinned to, in start order (decode actors, then prefill ones), for
+    a cluster serve started on this machine, on the CPU, with TP 1, when they all fit in this process's CPUs
+    (``cluster.runtime.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
+    tensor-parallel ranks, more threads than cores). Actors started later (scaling) are not pinned. Reads this
+    process's affinity."""
+    import os
+
+    from cluster.runtime.thread_priority import cpu_sets
+
+    if not cfg.pin_cpus or cfg.ray_address or placement.on_gpu or max(cfg.ranks) > 1 \
+            or not hasattr(os, "sched_getaffinity"):
+        return None
+    actors = cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
+    return cpu_sets(sorted(os.sched_getaffinity(0)), actors, cfg.worker.num_threads)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that is free right now (the OS picks it)."""
     with socket.socket() as s:
@@ -342,12 +361,13 @@ class Cluster:
                               inplace_checksum=cfg.kv_inplace_checksum) if disagg else None
         roles = {role: actor_options(cfg, role) for role in ("prefill", "decode")}
         names = iter(f"{WORKER_PREFIX}{i}" for i in range(cfg.decode + cfg.prefill))
+        pins = iter(local_cpu_sets(cfg, placement) or [None] * (cfg.decode + cfg.prefill))
 
         def start(role: str) -> Any:
             name = next(names)
             cls = ray.remote(**roles[role])(WorkerActor)
             return cls.options(name=name).remote(name, role, worker, kv, cfg.on_transfer_failure,
-                                                 cfg.corrupt_kv_every)
+                                                 cfg.corrupt_kv_every, cpus=next(pins))
 
         self.decode_actors = [start("decode") for _ in range(cfg.decode)]
         if disagg:

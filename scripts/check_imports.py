@@ -27,10 +27,11 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"engine": ("engine",)},  # the paged-KV engine and its torch-free values (sampling_params, config, tokenization)
     {"wire": ("cluster.wire",)},  # the wire floor: torch-free messages, names, auth, worker config, SLO math
     {"kv_transfer": ("kv_transfer",)},  # moving K/V between actors
-    {"worker loop": ("cluster.runtime.engine_loop",)},  # the one engine loop both roles run
+    # the one engine loop both roles run; its opt-in profiler
+    {"worker loop": ("cluster.runtime.engine_loop", "cluster.runtime.loop_profile")},
     {"prefill_worker": ("prefill_worker",), "decode_worker": ("decode_worker",)},  # the roles
     # the Ray actor hosting a role; its preStop hook (cluster/runtime/ holds them and the loop below the roles)
-    {"worker actor": ("cluster.runtime.worker_actor", "cluster.runtime.evacuate")},
+    {"worker actor": ("cluster.runtime.worker_actor", "cluster.runtime.evacuate", "cluster.runtime.thread_priority")},
     {
         "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
         # decide(), its observations, the pool manager, record/replay, the simulator: cluster/control/

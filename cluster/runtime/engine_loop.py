@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from cluster.runtime.loop_profile import loop_profile
 from engine.device_threads import DeviceThreads
 
 log = logging.getLogger(__name__)
@@ -189,8 +190,13 @@ class EngineLoop:
         bind = getattr(self.engine, "bind_threads", None)  # OpenMP's thread count is per thread: set it on this one
         if bind is not None:
             bind()
+        profile = loop_profile(self.actor_id, self.role)  # None unless PDCLUSTER_PROFILE_DIR is set
+        if profile is not None:
+            profile.start()
         was_busy = False
         while not self._stop.is_set():
+            if profile is not None:
+                profile.tick()
             self._run_inbox()
             try:
                 t0 = time.monotonic()
@@ -217,6 +223,8 @@ class EngineLoop:
                 self._wake.wait(self.idle_wait_s)
                 self._wake.clear()
         self._run_inbox()  # commands posted before the stop still get an answer
+        if profile is not None:
+            profile.stop()
         while True:  # and any racing in after it, a clear refusal
             try:
                 cmd = self._inbox.get_nowait()

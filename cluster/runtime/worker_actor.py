@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Any
 
+from cluster.runtime.thread_priority import pin_calling_thread, restore_niceness
 from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
 from engine.device_threads import DeviceThreads, entering_device
@@ -55,12 +56,17 @@ class WorkerActor:
 
     def __init__(self, actor_id: str, role: str, config: WorkerConfig, kv: Any = None,
                  on_transfer_failure: str = "recompute", corrupt_every: int = 0,
-                 threads: DeviceThreads | None = None) -> None:
+                 threads: DeviceThreads | None = None, cpus: tuple[int, ...] | None = None) -> None:
         """``threads``: how this actor's threads and Ray calls enter its device (None: the device its config
-        resolves to; a test passes one with a recording ``set_device``)."""
+        resolves to; a test passes one with a recording ``set_device``). ``cpus``: the CPUs its engine loop thread
+        (and the OpenMP threads that thread starts) is pinned to, in every role it takes (None: not pinned;
+        ``cluster.runtime.thread_priority.cpu_sets``)."""
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
+        # before any thread starts (they inherit it): the node's priority, not Ray's nice 15 for workers
+        restore_niceness()
         self.actor_id = actor_id
+        self.cpus = cpus
         self.config, self.kv = on_assigned_gpu(config), kv
         if threads is None:
             from engine.device import resolve_device
@@ -110,12 +116,17 @@ class WorkerActor:
         if role == "decode":
             from decode_worker.worker import DecodeWorker
 
-            return DecodeWorker(self.actor_id, self.config, self.kv, self.on_transfer_failure, engine=engine)
-        from prefill_worker.worker import PrefillWorker
+            impl: Any = DecodeWorker(self.actor_id, self.config, self.kv, self.on_transfer_failure, engine=engine)
+        else:
+            from prefill_worker.worker import PrefillWorker
 
-        if self.kv is None:
-            raise ValueError("role: a prefill worker needs a KV transfer config (disaggregated mode)")
-        return PrefillWorker(self.actor_id, self.config, self.kv, self.corrupt_every, engine=engine)
+            if self.kv is None:
+                raise ValueError("role: a prefill worker needs a KV transfer config (disaggregated mode)")
+            impl = PrefillWorker(self.actor_id, self.config, self.kv, self.corrupt_every, engine=engine)
+        if self.cpus:  # on the loop thread, before its first request (none comes before info() answers)
+            cpus = self.cpus
+            impl.post(lambda: pin_calling_thread(cpus))
+        return impl
 
     @entering_device
     def flip(self, role: str) -> dict[str, Any]:

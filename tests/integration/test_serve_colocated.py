@@ -241,3 +241,42 @@ def test_openapi_document_and_a_fuzz_of_the_real_server(cluster) -> None:  # typ
     assert seen.get(200, 0) > 3 and sum(n for s, n in seen.items() if s >= 400) > 10, seen
     code, ok = post_chat(url, json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode())
     assert code == 200 and ok["choices"][0]["message"]["content"]
+
+
+def test_worker_threads_run_at_the_raylets_niceness_not_rays_worker_default(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Ray starts its workers at nice 15; a worker actor's threads (the engine loop, the token sender, Ray's own)
+    go back to the raylet's niceness, so a nice-0 proxy or load client in the same group does not take the engine's
+    core first (issue 48, thread placement per actor)."""
+    import ray
+
+    def niceness(_actor):  # type: ignore[no-untyped-def]  # runs in the actor (nested: pickled by value)
+        import os
+
+        from cluster.runtime.thread_priority import process_name, thread_ids
+
+        parent = os.getppid()
+        return (os.getpriority(os.PRIO_PROCESS, parent), [os.getpriority(os.PRIO_PROCESS, t) for t in thread_ids()],
+                process_name(parent))
+
+    parent_nice, threads, parent = ray.get(cluster.decode_actors[0].__ray_call__.remote(niceness), timeout=60)
+    assert parent == "raylet"
+    assert len(threads) > 3  # the engine loop and Ray's threads, not just the main one
+    assert set(threads) == {parent_nice}, (parent_nice, threads)
+
+
+def test_the_engine_loop_thread_is_pinned_to_its_own_core(cluster) -> None:  # type: ignore[no-untyped-def]
+    """One colocated actor with one thread on this machine: its engine loop runs on the first allowed CPU only (the
+    rest are left to the proxies and Ray, as vLLM's CPU build does), its other threads are not pinned (issue 48)."""
+    import os
+
+    import ray
+
+    def affinity(actor):  # type: ignore[no-untyped-def]  # runs in the actor (nested: pickled by value)
+        import os
+
+        return (sorted(os.sched_getaffinity(actor.impl._thread.native_id)), sorted(os.sched_getaffinity(0)))
+
+    allowed = sorted(os.sched_getaffinity(0))
+    loop, main = ray.get(cluster.decode_actors[0].__ray_call__.remote(affinity), timeout=60)
+    assert loop == ([allowed[0]] if len(allowed) >= 2 else allowed)
+    assert main == allowed

@@ -149,3 +149,29 @@ def test_bench_spec_models_runs() -> None:
                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("equal tokens True") == 4 and "mtp predictive" in out.stdout
+
+
+def test_bench_serve_cpu_groups_threads_and_runs_the_engine_alone(tmp_path: Path) -> None:
+    """bench_serve_cpu.py: the CPU of each thread lands in its group (engine loop vs the actor's other threads, proxy,
+    vLLM's processes, Ray's), and its in-process system runs end to end (the servers are left to the benchmark)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_serve_cpu import cpu_groups
+
+    before = {(1, 1): ("ray::WorkerActor", "ray::pdcluster-", 10.0), (1, 2): ("ray::WorkerActor", "worker.io", 1.0),
+              (2, 2): ("python3 -m proxy.main --port 1", "python3", 3.0)}
+    after = {**before, (1, 1): ("ray::WorkerActor", "ray::pdcluster-", 14.0),
+             (2, 2): ("python3 -m proxy.main --port 1", "python3", 3.5),
+             (3, 3): ("VLLM::Worker", "VLLM::Worker", 2.0), (4, 4): ("/x/raylet --node", "raylet", 0.25)}
+    assert cpu_groups(before, after) == {"actor engine loop": 4.0, "actor other": 0.0, "proxy": 0.5,
+                                         "vllm worker": 2.0, "ray and the rest": 0.25}
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_serve_cpu.py"), "--systems", "inproc", "--num-requests",
+         "3", "--concurrency", "2", "--input-len", "24", "--output-len", "4", "--pd-args", "--dtype float32",
+         "--json", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| inproc |" in out.stdout and "CPU ms / out token" in out.stdout
+    import json
+
+    row = json.loads((tmp_path / "out.json").read_text())["rows"][0]
+    assert row["output_tokens"] == 12 and row["cpu_groups"]["engine (whole process)"] > 0
