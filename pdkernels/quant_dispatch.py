@@ -35,11 +35,15 @@ def _triton_kernel(w: Any) -> Any:
 def linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``w``'s linear of ``x`` ``[..., K]`` (checked by the caller) through the kernel for x's device. Pure (a CPU
     kernel may cache its packed weight on ``w``)."""
-    x2 = x.reshape(-1, w.in_features)
+    flat = x.dim() == 2  # the engine's [tokens, features]: no reshape either way (a per-call cost in decode)
+    x2 = x if flat else x.reshape(-1, w.in_features)
     if x2.shape[0] == 0:
         return w.reference_linear(x, bias)
     if uses_triton(x):
-        return _triton_kernel(w)(w, x2, bias).view(*x.shape[:-1], w.out_features)
-    if x.device.type == "cpu":
-        return _cpu_kernels()[type(w)](w, x2, bias).view(*x.shape[:-1], w.out_features)
-    return w.reference_linear(x, bias)
+        kernel = _triton_kernel(w)
+    elif x.device.type == "cpu":
+        kernel = _cpu_kernels()[type(w)]
+    else:
+        return w.reference_linear(x, bias)
+    out = kernel(w, x2, bias)
+    return out if flat else out.view(*x.shape[:-1], w.out_features)

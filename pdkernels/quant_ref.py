@@ -123,12 +123,18 @@ def check_scale(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
         check(bool(torch.isfinite(t).all()), name, "has non-finite values")
 
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_input(x: torch.Tensor, bias: torch.Tensor | None, n: int, k: int) -> None:
-    """Activations ``[..., k]`` of a float dtype and an optional bias ``[n]``."""
-    check(x.dtype in (torch.float32, torch.float16, torch.bfloat16), "x", f"unsupported dtype {x.dtype}")
-    check(x.dim() >= 1 and x.shape[-1] == k, "x", f"expected [..., {k}], got {list(x.shape)}")
-    if bias is not None:
-        check(tuple(bias.shape) == (n,), "bias", f"expected [{n}], got {list(bias.shape)}")
+    """Activations ``[..., k]`` of a float dtype and an optional bias ``[n]`` (on every quantized linear call: the
+    messages are formatted only on failure)."""
+    if x.dtype not in _FLOATS:
+        check(False, "x", f"unsupported dtype {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        check(False, "x", f"expected [..., {k}], got {list(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        check(False, "bias", f"expected [{n}], got {list(bias.shape)}")
 
 
 def finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -103,6 +103,22 @@ def test_w4a16_matches_reference(n: int, k: int, group: int, asym: bool) -> None
 
 @needs_kernels
 @needs_w4
+@pytest.mark.parametrize("asym", [False, True])
+def test_w4a16_every_row_tile(asym: bool) -> None:
+    """Every row count 1..17: each remainder of the 8-row register tile (each packed quad unpacked once for up to 8
+    rows, partial sums kept per tile in memory between groups), in bfloat16 and in float32 (three parts per row),
+    against the reference; two tiles of columns and several groups, so the prefetched weight runs past a tile."""
+    w = _int4(40, 192, 32, asym, seed=11)
+    bias = torch.randn(40, generator=_gen(12))
+    for rows in range(1, 18):
+        x = torch.randn(rows, 192, generator=_gen(100 + rows))
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            _close(quant_fused.int4_linear(w, xd, bias), w.reference_linear(xd, bias), dtype)
+
+
+@needs_kernels
+@needs_w4
 def test_w4a16_float32_is_float32() -> None:
     """float32 activations are split exactly into three bfloat16 parts: the result is the float64 product of the
     dequantized weight within float32 summation error, not bfloat16's."""

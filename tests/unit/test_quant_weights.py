@@ -254,6 +254,21 @@ def test_fast_cpu_path_matches_reference(kind: str, dtype: torch.dtype, has_bias
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=FAST_TOL[dtype] * scale)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4 asym packed-kernel shape", "fp8 block dynamic"])
+def test_linear_keeps_leading_dims_and_takes_strided_rows(kind: str) -> None:
+    """``[..., K]`` of any rank maps to ``[..., N]`` (2-D inputs skip the reshape), a strided 2-D input (a column
+    slice) equals its contiguous copy, and an empty batch is ``[0, N]``."""
+    w = FAST_WEIGHTS[kind]()
+    k, n = w.in_features, w.out_features  # type: ignore[attr-defined]
+    x = torch.randn(2, 3, k, generator=_gen(5))
+    flat = w.linear(x.view(6, k))  # type: ignore[attr-defined]
+    assert w.linear(x).shape == (2, 3, n) and torch.equal(w.linear(x).view(6, n), flat)  # type: ignore[attr-defined]
+    assert torch.equal(w.linear(x[0, 0]), w.linear(x[0, :1])[0])  # type: ignore[attr-defined]
+    wide = torch.randn(4, 2 * k, generator=_gen(6))
+    assert torch.equal(w.linear(wide[:, k:]), w.linear(wide[:, k:].contiguous()))  # type: ignore[attr-defined]
+    assert w.linear(torch.zeros(0, k)).shape == (0, n)  # type: ignore[attr-defined]
+
+
 @pytest.fixture
 def torch_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     """W8A8 and W4A16 through the torch paths of :mod:`pdkernels.quant_cpu` (what runs without the fused kernels)."""
