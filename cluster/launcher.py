@@ -270,13 +270,14 @@ def local_cpu_sets(cfg: ServeConfig, placement: Placement) -> list[tuple[int, ..
     """The CPUs each worker actor's engine thread is pinned to, in start order (decode actors, then prefill ones), for
     a cluster serve started on this machine, on the CPU, with TP 1, when they all fit in this process's CPUs
     (``cluster.runtime.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
-    tensor-parallel ranks, more threads than cores). Actors started later (scaling) are not pinned. Reads this
-    process's affinity."""
+    tensor-parallel ranks, more threads than cores, or ``PDCLUSTER_PIN_CPUS=0`` in the environment: other servers share
+    this machine, e.g. parallel test workers, whose first actors would all pin CPU 0). Actors started later (scaling)
+    are not pinned. Reads this process's affinity and environment."""
     import os
 
     from cluster.runtime.thread_priority import cpu_sets
 
-    if not cfg.pin_cpus or cfg.ray_address or placement.on_gpu or max(cfg.ranks) > 1 \
+    if not cfg.pin_cpus or os.environ.get("PDCLUSTER_PIN_CPUS", "1") == "0" or cfg.ray_address or placement.on_gpu or max(cfg.ranks) > 1 \
             or not hasattr(os, "sched_getaffinity"):
         return None
     actors = cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)

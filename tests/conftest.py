@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,10 @@ def _import_triton_for_its_interpreter() -> None:
 
 
 _import_triton_for_its_interpreter()
+
+# two pytest-xdist workers start clusters at once: each cluster would pin its first actor's engine thread to CPU 0
+# (cluster/launcher.py local_cpu_sets). Tests of the pinning itself unset this while they start their cluster.
+os.environ.setdefault("PDCLUSTER_PIN_CPUS", "0")
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import time
 
 import pytest
@@ -31,7 +32,12 @@ def cluster():  # type: ignore[no-untyped-def]
                             decode=1, proxies=2, port=0, mode="colocated",
                             proxy=ProxySettings(slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO)))
     try:
-        c.start()
+        pin = os.environ.pop("PDCLUSTER_PIN_CPUS", None)  # this module's tests check the pinning (tests/conftest.py)
+        try:
+            c.start()
+        finally:
+            if pin is not None:
+                os.environ["PDCLUSTER_PIN_CPUS"] = pin
         yield c
     finally:
         c.stop()

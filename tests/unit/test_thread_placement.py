@@ -32,6 +32,8 @@ def _placement(cfg: ServeConfig, gpus: tuple[float, ...] = ()) -> Placement:
 
 def test_serve_pins_only_a_local_cpu_cluster_whose_threads_fit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("PDCLUSTER_PIN_CPUS", raising=False)  # tests/conftest.py sets it to 0 for parallel workers
+
     def pins(gpus: tuple[float, ...] = (), **kw) -> list[tuple[int, ...]] | None:  # type: ignore[no-untyped-def]
         cfg = ServeConfig(**{"worker": WorkerConfig(num_threads=1), **kw})
         return local_cpu_sets(cfg, _placement(cfg, gpus))
@@ -42,6 +44,9 @@ def test_serve_pins_only_a_local_cpu_cluster_whose_threads_fit(monkeypatch: pyte
     assert pins(pin_cpus=False) is None
     assert pins(decode=2, prefill=1) is None  # three threads on two cores: left to the OS
     assert pins((1.0, 1.0)) is None  # on GPUs
+    monkeypatch.setenv("PDCLUSTER_PIN_CPUS", "0")  # other servers share the machine
+    assert pins(decode=1, prefill=1) is None
+
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux affinity")
 def test_pinning_holds_for_the_calling_thread_and_the_threads_it_starts() -> None:
