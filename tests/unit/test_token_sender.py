@@ -122,10 +122,15 @@ def make_sender() -> Iterator[Callable[..., TokenSender]]:
     assert not sender_threads(), "leaked sender threads"
 
 
-def timed_send(sender: TokenSender, address: str, deltas: list[TokenDelta], worst: list[float]) -> None:
+def timed_send(sender: TokenSender, address: str, deltas: list[TokenDelta], worst: list[float],
+               total: list[float] | None = None) -> None:
+    """``send`` timed: the longest call so far in ``worst[0]``, the sum of all calls in ``total[0]``."""
     t = time.perf_counter()
     sender.send(address, deltas)
-    worst[0] = max(worst[0], time.perf_counter() - t)
+    took = time.perf_counter() - t
+    worst[0] = max(worst[0], took)
+    if total is not None:
+        total[0] += took
 
 
 # -- the wire form ---------------------------------------------------------------------------------------------------
@@ -247,20 +252,19 @@ def test_a_dead_proxy_stalls_while_a_live_one_keeps_its_pace(make_sender: Callab
     live, dead = Proxy(), dead_address()
     stalls = Stalls()
     sender = make_sender(stalls, stall_timeout_s=0.5, queue_batches=10_000)
-    worst = [0.0]
+    worst, in_send = [0.0], [0.0]
     steps = 150
-    t0 = time.monotonic()
     for step in range(steps):  # a decode loop at ~200 steps/s with requests on both proxies
-        timed_send(sender, live.address, [delta("live", step)], worst)
-        timed_send(sender, dead, [delta("dead", step)], worst)
+        timed_send(sender, live.address, [delta("live", step)], worst, in_send)
+        timed_send(sender, dead, [delta("dead", step)], worst, in_send)
         time.sleep(0.005)
-    loop_s = time.monotonic() - t0
     assert stalls.event.wait(2.0)
     address, when, thread = stalls.calls[0]
     assert address == dead and 0.4 < when < 1.5 and thread.startswith("token-sender-")
     got = live.wait_for(steps)
     assert [d.token_ids[0] for d in got] == list(range(steps))
-    assert loop_s < steps * 0.005 + 1.0, "the step loop was slowed down"
+    # the loop's own time in send(), not its wall time (a loaded machine oversleeps the 5 ms steps, as in CI once)
+    assert in_send[0] < 0.5, f"the step loop spent {in_send[0]:.2f} s in 300 send() calls"
     assert worst[0] < 0.05, f"send() blocked the caller for {worst[0] * 1000:.1f} ms"
     time.sleep(0.1)
     st = sender.stats()
