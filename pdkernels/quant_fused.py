@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from pdkernels import quant_cpu
+from pdkernels.native_build import cpu_flags
 from pdkernels.quant_ref import unpack_int4
 
 log = logging.getLogger(__name__)
@@ -47,18 +48,6 @@ CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512v
 # dequantized tile, or torch._int_mm, reuse each weight over many rows better than these register tiles).
 INT8_MAX_ROWS = 1 << 30
 INT4_MAX_ROWS = 1 << 30
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where there is none). Reads a file."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def build_dir() -> Path:
