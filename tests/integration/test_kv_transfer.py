@@ -312,11 +312,16 @@ def test_dead_receiver_fails_sends_instead_of_hanging(kind: str) -> None:
         receiver.process.kill()
         receiver.process.join(10)
         big = torch.zeros(MIB16 // 2, dtype=torch.uint8)
-        later = [sender.send(receiver.address, dataclasses.replace(header, dtype="uint8", shape=(big.numel(),)), big)
-                 for _ in range(3)]
-        states = [h.wait(60) for h in later]
-        # none hangs; the kernel's socket buffer may still swallow a first send to a dead TCP peer, not all of them
-        assert all(h.finished for h in later) and TransferState.FAILED in states, states
+        # none hangs; the kernel's socket buffers (and UCX's: once in CI three 8 MiB sends to a dead listener all
+        # came back done) may swallow the first sends to a dead TCP peer, not every one of ten
+        states = []
+        for _ in range(10):
+            h = sender.send(receiver.address, dataclasses.replace(header, dtype="uint8", shape=(big.numel(),)), big)
+            states.append(h.wait(60))
+            assert h.finished, states
+            if states[-1] is TransferState.FAILED:
+                break
+        assert TransferState.FAILED in states, states
     finally:
         sender.close()
         receiver.close()
