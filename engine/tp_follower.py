@@ -13,7 +13,6 @@ its own heads' cache, then runs the driver's commands in the order sent until ``
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import sys
@@ -124,11 +123,10 @@ def follower_main(conn: Any, rank: int, parent: int) -> None:
                     ext.close()
                 ext = None
                 try:
-                    module, _, name = command[1].partition(":")
                     heads = kv.shape[-2] if caches else cfg.cache_heads
                     start = kv_head_range(cfg, rank, spec.size)[0] if heads != cfg.cache_heads else 0
                     ctx = RankContext(rank, spec.size, device, cfg, start, caches, scales, notify, next_command)
-                    ext = getattr(importlib.import_module(module), name)(ctx, *command[2])
+                    ext = command[1](ctx, *command[2])
                     notify(ext.hello(), "hello")
                 except Exception as e:  # the driver waits for this answer
                     notify(f"{type(e).__name__}: {e}", "error")

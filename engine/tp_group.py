@@ -274,10 +274,11 @@ class TPGroup:
         forward reads them: commands run in the order sent."""
         self.send("copy", pairs)
 
-    def start_extension(self, factory: str, args: tuple[Any, ...], on_notice: Callable[[int, Any], None],
-                        ships: bool = False) -> list[Any]:
-        """Every follower imports ``factory`` (``"module:function"``, a layer above the engine: the K/V connector's
-        rank ends) and calls it with its :class:`RankContext` and ``args``; what it returns replaces the follower's
+    def start_extension(self, factory: Callable[..., Any], args: tuple[Any, ...],
+                        on_notice: Callable[[int, Any], None], ships: bool = False) -> list[Any]:
+        """Every follower calls ``factory`` (a module-level function, pickled by reference: the layer above the engine
+        passes its own, e.g. the K/V connector's rank ends' ``start``; the engine names no module above it) with its
+        :class:`RankContext` and ``args``; what it returns replaces the follower's
         previous extension (closed). Returns each follower's ``hello()`` in rank order. From now on each follower's
         notices (:meth:`RankContext.notify`) reach ``on_notice(rank, notice)`` on a reader thread, and with ``ships``
         every forward given a K/V hook runs the extension's ``after_kv_store`` on each follower as well. Raises
@@ -294,12 +295,12 @@ class TPGroup:
             while len(self._hellos) < len(self._procs):
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise TPGroupError(f"tensor parallel: no answer to {factory} after {START_TIMEOUT_S:.0f} s")
+                    raise TPGroupError(f"tensor parallel: no answer to {_name(factory)} after {START_TIMEOUT_S:.0f} s")
                 self._hello_cv.wait(0.2)
             hellos = [self._hellos[r] for r in range(1, len(self._procs) + 1)]
         for rank, (kind, value) in enumerate(hellos, start=1):
             if kind == "error":
-                raise TPGroupError(f"tensor parallel rank {rank} could not start {factory}: {value}")
+                raise TPGroupError(f"tensor parallel rank {rank} could not start {_name(factory)}: {value}")
         return [value for _, value in hellos]
 
     def _read_notices(self) -> None:
@@ -461,3 +462,8 @@ def start_group(cfg: Any, state: Any, path: Any, dtype: torch.dtype, max_len: in
         group.close()
         raise
     return group, DriverModel(model, group)
+
+
+def _name(factory: Callable[..., Any]) -> str:
+    """``module:function`` of an extension factory, for messages. Pure."""
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"

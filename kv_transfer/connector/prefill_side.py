@@ -27,6 +27,7 @@ from cluster.wire.messages import ReserveGrant
 from kv_transfer.base import TransferHandle, TransferState
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.connector.ranks import RankNotice, RankPart, group_ranges, transfer_routes
+from kv_transfer.connector.route_sends import send_routes
 from kv_transfer.head_routes import HeadRoute
 
 
@@ -72,36 +73,6 @@ class LayerPart:
         return self.rank_part
 
 
-def send_routes(backend: Any, rank: int, head_start: int, part: RankPart, layer: int, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scales: torch.Tensor | None, src_index: torch.Tensor | None = None,
-                corrupt: bool = False) -> list[TransferHandle]:
-    """Send ``layer``'s K/V of the routes of ``part`` whose source is ``rank`` (its cache holding the model's heads
-    from ``head_start``): one message per route, each with the heads its decode rank holds. A route that cannot be
-    sent fails alone (its handle says why). The same lines on rank 0 (:class:`PrefillConnector`) and on a follower
-    rank (kv_transfer/connector/rank_ends.py)."""
-    from kv_transfer.layer_parts import pack_layer_part
-
-    handles = []
-    for r in part.routes:
-        if r.src != rank:
-            continue
-        endpoint = part.endpoints[r.dst]
-        try:
-            # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it)
-            header, payload = pack_layer_part(k_cache, v_cache, part.src, part.dst, scales=scales, checksum=corrupt,
-                                              secret=backend.config.secret, src_index=src_index, layer=layer,
-                                              cache_head_start=head_start, heads=(r.start, r.stop), **part.fields)
-            if corrupt:
-                payload.view(-1).view(torch.uint8)[0] ^= 0xFF
-            handle = backend.send(endpoint, header, payload)
-        except Exception as e:  # e.g. the decode peer died and its route changed: this part fails, the step
-            # (and every other request in it) goes on
-            handle = TransferHandle(-1, "send", endpoint, None, 0)
-            handle.mark_failed(f"{type(e).__name__}: {e}")
-        handles.append(handle)
-    return handles
-
-
 class PrefillConnector:
     """Owns the prefill actor's transfer backend. ``corrupt_every`` > 0 flips one payload byte of every n-th part
     after its checksum (fault injection for tests and drills: the decode actor must reject the part and recompute).
@@ -112,17 +83,16 @@ class PrefillConnector:
         ranks hold their own caches (``tp_kv_cache="per_rank"``): each follower then sends its own heads from a
         rank end of its own (kv_transfer/connector/rank_ends.py), and this end from rank 0's heads."""
         from kv_transfer import make_backend
-        from kv_transfer.connector.rank_ends import rank_config
+        from kv_transfer.connector import rank_ends
 
         self.cfg = model_config
         self.group = group
         self.ranges = group_ranges(model_config, 1 if group is None else group.spec.size, group is not None)
-        self.backend = make_backend(kv if group is None else rank_config(kv))
+        self.backend = make_backend(kv if group is None else rank_ends.rank_config(kv))
         self._open: dict[str, Transfer] = {}  # reservation id -> its transfer, while followers may report on it
         self._reports = threading.Condition()
         if group is not None:
-            group.start_extension("kv_transfer.connector.rank_ends:start", ("prefill", kv), self._rank_notice,
-                                  ships=True)
+            group.start_extension(rank_ends.start, ("prefill", kv), self._rank_notice, ships=True)
         self.corrupt_every = corrupt_every
         self.parts_sent = 0
         self.bytes_sent = 0

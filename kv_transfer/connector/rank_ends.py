@@ -3,13 +3,13 @@ out from, and come into, the rank's own cache, over the rank's own backend endpo
 its own peer, kv_transfer/head_routes.py says which heads go where).
 
 The driver's connector starts one on every follower (``engine.tp_group.TPGroup.start_extension`` with the factory
-``kv_transfer.connector.rank_ends:start``); it runs inside the follower process (engine/tp_follower.py) and speaks
+this module's :func:`start`, passed in by the connector); it runs inside the follower process (engine/tp_follower.py) and speaks
 the values of :mod:`kv_transfer.connector.ranks`:
 
 - **prefill rank**: a forward the driver runs with its K/V hook runs :meth:`RankEnd.after_kv_store` here: at the
   step's first layer it takes the step's :class:`~kv_transfer.connector.ranks.RankPart` list (the driver sends it
   from its own first-layer hook, so the blocks and grants are worked out once), then after each layer sends its
-  routes' heads of each part (:func:`kv_transfer.connector.prefill_side.send_routes`, the driver's own lines); at
+  routes' heads of each part (:func:`kv_transfer.connector.route_sends.send_routes`, the driver's own lines); at
   the step's end a thread waits for the step's sends and notifies ``sent`` per part.
 - **decode rank**: a receiver thread installs each part into this rank's blocks of a reservation the driver expects
   here (``expect`` / ``forget``, sent in the order of the driver's reserve and release, so a forgotten reservation's
@@ -27,8 +27,8 @@ from typing import Any
 
 from kv_transfer.base import TransferState, dtype_name
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.connector.prefill_side import send_routes
 from kv_transfer.connector.ranks import RankExpect, RankNotice, RankPart
+from kv_transfer.connector.route_sends import send_routes
 from kv_transfer.connector.receiver import check_part_bounds, receive_loop
 from kv_transfer.header import ExpectedTransfer, KVTransferError, header_authentic
 from kv_transfer.layer_parts import install_layer_part

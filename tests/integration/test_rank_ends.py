@@ -14,7 +14,7 @@ import torch
 
 from kv_transfer import make_backend
 from kv_transfer.config import KVTransferConfig
-from kv_transfer.connector.prefill_side import send_routes
+from kv_transfer.connector.route_sends import send_routes
 from kv_transfer.connector.rank_ends import RankEnd
 from kv_transfer.connector.ranks import RankExpect, RankNotice, RankPart
 from kv_transfer.head_routes import HeadRoute, head_routes
