@@ -269,13 +269,13 @@ def controller_config(cfg: ServeConfig) -> Any:
 def local_cpu_sets(cfg: ServeConfig, placement: Placement) -> list[tuple[int, ...]] | None:
     """The CPUs each worker actor's engine thread is pinned to, in start order (decode actors, then prefill ones), for
     a cluster serve started on this machine, on the CPU, with TP 1, when they all fit in this process's CPUs
-    (``cluster.runtime.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
+    (``cluster.actor.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
     tensor-parallel ranks, more threads than cores, or ``PDCLUSTER_PIN_CPUS=0`` in the environment: other servers share
     this machine, e.g. parallel test workers, whose first actors would all pin CPU 0). Actors started later (scaling)
     are not pinned. Reads this process's affinity and environment."""
     import os
 
-    from cluster.runtime.thread_priority import cpu_sets
+    from cluster.actor.thread_priority import cpu_sets
 
     if not cfg.pin_cpus or os.environ.get("PDCLUSTER_PIN_CPUS", "1") == "0" or cfg.ray_address or placement.on_gpu or max(cfg.ranks) > 1 \
             or not hasattr(os, "sched_getaffinity"):
@@ -328,7 +328,7 @@ class Cluster:
     def _start(self, timeout_s: float) -> None:
         import ray
 
-        from cluster.runtime.worker_actor import WorkerActor
+        from cluster.actor.worker_actor import WorkerActor
         from cluster.wire.ray_address import wait_reachable
         from kv_transfer.config import KVTransferConfig
         from cluster.wire.names import NAMESPACE, WORKER_PREFIX

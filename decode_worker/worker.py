@@ -10,9 +10,9 @@ step.
 Its K/V intake is the decode side of the K/V connector (:class:`~kv_transfer.connector.decode_side.DecodeConnector`):
 reservations, the receiver, and what finished loading; this keeps the request's lifecycle.
 
-Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine,
+Ray-agnostic (:class:`cluster.actor.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine,
 the records and the trackers), the connector's K/V receiver (installs parts into pending records under its lock) and the
-token sender's. Ray calls post to the loop (:mod:`cluster.runtime.engine_loop`).
+token sender's. Ray calls post to the loop (:mod:`cluster.loop.engine_loop`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any
 
-from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine, tier_stats
+from cluster.loop.engine_loop import EngineLoop, LoopStopped, load_engine, tier_stats
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.token_stream import TokenSender

@@ -5,12 +5,12 @@ CUDA's current device is per thread, and a new thread starts on device 0. ``torc
 the actor owns GPU N, those would launch their Triton kernels (and allocate bare ``"cuda"`` tensors, make streams and
 events, run NCCL) on GPU 0 with pointers into GPU N. So no module starts a bare ``threading.Thread``: it asks a
 :class:`DeviceThreads` (``thread`` / ``start``), whose threads call :meth:`DeviceThreads.enter` before their target
-runs, and a Ray call that may launch device work calls ``enter`` first (``cluster/runtime/worker_actor.py``). On the
+runs, and a Ray call that may launch device work calls ``enter`` first (``cluster/actor/worker_actor.py``). On the
 CPU ``enter`` does nothing, so a CPU actor behaves exactly as before. ``tests/unit/test_device_threads.py`` fails on a
-bare ``threading.Thread(`` in ``engine/``, ``kv_transfer/`` or ``cluster/runtime/``.
+bare ``threading.Thread(`` in ``engine/``, ``kv_transfer/``, ``cluster/loop/`` or ``cluster/actor/``.
 
 Who holds one: the stream seam (:class:`kv_transfer.streams.HostStreams` ``.threads``) for every K/V backend and the
-connector's threads, the engine loop (:class:`cluster.runtime.engine_loop.EngineLoop`), the tensor-parallel group
+connector's threads, the engine loop (:class:`cluster.loop.engine_loop.EngineLoop`), the tensor-parallel group
 and the worker actor. A test injects ``set_device`` (called with the device, on the entering thread, instead of
 ``torch.cuda.set_device``) to record which thread entered which device, with a CUDA device index on a machine that
 has no GPU.

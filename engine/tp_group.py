@@ -27,7 +27,7 @@ Only rank 0 schedules, samples and talks to the cluster; a follower does what ra
   connector's rank ends (kv_transfer/connector/rank_ends.py).
 - **Death**: a follower exits when its driver's process is gone (EOF on its socket, a broken collective, or a watchdog
   that sees its parent change); a follower that dies breaks the driver's next collective or command
-  (``TPGroupError``), and a worker actor whose group broke exits (cluster/runtime/engine_loop.py), so the cluster
+  (``TPGroupError``), and a worker actor whose group broke exits (cluster/loop/engine_loop.py), so the cluster
   treats the whole group as one dead worker and moves its requests, as after a kill -9 of the actor. The driver
   does not wait for its next call to find out: a watch thread (``tp-follower-watch``) polls the followers and, when
   one has exited, records why (:attr:`TPGroup.failure`: every later call raises it) and aborts the group's process

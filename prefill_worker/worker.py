@@ -6,7 +6,7 @@ Its K/V sending is the prefill side of the K/V connector
 (:class:`~kv_transfer.connector.prefill_side.PrefillConnector`): open a request's channel, save each layer, wait,
 deliver the result behind the last part, end.
 
-Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it): a ``prefill`` call posts the request to the engine
+Ray-agnostic (:class:`cluster.actor.worker_actor.WorkerActor` hosts it): a ``prefill`` call posts the request to the engine
 loop and waits on its own Ray thread; the loop thread keeps stepping for every other prompt meanwhile, and the wait for
 the wire happens on the caller's thread, not the loop's.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from cluster.runtime.engine_loop import EngineLoop, load_engine, tier_stats
+from cluster.loop.engine_loop import EngineLoop, load_engine, tier_stats
 from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant,
                                    prompt_logprob_pairs)
 from cluster.wire.telemetry import KVCounts, WorkerStats

@@ -28,10 +28,10 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"wire": ("cluster.wire",)},  # the wire floor: torch-free messages, names, auth, worker config, SLO math
     {"kv_transfer": ("kv_transfer",)},  # moving K/V between actors
     # the one engine loop both roles run; its opt-in profiler
-    {"worker loop": ("cluster.runtime.engine_loop", "cluster.runtime.loop_profile")},
+    {"worker loop": ("cluster.loop.engine_loop", "cluster.loop.loop_profile")},
     {"prefill_worker": ("prefill_worker",), "decode_worker": ("decode_worker",)},  # the roles
-    # the Ray actor hosting a role; its preStop hook (cluster/runtime/ holds them and the loop below the roles)
-    {"worker actor": ("cluster.runtime.worker_actor", "cluster.runtime.evacuate", "cluster.runtime.thread_priority")},
+    # the Ray actor hosting a role; its preStop hook; its threads' priorities (cluster/actor/)
+    {"worker actor": ("cluster.actor.worker_actor", "cluster.actor.evacuate", "cluster.actor.thread_priority")},
     {
         "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
         # decide(), its observations, the pool manager, record/replay, the simulator: cluster/control/

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cluster.runtime.worker_actor import WorkerActor
+from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig

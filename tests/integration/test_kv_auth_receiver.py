@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.runtime.worker_actor import WorkerActor
+from cluster.actor.worker_actor import WorkerActor
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster.runtime.worker_actor import WorkerActor
+from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.config import KVTransferConfig

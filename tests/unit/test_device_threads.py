@@ -6,7 +6,7 @@ On the CPU the threads below are given a :class:`DeviceThreads` for ``cuda:1`` w
 which thread entered which device (their tensors stay on the CPU): the engine loop, the K/V receiver, torch_dist's
 accept / send / receive threads, a rank end of either role, the UCX loop, the in-place threads and a worker actor's
 Ray calls (a role flip builds the new role on the calling thread). And a static guard: no bare
-``threading.Thread(`` in engine/, kv_transfer/ or cluster/runtime/, so a new thread cannot skip the rule.
+``threading.Thread(`` in engine/, kv_transfer/, cluster/loop/ or cluster/actor/, so a new thread cannot skip the rule.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_a_thread_enters_its_device_before_its_target_runs_and_nothing_on_the_cp
 
 
 def test_the_engine_loop_thread_enters_the_engines_device() -> None:
-    from cluster.runtime.engine_loop import EngineLoop
+    from cluster.loop.engine_loop import EngineLoop
 
     class Loop(EngineLoop):
         role = "decode"
@@ -165,7 +165,7 @@ def test_the_ucx_loop_enters_its_device() -> None:
 def test_a_worker_actors_ray_calls_enter_its_device(tiny_checkpoint: Any) -> None:
     """Ray runs an actor's calls on threads of its own (device 0 on CUDA): each call that may launch device work
     enters the actor's device first; a flip builds the new role (and a decoder's graphs) on that thread."""
-    from cluster.runtime.worker_actor import WorkerActor
+    from cluster.actor.worker_actor import WorkerActor
     from cluster.wire.worker_config import WorkerConfig
 
     entered = Entered()
@@ -189,7 +189,7 @@ def test_a_worker_actors_ray_calls_enter_its_device(tiny_checkpoint: Any) -> Non
 
 
 # -- the static guard -----------------------------------------------------------------------------------------------
-THREADED = ("engine", "kv_transfer", "cluster/runtime")
+THREADED = ("engine", "kv_transfer", "cluster/loop", "cluster/actor")
 HELPER = ROOT / "engine" / "device_threads.py"
 BARE = {"Thread", "ThreadPoolExecutor", "Timer"}  # a thread started outside the helper would skip its device
 

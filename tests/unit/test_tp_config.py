@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.cli import build_parser, serve_config, serve_threads, tp_sizes
-from cluster.runtime.engine_loop import CPU_KV_CACHE_GIB, engine_kwargs_for
+from cluster.loop.engine_loop import CPU_KV_CACHE_GIB, engine_kwargs_for
 from cluster.launcher import ServeConfig, actor_options
 from cluster.wire.worker_config import WorkerConfig, default_threads
 from engine.config import EngineConfig

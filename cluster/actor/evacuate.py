@@ -2,10 +2,10 @@
 
 A worker actor (``WorkerActor``) that gets SIGTERM *evacuates*: it takes no new work, reports ``evacuating``, the
 proxies resume its requests on other actors from what their clients already have, and it exits once it holds none
-(``cluster/runtime/worker_actor.py``). Kubernetes sends SIGTERM to a pod's first process (``ray start``), not to the actor
+(``cluster/actor/worker_actor.py``). Kubernetes sends SIGTERM to a pod's first process (``ray start``), not to the actor
 processes Ray started, so the chart runs this as the worker pods' ``preStop`` hook::
 
-    python -m cluster.runtime.evacuate --timeout 45
+    python -m cluster.actor.evacuate --timeout 45
 
 It finds this user's processes whose command line Ray titled ``ray::WorkerActor`` (in a pod: exactly its actors),
 sends each SIGTERM, and waits until all have exited or ``--timeout`` ran out (exit status 1 then; 0 when none was
@@ -74,7 +74,7 @@ def evacuate(timeout_s: float, pids: list[int] | None = None, progress: bool = T
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cluster.runtime.evacuate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m cluster.actor.evacuate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--timeout", type=float, default=45.0, help="seconds to wait for the actors to exit")
     ap.add_argument("--dry-run", action="store_true", help="list the worker actor processes, signal nothing")
     args = ap.parse_args(argv)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from cluster.runtime.loop_profile import loop_profile
+from cluster.loop.loop_profile import loop_profile
 from engine.device_threads import DeviceThreads
 
 log = logging.getLogger(__name__)

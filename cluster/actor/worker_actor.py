@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from cluster.runtime.thread_priority import pin_calling_thread, restore_niceness
+from cluster.actor.thread_priority import pin_calling_thread, restore_niceness
 from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
 from engine.device_threads import DeviceThreads, entering_device
@@ -60,7 +60,7 @@ class WorkerActor:
         """``threads``: how this actor's threads and Ray calls enter its device (None: the device its config
         resolves to; a test passes one with a recording ``set_device``). ``cpus``: the CPUs its engine loop thread
         (and the OpenMP threads that thread starts) is pinned to, in every role it takes (None: not pinned;
-        ``cluster.runtime.thread_priority.cpu_sets``)."""
+        ``cluster.actor.thread_priority.cpu_sets``)."""
         if role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {role!r}")
         # before any thread starts (they inherit it): the node's priority, not Ray's nice 15 for workers
