@@ -330,7 +330,7 @@ class Cluster:
 
         from cluster.actor.worker_actor import WorkerActor
         from cluster.wire.ray_address import wait_reachable
-        from kv_transfer.config import KVTransferConfig
+        from kv_transfer.wire.config import KVTransferConfig
         from cluster.wire.names import NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg

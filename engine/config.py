@@ -60,7 +60,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # where a group's K/V cache lives: "shared" (the CPU: one file of every head, each rank a head-slice view of it)
     # or "per_rank" (each rank allocates its own heads' cache, the layout CUDA ranks need: block copies go to every
-    # rank, and a K/V transfer goes rank to rank by head range, kv_transfer/head_routes.py)
+    # rank, and a K/V transfer goes rank to rank by head range, kv_transfer/wire/head_routes.py)
     tp_kv_cache: str = "shared"
     seed: int = 0  # seeds unseeded sampling, so a run as a whole is reproducible
     cache_dir: str | None = None  # where the default model is converted; None: ~/.cache/pdcluster

@@ -9,7 +9,7 @@ runs, and a Ray call that may launch device work calls ``enter`` first (``cluste
 CPU ``enter`` does nothing, so a CPU actor behaves exactly as before. ``tests/unit/test_device_threads.py`` fails on a
 bare ``threading.Thread(`` in ``engine/``, ``kv_transfer/``, ``cluster/loop/`` or ``cluster/actor/``.
 
-Who holds one: the stream seam (:class:`kv_transfer.streams.HostStreams` ``.threads``) for every K/V backend and the
+Who holds one: the stream seam (:class:`kv_transfer.wire.streams.HostStreams` ``.threads``) for every K/V backend and the
 connector's threads, the engine loop (:class:`cluster.loop.engine_loop.EngineLoop`), the tensor-parallel group
 and the worker actor. A test injects ``set_device`` (called with the device, on the entering thread, instead of
 ``torch.cuda.set_device``) to record which thread entered which device, with a CUDA device index on a machine that

@@ -1,13 +1,13 @@
 """Where the KV cache's memory comes from: a plain allocation, or (``EngineConfig.shared_kv`` on the CPU) an anonymous
 shared-memory file that other processes on this node can map, so a prefill actor writes K/V straight into a decode
-actor's blocks (the ``shm`` KV backend, :mod:`kv_transfer.inplace`).
+actor's blocks (the ``shm`` KV backend, :mod:`kv_transfer.backends.inplace`).
 
 The shared file is a ``memfd``: it has no name and no path, so nothing is left behind in ``/dev/shm`` when a process
 is killed, and its size is not bounded by a container's ``/dev/shm`` mount. Its pages are allocated up front
 (``posix_fallocate``), so a machine without the memory fails here with a clear error rather than with ``SIGBUS`` on
 first touch. A peer gets the file descriptor over a Unix socket (``SCM_RIGHTS``) and maps it with :func:`map_fd`.
 
-CUDA memory needs nothing special: any CUDA allocation can be exported with CUDA IPC (see :mod:`kv_transfer.inplace`).
+CUDA memory needs nothing special: any CUDA allocation can be exported with CUDA IPC (see :mod:`kv_transfer.backends.inplace`).
 """
 
 from __future__ import annotations

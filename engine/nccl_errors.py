@@ -9,7 +9,7 @@ process ("To avoid data inconsistency, we are taking the entire process down", `
 whose communicator was aborted is such a work. :func:`survive_nccl_failures` sets 2 (``CleanUpOnly``: the watchdog
 aborts that work's communicator and leaves the process alone) before a group is built, unless the variable already
 says 0 or 2; any other value is overridden with a warning. Used by the K/V transfer pairs
-(kv_transfer/torch_dist_groups.py) and the tensor-parallel group (engine/tp_group.py): in both, the caller learns of
+(kv_transfer/backends/torch_dist_groups.py) and the tensor-parallel group (engine/tp_group.py): in both, the caller learns of
 the failure (a failed wait, :class:`engine.tp_group.TPGroupError`) and decides, instead of the process ending.
 ``TORCH_NCCL_BLOCKING_WAIT=1`` is left alone: it starts no watchdog, and ``wait`` raises in the caller.
 

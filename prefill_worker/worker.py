@@ -26,7 +26,7 @@ from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResul
                                    prompt_logprob_pairs)
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector import endpoint_config, per_rank_group
 from kv_transfer.connector.prefill_side import LayerPart, PrefillConnector, Transfer
 
@@ -122,7 +122,7 @@ class PrefillWorker(EngineLoop):
 
     def _deliver(self, job: _Job, result: PrefillResult) -> PrefillResult:
         """Send ``result`` to the decode actor over the job's K/V channel, behind its last part (and, in place,
-        before the reservation's ``end``): ``kv_transfer.result_message``. Returns it with ``delivered`` True once
+        before the reservation's ``end``): ``kv_transfer.wire.result_message``. Returns it with ``delivered`` True once
         the backend reports it sent; False (any failure: the proxy then hands it over with a Ray call, as before).
         Caller's thread: waits up to the backend's I/O timeout."""
         delivered = dataclasses.replace(result, delivered=True)
@@ -198,7 +198,7 @@ class PrefillWorker(EngineLoop):
         """What every layer of the step ``out`` sends, worked out at its first layer and kept for the others. Mutates
         that cache and each job's start (its first step). The block-index tensors go to the device here, once per
         chunk, through pinned memory on the compute stream (no host sync): the layers' hooks build no tensor."""
-        from kv_transfer.streams import block_index
+        from kv_transfer.wire.streams import block_index
 
         if self._parts is not None and self._parts[0] is out:
             return self._parts[1]

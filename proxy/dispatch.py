@@ -218,7 +218,7 @@ class Dispatcher:
         self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
         self.costs.observe_prefill(n - result.cached_tokens, result.compute_s, result.send_wait_s, result.queue_s,
                                    time.monotonic() - called)
-        if not result.delivered:  # the K/V channel could not carry it (kv_transfer.result_message): hand it over
+        if not result.delivered:  # the K/V channel could not carry it (kv_transfer.wire.result_message): hand it over
             await self.pools.prefilled(leg.actor, raw)
         return result
 

@@ -37,7 +37,7 @@ KV_PEERS_BUDGETED = 2  # pair communicators budgeted per actor (one per actor of
 
 def transfer_device_bytes(kv: Any, peers: int = KV_PEERS_BUDGETED) -> int:
     """Device bytes a worker's KV transfer endpoint allocates after its engine loads, for a CUDA engine with the
-    :class:`~kv_transfer.config.KVTransferConfig` ``kv`` (None: colocated, nothing): the receive buffers of a socket
+    :class:`~kv_transfer.wire.config.KVTransferConfig` ``kv`` (None: colocated, nothing): the receive buffers of a socket
     backend (``num_recv_buffers`` x ``recv_buffer_bytes``, exact), plus one NCCL communicator per peer pair for
     torch_dist (estimated). Every role budgets the receive buffers: a flexible actor may become a decoder and listen,
     keeping its KV cache. In-place backends (shm, cuda_ipc) write the peer's cache directly: no buffers. Pure."""

@@ -263,7 +263,7 @@ class ReserveGrant(_Wire):
     # cache, pinned at reserve): a prefill actor sends the K/V of the blocks after them only
     cached_blocks: int = 0
     # a tensor-parallel decode actor whose ranks hold their own heads (``tp_kv_cache="per_rank"``): each rank's
-    # socket address, rank 0's first; a prefill rank sends each its heads (kv_transfer/head_routes.py). Empty: the
+    # socket address, rank 0's first; a prefill rank sends each its heads (kv_transfer/wire/head_routes.py). Empty: the
     # decode actor's rank 0 holds every head at ``kv_endpoint``
     rank_endpoints: tuple[str, ...] = ()
 
@@ -345,7 +345,7 @@ class PrefillResult(_Wire):
     compute_s: float = 0.0
     send_wait_s: float = 0.0
     # the prefill actor sent this result to the decode actor over the request's K/V channel, after its last part
-    # (kv_transfer.result_message), and the backend reported it sent: the proxy then makes no ``prefilled`` call.
+    # (kv_transfer.wire.result_message), and the backend reported it sent: the proxy then makes no ``prefilled`` call.
     # False: a backend or peer that could not carry it; the proxy hands it over itself, as before
     delivered: bool = False
     # speculative decoding with a next-token (MTP) layer (engine/spec_mtp.py): that layer's output at the prompt's

@@ -182,12 +182,12 @@ class WorkerStats(_Wire):
     # K/V parts, in-place opens and transfer handshakes dropped for a wrong or missing MAC (decode; cluster.wire.auth)
     kv_parts_unauthenticated: int = 0
     # decode actors offered in place that this one writes over the socket backend instead, by reason (prefill, auto:
-    # kv_transfer.inplace_channel.fallback_reason; e.g. device_not_visible: one actor per GPU under cuda_ipc)
+    # kv_transfer.backends.inplace_channel.fallback_reason; e.g. device_not_visible: one actor per GPU under cuda_ipc)
     kv_inplace_fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
     # the engine loop's time spent stepping and its steps (the controller's capacity: tokens per busy second)
     busy_seconds: float = 0.0
     steps: int = 0
-    # prefill results taken (decode): over the request's K/V channel (kv_transfer.result_message), or through the
+    # prefill results taken (decode): over the request's K/V channel (kv_transfer.wire.result_message), or through the
     # proxy's ``prefilled`` Ray call (a backend or peer that could not carry it); a second delivery is ignored
     results_via_channel: int = 0
     results_via_ray: int = 0

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from cluster.wire.messages import PrefillResult
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from kv_transfer.connector.ranks import RankExpect, RankNotice, group_ranges
 from kv_transfer.connector.reservations import ReservationManager

@@ -8,7 +8,7 @@ behind the last part, close the channel.
     delivered = connector.deliver(t, result, ...)  # the result rides the same channel: no third Ray call
     connector.end(t)                               # in place: the decode actor may reuse the blocks
 
-Streams (:mod:`kv_transfer.streams`): a socket part is packed on the compute stream and the backend's send waits for
+Streams (:mod:`kv_transfer.wire.streams`): a socket part is packed on the compute stream and the backend's send waits for
 it there; an in-place copy waits for the compute stream on the backend's copy stream, and
 :meth:`PrefillConnector.order_after_writes` orders the next step after it (no host sync either way).
 """
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from cluster.wire.messages import ReserveGrant
-from kv_transfer.base import TransferHandle, TransferState
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.base import TransferHandle, TransferState
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector.ranks import RankNotice, RankPart, group_ranges, transfer_routes
 from kv_transfer.connector.route_sends import send_routes
-from kv_transfer.head_routes import HeadRoute
+from kv_transfer.wire.head_routes import HeadRoute
 
 
 @dataclass
@@ -82,7 +82,7 @@ class PrefillConnector:
         """``model_config``: the engine's (its cache heads); ``group``: the engine's tensor-parallel group when its
         ranks hold their own caches (``tp_kv_cache="per_rank"``): each follower then sends its own heads from a
         rank end of its own (kv_transfer/connector/rank_ends.py), and this end from rank 0's heads."""
-        from kv_transfer import make_backend
+        from kv_transfer.backends import make_backend
         from kv_transfer.connector import rank_ends
 
         self.cfg = model_config
@@ -175,10 +175,10 @@ class PrefillConnector:
     def deliver(self, t: Transfer, result: dict[str, Any], *, model_fingerprint: str, kv_layout: str,
                 prompt_tokens: int) -> str | None:
         """Send ``result`` (a ``PrefillResult.to_dict()`` marked delivered) to the decode actor behind ``t``'s last
-        part (in place: before the channel's ``end``; :mod:`kv_transfer.result_message`). None once the backend
+        part (in place: before the channel's ``end``; :mod:`kv_transfer.wire.result_message`). None once the backend
         reports it sent, else why not (the caller then hands it over another way). Waits up to the backend's I/O
         timeout."""
-        from kv_transfer.result_message import pack_result
+        from kv_transfer.wire.result_message import pack_result
 
         grant = t.grant
         try:

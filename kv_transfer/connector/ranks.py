@@ -1,5 +1,5 @@
 """What the K/V connector's ends on a tensor-parallel group's ranks tell each other (``tp_kv_cache="per_rank"``: each
-rank holds only its heads' cache, so each sends and receives its own heads, :mod:`kv_transfer.head_routes`).
+rank holds only its heads' cache, so each sends and receives its own heads, :mod:`kv_transfer.wire.head_routes`).
 
 Two messages cross from a group's driver (rank 0, the actor) to its followers, both torch-free values sent as they
 are (engine/tp_group.py carries them):
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.head_routes import HeadRoute, head_routes
+from kv_transfer.wire.head_routes import HeadRoute, head_routes
 
 
 def group_ranges(cfg: Any, size: int, per_rank: bool) -> tuple[tuple[int, int], ...]:

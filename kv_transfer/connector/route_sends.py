@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import TransferHandle
+from kv_transfer.wire.base import TransferHandle
 from kv_transfer.connector.ranks import RankPart
 
 
@@ -19,7 +19,7 @@ def send_routes(backend: Any, rank: int, head_start: int, part: RankPart, layer:
     from ``head_start``): one message per route, each with the heads its decode rank holds. A route that cannot be
     sent fails alone (its handle says why). The same lines on rank 0 (:class:`PrefillConnector`) and on a follower
     rank (kv_transfer/connector/rank_ends.py)."""
-    from kv_transfer.layer_parts import pack_layer_part
+    from kv_transfer.wire.layer_parts import pack_layer_part
 
     handles = []
     for r in part.routes:

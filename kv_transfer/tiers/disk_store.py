@@ -1,7 +1,7 @@
 """L3: full K/V blocks as files in a local directory, written off the serving thread, checked by the payload MAC.
 
 One file per block, ``<dir>/<key:016x>.kvb``: a JSON header line (format, key, tokens, dtype, shape, payload bytes,
-the payload's tag) then the payload bytes. The tag is kv_transfer/payload_mac.py's polynomial MAC under a key
+the payload's tag) then the payload bytes. The tag is kv_transfer/wire/payload_mac.py's polynomial MAC under a key
 derived from the cluster secret (or the public one when authentication is off) and the block's key and tokens, so a
 file written for other tokens, truncated, or with one flipped byte is a miss, never wrong text. Several actors of one
 node may share the directory: a file appears by an atomic rename, so a reader sees a whole file or none.
@@ -26,11 +26,11 @@ import torch
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from engine.device_threads import DeviceThreads
-from kv_transfer.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
+from kv_transfer.wire.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
 from pdkernels.poly_mac import P
 
 FORMAT = "pdcluster-kv-block/1"
-# how a file's payload is checked: the transfer's polynomial payload MAC (kv_transfer/payload_mac.py; its CPU path
+# how a file's payload is checked: the transfer's polynomial payload MAC (kv_transfer/wire/payload_mac.py; its CPU path
 # runs ~30 MB/s on a shared core, so on a CPU host it can cost more than recomputing the block), or BLAKE2b keyed
 # under the same derived key (a standard keyed MAC, ~250 MB/s on the same core)
 INTEGRITY = ("payload_mac", "blake2b")

@@ -16,7 +16,7 @@ import pytest
 
 from cluster.wire.messages import GenerateRequest, PrefillResult
 from engine.block_pool import BlockPool
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector import rank_ends
 from kv_transfer.connector import receiver as receiver_module
 from kv_transfer.connector.decode_side import DecodeConnector

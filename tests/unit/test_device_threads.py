@@ -23,8 +23,8 @@ import torch
 
 from engine.device_threads import DeviceThreads
 from kv_transfer import make_backend
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.streams import HostStreams
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU1 = torch.device("cuda", 1)
@@ -96,7 +96,7 @@ def test_kv_threads_enter_their_device() -> None:
     """The decode actor's receiver and its torch_dist endpoint, a sender's pair, both rank ends, in-place threads."""
     from kv_transfer.connector.rank_ends import RankEnd
     from kv_transfer.connector.receiver import KVReceiver
-    from kv_transfer.layer_parts import pack_layer_part
+    from kv_transfer.wire.layer_parts import pack_layer_part
 
     entered = Entered()
     streams = HostStreams(entered.threads())
@@ -126,7 +126,7 @@ def test_kv_threads_enter_their_device() -> None:
 
 def test_in_place_threads_enter_their_device() -> None:
     from engine.kv_memory import KVLayout, SharedKVMemory
-    from kv_transfer.inplace import InPlaceBackend
+    from kv_transfer.backends.inplace import InPlaceBackend
 
     entered = Entered()
     layout = KVLayout(1, 4, 4, 2, 8, "float32")
@@ -150,11 +150,11 @@ def test_in_place_threads_enter_their_device() -> None:
 
 
 def test_the_ucx_loop_enters_its_device() -> None:
-    from kv_transfer.ucx import ucx_unavailable_reason
+    from kv_transfer.backends.ucx import ucx_unavailable_reason
 
     if ucx_unavailable_reason() is not None:
         pytest.skip(ucx_unavailable_reason())
-    from kv_transfer.ucx import UCXBackend
+    from kv_transfer.backends.ucx import UCXBackend
 
     entered = Entered()
     backend = UCXBackend(KVTransferConfig(backend="ucx", name="u", host="127.0.0.1"), HostStreams(entered.threads()))

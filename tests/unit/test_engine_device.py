@@ -164,7 +164,7 @@ def test_no_room_names_the_measured_parts() -> None:
 
 def test_transfer_device_bytes_counts_receive_buffers_and_pair_communicators() -> None:
     from cluster.loop.engine_loop import NCCL_PAIR_BYTES, transfer_device_bytes
-    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.wire.config import KVTransferConfig
 
     kv = KVTransferConfig(recv_buffer_bytes=64 << 20, num_recv_buffers=4)  # torch_dist
     assert transfer_device_bytes(None) == 0  # colocated

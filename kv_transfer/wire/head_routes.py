@@ -6,7 +6,7 @@ of them, or, when the size exceeds the head count, one head replicated on ``size
 latent is one "head" every rank holds). A decode rank needs exactly its own heads; each comes from one prefill rank
 that holds it. Where several do (replicated heads), the decode ranks are spread over them, so no prefill rank sends
 every copy. A route is one stream of parts: its header names ``head_start`` and its payload holds ``stop - start``
-heads (:mod:`kv_transfer.header`), which the decode rank writes into its own cache's slice and which any other rank
+heads (:mod:`kv_transfer.wire.header`), which the decode rank writes into its own cache's slice and which any other rank
 refuses.
 
     routes = head_routes(prefill_ranges, decode_ranges)   # ranges: [(start, stop)] per rank, from kv_head_range

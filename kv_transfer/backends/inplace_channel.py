@@ -47,7 +47,7 @@ def node_id() -> str:
 class InPlaceUnavailable(ConnectionError):
     """This process cannot write a peer's cache in place; ``reason`` is a stable word (the ``reason`` label of
     ``pdcluster_kv_inplace_fallbacks_total``): ``other_node``, ``probe_failed``, or a device reason of
-    :mod:`kv_transfer.cuda_devices` (``device_not_visible``, ``no_peer_access``, ``no_device_uuid``)."""
+    :mod:`kv_transfer.backends.cuda_devices` (``device_not_visible``, ``no_peer_access``, ``no_device_uuid``)."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -152,7 +152,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 def export_cuda(flat: Any) -> dict[str, Any]:
     """The CUDA IPC handle of a flat uint8 CUDA tensor, as msgpack-able values (see :func:`import_cuda`). ``uuid``
     names its GPU: ``device``, an index, means that GPU only in this process (each may see other devices)."""
-    from kv_transfer.cuda_devices import device_uuid
+    from kv_transfer.backends.cuda_devices import device_uuid
 
     storage = flat.untyped_storage()
     device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
@@ -166,12 +166,12 @@ def export_cuda(flat: Any) -> dict[str, Any]:
 def import_cuda(d: dict[str, Any], device: str = "cuda") -> Any:
     """Map another process's CUDA memory exported by :func:`export_cuda` into this process, which writes from its
     ``device`` (``KVTransferConfig.device``): a flat uint8 tensor labelled with that device, the exporter's GPU found
-    by UUID (:func:`kv_transfer.cuda_devices.match_device`; on another GPU the driver enables peer access).
+    by UUID (:func:`kv_transfer.backends.cuda_devices.match_device`; on another GPU the driver enables peer access).
     :class:`InPlaceUnavailable` when this process cannot map it (the GPU is not visible here, no peer access);
     ``RuntimeError`` if the driver refuses."""
     import torch
 
-    from kv_transfer.cuda_devices import Unmappable, resolve
+    from kv_transfer.backends.cuda_devices import Unmappable, resolve
 
     torch.cuda._lazy_init()
     where = resolve(d, device)

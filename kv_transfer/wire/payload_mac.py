@@ -49,8 +49,8 @@ from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from pdkernels import poly_mac
 from pdkernels.poly_mac import P
-from kv_transfer.header import TAG_BYTES, KVTransferHeader
-from kv_transfer.streams import HOST_DONE, Event, HostStreams, Stream
+from kv_transfer.wire.header import TAG_BYTES, KVTransferHeader
+from kv_transfer.wire.streams import HOST_DONE, Event, HostStreams, Stream
 
 MARKER = 384  # added to each int8 byte: every coefficient in [256, 512), never zero (see the module docstring)
 # the key's source when authentication is off: public on purpose (it then detects corruption, nothing more)
@@ -142,7 +142,7 @@ def tag_beside(streams: HostStreams, stream: Stream, after: Event, mac: Callable
     engine's) once it has waited for ``after`` (the event the payload's producer recorded after writing it; None or
     ``HOST_DONE``: nothing to wait for) and for nothing else; the host then waits for ``stream``'s event and reads the
     tag there (one small read that waits for that stream alone). Blocks the calling thread (an I/O or receiving
-    thread). On the CPU (:class:`~kv_transfer.streams.HostStreams`) it is ``mac().tag()``."""
+    thread). On the CPU (:class:`~kv_transfer.wire.streams.HostStreams`) it is ``mac().tag()``."""
     with streams.use(stream):
         if after is not None and after is not HOST_DONE:
             streams.wait(stream, after)

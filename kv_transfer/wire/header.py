@@ -3,12 +3,12 @@
 One message = this header + one contiguous payload: one layer's K and V for a run of blocks, packed by
 ``pdkernels.pack_blocks`` as ``[2, len(block_ids), block_size, kv_heads, head_dim]``, ``kv_heads`` the part's heads:
 the model's KV heads ``[head_start, head_start + kv_heads)`` (all of them, or a tensor-parallel rank's share:
-:mod:`kv_transfer.head_routes`); for an MLA model (``kv_layout``
+:mod:`kv_transfer.wire.head_routes`); for an MLA model (``kv_layout``
 "mla") the two planes hold each token's latent in two halves instead (``kv_heads`` 1, ``head_dim`` half the latent:
 :mod:`pdkernels.mla`). A scaled payload carries its float32
 scales right after the blocks: ``[2, len(block_ids), kv_heads]`` for FP8 (``float8_e4m3fn``), ``[2, len(block_ids),
 block_size, kv_heads]`` for int8 (one per token). The payload is bound by a keyed tag in the header (``checksum``:
-:mod:`kv_transfer.payload_mac`), which the header's MAC covers in turn.
+:mod:`kv_transfer.wire.payload_mac`), which the header's MAC covers in turn.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from cluster.wire.auth import ClusterSecret
 # the header's MAC; 5: int8 payloads, followed by their per-token scales; 6: the checksum is the payload's 16-byte
 # polynomial MAC tag, no longer a CRC-32; 7: kv_layout, what the payload's two planes hold;
 # 8: 8-bit payloads hold each head's K/V rotated, pdkernels/kv_rotation.py; 9: ``kind``, a message is a K/V part or
-# the request's prefill result, kv_transfer/result_message.py; 10: ``head_start``, a part carries a range of the
-# model's KV heads, so a tensor-parallel rank receives only the heads it holds, kv_transfer/head_routes.py)
+# the request's prefill result, kv_transfer/wire/result_message.py; 10: ``head_start``, a part carries a range of the
+# model's KV heads, so a tensor-parallel rank receives only the heads it holds, kv_transfer/wire/head_routes.py)
 WIRE_VERSION = 10
 # what a message carries: one (layer, chunk) of K/V; or, after a request's last part, its prefill result (msgpack'd
 # cluster.wire.messages.PrefillResult as a uint8 payload, bound by the tag like a part's bytes)
 KINDS = ("part", "result")
 KV_LAYOUTS = ("kv", "mla")  # the two planes hold K then V per kv head; or each token's MLA latent, in two halves
-TAG_BYTES = 16  # the payload tag (kv_transfer.payload_mac): two 61-bit values, 8 bytes each
+TAG_BYTES = 16  # the payload tag (kv_transfer.wire.payload_mac): two 61-bit values, 8 bytes each
 # payload dtypes followed by float32 scales: FP8 one per (K/V, block, kv head), int8 one per (K/V, block, token, head)
 SCALED_DTYPES = ("float8_e4m3fn", "int8")
 

@@ -3,7 +3,7 @@
 A prefill actor sends the request's :class:`~cluster.wire.messages.PrefillResult` (its wire form, msgpack'd) to the
 decode actor whose blocks the K/V went into, over the same backend and in the same order as the parts: a header of
 kind ``"result"`` (no blocks; ``dtype`` uint8, ``shape`` the bytes' count) and the bytes as its payload. The payload
-is bound by the part tag (:mod:`kv_transfer.payload_mac`) under the cluster secret's key for that header, and the
+is bound by the part tag (:mod:`kv_transfer.wire.payload_mac`) under the cluster secret's key for that header, and the
 header by its MAC, exactly like a part: a forged or altered result is refused like a forged part. The decode actor
 then takes it as if the proxy had called ``prefilled`` with it, so a request needs no third Ray call.
 
@@ -19,8 +19,8 @@ import msgpack
 import torch
 
 from cluster.wire.auth import ClusterSecret
-from kv_transfer.header import KVTransferHeader, verify_checksum, verify_length
-from kv_transfer.payload_mac import part_key, payload_tag
+from kv_transfer.wire.header import KVTransferHeader, verify_checksum, verify_length
+from kv_transfer.wire.payload_mac import part_key, payload_tag
 
 
 def pack_result(result: dict[str, Any], *, request_id: str, reservation_id: str, model_fingerprint: str, epoch: int,
@@ -43,7 +43,7 @@ def unpack_result(header: KVTransferHeader, raw: torch.Tensor, secret: ClusterSe
     """The result's wire form from a received ``result`` message (``raw``: its payload bytes, uint8, any device),
     after checking its length and its tag under ``secret``'s key for ``header`` (the header's MAC is the caller's to
     check first, as for a part). Raises ``ValueError`` for a header of another kind, a missing tag or bytes that are
-    no map; :class:`~kv_transfer.header.HeaderMismatchError` for a wrong length or tag. Pure."""
+    no map; :class:`~kv_transfer.wire.header.HeaderMismatchError` for a wrong length or tag. Pure."""
     if header.kind != "result":
         raise ValueError(f"kind: expected 'result', got {header.kind!r}")
     if header.checksum is None:

@@ -15,7 +15,7 @@ peer failure shows on the listener's connection, and a payload that does not arr
 
 ucxx keeps one context per process, so use one UCX backend per process (the actors have one each).
 
-Streams (:mod:`kv_transfer.streams`): UCX reads and writes device memory outside any stream, so the host orders it:
+Streams (:mod:`kv_transfer.wire.streams`): UCX reads and writes device memory outside any stream, so the host orders it:
 a send waits (polled, on the loop) for the producer's event; a receive buffer is taken only once its last reader's
 fence has passed; a sent payload is dropped (back to the caching allocator) only after UCX reports it sent.
 """
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader, MalformedHeaderError
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader, MalformedHeaderError
+from kv_transfer.wire.streams import HostStreams
 
 _TAG_SHIFT = 40  # payload tag = (peer number << 40) + message number: distinct per peer, and from ucxx's own tags
 
@@ -55,7 +55,7 @@ class UCXBackend(KVTransferBackend):
     """UCX endpoints driven by a private asyncio loop thread."""
 
     def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
-        """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
+        """``streams``: the stream seam (:mod:`kv_transfer.wire.streams`); None: the one for ``config.device``."""
         super().__init__(config, streams)
         reason = ucx_unavailable_reason()
         if reason is not None:
@@ -65,7 +65,7 @@ class UCXBackend(KVTransferBackend):
         self._ucxx = ucxx
         self._loop = asyncio.new_event_loop()
         self._thread = self.streams.threads.thread(self._loop.run_forever, "kv-ucx-loop")
-        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac.tag_beside)
+        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.wire.payload_mac.tag_beside)
         self._thread.start()
         self._listener: Any = None
         self._address: str | None = None

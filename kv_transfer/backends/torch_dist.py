@@ -3,16 +3,16 @@
 No global ``init_process_group`` and no fixed world. A listening (decode) endpoint runs a ``TCPStore`` on a free port;
 each sending (prefill) endpoint that connects takes a ticket ``n`` from it, and both sides build a two-rank process
 group from ``PrefixStore("pdkv/pair{n}/")``: one small group per prefill/decode pair, created on first use, so pools
-grow and shrink freely. The wire format and each side's I/O thread are in :mod:`kv_transfer.torch_dist_pairs`.
+grow and shrink freely. The wire format and each side's I/O thread are in :mod:`kv_transfer.backends.torch_dist_pairs`.
 With a cluster secret every value either side writes to the store carries a MAC and every value read is checked
-(:mod:`kv_transfer.store_auth`): a join, or a pair's rendezvous, that holds a value written without the secret is
+(:mod:`kv_transfer.wire.store_auth`): a join, or a pair's rendezvous, that holds a value written without the secret is
 refused and counted (``unauthenticated``).
 
 Gloo behaviour this relies on (torch 2.13, measured): a recv ``Work`` never reports ``is_completed()`` until it is
 ``wait()``\\ ed, so each pair has an I/O thread that waits; a timed-out wait closes the pair; a blocked wait returns
 with an error when the peer closes; ``abort()``/``shutdown()`` do not interrupt a blocked wait.
 
-Failure isolation (:mod:`kv_transfer.torch_dist_groups`): a peer that dies or stalls mid-transfer fails only its own
+Failure isolation (:mod:`kv_transfer.backends.torch_dist_groups`): a peer that dies or stalls mid-transfer fails only its own
 pair, within ``config.pair_timeout`` (``pair_timeout_s``, 30 s by default, at most ``io_timeout_s``; the groups are
 built with it, NCCL's watchdog included, whose own default is 10 minutes and whose default error handling would end
 this process). The pair is aborted, the transfer's handle FAILED, its receive buffer back in the pool, and the pair
@@ -32,13 +32,13 @@ import torch.distributed as dist
 
 from cluster.wire import auth
 
-from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader
-from kv_transfer.store_auth import StoreValueRefused, authenticated
-from kv_transfer.streams import HostStreams
-from kv_transfer.torch_dist_groups import pair_groups
-from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair
+from kv_transfer.wire.base import KVTransferBackend, RecvSide, TransferHandle
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader
+from kv_transfer.wire.store_auth import StoreValueRefused, authenticated
+from kv_transfer.wire.streams import HostStreams
+from kv_transfer.backends.torch_dist_groups import pair_groups
+from kv_transfer.backends.torch_dist_pairs import RECEIVER, SENDER, RecvPair, SendPair
 
 _JOIN_COUNTER = "pdkv/joins"
 
@@ -54,7 +54,7 @@ class TorchDistBackend(KVTransferBackend):
     """torch.distributed pair groups, one per peer, built on first use."""
 
     def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
-        """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
+        """``streams``: the stream seam (:mod:`kv_transfer.wire.streams`); None: the one for ``config.device``."""
         super().__init__(config, streams)
         self._store: dist.TCPStore | None = None
         self._rendezvous: dist.Store | None = None  # the store as both ends read and write it (MACed values)

@@ -3,9 +3,9 @@ reserved, in the decode actor's own KV cache, mapped into the prefill process. `
 a shared-memory file, :mod:`engine.kv_memory`), ``cuda_ipc`` on a GPU (the cache exported with CUDA IPC). No packing,
 no socket for the bytes, no receive buffer: one copy per layer and chunk (:func:`pdkernels.copy_blocks_between`).
 
-What still crosses a socket is small (:mod:`kv_transfer.inplace_channel`): the writer *opens* a reservation (the
+What still crosses a socket is small (:mod:`kv_transfer.backends.inplace_channel`): the writer *opens* a reservation (the
 decode actor checks it is pending and its epoch current, and records the writer), announces each written part with a
-verified :class:`~kv_transfer.header.KVTransferHeader` (a payload checksum is optional here: ``inplace_checksum``), and
+verified :class:`~kv_transfer.wire.header.KVTransferHeader` (a payload checksum is optional here: ``inplace_checksum``), and
 *ends* the reservation after its last write. The decode actor's hooks decide; its reservation manager quarantines the
 blocks of a reservation released while its writer is open, until the writer ends it or its channel closes (the
 process is gone), so a late write never lands in blocks given to someone else.
@@ -13,7 +13,7 @@ process is gone), so a late write never lands in blocks given to someone else.
 A writer that sees its peer's channel close stops writing to that mapping at once (checked before every write): a
 dead decode actor takes down nobody.
 
-Streams (:mod:`kv_transfer.streams`): a writer copies on its own *copy stream*, which first waits for an event
+Streams (:mod:`kv_transfer.wire.streams`): a writer copies on its own *copy stream*, which first waits for an event
 recorded on the caller's stream after what it queued (the layer's K/V store), so the next layer's compute is not
 queued behind the copy. With ``inplace_checksum`` the tag of the source blocks is computed there too, after the copy.
 The copy stream's *done* event is waited on by the peer's I/O thread, never the caller's: it reads the tag back (on
@@ -39,15 +39,14 @@ import torch
 import pdkernels
 from cluster.wire import auth
 from pdkernels import copy_between
-from kv_transfer.base import TransferHandle
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferError, KVTransferHeader, sign_header
-from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, InPlaceUnavailable, import_cuda, recv_message,
-                                         send_message)
-from kv_transfer.inplace_endpoint import InPlaceEndpoint
-from kv_transfer.layer_parts import blocks_mac, part_header
-from kv_transfer.payload_mac import PayloadMac, part_key
-from kv_transfer.streams import Event, HostStreams, Stream, block_index
+from kv_transfer.wire.base import TransferHandle
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferError, KVTransferHeader, sign_header
+from kv_transfer.backends.inplace_channel import PROBE_BYTES, InPlaceAddress, InPlaceUnavailable, import_cuda, recv_message, send_message
+from kv_transfer.backends.inplace_endpoint import InPlaceEndpoint
+from kv_transfer.wire.layer_parts import blocks_mac, part_header
+from kv_transfer.wire.payload_mac import PayloadMac, part_key
+from kv_transfer.wire.streams import Event, HostStreams, Stream, block_index
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +214,7 @@ class InPlaceBackend(InPlaceEndpoint):
         announce the part. Returns a handle that is DONE once announced.
 
         ``src_index`` / ``dst_index``: the two id lists as index tensors on this endpoint's device, built once per
-        chunk by the caller (:func:`~kv_transfer.streams.block_index`, on its stream) and reused by every layer;
+        chunk by the caller (:func:`~kv_transfer.wire.streams.block_index`, on its stream) and reused by every layer;
         None: built here, on the copy stream, when the copy needs them (a GPU, or a scaled cache). With
         ``inplace_checksum`` the source blocks' tag is computed on the copy stream and read back on the I/O thread.
         ``corrupt`` flips one written byte after the copy (fault injection: the peer must reject the part, which
@@ -279,7 +278,7 @@ class InPlaceBackend(InPlaceEndpoint):
         return self._write(peer_address, handle, copy)
 
     def send_result(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
-        """Mutates: queue a request's prefill result (``kv_transfer.result_message``) on the peer's channel behind
+        """Mutates: queue a request's prefill result (``kv_transfer.wire.result_message``) on the peer's channel behind
         the parts announced so far (and before the reservation's ``end``); its bytes travel inside the frame. The
         handle is DONE once sent, FAILED if the peer is unreachable or broken."""
         handle = self._new_send_handle(peer_address, header, payload)

@@ -1,6 +1,6 @@
 """The two ends of one torch.distributed pair: the wire format and the I/O thread of each side.
 
-Per message, in order on the pair (see :mod:`kv_transfer.torch_dist` for how pairs are made):
+Per message, in order on the pair (see :mod:`kv_transfer.backends.torch_dist` for how pairs are made):
 
 1. an *envelope* of ``_ENVELOPE`` bytes on the control group (gloo): ``<qq`` = (header length, payload bytes), then
    the msgpack header inline; (-1, 0) says goodbye;
@@ -11,11 +11,11 @@ Per message, in order on the pair (see :mod:`kv_transfer.torch_dist` for how pai
 Gloo moves a message only once its recv is posted, so the receiver posts the next envelope's recv before it waits
 for the current payload, and the sender keeps up to ``send_window`` messages posted.
 
-Streams (:mod:`kv_transfer.streams`): each end owns a comm stream. NCCL sends and receives run there, and their works
+Streams (:mod:`kv_transfer.wire.streams`): each end owns a comm stream. NCCL sends and receives run there, and their works
 are waited on there, never on the engine's stream. A send's stream waits for the producer's event before reading the
 payload; a receive's stream waits for the buffer's fence before writing it.
 
-Failure (:mod:`kv_transfer.torch_dist_groups` has the whole story): every wait on a payload or a header's remainder
+Failure (:mod:`kv_transfer.backends.torch_dist_groups` has the whole story): every wait on a payload or a header's remainder
 uses ``config.pair_timeout``. When one fails (the peer died: at once; it stalls: after that timeout) or the control
 group's receive fails, the end *aborts* its pair (``abort_groups``) before anything else: the receiving end then fails
 the transfer's handle and gives its buffer back (on NCCL the abort is what lets the buffer's fence fire), the sending
@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import RecvSide, TransferHandle, as_bytes, sealed_header
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader, MalformedHeaderError
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.base import RecvSide, TransferHandle, as_bytes, sealed_header
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader, MalformedHeaderError
+from kv_transfer.wire.streams import HostStreams
 # pair_groups moved to torch_dist_groups; importable from here as before
-from kv_transfer.torch_dist_groups import abort_groups, pair_groups, pair_timeout  # noqa: F401
+from kv_transfer.backends.torch_dist_groups import abort_groups, pair_groups, pair_timeout  # noqa: F401
 
 TAG = 0
 RECEIVER, SENDER = 0, 1  # ranks in every pair group: the listening endpoint is 0
@@ -84,7 +84,7 @@ class SendPair:
         self._on_done = on_done
         self._groups: tuple[Any, ...] = ()  # (store, control group, data group)
         self._stream: Any = None  # the send stream (None on the host)
-        self._mac_stream: Any = None  # where payload tags are computed (kv_transfer.payload_mac.tag_beside)
+        self._mac_stream: Any = None  # where payload tags are computed (kv_transfer.wire.payload_mac.tag_beside)
         self.thread = streams.threads.thread(self._run, f"kv-send-{peer}")  # enters the pair's device first
         self.thread.start()
 

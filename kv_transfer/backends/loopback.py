@@ -1,6 +1,6 @@
 """A decode-side KV peer in its own OS process, driven over a pipe, and the two-process bandwidth benchmark.
 
-The integration tests and ``python -m kv_transfer.loopback`` (the benchmark: bandwidth per backend next to an
+The integration tests and ``python -m kv_transfer.backends.loopback`` (the benchmark: bandwidth per backend next to an
 in-process copy and the checksum's speed, measured side by side in one run) both use it.
 """
 
@@ -19,19 +19,13 @@ from typing import Any
 
 import torch
 
-from kv_transfer import make_backend
-from kv_transfer.base import (
-    KVTransferBackend,
-    TransferHandle,
-    TransferState,
-    torch_dtype,
-)
+from kv_transfer.backends import make_backend
+from kv_transfer.wire.base import KVTransferBackend, TransferHandle, TransferState, torch_dtype
 from cluster.wire.auth import ClusterSecret
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import (ExpectedTransfer, HeaderMismatchError, KVTransferHeader, verify_checksum,
-                               verify_fields)
-from kv_transfer.layer_parts import blocks_checksum, install_layer_part
-from kv_transfer.payload_mac import part_key
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader, verify_checksum, verify_fields
+from kv_transfer.wire.layer_parts import blocks_checksum, install_layer_part
+from kv_transfer.wire.payload_mac import part_key
 
 
 @dataclass(frozen=True)

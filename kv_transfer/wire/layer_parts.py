@@ -12,11 +12,11 @@ Receiver, for each DONE handle from ``backend.recv()``::
     install_layer_part(handle.header, handle.raw, expected, k_caches[handle.header.layer], v_caches[...])
     backend.release(handle)
 
-Streams (:mod:`kv_transfer.streams`): both run on the calling thread's current stream. The sender's backend waits
+Streams (:mod:`kv_transfer.wire.streams`): both run on the calling thread's current stream. The sender's backend waits
 for that stream's event before it reads the payload; the receiver calls ``recv``, ``install_layer_part`` and
 ``release`` on one stream (the engine's), so the buffer's fence covers the unpack. The payload's tag is the exception
 on both sides: computed on a side stream that waits for the part's producer event only (``tag_of``,
-:func:`kv_transfer.payload_mac.tag_beside`), so reading it back never waits for the engine's later compute.
+:func:`kv_transfer.wire.payload_mac.tag_beside`), so reading it back never waits for the engine's later compute.
 
 A scaled cache passes its layer's scales (``scales=``: FP8 ``[2, num_blocks, kv_heads]``, int8 ``[2, num_blocks,
 block_size, kv_heads]``) to both: the payload then carries the blocks' scales after the blocks, about half the bytes of
@@ -31,11 +31,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 import pdkernels
-from kv_transfer.base import as_bytes, dtype_name
+from kv_transfer.wire.base import as_bytes, dtype_name
 from cluster.wire.auth import ClusterSecret
-from kv_transfer.header import ExpectedTransfer, KVTransferHeader, verify_checksum, verify_fields, verify_length
-from kv_transfer.payload_mac import PartKey, PayloadMac, part_key, payload_tag
-from kv_transfer.streams import block_index
+from kv_transfer.wire.header import ExpectedTransfer, KVTransferHeader, verify_checksum, verify_fields, verify_length
+from kv_transfer.wire.payload_mac import PartKey, PayloadMac, part_key, payload_tag
+from kv_transfer.wire.streams import block_index
 
 TagOf = Callable[[torch.Tensor, PartKey], bytes]  # a payload's bytes and its part's key -> its tag
 
@@ -70,10 +70,10 @@ def pack_layer_part(
     (``scales`` given) the payload is flat bytes: the blocks, then their scales ``scales[:, ids]``.
 
     ``src_index``: ``src_block_ids`` as an index tensor on the cache's device, built once per chunk
-    (:func:`~kv_transfer.streams.block_index`) and reused for every layer; None: built here. ``kv_layout``: what the
+    (:func:`~kv_transfer.wire.streams.block_index`) and reused for every layer; None: built here. ``kv_layout``: what the
     cache's planes hold (the engine's ``kv_layout``), said in the header.
 
-    Tensor parallelism (:mod:`kv_transfer.head_routes`): ``cache_head_start`` is the model's KV head the cache's first
+    Tensor parallelism (:mod:`kv_transfer.wire.head_routes`): ``cache_head_start`` is the model's KV head the cache's first
     head is (a rank's share starts there); ``heads`` the model's heads ``[a, b)`` to send, within what the cache holds
     (None: all of them). The header names the first (``head_start``), the payload's shape the count.
     """
@@ -164,10 +164,10 @@ def blocks_mac(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: Sequence
 
 def verify_part(header: KVTransferHeader, raw: torch.Tensor, expected: ExpectedTransfer,
                 secret: ClusterSecret | None, tag_of: TagOf | None = None) -> None:
-    """Raise the :class:`~kv_transfer.header.HeaderMismatchError` of the first thing not as ``expected``: the header's
+    """Raise the :class:`~kv_transfer.wire.header.HeaderMismatchError` of the first thing not as ``expected``: the header's
     fields, the payload's length (``raw``: its bytes, uint8), then its tag under ``secret``'s key for the part (a pass
     over the bytes on their device: last). ``tag_of(raw, key)``: how the tag is computed (a receiver's, on its MAC
-    stream: :func:`~kv_transfer.payload_mac.tag_beside`); None: on the current stream. Pure."""
+    stream: :func:`~kv_transfer.wire.payload_mac.tag_beside`); None: on the current stream. Pure."""
     verify_fields(header, expected)
     verify_length(header, raw.numel() * raw.element_size())
     if header.checksum is not None:
@@ -191,7 +191,7 @@ def install_layer_part(
     parts (None: built here). ``tag_of``: how the tag is computed (:func:`verify_part`).
 
     Mutates ``k_cache``/``v_cache`` only if every check passes; otherwise raises the
-    :class:`~kv_transfer.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
+    :class:`~kv_transfer.wire.header.HeaderMismatchError` of the first bad field and leaves the caches untouched.
     """
     if tuple(k_cache.shape[1:]) != expected.block_shape or dtype_name(k_cache.dtype) != expected.dtype:
         raise ValueError(f"k_cache: {tuple(k_cache.shape)} {k_cache.dtype} does not match {expected}")

@@ -20,11 +20,11 @@ class KVTransferConfig:
     """Where an endpoint listens and how it receives. Validated on construction (``ValueError`` names the field)."""
 
     # which transport: torch_dist (gloo on CPU, NCCL on CUDA), ucx, shm / cuda_ipc (same node: writes straight into
-    # the peer's KV cache, kv_transfer.inplace), auto (per peer: shm / cuda_ipc on the same node when the probe
+    # the peer's KV cache, kv_transfer.backends.inplace), auto (per peer: shm / cuda_ipc on the same node when the probe
     # succeeds, else fallback_backend), or fake (in-process)
     backend: str = "torch_dist"
     fallback_backend: str = "torch_dist"  # auto: the socket backend for peers on other nodes
-    # in-place backends: tag each written part (the payload MAC, kv_transfer.payload_mac, over the source blocks,
+    # in-place backends: tag each written part (the payload MAC, kv_transfer.wire.payload_mac, over the source blocks,
     # checked over the destination on receipt). Off by default: the bytes never leave this node's memory, and the two
     # passes cost more than the copy (docs/cluster-benchmarks.md); socket backends always tag.
     inplace_checksum: bool = False

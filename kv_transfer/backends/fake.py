@@ -10,10 +10,10 @@ import threading
 
 import torch
 
-from kv_transfer.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.base import KVTransferBackend, RecvSide, TransferHandle, as_bytes, sealed_header
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader
+from kv_transfer.wire.streams import HostStreams
 
 
 class FakeFabric:
@@ -52,7 +52,7 @@ class FakeBackend(KVTransferBackend):
         self.address: str | None = None
         self._connected: set[str] = set()
         self._closed = False
-        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac.tag_beside)
+        self._mac_stream = self.streams.new_stream("kv-mac")  # payload tags (kv_transfer.wire.payload_mac.tag_beside)
 
     def listen(self) -> str:
         """Mutates: register with the fabric and allocate receive buffers; returns ``fake://name/n``."""

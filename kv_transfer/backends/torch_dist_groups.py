@@ -1,6 +1,6 @@
 """The process groups of one torch.distributed peer pair, and how a pair fails without taking its process down.
 
-Each pair (:mod:`kv_transfer.torch_dist`) has a gloo *control* group (envelopes, headers) and, on CUDA, an NCCL *data*
+Each pair (:mod:`kv_transfer.backends.torch_dist`) has a gloo *control* group (envelopes, headers) and, on CUDA, an NCCL *data*
 group (payloads); on the CPU the control group carries the payloads too. Both are built with
 ``config.pair_timeout`` (``KVTransferConfig.pair_timeout_s``, capped at ``io_timeout_s``) instead of torch's
 defaults (30 minutes for gloo, 10 for NCCL).
@@ -35,7 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from engine.nccl_errors import survive_nccl_failures
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 
 
 def pair_timeout(config: KVTransferConfig) -> datetime.timedelta:

@@ -1,11 +1,11 @@
-"""The decode actor's half of in-place KV transfer (:mod:`kv_transfer.inplace`): export the KV cache to same-node
+"""The decode actor's half of in-place KV transfer (:mod:`kv_transfer.backends.inplace`): export the KV cache to same-node
 writers, accept their channels, and turn what they announce into received parts.
 
-A writer's channel (an abstract Unix socket, :mod:`kv_transfer.inplace_channel`) starts with a challenge the writer
+A writer's channel (an abstract Unix socket, :mod:`kv_transfer.backends.inplace_channel`) starts with a challenge the writer
 MACs, then this endpoint's ``hello`` (the cache's shared-memory descriptor or CUDA IPC handles, and a probe). After
 that the writer *opens* reservations (decided by the ``on_open`` hook), *announces* written parts (queued on the
 receive side like any received part, verified there) and *ends* reservations. The writer's side lives in
-:class:`kv_transfer.inplace.InPlaceBackend`, which is this class plus writing.
+:class:`kv_transfer.backends.inplace.InPlaceBackend`, which is this class plus writing.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from typing import Any
 import torch
 
 from cluster.wire import auth
-from kv_transfer.base import KVTransferBackend, RecvSide
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader, MalformedHeaderError
-from kv_transfer.inplace_channel import (PROBE_BYTES, InPlaceAddress, export_cuda, node_id, recv_message,
-                                         send_message)
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.base import KVTransferBackend, RecvSide
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader, MalformedHeaderError
+from kv_transfer.backends.inplace_channel import PROBE_BYTES, InPlaceAddress, export_cuda, node_id, recv_message, send_message
+from kv_transfer.wire.streams import HostStreams
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +176,7 @@ class InPlaceEndpoint(KVTransferBackend):
                 side.finish(side.new_handle(writer, None, 0), None, f"malformed in-place header: {e}")
                 return
             side.finish_in_place(side.new_handle(writer, header, header.payload_nbytes))
-        elif msg["t"] == "result":  # a request's prefill result, its bytes in the frame (kv_transfer.result_message)
+        elif msg["t"] == "result":  # a request's prefill result, its bytes in the frame (kv_transfer.wire.result_message)
             try:
                 header = KVTransferHeader.decode(msg["h"])
             except MalformedHeaderError as e:

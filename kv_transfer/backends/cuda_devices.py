@@ -167,6 +167,6 @@ def reader_index(device: str) -> int:
 
 
 def resolve(exported: dict[str, Any], device: str) -> Mapped | Unmappable:
-    """:func:`match_device` for an exported handle (:func:`kv_transfer.inplace_channel.export_cuda`'s ``uuid``) and
+    """:func:`match_device` for an exported handle (:func:`kv_transfer.backends.inplace_channel.export_cuda`'s ``uuid``) and
     this process's CUDA devices. Reads CUDA."""
     return match_device(exported.get("uuid"), visible_device_uuids(), reader_index(device), can_access_peer)

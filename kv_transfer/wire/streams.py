@@ -12,7 +12,7 @@ there); the decode side's receiver takes a finished transfer (``recv``), install
 stream the engine's forward runs on. ``recv`` makes that stream wait for the comm stream's *ready* event; ``release``
 records the buffer's *fence* there; the pool makes the next writer wait for the fence before it hands the buffer out.
 
-**Side streams.** A payload's tag (:func:`kv_transfer.payload_mac.tag_beside`) is computed on a stream of its own
+**Side streams.** A payload's tag (:func:`kv_transfer.wire.payload_mac.tag_beside`) is computed on a stream of its own
 that waits for the part's producer event only, never on the engine's: its read back would otherwise wait for the
 compute queued after the part.
 

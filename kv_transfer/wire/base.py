@@ -4,7 +4,7 @@ A prefill actor, per (layer, chunk): ``handle = backend.send(decode_address, hea
 (``PENDING -> TRANSFERRING -> DONE | FAILED``) while the next layer computes. A decode actor: ``listen()`` once,
 publishes the address with its reservations, and drains ``recv()``: each finished incoming transfer lands in one of
 ``num_recv_buffers`` preallocated buffers (never a fresh allocation per message); it verifies the header against the
-reservation, unpacks the payload into its cache (see :mod:`kv_transfer.layer_parts`) and ``release``\\ s the buffer.
+reservation, unpacks the payload into its cache (see :mod:`kv_transfer.wire.layer_parts`) and ``release``\\ s the buffer.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from types import TracebackType
 
 import torch
 
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from cluster.wire.auth import ClusterSecret
-from kv_transfer.header import DTYPE_ITEMSIZE, KVTransferHeader, sign_header
-from kv_transfer.streams import HOST_DONE, Event, FencedPool, HostStreams, Stream, streams_for
+from kv_transfer.wire.header import DTYPE_ITEMSIZE, KVTransferHeader, sign_header
+from kv_transfer.wire.streams import HOST_DONE, Event, FencedPool, HostStreams, Stream, streams_for
 
 
 class TransferState(str, enum.Enum):
@@ -47,7 +47,7 @@ class TransferHandle:
         self.payload: torch.Tensor | None = None  # recv: ``raw`` viewed as header.dtype/shape when they fit its length
         self.buffer_index: int | None = None  # recv: which receive buffer holds it, for release
         # recv: recorded on the stream that wrote the bytes, after the write; ``recv`` makes the consumer's stream
-        # wait for it (kv_transfer.streams)
+        # wait for it (kv_transfer.wire.streams)
         self.ready: Event = None
         self.in_place = False  # recv: the payload was written straight into the receiver's blocks (shm, cuda_ipc)
         self.created_s = time.perf_counter()
@@ -121,15 +121,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 def sealed_header(header: KVTransferHeader, payload: torch.Tensor, ready: object | None = None, *,
                   secret: ClusterSecret | None, streams: HostStreams | None = None, stream: Stream = None) -> bytes:
     """The header's wire bytes, with the payload's tag filled in when the sender left it out (``checksum`` None; the
-    part's key under ``secret``: :mod:`kv_transfer.payload_mac`) and then its MAC under ``secret`` (None:
+    part's key under ``secret``: :mod:`kv_transfer.wire.payload_mac`) and then its MAC under ``secret`` (None:
     authentication off): socket backends call this on their I/O thread, so the tag's pass over the bytes (on their
     device) and its small read back are off the compute thread. ``ready``: the event the payload's producer recorded
     after writing it. ``streams`` and ``stream``: the tag is computed on ``stream``, a side stream that waits for
-    ``ready`` and nothing else (:func:`~kv_transfer.payload_mac.tag_beside`: never on the engine's stream, whose later
+    ``ready`` and nothing else (:func:`~kv_transfer.wire.payload_mac.tag_beside`: never on the engine's stream, whose later
     compute it would wait for); without ``streams``, on the calling thread's current stream after the host waited for
     ``ready``. Blocks until the tag is read; pure apart from that."""
     if header.checksum is None:
-        from kv_transfer.payload_mac import part_key, payload_mac, payload_tag, tag_beside
+        from kv_transfer.wire.payload_mac import part_key, payload_mac, payload_tag, tag_beside
 
         key = part_key(secret, header)
         if streams is not None:
@@ -152,7 +152,7 @@ def as_bytes(payload: torch.Tensor) -> torch.Tensor:
 class RecvSide:
     """Receive buffers, allocated once, and the queue of finished incoming transfers. Thread-safe.
 
-    A buffer's round trip follows :mod:`kv_transfer.streams`' rule: ``acquire`` (the writer's stream waits for the
+    A buffer's round trip follows :mod:`kv_transfer.wire.streams`' rule: ``acquire`` (the writer's stream waits for the
     buffer's fence) -> the backend writes -> ``finish`` (a *ready* event on the writer's stream) -> ``hand_over``
     (the consumer's stream waits for it) -> install -> ``release`` (the fence, on the consumer's stream) -> pool."""
 
@@ -261,7 +261,7 @@ class KVTransferBackend(ABC):
     """One endpoint of a KV transport. Both roles in one object: a decode actor listens, a prefill actor sends."""
 
     def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
-        """``streams``: the stream seam (:mod:`kv_transfer.streams`); None: the one for ``config.device``."""
+        """``streams``: the stream seam (:mod:`kv_transfer.wire.streams`); None: the one for ``config.device``."""
         self.config = config.resolved()  # host unset: this process's node address (made inside the actor)
         self.streams = streams if streams is not None else streams_for(self.config.device)
         self.recv_side: RecvSide | None = None  # created by listen()
@@ -296,7 +296,7 @@ class KVTransferBackend(ABC):
         """
 
     def send_result(self, peer_address: str, header: KVTransferHeader, payload: torch.Tensor) -> TransferHandle:
-        """Mutates: queue a request's prefill result (``kv_transfer.result_message``: a header of kind ``result``
+        """Mutates: queue a request's prefill result (``kv_transfer.wire.result_message``: a header of kind ``result``
         and its bytes) to ``peer_address``, after the parts already queued there. Socket backends send it as any
         message; in-place backends override it (their parts are not messages)."""
         return self.send(peer_address, header, payload)
@@ -319,7 +319,7 @@ class KVTransferBackend(ABC):
             self.recv_side.hand_over(handle)
         return handle
 
-    # -- in-place writing (shm, cuda_ipc; see kv_transfer.inplace). Socket backends never write in place. --
+    # -- in-place writing (shm, cuda_ipc; see kv_transfer.backends.inplace). Socket backends never write in place. --
     def in_place(self, peer_address: str) -> bool:
         """Whether parts to ``peer_address`` are written straight into its blocks (``write_part``, ``open``/``end``
         around them) rather than sent (``send``). Mutates nothing but a cached probe of the peer. Pure here."""

@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from kv_transfer.base import KVTransferBackend, TransferHandle
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader
-from kv_transfer.inplace import InPlaceBackend
-from kv_transfer.inplace_channel import fallback_reason
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.base import KVTransferBackend, TransferHandle
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader
+from kv_transfer.backends.inplace import InPlaceBackend
+from kv_transfer.backends.inplace_channel import fallback_reason
+from kv_transfer.wire.streams import HostStreams
 
 log = logging.getLogger(__name__)
 PREFIX = "auto|"
@@ -44,7 +44,7 @@ class AutoBackend(KVTransferBackend):
 
     def __init__(self, config: KVTransferConfig, streams: HostStreams | None = None) -> None:
         """``streams``: the stream seam both endpoints share (None: the one for ``config.device``)."""
-        from kv_transfer import make_backend
+        from kv_transfer.backends import make_backend
 
         super().__init__(config, streams)
         kind = "cuda_ipc" if config.is_cuda else "shm"
