@@ -221,7 +221,7 @@ def ray_node_gpus(nodes: list[dict[str, Any]]) -> tuple[float, ...]:
 def check_tp_device(cfg: ServeConfig) -> None:
     """``ValueError`` when the engine cannot run a pool's TP size on the device its actors will use (CUDA for
     ``--device cuda[:N]``, or ``auto`` with GPUs from Ray), asked of the engine's own rule
-    (``engine.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
+    (``engine.parallel.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
     GPUs per rank and sees those. Nothing with TP 1, on the CPU, or before the placement picked the GPUs
     (``gpus_per_actor`` None: the launcher asks again once it has). Pure."""
     tp = max(cfg.worker.decode_tp, cfg.worker.prefill_tp if cfg.mode == "disaggregated" else 1)
@@ -231,7 +231,7 @@ def check_tp_device(cfg: ServeConfig) -> None:
         return
     import torch
 
-    from engine.tp_group import check_device
+    from engine.parallel.tp_group import check_device
 
     check_device(torch.device("cuda", 0), tp, cfg.worker.tp_kv_cache, int(gpus * tp))
 

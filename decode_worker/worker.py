@@ -112,7 +112,7 @@ class DecodeWorker(EngineLoop):
 
     # -- the loop's own work ----------------------------------------------------------------------------------------
     def _reserve(self, msg: ReserveRequest) -> dict[str, Any] | None:
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         if self.draining:
             return None
@@ -187,7 +187,7 @@ class DecodeWorker(EngineLoop):
         """Commit ``rec``'s blocks to the engine (caller holds the connector's lock): computed here (colocated, or a
         recompute with the prefill's seed, so the same first tokens come out), or joined with the prefill's first
         tokens over the received K/V."""
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         req: GenerateRequest = rec.request
         kwargs = req.sampling_kwargs()

@@ -1,7 +1,7 @@
 """The paged-KV inference engine shared by prefill and decode workers.
 
 ``from engine import LLM, SamplingParams`` is the offline API. Imports are lazy so that torch-free modules
-(``engine.block_hash``) stay importable from the proxy without loading torch.
+(``engine.kv.block_hash``) stay importable from the proxy without loading torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":
@@ -30,11 +30,11 @@ def __getattr__(name: str) -> Any:
 
         return LLMEngine
     if name == "RequestOutput":
-        from engine.outputs import RequestOutput
+        from engine.request.outputs import RequestOutput
 
         return RequestOutput
     if name == "CompletionOutput":
-        from engine.outputs import CompletionOutput
+        from engine.request.outputs import CompletionOutput
 
         return CompletionOutput
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -44,7 +44,7 @@ class _Job:
     submitted_at: float = 0.0
     started_at: float | None = None
     computed_at: float = 0.0
-    draft_state: tuple[float, ...] | None = None  # what the decode owner's MTP drafts from (engine/spec_mtp.py)
+    draft_state: tuple[float, ...] | None = None  # what the decode owner's MTP drafts from (engine/spec/spec_mtp.py)
 
     @property
     def grant(self) -> ReserveGrant:
@@ -84,7 +84,7 @@ class PrefillWorker(EngineLoop):
     def prefill(self, message: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         """Compute the prompt of a :class:`PrefillRequest`, send its K/V layer by layer into the grant's blocks, and
         return the :class:`PrefillResult` (wire form). Raises ``ValueError`` for a bad request (nothing started)."""
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         msg = PrefillRequest.from_dict(message)
         req = msg.request

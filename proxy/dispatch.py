@@ -22,8 +22,8 @@ from typing import Any
 from cluster.wire.proxy_settings import DEFAULTS
 from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest, TokenDelta
 from cluster.wire.token_stream import TokenStreamServer
-from engine.block_hash import hash_full_blocks
-from engine.kv_tiers.keys import tenant_extra
+from engine.kv.block_hash import hash_full_blocks
+from engine.kv.tiers.keys import tenant_extra
 from proxy.admission import estimate_blocks
 from proxy.disagg import CostEstimator, DisaggPolicy, RequestView, decide
 from proxy.errors import APIError, generation_error, service_unavailable

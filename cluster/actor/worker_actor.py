@@ -21,7 +21,7 @@ from typing import Any
 from cluster.actor.thread_priority import pin_calling_thread, restore_niceness
 from cluster.wire.node import node_ip
 from cluster.wire.worker_config import WorkerConfig
-from engine.device_threads import DeviceThreads, entering_device
+from engine.parallel.device_threads import DeviceThreads, entering_device
 
 ROLES = ("prefill", "decode")
 EVACUATE_GRACE_S = 30.0  # how long a SIGTERM'd worker waits for its requests to be resumed elsewhere before it exits
@@ -32,7 +32,7 @@ def on_assigned_gpu(config: WorkerConfig) -> WorkerConfig:
     """With ``config.share_node_gpus`` (this actor sees every GPU of its node): make the GPU Ray assigned it (the N-th
     for ``cuda:N``) the calling thread's current CUDA device, before anything builds on CUDA, and return the config
     naming it (``cuda:<local index>``). Without: the config unchanged. Mutates the calling thread's current CUDA
-    device (every other thread enters it itself: :mod:`engine.device_threads`); asks Ray."""
+    device (every other thread enters it itself: :mod:`engine.parallel.device_threads`); asks Ray."""
     if not config.share_node_gpus:
         return config
     import ray
@@ -166,7 +166,7 @@ class WorkerActor:
         return {**self.impl.info(), "role": self.role, "node_ip": self.node_ip, "pid": os.getpid(),
                 "device": str(self.impl.engine.device),
                 "tensor_parallel_size": self.impl.engine.config.tensor_parallel_size,
-                # the follower ranks' processes (engine/tp_group.py), children of this one
+                # the follower ranks' processes (engine/parallel/tp_group.py), children of this one
                 "tp_pids": [] if self.impl.engine.tp_group is None else self.impl.engine.tp_group.pids,
                 "prefix_hash_extra": self.impl.engine.prefix_hash_extra.hex()}
 

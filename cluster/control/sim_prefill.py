@@ -1,4 +1,4 @@
-"""The simulated prefill actor: what one engine step takes, as ``engine/scheduler.py`` schedules it. Mutates the
+"""The simulated prefill actor: what one engine step takes, as ``engine/scheduling/scheduler.py`` schedules it. Mutates the
 simulation's state in place; no I/O.
 
 Two models, chosen by the cost profile's ``prefill_budget_tokens``:

@@ -6,7 +6,7 @@ then asks the role to step. Drain, idleness and handing the engine over (a role 
 (:class:`prefill_worker.worker.PrefillWorker`, :class:`decode_worker.worker.DecodeWorker`) supply ``_step``,
 ``_idle`` and ``_close``. The shape is vLLM's ``EngineCoreProc.run_busy_loop``.
 
-The loop thread enters the engine's device before anything else (:mod:`engine.device_threads`): CUDA's current
+The loop thread enters the engine's device before anything else (:mod:`engine.parallel.device_threads`): CUDA's current
 device is per thread, and on GPU N a thread that did not enter it would launch the step's kernels on GPU 0.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from cluster.loop.loop_profile import loop_profile
-from engine.device_threads import DeviceThreads
+from engine.parallel.device_threads import DeviceThreads
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,9 +82,9 @@ def load_engine(config: Any, role: str = "decode", kv: Any = None) -> Any:
 
 
 def tier_config_for(config: Any, role: str) -> Any:
-    """The :class:`~engine.kv_tiers.config.KVTierConfig` of a worker of ``role``, or None when every tier is off:
+    """The :class:`~engine.kv.tiers.config.KVTierConfig` of a worker of ``role``, or None when every tier is off:
     the worker config's sizes, with write-back on where requests finish (decode and colocated actors). Pure."""
-    from engine.kv_tiers.config import KVTierConfig
+    from engine.kv.tiers.config import KVTierConfig
 
     host = int(getattr(config, "kv_host_gib", 0.0) * 2**30)
     disk_dir = getattr(config, "kv_disk_dir", None)
@@ -100,7 +100,7 @@ def attach_tiers(engine: Any, config: Any, role: str) -> Any:
     tiers = tier_config_for(config, role)
     if tiers is None:
         return None
-    from engine.kv_tiers.engine_tiers import attach
+    from engine.kv.tiers.engine_tiers import attach
     from kv_transfer.tiers.disk_store import DiskBlockStore
 
     disk = (DiskBlockStore(tiers.disk_dir, tiers.disk_bytes, getattr(config, "cluster_secret", None),
@@ -149,7 +149,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[_Command[Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        # the loop thread enters the engine's device first: a new thread starts on device 0 (engine/device_threads.py)
+        # the loop thread enters the engine's device first: a new thread starts on device 0 (engine/parallel/device_threads.py)
         self._thread = self.threads.thread(self._run, f"{self.role}-{actor_id}")
         self._published_at = float("-inf")
         # the time spent in steps that had work, and their number (loop thread; stats report them: the controller's
@@ -211,7 +211,7 @@ class EngineLoop:
                     self._publish_stats()
                     self._published_at = now
             except Exception as e:  # a bug in one step must not kill the actor's loop; the request's owner reports it
-                from engine.tp_group import TPGroupError  # the engine's room (imported where the engine loads)
+                from engine.parallel.tp_group import TPGroupError  # the engine's room (imported where the engine loads)
 
                 if isinstance(e, TPGroupError):  # a tensor-parallel rank is gone: the group is one worker
                     log.critical("%s: %s; exiting so the cluster moves this worker's requests", self.actor_id, e)

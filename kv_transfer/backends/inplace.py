@@ -1,6 +1,6 @@
 """In-place KV transfer on one node: a prefill actor writes each layer's blocks straight into the blocks a decode actor
 reserved, in the decode actor's own KV cache, mapped into the prefill process. ``shm`` on the CPU (the cache lives in
-a shared-memory file, :mod:`engine.kv_memory`), ``cuda_ipc`` on a GPU (the cache exported with CUDA IPC). No packing,
+a shared-memory file, :mod:`engine.kv.kv_memory`), ``cuda_ipc`` on a GPU (the cache exported with CUDA IPC). No packing,
 no socket for the bytes, no receive buffer: one copy per layer and chunk (:func:`pdkernels.copy_blocks_between`).
 
 What still crosses a socket is small (:mod:`kv_transfer.backends.inplace_channel`): the writer *opens* a reservation (the
@@ -160,7 +160,7 @@ class InPlaceBackend(InPlaceEndpoint):
     def _map(self, hello: dict[str, Any], fds: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The peer's cache (and scales, probe) mapped into this process. Pure apart from mapping memory."""
         if self.kind == "shm":
-            from engine.kv_memory import KVLayout, map_fd
+            from engine.kv.kv_memory import KVLayout, map_fd
 
             if len(fds) != 1:
                 raise ValueError("hello carried no shared-memory descriptor")

@@ -61,7 +61,7 @@ class InPlaceEndpoint(KVTransferBackend):
 
     def export_cache(self, kv: torch.Tensor, scales: torch.Tensor | None, shared: Any | None) -> None:
         """Mutates: offer ``kv`` (and a scaled cache's ``scales``) to writers. ``shm`` needs the cache in shared memory
-        (``shared``: its :class:`engine.kv_memory.SharedKVMemory`); ``cuda_ipc`` a CUDA cache."""
+        (``shared``: its :class:`engine.kv.kv_memory.SharedKVMemory`); ``cuda_ipc`` a CUDA cache."""
         nonce = os.urandom(PROBE_BYTES)
         if self.kind == "shm":
             if shared is None:

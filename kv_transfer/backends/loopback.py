@@ -103,7 +103,7 @@ def receiver_main(config: KVTransferConfig, spec: CacheSpec, conn: Connection) -
     backend.streams.threads.enter()  # this process's main thread works on the endpoint's device too
     caches = spec.make()
     if config.backend in ("shm", "cuda_ipc", "auto"):
-        from engine.kv_memory import KVLayout, SharedKVMemory
+        from engine.kv.kv_memory import KVLayout, SharedKVMemory
 
         layout = KVLayout(spec.num_layers, spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.dtype)
         shared = None if config.is_cuda else SharedKVMemory(layout)

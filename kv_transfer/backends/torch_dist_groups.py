@@ -15,7 +15,7 @@ next transfer into that buffer waits behind a kernel that never ends. The handle
 in the pool, the pair is dropped from its backend, and the process, its other pairs and later peers go on.
 
 **NCCL's watchdog must not end the process.** By default torch's ``ProcessGroupNCCL`` watchdog ends the process on a
-failed or timed-out work, and a work whose communicator we aborted is one: :func:`engine.nccl_errors.
+failed or timed-out work, and a work whose communicator we aborted is one: :func:`engine.parallel.nccl_errors.
 survive_nccl_failures` sets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly) before an NCCL pair group is built;
 that module cites the torch source. The variable is process-wide: the tensor-parallel group gets the same handling.
 The timeout is the group's ``Options._timeout`` (``ProcessGroupNCCL.hpp``: ``kProcessGroupNCCLDefaultTimeout`` is 10
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from engine.nccl_errors import survive_nccl_failures
+from engine.parallel.nccl_errors import survive_nccl_failures
 from kv_transfer.wire.config import KVTransferConfig
 
 

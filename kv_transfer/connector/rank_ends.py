@@ -2,8 +2,8 @@
 out from, and come into, the rank's own cache, over the rank's own backend endpoint (a socket backend: each rank is
 its own peer, kv_transfer/wire/head_routes.py says which heads go where).
 
-The driver's connector starts one on every follower (``engine.tp_group.TPGroup.start_extension`` with the factory
-this module's :func:`start`, passed in by the connector); it runs inside the follower process (engine/tp_follower.py) and speaks
+The driver's connector starts one on every follower (``engine.parallel.tp_group.TPGroup.start_extension`` with the factory
+this module's :func:`start`, passed in by the connector); it runs inside the follower process (engine/parallel/tp_follower.py) and speaks
 the values of :mod:`kv_transfer.connector.ranks`:
 
 - **prefill rank**: a forward the driver runs with its K/V hook runs :meth:`RankEnd.after_kv_store` here: at the
@@ -47,7 +47,7 @@ def rank_config(kv: KVTransferConfig) -> KVTransferConfig:
 
 
 def start(ctx: Any, role: str, kv: KVTransferConfig) -> RankEnd:
-    """The factory a follower calls (``ctx``: its ``engine.tp_follower.RankContext``): rank 0's config, named for
+    """The factory a follower calls (``ctx``: its ``engine.parallel.tp_follower.RankContext``): rank 0's config, named for
     the rank, its payloads on the rank's own GPU where rank 0's are on a GPU."""
     device = str(ctx.device) if kv.device != "cpu" else "cpu"
     return RankEnd(ctx, role, dataclasses.replace(rank_config(kv), name=f"{kv.name}-rank{ctx.rank}", device=device))

@@ -2,7 +2,7 @@
 rank holds only its heads' cache, so each sends and receives its own heads, :mod:`kv_transfer.wire.head_routes`).
 
 Two messages cross from a group's driver (rank 0, the actor) to its followers, both torch-free values sent as they
-are (engine/tp_group.py carries them):
+are (engine/parallel/tp_group.py carries them):
 
 - :class:`RankPart`: one request's share of a prefill step, for every sender of the group: the blocks, the header
   fields, where each decode rank listens and every prefill rank's routes (a rank sends the routes it is the source
@@ -25,7 +25,7 @@ from kv_transfer.wire.head_routes import HeadRoute, head_routes
 def group_ranges(cfg: Any, size: int, per_rank: bool) -> tuple[tuple[int, int], ...]:
     """The cache heads each rank of a group of ``size`` holds: each rank its own (``per_rank``), or one range of every
     head where rank 0 holds the whole cache (TP 1, or a group sharing one file). Pure."""
-    from engine.tp import kv_head_range
+    from engine.models.tp import kv_head_range
 
     if not per_rank or size == 1:
         return ((0, cfg.cache_heads),)

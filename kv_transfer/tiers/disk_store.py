@@ -25,7 +25,7 @@ import torch
 
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
-from engine.device_threads import DeviceThreads
+from engine.parallel.device_threads import DeviceThreads
 from kv_transfer.wire.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
 from pdkernels.poly_mac import P
 
@@ -54,7 +54,7 @@ def block_tag(integrity: str, secret: ClusterSecret | None, key: int, tokens: tu
 
 
 class DiskBlockStore:
-    """A :class:`~engine.kv_tiers.store.BlockStore` over a directory. ``close`` stops the writer (mutates)."""
+    """A :class:`~engine.kv.tiers.store.BlockStore` over a directory. ``close`` stops the writer (mutates)."""
 
     name = "disk"
 
@@ -76,7 +76,7 @@ class DiskBlockStore:
         self._bytes = 0
         self.written = self.dropped = self.write_errors = 0
         self.hits = self.misses = self.corrupt = 0
-        # the writer reads host copies only: it enters no device (engine/device_threads.py starts every thread)
+        # the writer reads host copies only: it enters no device (engine/parallel/device_threads.py starts every thread)
         self._writer = DeviceThreads("cpu").start(self._write_loop, "kv-disk-writer")
 
     @property

@@ -1,7 +1,7 @@
 """Which prefill rank sends which KV heads to which decode rank, when a prefill group at tensor-parallel size ``p``
 ships to a decode group at size ``d``. Pure, torch-free.
 
-Each rank of a group holds a contiguous range of the model's KV heads (``engine.tp.kv_head_range``): ``heads / size``
+Each rank of a group holds a contiguous range of the model's KV heads (``engine.models.tp.kv_head_range``): ``heads / size``
 of them, or, when the size exceeds the head count, one head replicated on ``size / heads`` ranks (an MLA model's
 latent is one "head" every rank holds). A decode rank needs exactly its own heads; each comes from one prefill rank
 that holds it. Where several do (replicated heads), the decode ranks are spread over them, so no prefill rank sends

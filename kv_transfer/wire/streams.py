@@ -16,7 +16,7 @@ records the buffer's *fence* there; the pool makes the next writer wait for the 
 that waits for the part's producer event only, never on the engine's: its read back would otherwise wait for the
 compute queued after the part.
 
-**Threads.** Each seam carries the :class:`~engine.device_threads.DeviceThreads` of its device (``threads``): every
+**Threads.** Each seam carries the :class:`~engine.parallel.device_threads.DeviceThreads` of its device (``threads``): every
 backend and connector thread is started through it and enters the device before it runs (CUDA's current device is
 per thread; a new one starts on device 0).
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engine.device_threads import DeviceThreads
+from engine.parallel.device_threads import DeviceThreads
 from pdkernels.host_copy import to_device
 
 Stream = Any  # torch.cuda.Stream, FakeStream, or None: the host
@@ -67,7 +67,7 @@ HOST_DONE = _HostDone()
 class HostStreams:
     """The CPU: work is finished when the call that did it returns, so there is nothing to order.
 
-    ``threads``: how the threads of whoever uses this seam enter its device (:mod:`engine.device_threads`); every
+    ``threads``: how the threads of whoever uses this seam enter its device (:mod:`engine.parallel.device_threads`); every
     backend and connector thread is started through it. Default: the CPU's (entering does nothing)."""
 
     def __init__(self, threads: DeviceThreads | None = None) -> None:

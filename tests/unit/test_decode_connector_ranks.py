@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cluster.wire.messages import GenerateRequest, PrefillResult
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector import rank_ends
 from kv_transfer.connector import receiver as receiver_module
@@ -62,7 +62,7 @@ class FakeReceiver:
 
 @pytest.fixture()
 def model(tiny_checkpoint) -> Callable[..., Any]:  # type: ignore[no-untyped-def]
-    from engine.model_config import load_model_config
+    from engine.models.model_config import load_model_config
 
     qwen2 = load_model_config(tiny_checkpoint("qwen2"))
     return lambda kv_heads: dataclasses.replace(qwen2, num_heads=4, num_kv_heads=kv_heads)

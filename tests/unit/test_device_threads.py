@@ -1,4 +1,4 @@
-"""One rule for devices (engine/device_threads.py): every thread that launches device work enters its device first.
+"""One rule for devices (engine/parallel/device_threads.py): every thread that launches device work enters its device first.
 
 CUDA's current device is per thread and a new thread starts on device 0, so an actor on GPU N whose engine loop,
 K/V I/O threads or Ray call threads did not enter GPU N would launch their kernels on GPU 0 (issue 43, C2 and C3).
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.device_threads import DeviceThreads
+from engine.parallel.device_threads import DeviceThreads
 from kv_transfer import make_backend
 from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.wire.streams import HostStreams
@@ -125,7 +125,7 @@ def test_kv_threads_enter_their_device() -> None:
 
 
 def test_in_place_threads_enter_their_device() -> None:
-    from engine.kv_memory import KVLayout, SharedKVMemory
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
     from kv_transfer.backends.inplace import InPlaceBackend
 
     entered = Entered()
@@ -190,13 +190,13 @@ def test_a_worker_actors_ray_calls_enter_its_device(tiny_checkpoint: Any) -> Non
 
 # -- the static guard -----------------------------------------------------------------------------------------------
 THREADED = ("engine", "kv_transfer", "cluster/loop", "cluster/actor")
-HELPER = ROOT / "engine" / "device_threads.py"
+HELPER = ROOT / "engine" / "parallel" / "device_threads.py"
 BARE = {"Thread", "ThreadPoolExecutor", "Timer"}  # a thread started outside the helper would skip its device
 
 
 def bare_thread_starts(root: Path = ROOT) -> list[str]:
     """``file:line`` of each ``threading.Thread(`` (or ``Thread(``, a ``ThreadPoolExecutor(``, a ``Timer(``) in
-    the packages whose threads launch device work, outside engine/device_threads.py. Pure (reads the files)."""
+    the packages whose threads launch device work, outside engine/parallel/device_threads.py. Pure (reads the files)."""
     found = []
     for folder in THREADED:
         for path in sorted((root / folder).rglob("*.py")):
@@ -214,7 +214,7 @@ def bare_thread_starts(root: Path = ROOT) -> list[str]:
 
 def test_no_thread_starts_outside_the_device_helper() -> None:
     found = bare_thread_starts()
-    assert found == [], ("start threads through engine.device_threads.DeviceThreads (a thread starts on CUDA device "
+    assert found == [], ("start threads through engine.parallel.device_threads.DeviceThreads (a thread starts on CUDA device "
                          "0): " + ", ".join(found))
 
 

@@ -11,9 +11,9 @@ import torch
 
 import pdkernels
 from engine import LLM, SamplingParams
-from engine.grammar_spec import GrammarSpec
-from engine.kv_cache_manager import cdiv
-from engine.scheduler import SchedulerOutput
+from engine.request.grammar_spec import GrammarSpec
+from engine.scheduling.kv_cache_manager import cdiv
+from engine.scheduling.scheduler import SchedulerOutput
 from tests.factories import EXACT_DTYPE
 
 

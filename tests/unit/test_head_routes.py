@@ -25,7 +25,7 @@ BS, HD, NB = 4, 8, 12
 
 
 def ranges(heads: int, size: int) -> list[tuple[int, int]]:
-    """engine.tp.kv_head_range's rule, for a model of ``heads`` KV heads at TP ``size`` (the engine test holds the
+    """engine.models.tp.kv_head_range's rule, for a model of ``heads`` KV heads at TP ``size`` (the engine test holds the
     rule itself; here only the shapes it gives matter)."""
     if size <= heads:
         per = heads // size
@@ -34,8 +34,8 @@ def ranges(heads: int, size: int) -> list[tuple[int, int]]:
 
 
 def test_engine_rule_gives_these_ranges(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    from engine.model_config import load_model_config
-    from engine.tp import kv_head_range
+    from engine.models.model_config import load_model_config
+    from engine.models.tp import kv_head_range
 
     qwen2 = load_model_config(tiny_checkpoint("qwen2"))  # 4 heads, 2 kv heads
     for heads, size in ((2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (1, 2)):

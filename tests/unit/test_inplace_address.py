@@ -53,7 +53,7 @@ def test_channel_frames_carry_maps_and_descriptors() -> None:
 
 
 def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_gone() -> None:
-    from engine.kv_memory import KVLayout, SharedKVMemory
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
     from kv_transfer.wire.config import KVTransferConfig
     from kv_transfer.backends.inplace import InPlaceBackend
 
@@ -92,7 +92,7 @@ def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_
 def test_a_packed_scaled_part_sent_in_place_lands_with_its_scales(dtype: str) -> None:
     import torch
 
-    from engine.kv_memory import KVLayout, SharedKVMemory
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
     from kv_transfer.wire.config import KVTransferConfig
     from kv_transfer.backends.inplace import InPlaceBackend
     from kv_transfer.wire.layer_parts import pack_layer_part

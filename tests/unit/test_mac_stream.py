@@ -176,8 +176,8 @@ def test_the_decode_receiver_checks_an_in_place_part_on_its_mac_stream(monkeypat
     on the engine's."""
     import time
 
-    from engine.block_pool import BlockPool
-    from engine.kv_memory import KVLayout, SharedKVMemory
+    from engine.kv.block_pool import BlockPool
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
     from kv_transfer.connector.receiver import KVReceiver
     from kv_transfer.connector.reservations import ReservationManager
     from kv_transfer.backends.inplace import InPlaceBackend

@@ -15,7 +15,7 @@ from cluster.control.controller import ControllerConfig
 from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, Trace
 from cluster.control.sim_spec import SpecCost
 from cluster.control.simulator import Simulation
-from engine.spec_policy import DraftWish, allocate_drafts, expected_tokens
+from engine.spec.spec_policy import DraftWish, allocate_drafts, expected_tokens
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)
 

@@ -206,7 +206,7 @@ def test_cuda_slow_reader_keeps_its_buffer() -> None:
 def _in_place_pair(layout: Any, streams: Any, checksum: bool = False) -> tuple[Any, Any, Any]:
     """A decode endpoint exporting a shared-memory cache of ``layout`` (every block writable), and a writer on
     ``streams``: ``(memory, decode, writer)``."""
-    from engine.kv_memory import SharedKVMemory
+    from engine.kv.kv_memory import SharedKVMemory
     from kv_transfer.backends.inplace import InPlaceBackend
 
     mem = SharedKVMemory(layout)
@@ -224,7 +224,7 @@ def test_in_place_copy_waits_for_the_store_and_is_announced_after_it_ran(checksu
     source's tag) on the copy stream; its *done* event host-waited on the I/O thread, which reads the tag back and
     only then announces the part; the caller's stream waits for the copies before it may reuse their sources. The
     tag is the off switch's: none without ``inplace_checksum``."""
-    from engine.kv_memory import KVLayout
+    from engine.kv.kv_memory import KVLayout
     from pdkernels import copy_between
     from kv_transfer.backends import inplace
     from kv_transfer.wire.layer_parts import blocks_checksum
@@ -319,7 +319,7 @@ def test_prefill_hook_builds_no_tensor_per_layer(backend: str, tiny_checkpoint: 
     from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
     from cluster.wire.worker_config import WorkerConfig
     from engine import LLM
-    from engine.kv_memory import KVLayout
+    from engine.kv.kv_memory import KVLayout
     from prefill_worker.worker import PrefillWorker
     from tests.factories import EXACT_DTYPE
 
