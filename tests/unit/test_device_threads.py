@@ -87,7 +87,7 @@ def test_the_engine_loop_thread_enters_the_engines_device() -> None:
 
 
 def _ctx(notices: queue.Queue[Any]) -> Any:
-    """A follower rank's context (engine/tp_follower.RankContext's fields), its cache on the CPU."""
+    """A follower rank's context (engine/parallel/tp_follower.RankContext's fields), its cache on the CPU."""
     return SimpleNamespace(rank=1, size=2, cfg=SimpleNamespace(cache_heads=2), head_start=0,
                            caches=[torch.zeros(2, 4, 4, 2, 8)], scales=None, notify=notices.put, next_command=None)
 

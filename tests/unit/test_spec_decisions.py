@@ -212,7 +212,7 @@ def test_decoder_steps_back_at_a_full_batch_and_drafts_below_it() -> None:
 
 
 class _FakeDrafter:
-    """A model drafter's seam (engine/spec_decode.Drafter): always has a first draft; records what it is told."""
+    """A model drafter's seam (engine/spec/spec_decode.Drafter): always has a first draft; records what it is told."""
 
     def __init__(self) -> None:
         self.dropped: list[int] = []
