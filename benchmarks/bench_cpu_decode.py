@@ -65,7 +65,7 @@ def step_rows(model: str, dtype: str, threads: int, batches: list[int], repeats:
     import pdkernels.cpu_decode as cd
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads))
     fits = cd.fits

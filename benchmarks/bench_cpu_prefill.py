@@ -59,7 +59,7 @@ def prefill_rows(model: str, dtype: str, threads: int, repeats: int) -> None:
     import pdkernels.cpu_prefill as cp
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads, enable_prefix_caching=False))
     fits = cp.fits

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import pdkernels
     from engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
     from pdkernels import cpu_fused_decode
 
     inner = pdkernels.paged_decode_attention

@@ -71,7 +71,7 @@ def roofline(dtype: torch.dtype) -> tuple[float, float]:
 
 def run_engine(model: str, dtype: str, reqs: list[Req], threads: int | None) -> dict:
     from engine import LLM, SamplingParams
-    from engine.scheduler import SchedulerOutput
+    from engine.scheduling.scheduler import SchedulerOutput
 
     llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False)
     eng = llm.engine
@@ -164,7 +164,7 @@ def main() -> None:
         run_random_model(args)
         return
 
-    from engine.default_model import resolve_model
+    from engine.models.default_model import resolve_model
 
     path = str(resolve_model(args.model))
     from transformers import AutoConfig
@@ -329,9 +329,9 @@ def run_hf_device(model, reqs: list[Req], batch: int, device: torch.device) -> d
 def run_engine_device(folder: str, dtype: str, reqs: list[Req], device: str, max_num_seqs: int,
                       max_model_len: int) -> dict:
     """The engine on the workload (after a warm-up), then decode-only steps at the full batch timed three ways."""
-    import engine.sampler as sampler_mod
+    import engine.sampling.sampler as sampler_mod
     from engine import LLM, SamplingParams
-    from engine.scheduler import SchedulerOutput
+    from engine.scheduling.scheduler import SchedulerOutput
 
     llm = LLM(folder, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
               max_num_batched_tokens=max(2048, min(8192, max_num_seqs * 32)), enable_prefix_caching=False)

@@ -135,8 +135,8 @@ class PdDriver(Driver):
     def __init__(self, model: str, dtype: str, threads: int) -> None:
         import pdkernels
         from engine import LLM
-        from engine import linear, model as model_mod
-        from engine.sampling_params import SamplingParams
+        from engine.models import linear, model as model_mod
+        from engine.request.sampling_params import SamplingParams
 
         self.SamplingParams = SamplingParams
         self.llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False)
@@ -295,7 +295,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from cluster.loadgen.machine import isa_summary
-    from engine.default_model import resolve_model
+    from engine.models.default_model import resolve_model
 
     print(f"machine: {isa_summary()}; os.cpu_count()={os.cpu_count()}; load average {os.getloadavg()[0]:.1f} "
           "(the machine may be shared: compare ratios, rerun when the load is high)")

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch and the engine load inside main(), after the arguments parse
     import torch
 
-    from engine.model import DecoderModel
+    from engine.models.model import DecoderModel
     from engine.model_runner import ModelRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,10 +170,10 @@ def chunk_logprobs(runner: ModelRunner, ids: list[int], chunk: int,
     them. Mutates the runner's cache (cleared first, so no window sees another's K/V or FP8 block scales)."""
     import torch
 
-    from engine.kv_cache_manager import cdiv
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledSeq, SchedulerOutput
-    from engine.sequence import Sequence
+    from engine.scheduling.kv_cache_manager import cdiv
+    from engine.request.sampling_params import SamplingParams
+    from engine.scheduling.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.request.sequence import Sequence
 
     runner.kv.zero_()
     if runner.kv_scales is not None:
@@ -204,7 +204,7 @@ def teacher_forced(
     its own caches."""
     import torch
 
-    from engine.kv_cache_manager import cdiv
+    from engine.scheduling.kv_cache_manager import cdiv
     from engine.model_runner import ModelRunner
 
     blocks = max(2, cdiv(max(len(w) for w in wins), block_size))
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.kv_cache_manager import cdiv
+    from engine.scheduling.kv_cache_manager import cdiv
     from engine.model_runner import KV_DTYPES, kv_block_bytes
 
     def progress(msg: str) -> None:

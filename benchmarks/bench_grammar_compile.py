@@ -38,11 +38,11 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from engine.default_model import resolve_model
-    from engine.grammar import GrammarCompiler
-    from engine.grammar_spec import GrammarSpec
-    from engine.model_config import load_model_config
-    from engine.sampling_bitmask import bitmask_width
+    from engine.models.default_model import resolve_model
+    from engine.sampling.grammar import GrammarCompiler
+    from engine.request.grammar_spec import GrammarSpec
+    from engine.models.model_config import load_model_config
+    from engine.sampling.sampling_bitmask import bitmask_width
     from proxy.tools import parse_tools
     from tests.integration.test_structured_serve import SCHEMAS, TIME, WEATHER
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.block_pool import BlockPool  # noqa: E402
-from engine.prefix_events import DEFAULT_CAPACITY, PrefixEventLog  # noqa: E402
+from engine.kv.block_pool import BlockPool  # noqa: E402
+from engine.kv.prefix_events import DEFAULT_CAPACITY, PrefixEventLog  # noqa: E402
 
 
 def median_s(fn: Callable[[], object], iters: int) -> float:

@@ -25,8 +25,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-    from kv_transfer.layer_parts import pack_layer_part
+    from engine.request.sampling_params import SamplingParams
+    from kv_transfer.wire.layer_parts import pack_layer_part
 
     llm = LLM(args.model, num_threads=1)
     eng = llm.engine

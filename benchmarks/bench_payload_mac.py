@@ -3,7 +3,7 @@
     python benchmarks/bench_payload_mac.py [--mib 16] [--iters 10] [--device cpu|cuda]
 
 Side by side in one run, over one random payload: ``zlib.crc32`` (what a part cost before, on a host copy when the
-payload is on a GPU) and ``kv_transfer.payload_mac.payload_tag`` (the torch reference on the CPU, the Triton kernel on
+payload is on a GPU) and ``kv_transfer.wire.payload_mac.payload_tag`` (the torch reference on the CPU, the Triton kernel on
 CUDA), in GiB/s and as a ratio, plus the tag's fixed cost per part (a 4 KiB payload: key tables, a few small tensor
 ops, one read back). On the CPU also the reference's int64-matmul fallback (a CPU whose int8 GEMM is not exact); on
 CUDA also a device ``copy_`` of the same bytes, the bandwidth the tag competes with.
@@ -40,7 +40,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from pdkernels import poly_mac
-    from kv_transfer.payload_mac import PartKey, payload_tag
+    from kv_transfer.wire.payload_mac import PartKey, payload_tag
 
     nbytes = int(args.mib * (1 << 20))
     cuda = args.device.startswith("cuda")

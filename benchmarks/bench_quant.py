@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.make:
-        from engine.default_model import resolve_model
+        from engine.models.default_model import resolve_model
 
         base = args.base or str(resolve_model(args.model, None))
         if importlib.util.find_spec("llmcompressor") is None:  # re-run this under the llmcompressor venv's python
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                          [s for s in args.schemes.split(",") if s])
         return 0
 
-    from engine.default_model import resolve_model
+    from engine.models.default_model import resolve_model
     from transformers import AutoTokenizer
 
     info = machine()

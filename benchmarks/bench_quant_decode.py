@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 
 def _wall(llm: LLM, prompts: list[list[int]], tokens: int) -> float:

@@ -6,7 +6,7 @@ measured side by side in one run on the default model's linear shapes (SmolLM2-1
 
 Prints one line per (scheme, rows): the time of one pass over the four layers (the best of ``--repeat`` tries, each
 method timed in turn so a busy machine slows them alike) for dense ``F.linear`` in the same dtype, the dense weight
-pre-packed for oneDNN as the engine's dense layers hold it (``engine/linear.py``: ``mkldnn._reorder_linear_weight``
+pre-packed for oneDNN as the engine's dense layers hold it (``engine/models/linear.py``: ``mkldnn._reorder_linear_weight``
 once, ``mkldnn._linear_pointwise`` per call), the reference and the fast path; the fast path's speed-up over the
 first two and over the reference; the largest difference from the reference relative to its largest output.
 Random weights: the speed does not depend on the values. Not a test: nothing here asserts a time.

@@ -1,7 +1,7 @@
 """The fused quantized CPU kernels (``pdkernels/quant_fused.py``) with their weights streamed from memory, as a decode
 step reads them: ``--layers`` layers of the default model's four linear shapes (SmolLM2-135M: q|k|v 960 x 576,
 o 576 x 576, gate|up 3072 x 576, down 576 x 1536), every layer its own random weights, one pass = one step's linears
-without ``lm_head``; against the same pass over packed bfloat16 weights (oneDNN, as ``engine/linear.py`` holds them).
+without ``lm_head``; against the same pass over packed bfloat16 weights (oneDNN, as ``engine/models/linear.py`` holds them).
 
 Times are the calling thread's CPU time (``time.thread_time``: on a shared, oversubscribed machine the wall clock
 mostly measures the wait for a core), the best of ``--repeat`` rounds, each method timed in turn. ``--lib OTHER.so``

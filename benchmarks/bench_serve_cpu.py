@@ -153,9 +153,9 @@ def run_inproc(args: argparse.Namespace) -> dict[str, Any]:
 def inproc_child(args: argparse.Namespace) -> None:
     from cluster.cli import build_parser, serve_config
     from engine.config import EngineConfig
-    from engine.default_model import resolve_model
+    from engine.models.default_model import resolve_model
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     serve = serve_config(build_parser().parse_args(["serve", "--mode", "colocated", *shlex.split(args.pd_args)]))
     w = serve.worker

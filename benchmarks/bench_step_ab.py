@@ -27,7 +27,7 @@ from pathlib import Path
 def measure(model: str, dtype: str, contexts: list[int], batch: int, prefill: int) -> dict[str, list[float]]:
     """Thread CPU milliseconds per step, by kind. Runs in the tree on ``sys.path``."""
     from engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     llm = LLM(model, dtype=dtype, num_threads=1, enable_prefix_caching=False)
     eng = llm.engine

@@ -62,7 +62,7 @@ def isa_summary() -> str:
 
 
 def model_dir() -> str:
-    from engine.default_model import resolve_model
+    from engine.models.default_model import resolve_model
 
     return str(resolve_model("default", None))
 

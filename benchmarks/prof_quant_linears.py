@@ -1,4 +1,4 @@
-"""Where an engine-level step of a quantized checkpoint spends its time (issue 44): every ``engine.linear.Linear``
+"""Where an engine-level step of a quantized checkpoint spends its time (issue 44): every ``engine.models.linear.Linear``
 call timed, grouped by phase (prefill: more than 16 activation rows; decode: 16 or fewer), weight kind (``packed``
 bfloat16 dense, ``Int8Weight``, ``Int4Weight``, ...), shape and dtypes, over one offline batch (8 prompts of 64
 tokens: one 512-row prefill chunk, then 8 decode steps of 8 rows), after a warm-up; then the same batch untimed, and
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-import engine.linear as linear_mod
+import engine.models.linear as linear_mod
 from engine import LLM
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ is the whole ``generate`` (prefill and scheduling included) in the same CPU time
     PYTHONPATH=$PWD python3 benchmarks/prof_quant_step.py ~/.cache/pdcluster/models/SmolLM2-135M-Instruct \\
         ~/.cache/pdcluster/quant/w8a8 ~/.cache/pdcluster/quant/w4a16 --seqs 8
 
-One torch thread. The timers wrap engine functions (``engine.linear.Linear.__call__``,
+One torch thread. The timers wrap engine functions (``engine.models.linear.Linear.__call__``,
 ``pdkernels.paged_decode_attention``, ``pdkernels.store_kv``, ``DecoderModel._norm``, ``ModelRunner._sample``,
 ``ModelRunner.execute``); each wrap costs ~1 us a call. Not a test: nothing here asserts a time.
 """
@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-import engine.linear as linear_mod
-import engine.model as model_mod
+import engine.models.linear as linear_mod
+import engine.models.model as model_mod
 import engine.model_runner as runner_mod
 import pdkernels
 from engine import LLM
-from engine.sampling_params import SamplingParams
+from engine.request.sampling_params import SamplingParams
 
 PARTS = ("linear.quant", "linear.dense", "lm_head", "attention", "store_kv", "norm", "sample")
 

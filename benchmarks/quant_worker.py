@@ -64,7 +64,7 @@ def run_vllm(job: dict[str, Any]) -> dict[str, Any]:
 
 def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     from engine import LLM
-    from engine.sampling_params import SamplingParams
+    from engine.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], kv_cache_gib=job["kv_gib"],

@@ -61,7 +61,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    from engine.spec_config import SpeculativeConfig
+    from engine.spec.spec_config import SpeculativeConfig
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -187,7 +187,7 @@ def tp_kv_cache(args: argparse.Namespace) -> str:
 
 def check_model_tp(cfg: ServeConfig) -> None:
     """``ValueError`` naming the pool's flag when the model cannot be split over a pool's TP size (heads, kv heads,
-    intermediate sizes: ``engine.tp.check_tp``), before any actor loads it. A model folder not on this machine (a
+    intermediate sizes: ``engine.models.tp.check_tp``), before any actor loads it. A model folder not on this machine (a
     path on the Ray cluster's nodes) is left to the engines. Reads the model's config.json; nothing with TP 1."""
     from pathlib import Path
 
@@ -198,15 +198,15 @@ def check_model_tp(cfg: ServeConfig) -> None:
     if max(sizes.values()) == 1:
         return
     if cfg.worker.model == "default":
-        from engine.default_model import resolve_model
+        from engine.models.default_model import resolve_model
 
         folder = resolve_model("default", cfg.worker.cache_dir)
     else:
         folder = Path(cfg.worker.model)
     if not (folder / "config.json").is_file():
         return
-    from engine.model_config import load_model_config
-    from engine.tp import check_tp
+    from engine.models.model_config import load_model_config
+    from engine.models.tp import check_tp
 
     model = load_model_config(folder)
     for flag, size in sizes.items():
@@ -237,7 +237,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: --record: no such folder for {args.record!r}", file=sys.stderr)
         return 2
     if cfg.worker.model == "default":  # convert the default model once, here, not in every actor at the same time
-        from engine.default_model import resolve_model
+        from engine.models.default_model import resolve_model
 
         resolve_model("default", cfg.worker.cache_dir)
     try:

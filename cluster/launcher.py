@@ -221,7 +221,7 @@ def ray_node_gpus(nodes: list[dict[str, Any]]) -> tuple[float, ...]:
 def check_tp_device(cfg: ServeConfig) -> None:
     """``ValueError`` when the engine cannot run a pool's TP size on the device its actors will use (CUDA for
     ``--device cuda[:N]``, or ``auto`` with GPUs from Ray), asked of the engine's own rule
-    (``engine.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
+    (``engine.parallel.tp_group.check_device``) before any actor starts: a worker of TP N asks Ray for ``gpus_per_actor``
     GPUs per rank and sees those. Nothing with TP 1, on the CPU, or before the placement picked the GPUs
     (``gpus_per_actor`` None: the launcher asks again once it has). Pure."""
     tp = max(cfg.worker.decode_tp, cfg.worker.prefill_tp if cfg.mode == "disaggregated" else 1)
@@ -231,7 +231,7 @@ def check_tp_device(cfg: ServeConfig) -> None:
         return
     import torch
 
-    from engine.tp_group import check_device
+    from engine.parallel.tp_group import check_device
 
     check_device(torch.device("cuda", 0), tp, cfg.worker.tp_kv_cache, int(gpus * tp))
 
@@ -269,13 +269,13 @@ def controller_config(cfg: ServeConfig) -> Any:
 def local_cpu_sets(cfg: ServeConfig, placement: Placement) -> list[tuple[int, ...]] | None:
     """The CPUs each worker actor's engine thread is pinned to, in start order (decode actors, then prefill ones), for
     a cluster serve started on this machine, on the CPU, with TP 1, when they all fit in this process's CPUs
-    (``cluster.runtime.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
+    (``cluster.actor.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
     tensor-parallel ranks, more threads than cores, or ``PDCLUSTER_PIN_CPUS=0`` in the environment: other servers share
     this machine, e.g. parallel test workers, whose first actors would all pin CPU 0). Actors started later (scaling)
     are not pinned. Reads this process's affinity and environment."""
     import os
 
-    from cluster.runtime.thread_priority import cpu_sets
+    from cluster.actor.thread_priority import cpu_sets
 
     if not cfg.pin_cpus or os.environ.get("PDCLUSTER_PIN_CPUS", "1") == "0" or cfg.ray_address or placement.on_gpu or max(cfg.ranks) > 1 \
             or not hasattr(os, "sched_getaffinity"):
@@ -328,9 +328,9 @@ class Cluster:
     def _start(self, timeout_s: float) -> None:
         import ray
 
-        from cluster.runtime.worker_actor import WorkerActor
+        from cluster.actor.worker_actor import WorkerActor
         from cluster.wire.ray_address import wait_reachable
-        from kv_transfer.config import KVTransferConfig
+        from kv_transfer.wire.config import KVTransferConfig
         from cluster.wire.names import NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg

@@ -24,7 +24,7 @@ What cannot work is refused before any actor starts, instead of a silent fallbac
 
 The in-place K/V backend on one node is ``cuda_ipc`` on GPUs (actors sharing a GPU map each other's cache there; with
 one actor per GPU the actors see every GPU of their node, ``cluster.wire.node_gpus``), ``shm`` on the CPU;
-``--kv-backend auto`` picks it per pair (``kv_transfer.auto``).
+``--kv-backend auto`` picks it per pair (``kv_transfer.backends.auto``).
 
 :func:`landed_lines` formats where each actor actually landed, for serve to print once they are up.
 """

@@ -87,7 +87,7 @@ def measure(model: str, dtype: str, quick: bool, threads: int | None, base: Cost
 
 def _flip_time(engine) -> float:  # type: ignore[no-untyped-def]
     """Seconds to build a decode role around a loaded, idle engine, drain it and release the engine (what
-    :meth:`cluster.runtime.worker_actor.WorkerActor.flip` does besides the drain). Leaves the engine as it was."""
+    :meth:`cluster.actor.worker_actor.WorkerActor.flip` does besides the drain). Leaves the engine as it was."""
     from cluster.wire.worker_config import WorkerConfig
     from decode_worker.worker import DecodeWorker
 

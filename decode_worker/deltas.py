@@ -1,6 +1,6 @@
 """Token deltas of one request, from the engine's step outputs (pure; the decode actor owns one per request).
 
-The engine's :class:`~engine.outputs.CompletionOutput` already carries what is new since that completion's previous
+The engine's :class:`~engine.request.outputs.CompletionOutput` already carries what is new since that completion's previous
 output: token ids with their logprobs (always, even while their text is held back) and the newly *visible* text
 (held back while a multi-byte character is incomplete or the tail may begin a stop string). :class:`DeltaTracker`
 turns each output into the :class:`~cluster.wire.messages.TokenDelta` values to send, in O(new tokens): it drops

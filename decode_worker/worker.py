@@ -10,9 +10,9 @@ step.
 Its K/V intake is the decode side of the K/V connector (:class:`~kv_transfer.connector.decode_side.DecodeConnector`):
 reservations, the receiver, and what finished loading; this keeps the request's lifecycle.
 
-Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine,
+Ray-agnostic (:class:`cluster.actor.worker_actor.WorkerActor` hosts it). Threads: the engine loop (owns the engine,
 the records and the trackers), the connector's K/V receiver (installs parts into pending records under its lock) and the
-token sender's. Ray calls post to the loop (:mod:`cluster.runtime.engine_loop`).
+token sender's. Ray calls post to the loop (:mod:`cluster.loop.engine_loop`).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import logging
 import time
 from typing import Any
 
-from cluster.runtime.engine_loop import EngineLoop, LoopStopped, load_engine, tier_stats
+from cluster.loop.engine_loop import EngineLoop, LoopStopped, load_engine, tier_stats
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest, TokenDelta
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.token_stream import TokenSender
 from cluster.wire.worker_config import WorkerConfig
 from decode_worker.deltas import DeltaTracker
 from decode_worker.projection import OutputLengths, projected_growth
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector import endpoint_config, per_rank_group
 from kv_transfer.connector.decode_side import DecodeConnector
 from kv_transfer.connector.intake import IntakeRecord, IntakeState
@@ -112,7 +112,7 @@ class DecodeWorker(EngineLoop):
 
     # -- the loop's own work ----------------------------------------------------------------------------------------
     def _reserve(self, msg: ReserveRequest) -> dict[str, Any] | None:
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         if self.draining:
             return None
@@ -187,7 +187,7 @@ class DecodeWorker(EngineLoop):
         """Commit ``rec``'s blocks to the engine (caller holds the connector's lock): computed here (colocated, or a
         recompute with the prefill's seed, so the same first tokens come out), or joined with the prefill's first
         tokens over the received K/V."""
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         req: GenerateRequest = rec.request
         kwargs = req.sampling_kwargs()

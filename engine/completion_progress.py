@@ -1,6 +1,6 @@
 """One completion's text and what its outputs have handed out so far: the engine's per-step output in O(new tokens).
 
-A step's :class:`~engine.outputs.CompletionOutput` carries only what is new since that completion's previous output
+A step's :class:`~engine.request.outputs.CompletionOutput` carries only what is new since that completion's previous output
 (token ids, logprobs, visible text), so the cost of a step's outputs does not grow with the completion's length. The
 whole completion is built once, when it finishes, and reused by every later output of its request; a running one is
 built only on request (:meth:`CompletionProgress.snapshot`).
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from engine.detokenizer import find_stop
-from engine.outputs import CompletionOutput, WholeCompletion
-from engine.sequence import Sequence
+from engine.text.detokenizer import find_stop
+from engine.request.outputs import CompletionOutput, WholeCompletion
+from engine.request.sequence import Sequence
 
 
 class CompletionProgress:

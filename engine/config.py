@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.spec_config import SpeculativeConfig
+from engine.spec.spec_config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -55,12 +55,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # ranks the model is sharded over (Megatron-style: heads, MLP columns/rows, experts' intermediate, vocabulary):
-    # this process drives rank 0 and starts size - 1 follower processes (engine/tp_group.py); on the CPU the ranks
+    # this process drives rank 0 and starts size - 1 follower processes (engine/parallel/tp_group.py); on the CPU the ranks
     # meet over gloo and share one K/V cache file (each rank a head-slice view), on CUDA over NCCL, rank r on cuda:r
     tensor_parallel_size: int = 1
     # where a group's K/V cache lives: "shared" (the CPU: one file of every head, each rank a head-slice view of it)
     # or "per_rank" (each rank allocates its own heads' cache, the layout CUDA ranks need: block copies go to every
-    # rank, and a K/V transfer goes rank to rank by head range, kv_transfer/head_routes.py)
+    # rank, and a K/V transfer goes rank to rank by head range, kv_transfer/wire/head_routes.py)
     tp_kv_cache: str = "shared"
     seed: int = 0  # seeds unseeded sampling, so a run as a whole is reproducible
     cache_dir: str | None = None  # where the default model is converted; None: ~/.cache/pdcluster

@@ -17,9 +17,9 @@ import warnings
 import torch
 
 import pdkernels
-from engine.kv_cache_manager import cdiv
-from engine.model import AttentionMetadata, DecoderModel
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.scheduling.kv_cache_manager import cdiv
+from engine.models.model import AttentionMetadata, DecoderModel
+from engine.scheduling.scheduler import ScheduledSeq, SchedulerOutput
 from pdkernels.host_copy import to_device
 
 

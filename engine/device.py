@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.model import DecoderModel
+    from engine.models.model import DecoderModel
 
 log = logging.getLogger(__name__)
 GIB = 2**30
@@ -156,9 +156,9 @@ def profile_forward(model: DecoderModel, num_tokens: int, num_rows: int, block_s
     sampler's largest temporaries): the activation peak of the largest step the engine will run. Returns the
     forward's hidden states (what a test compares). Writes nothing the engine keeps. ``varlen``: the chunk as one
     varlen attention call, as the runner sends it; None: as the device's runner would
-    (:func:`engine.step_wire.varlen_prefill`)."""
-    # engine.model (which step_wire imports) imports kernels; keep this module light to import
-    from engine.step_wire import StepLayout, pack, unpack, varlen_prefill
+    (:func:`engine.parallel.step_wire.varlen_prefill`)."""
+    # engine.models.model (which step_wire imports) imports kernels; keep this module light to import
+    from engine.parallel.step_wire import StepLayout, pack, unpack, varlen_prefill
     from pdkernels.host_copy import to_device
     from pdkernels.reference import SCALED_DTYPES, scale_dims
 

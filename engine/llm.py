@@ -8,8 +8,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.request.outputs import RequestOutput
+from engine.request.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -44,7 +44,7 @@ class LLM:
 
         Every prompt is validated before any runs: one bad prompt raises ``ValueError`` and nothing is generated.
         ``on_output`` sees each output as it advances (for streaming): what is new since the previous one
-        (``new_text``, ``new_token_ids``), and the whole completion once finished (:mod:`engine.outputs`).
+        (``new_text``, ``new_token_ids``), and the whole completion once finished (:mod:`engine.request.outputs`).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

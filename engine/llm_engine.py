@@ -12,28 +12,28 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.default_model import resolve_model
+from engine.models.default_model import resolve_model
 from engine.completion_progress import CompletionProgress
-from engine.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
 from engine.device import num_kv_blocks, resolve_device, resolve_dtype
-from engine.grammar import GrammarCompiler, GrammarError
-from engine.kv_cache_manager import KVCacheManager, cdiv
-from engine.model import DecoderModel
-from engine.model_config import load_model_config
-from engine.kv_tiers.keys import ModelIdentity
-from engine.model_loader import load_shard, load_state_dict, model_fingerprint
+from engine.sampling.grammar import GrammarCompiler, GrammarError
+from engine.scheduling.kv_cache_manager import KVCacheManager, cdiv
+from engine.models.model import DecoderModel
+from engine.models.model_config import load_model_config
+from engine.kv.tiers.keys import ModelIdentity
+from engine.models.model_loader import load_shard, load_state_dict, model_fingerprint
 from engine.model_runner import DTYPES, KV_DTYPES, ModelRunner, kv_block_bytes
-from engine.outputs import RequestOutput
-from engine.philox import derive_seed
-from engine.prefix_events import PrefixEventLog
-from engine.sampling_grammar import GrammarMasks
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, seq_id_counter
-from engine.spec_decode import SpeculativeDecoder
-from engine.spec_draft_model import DraftModelDrafter, resolve_draft
-from engine.spec_mtp import MTPDrafter, MTPLayer
-from engine.tp_group import TPGroup, check_device, start_group, visible_gpus
+from engine.request.outputs import RequestOutput
+from engine.sampling.philox import derive_seed
+from engine.kv.prefix_events import PrefixEventLog
+from engine.sampling.sampling_grammar import GrammarMasks
+from engine.request.sampling_params import SamplingParams
+from engine.scheduling.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.request.sequence import Sequence, seq_id_counter
+from engine.spec.spec_decode import SpeculativeDecoder
+from engine.spec.spec_draft_model import DraftModelDrafter, resolve_draft
+from engine.spec.spec_mtp import MTPDrafter, MTPLayer
+from engine.parallel.tp_group import TPGroup, check_device, start_group, visible_gpus
 
 
 def captures_decode_graphs(device: torch.device, config: EngineConfig) -> bool:
@@ -93,7 +93,7 @@ class LLMEngine:
         dtype = DTYPES[dtype_name]
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.fingerprint = model_fingerprint(path, dtype_name)
-        # tensor parallel: this process drives rank 0 of a group it starts (engine/tp_group.py); every rank reads
+        # tensor parallel: this process drives rank 0 of a group it starts (engine/parallel/tp_group.py); every rank reads
         # only its part of the checkpoint
         self.tp_group: TPGroup | None = None
         if config.tensor_parallel_size > 1:
@@ -121,7 +121,7 @@ class LLMEngine:
                            kv_dtype) + (0 if draft is None else kv_block_bytes(load_model_config(draft),
                                                                               config.block_size, dtype)),
             graphs, config.reserved_device_bytes)
-        # the key binds the model's identity (engine/kv_tiers/keys.py): another checkpoint, dtype, K/V dtype, block
+        # the key binds the model's identity (engine/kv/tiers/keys.py): another checkpoint, dtype, K/V dtype, block
         # size or TP layout never shares a block
         extra = ModelIdentity(self.fingerprint, dtype_name, config.kv_cache_dtype, config.block_size,
                               config.tensor_parallel_size, config.tp_kv_cache).extra()
@@ -154,7 +154,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self.last_preempted: list[str] = []  # request ids the last step preempted (to recompute later)
         self._grammars: GrammarCompiler | None = None  # see grammar_compiler()
-        # speculative decoding (engine/spec_decode.py): drafts proposed before each step, verified in it
+        # speculative decoding (engine/spec/spec_decode.py): drafts proposed before each step, verified in it
         drafter: MTPDrafter | DraftModelDrafter | None = None
         if mtp is not None:
             drafter = MTPDrafter(mtp, self.runner)
@@ -356,7 +356,7 @@ class LLMEngine:
 
     def draft_state(self, request_id: str) -> tuple[float, ...] | None:
         """What a decode owner's drafter needs to draft at its first step for ``request_id`` (just prefilled here):
-        the MTP layer's last output (engine/spec_mtp.py), or None without one. Pure."""
+        the MTP layer's last output (engine/spec/spec_mtp.py), or None without one. Pure."""
         drafter = None if self.spec is None else self.spec.drafter
         return None if drafter is None else drafter.handoff(request_id)
 
@@ -377,7 +377,7 @@ class LLMEngine:
 
     def kv_memory(self) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """``(kv, scales, shared)``: the whole KV cache ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, an
-        FP8 cache's scales, and the :class:`engine.kv_memory.SharedKVMemory` holding them (``shared_kv`` on the CPU)
+        FP8 cache's scales, and the :class:`engine.kv.kv_memory.SharedKVMemory` holding them (``shared_kv`` on the CPU)
         or None: what an in-place KV backend exports to same-node writers."""
         return self.runner.kv, self.runner.kv_scales, self.runner.shared_kv
 
@@ -400,7 +400,7 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------------------------------------
     def step(self, after_kv_store: Callable[[int, SchedulerOutput], None] | None = None) -> list[RequestOutput]:
         """Run one scheduler step; return the outputs of requests that advanced (finished ones are dropped). Each output
-        carries what is new since the request's previous one, and whole completions once finished (``engine.outputs``).
+        carries what is new since the request's previous one, and whole completions once finished (``engine.request.outputs``).
 
         ``after_kv_store(layer, scheduler_output)`` runs as soon as each layer's K/V of this step is stored (a
         prefill worker streams it to the decode actor from there).

@@ -19,17 +19,17 @@ import torch
 
 from engine.cuda_graphs import DecodeGraphRunner
 from pdkernels.reference import SCALED_DTYPES, scale_dims
-from engine.kv_cache_manager import cdiv
-from engine.kv_memory import KVLayout, SharedKVMemory, copy_blocks
-from engine.model import AttentionMetadata, DecoderModel
-from engine.model_config import ModelConfig
+from engine.scheduling.kv_cache_manager import cdiv
+from engine.kv.kv_memory import KVLayout, SharedKVMemory, copy_blocks
+from engine.models.model import AttentionMetadata, DecoderModel
+from engine.models.model_config import ModelConfig
 from engine.prompt_logprobs import compute_prompt_logprobs, plan_prompt_rows
-from engine.sampler import Sampler
-from engine.sampling_state import SamplingBatch, SamplingState
-from engine.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
-from engine.sequence import Sequence
-from engine.spec_verify import draft_rows, sample_verified
-from engine.step_wire import StepLayout, pack, unpack, varlen_prefill
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_state import SamplingBatch, SamplingState
+from engine.scheduling.scheduler import SampledToken, ScheduledSeq, SchedulerOutput
+from engine.request.sequence import Sequence
+from engine.spec.spec_verify import draft_rows, sample_verified
+from engine.parallel.step_wire import StepLayout, pack, unpack, varlen_prefill
 from pdkernels.host_copy import to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -76,11 +76,11 @@ class ModelRunner:
                  kv_dtype: torch.dtype | None = None, shared_kv: bool = False, cache_heads: int | None = None,
                  on_copy: Callable[[list[tuple[int, int]]], None] | None = None, extra_layers: int = 0) -> None:
         """``shared_kv`` (CPU): the KV cache lives in a shared-memory file same-node peers can map
-        (:mod:`engine.kv_memory`); ``self.shared_kv`` holds it. ``cache_heads``: the heads this cache holds, every
+        (:mod:`engine.kv.kv_memory`); ``self.shared_kv`` holds it. ``cache_heads``: the heads this cache holds, every
         cache head by default (a tensor-parallel rank's model attends over its own head slice of it:
-        engine/model.py), or a tensor-parallel rank's own heads (``tp_kv_cache="per_rank"``). ``on_copy(pairs)``:
+        engine/models/model.py), or a tensor-parallel rank's own heads (``tp_kv_cache="per_rank"``). ``on_copy(pairs)``:
         called before this cache's block copies (a group whose ranks hold their own caches copies on each).
-        ``extra_layers``: cache layers after the model's (a next-token layer's K/V, engine/spec_mtp.py)."""
+        ``extra_layers``: cache layers after the model's (a next-token layer's K/V, engine/spec/spec_mtp.py)."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
@@ -108,10 +108,10 @@ class ModelRunner:
         self.sampling = SamplingState(model.vocab_width, self.device, seed)
         self.decode_graphs: DecodeGraphRunner | None = None  # decode-only steps on padded buckets (see enable_...)
         # prefill chunks as one varlen attention call (GPU, Triton) or one call per chunk (the CPU's torch path): the
-        # device decides (engine.step_wire.varlen_prefill); a CPU test sets it to run a GPU's layout here
+        # device decides (engine.parallel.step_wire.varlen_prefill); a CPU test sets it to run a GPU's layout here
         self.varlen_prefill = varlen_prefill(self.device)
         # after_sample(order, hidden, sampled, after_kv_store): runs after each eager step sampled (a drafter's pass
-        # over the step's final hidden states, engine/spec_mtp.py); None: nothing
+        # over the step's final hidden states, engine/spec/spec_mtp.py); None: nothing
         self.after_sample: Callable[..., None] | None = None
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
@@ -143,7 +143,7 @@ class ModelRunner:
         return step.input_ids, step.positions, step.attention, step.order, step.sample_rows
 
     def step_inputs(self, out: SchedulerOutput) -> StepInputs:
-        """The step's flattened batch (see :class:`StepInputs`), sent in one copy (:mod:`engine.step_wire`). Pure."""
+        """The step's flattened batch (see :class:`StepInputs`), sent in one copy (:mod:`engine.parallel.step_wire`). Pure."""
         dev = self.device
         decodes = sorted(out.decodes, key=lambda s: s.start)  # similar lengths side by side
         order = decodes + out.prefills
@@ -159,7 +159,7 @@ class ModelRunner:
             slots.extend(self._slots(s.seq.block_table, s.start, 1))
         for s in out.prefills:
             ids.extend(s.seq.token_slice(s.start, s.start + s.num_tokens - len(s.draft)))
-            ids.extend(s.draft)  # speculative drafts: every verified row samples (engine/spec_verify.py)
+            ids.extend(s.draft)  # speculative drafts: every verified row samples (engine/spec/spec_verify.py)
             pos.extend(range(s.start, s.start + s.num_tokens))
             slots.extend(self._slots(s.seq.block_table, s.start, s.num_tokens))
             if s.sample:

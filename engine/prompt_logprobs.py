@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.scheduling.scheduler import ScheduledSeq
+from engine.request.sequence import Sequence
 
 ROWS_PER_SLICE = 256  # logits rows per LM-head call: 256 x 152k vocab x 4 bytes = 156 MB at most
 

@@ -17,7 +17,7 @@ power of two in the head size, largest first: 64 -> one block, 80 -> 64 + 16), s
 K/V). Applied in float32 and rounded once to the activations' dtype.
 
 Only scaled (8-bit) caches are rotated: an unquantized cache stores K/V as computed, bit for bit. The wire header's
-version binds the convention (``kv_transfer/header.py``), so a part from a build that did not rotate is refused.
+version binds the convention (``kv_transfer/wire/header.py``), so a part from a build that did not rotate is refused.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A polynomial over the bytes of a tensor, evaluated modulo p = 2^61 - 1 on the tensor's device: the hash of the
-payload MAC (:mod:`kv_transfer.payload_mac` adds its marker and one-time pad, and says why it is sound).
+payload MAC (:mod:`kv_transfer.wire.payload_mac` adds its marker and one-time pad, and says why it is sound).
 
 For the bytes of ``x`` read as int8 values ``x_0 .. x_{n-1}`` and points ``r_k`` in F_p, :func:`poly` returns, per
 point,

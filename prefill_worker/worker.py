@@ -6,7 +6,7 @@ Its K/V sending is the prefill side of the K/V connector
 (:class:`~kv_transfer.connector.prefill_side.PrefillConnector`): open a request's channel, save each layer, wait,
 deliver the result behind the last part, end.
 
-Ray-agnostic (:class:`cluster.runtime.worker_actor.WorkerActor` hosts it): a ``prefill`` call posts the request to the engine
+Ray-agnostic (:class:`cluster.actor.worker_actor.WorkerActor` hosts it): a ``prefill`` call posts the request to the engine
 loop and waits on its own Ray thread; the loop thread keeps stepping for every other prompt meanwhile, and the wait for
 the wire happens on the caller's thread, not the loop's.
 """
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from cluster.runtime.engine_loop import EngineLoop, load_engine, tier_stats
+from cluster.loop.engine_loop import EngineLoop, load_engine, tier_stats
 from cluster.wire.messages import (GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant,
                                    prompt_logprob_pairs)
 from cluster.wire.telemetry import KVCounts, WorkerStats
 from cluster.wire.worker_config import WorkerConfig
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector import endpoint_config, per_rank_group
 from kv_transfer.connector.prefill_side import LayerPart, PrefillConnector, Transfer
 
@@ -44,7 +44,7 @@ class _Job:
     submitted_at: float = 0.0
     started_at: float | None = None
     computed_at: float = 0.0
-    draft_state: tuple[float, ...] | None = None  # what the decode owner's MTP drafts from (engine/spec_mtp.py)
+    draft_state: tuple[float, ...] | None = None  # what the decode owner's MTP drafts from (engine/spec/spec_mtp.py)
 
     @property
     def grant(self) -> ReserveGrant:
@@ -84,7 +84,7 @@ class PrefillWorker(EngineLoop):
     def prefill(self, message: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         """Compute the prompt of a :class:`PrefillRequest`, send its K/V layer by layer into the grant's blocks, and
         return the :class:`PrefillResult` (wire form). Raises ``ValueError`` for a bad request (nothing started)."""
-        from engine.sampling_params import SamplingParams
+        from engine.request.sampling_params import SamplingParams
 
         msg = PrefillRequest.from_dict(message)
         req = msg.request
@@ -122,7 +122,7 @@ class PrefillWorker(EngineLoop):
 
     def _deliver(self, job: _Job, result: PrefillResult) -> PrefillResult:
         """Send ``result`` to the decode actor over the job's K/V channel, behind its last part (and, in place,
-        before the reservation's ``end``): ``kv_transfer.result_message``. Returns it with ``delivered`` True once
+        before the reservation's ``end``): ``kv_transfer.wire.result_message``. Returns it with ``delivered`` True once
         the backend reports it sent; False (any failure: the proxy then hands it over with a Ray call, as before).
         Caller's thread: waits up to the backend's I/O timeout."""
         delivered = dataclasses.replace(result, delivered=True)
@@ -198,7 +198,7 @@ class PrefillWorker(EngineLoop):
         """What every layer of the step ``out`` sends, worked out at its first layer and kept for the others. Mutates
         that cache and each job's start (its first step). The block-index tensors go to the device here, once per
         chunk, through pinned memory on the compute stream (no host sync): the layers' hooks build no tensor."""
-        from kv_transfer.streams import block_index
+        from kv_transfer.wire.streams import block_index
 
         if self._parts is not None and self._parts[0] is out:
             return self._parts[1]

@@ -22,8 +22,8 @@ from typing import Any
 from cluster.wire.proxy_settings import DEFAULTS
 from cluster.wire.messages import PrefillRequest, PrefillResult, ReserveRequest, TokenDelta
 from cluster.wire.token_stream import TokenStreamServer
-from engine.block_hash import hash_full_blocks
-from engine.kv_tiers.keys import tenant_extra
+from engine.kv.block_hash import hash_full_blocks
+from engine.kv.tiers.keys import tenant_extra
 from proxy.admission import estimate_blocks
 from proxy.disagg import CostEstimator, DisaggPolicy, RequestView, decide
 from proxy.errors import APIError, generation_error, service_unavailable
@@ -218,7 +218,7 @@ class Dispatcher:
         self.metrics.transfer(result.backend or "unknown", result.bytes_sent, result.transfer_s)
         self.costs.observe_prefill(n - result.cached_tokens, result.compute_s, result.send_wait_s, result.queue_s,
                                    time.monotonic() - called)
-        if not result.delivered:  # the K/V channel could not carry it (kv_transfer.result_message): hand it over
+        if not result.delivered:  # the K/V channel could not carry it (kv_transfer.wire.result_message): hand it over
             await self.pools.prefilled(leg.actor, raw)
         return result
 

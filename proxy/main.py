@@ -20,7 +20,7 @@ from cluster.wire.names import NAMESPACE
 from proxy.pools import Pools
 from proxy.server import Proxy, ProxyConfig
 from cluster.wire.proxy_settings import add_flags, settings_or_exit
-from engine.tokenization import PromptTokenizer
+from engine.text.tokenization import PromptTokenizer
 
 log = logging.getLogger("pdcluster.proxy")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.wire.messages import GenerateRequest
-from engine.grammar_spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from proxy.errors import (body_too_large, context_length_exceeded, invalid_json, invalid_request, json_type_name,
                           model_not_found, read_bool, read_float, read_int, read_str, type_error)
 from proxy.chat_messages import ChatMessage, content_text, tool_calls_of

@@ -18,7 +18,7 @@ Prefill: each prefill actor P gets
 
 where ``cached_blocks(P)`` is how many of the request's *leading* block hashes P holds (the hashes are chained, so
 only a leading run can hit P's prefix cache): P's real prefix cache as its add/evict events last reported it
-(``engine.prefix_events``, applied by the proxy's pool refresh), or, for prompts routed to P since (not yet in its
+(``engine.kv.prefix_events``, applied by the proxy's pool refresh), or, for prompts routed to P since (not yet in its
 events), what this router recorded sending there; and the queued/pending tokens are the prompt tokens P must get
 through before ours. With ``queue_penalty = 1`` the score is minus P's estimated work before our first
 token, up to a constant: ``queued + (prompt - cached)``, i.e. the time-to-first-token estimate at equal prefill

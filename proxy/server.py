@@ -35,7 +35,7 @@ from proxy.dispatch import DispatchConfig, Dispatcher
 from proxy.errors import APIError, internal_error, unauthorized
 from proxy.gate import AdmissionGate
 from proxy.metrics import Metrics, unauthenticated_counts
-from engine.grammar_spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from proxy.structured import check_compiles_async, grammar_param
 from proxy.tool_stream import ToolCallBuffers, with_tool_calls
 from proxy.openai_protocol import (
@@ -68,7 +68,7 @@ from proxy.router import Router, RouterConfig
 from proxy.tenant import kv_namespace
 from proxy.tier_metrics import tier_metric_lines
 from cluster.wire.slo import RequestLatency, SloTracker, request_latency, tpot_s
-from engine.tokenization import PromptTokenizer
+from engine.text.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Which grammar a request's output must match: OpenAI's ``response_format`` and vLLM's ``structured_outputs`` (and
-its older ``guided_*`` fields), parsed into an :class:`engine.grammar_spec.GrammarSpec`. Pure: no I/O.
+its older ``guided_*`` fields), parsed into an :class:`engine.request.grammar_spec.GrammarSpec`. Pure: no I/O.
 
 Whether the grammar compiles is checked apart (:func:`check_compiles`), off the event loop with a timeout
 (``proxy/server.py``): the parse here only checks shapes and types, so it stays cheap on the loop.
@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from engine.grammar_spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from proxy.errors import APIError, invalid_request, type_error
 
 # structured_outputs' keys (vLLM), each with the grammar kind it asks for; at most one may be set
@@ -128,7 +128,7 @@ def _spec(make: Any, at: str) -> GrammarSpec:
 def check_compiles(spec: GrammarSpec, param: str) -> None:
     """Raises ``APIError`` (400 naming ``param``) when the grammar engine refuses ``spec``. Blocking (milliseconds,
     bounded by llguidance's limits): run it on a worker thread."""
-    from engine.grammar import GrammarError, check_grammar  # llguidance, loaded on the first constrained request
+    from engine.sampling.grammar import GrammarError, check_grammar  # llguidance, loaded on the first constrained request
 
     try:
         check_grammar(spec)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.wire.proxy_settings import TOOL_PARSERS
-from engine.grammar_spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from proxy.errors import invalid_request, read_bool, type_error
 
 PARSERS = TOOL_PARSERS  # the names --tool-call-parser takes (cluster.wire.proxy_settings); each is read below

@@ -3,8 +3,14 @@
 and a module may import its own room or any room of a lower layer, never a higher layer's nor a sibling room of its
 own layer. Every import counts, module-level or inside a function (a lazy import is still a dependency).
 
-    python3 scripts/check_imports.py           # exit 0, or 1 naming each file:line and both rooms
-    python3 scripts/check_imports.py --graph   # the rooms, then the room-to-room edges with a count and an example
+Folders too: a folder's own modules (its ``.py`` files, not its sub-folders') all lie in one room, and the
+folder-to-folder graph (an arrow from a folder to another when one of its own modules imports a module of the other's)
+has no cycle and no arrow running back up a layer. So the folders show the layers: ``engine/models/`` and
+``engine/sampling/`` may both sit in the engine's room, but one of them imports the other, never both ways.
+
+    python3 scripts/check_imports.py             # exit 0, or 1 naming each file:line and both rooms (or folders)
+    python3 scripts/check_imports.py --graph     # the rooms, then the room-to-room edges with a count and an example
+    python3 scripts/check_imports.py --folders   # each folder's room, then the folder-to-folder edges
 
 Standard library only (``ast``); run by ``.ci/run`` before the tests and by tests/unit/test_import_layers.py.
 A new module outside every room fails the check too: place it in :data:`LAYERS` (docs/architecture.md "Layers").
@@ -28,10 +34,10 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"wire": ("cluster.wire",)},  # the wire floor: torch-free messages, names, auth, worker config, SLO math
     {"kv_transfer": ("kv_transfer",)},  # moving K/V between actors
     # the one engine loop both roles run; its opt-in profiler
-    {"worker loop": ("cluster.runtime.engine_loop", "cluster.runtime.loop_profile")},
+    {"worker loop": ("cluster.loop",)},
     {"prefill_worker": ("prefill_worker",), "decode_worker": ("decode_worker",)},  # the roles
-    # the Ray actor hosting a role; its preStop hook (cluster/runtime/ holds them and the loop below the roles)
-    {"worker actor": ("cluster.runtime.worker_actor", "cluster.runtime.evacuate", "cluster.runtime.thread_priority")},
+    # the Ray actor hosting a role; its preStop hook; its threads' priorities (cluster/actor/)
+    {"worker actor": ("cluster.actor",)},
     {
         "proxy": ("proxy",),  # the HTTP front: admission, routing, streaming
         # decide(), its observations, the pool manager, record/replay, the simulator: cluster/control/
@@ -147,6 +153,110 @@ def violations(root: Path) -> list[str]:
     return [line for line in out if not (line in seen or seen.add(line))]
 
 
+def folder_of_file(root: Path, path: Path) -> str:
+    """``engine/models/model.py`` -> ``engine/models``: the folder whose own module the file is. Pure."""
+    return path.relative_to(root).parent.as_posix()
+
+
+def folder_of_module(root: Path, module: str) -> str:
+    """The folder holding ``module``: a package is its own folder (its ``__init__.py``), a module its parent's.
+    Reads the tree (is it a folder?)."""
+    parts = module.split(".")
+    return "/".join(parts) if (root / Path(*parts)).is_dir() else "/".join(parts[:-1])
+
+
+def folder_rooms(root: Path) -> dict[str, set[str]]:
+    """Folder -> the rooms of its own modules. Reads the tree."""
+    table = rooms()
+    out: dict[str, set[str]] = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            room = room_of(module_name(root, path), table)
+            out.setdefault(folder_of_file(root, path), set()).add(room.name if room else "(no room)")
+    return out
+
+
+def folder_edges(root: Path) -> dict[tuple[str, str], list[str]]:
+    """(importer's folder, imported module's folder) -> every ``file:line`` behind that arrow. Reads files."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for imp in all_imports(root):
+        src, dst = folder_of_file(root, imp.path), folder_of_module(root, imp.target)
+        if src != dst:
+            edges.setdefault((src, dst), []).append(f"{imp.path.relative_to(root)}:{imp.line}")
+    return edges
+
+
+def cycles(edges: Sequence[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, each sorted, in sorted order (Tarjan). Pure."""
+    graph: dict[str, list[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, []).append(b)
+        graph.setdefault(b, [])
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def folder_violations(root: Path) -> list[str]:
+    """One line per folder holding modules of two rooms, per folder arrow that runs up a layer, per folder cycle
+    (with one ``file:line`` for each of its arrows). Reads files."""
+    table = rooms()
+    layer_of = {name: i for i, named in enumerate(LAYERS) for name in named}
+    held = folder_rooms(root)
+    out = [f"{folder}/: its own modules lie in {len(names)} rooms ({', '.join(sorted(names))}): one folder, one room"
+           for folder, names in sorted(held.items()) if len(names) > 1]
+    edges = folder_edges(root)
+    for (src, dst), where in sorted(edges.items()):
+        a, b = held.get(src), held.get(dst)
+        if not a or not b or len(a) > 1 or len(b) > 1:
+            continue
+        (ra,), (rb,) = a, b
+        if ra in layer_of and rb in layer_of and layer_of[rb] > layer_of[ra]:
+            out.append(f"{where[0]}: folder {src}/ (layer {layer_of[ra]}) -> {dst}/ (layer {layer_of[rb]}): a folder "
+                       "arrow that runs back up")
+    for component in cycles(list(edges)):
+        members = set(component)
+        arrows = [f"{s}/ -> {d}/ ({w[0]})" for (s, d), w in sorted(edges.items()) if s in members and d in members]
+        out.append(f"folder cycle: {', '.join(c + '/' for c in component)}: " + "; ".join(arrows))
+    del table
+    return out
+
+
+def folder_graph(root: Path) -> list[str]:
+    """Each folder and its room, then each folder-to-folder arrow: ``src/ -> dst/  (count, e.g. file:line)``."""
+    lines = [f"{folder}/: {', '.join(sorted(names))}" for folder, names in sorted(folder_rooms(root).items())]
+    lines += [f"{s}/ -> {d}/  ({len(w)}, e.g. {w[0]})" for (s, d), w in sorted(folder_edges(root).items())]
+    return lines
+
+
 def graph(root: Path) -> list[str]:
     """The layers, then each room-to-room edge: ``src -> dst  (count, e.g. file:line)``. Reads files."""
     table = rooms()
@@ -167,21 +277,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Prints the violations (or the graph); 1 when there is any violation, else 0. Reads files."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--graph", action="store_true", help="print the layers and the room-to-room edges")
+    ap.add_argument("--folders", action="store_true", help="print each folder's room and the folder-to-folder edges")
     ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
                     help="the repository root (default: this script's)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
     if args.graph:
         print("\n".join(graph(root)))
-    bad = violations(root)
+    if args.folders:
+        print("\n".join(folder_graph(root)))
+    bad = violations(root) + folder_violations(root)
     for line in bad:
         print(line, file=sys.stderr)
     if bad:
-        print(f"check_imports: {len(bad)} import(s) against the layers (docs/architecture.md, Layers)",
+        print(f"check_imports: {len(bad)} import(s) or folder(s) against the layers (docs/architecture.md, Layers)",
               file=sys.stderr)
         return 1
-    if not args.graph:
-        print(f"check_imports: imports only go down ({len(LAYERS)} layers, {len(rooms())} module prefixes)")
+    if not (args.graph or args.folders):
+        print(f"check_imports: imports only go down ({len(LAYERS)} layers, {len(rooms())} module prefixes, "
+              f"{len(folder_rooms(root))} folders)")
     return 0
 
 

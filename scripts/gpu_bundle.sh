@@ -9,10 +9,10 @@
 #   ray       the cluster's actors: the shared tool keeps Ray's core only (~30 MB of the bundle)
 #   pyzmq     the token streams between actors and proxies
 #   jsonschema (+ jsonschema-specifications, referencing, rpds-py): Ray's core imports it
-#   llguidance  engine/grammar.py and engine/sampling_grammar.py import it at the top: without it no engine starts,
+#   llguidance  engine/sampling/grammar.py and engine/sampling/sampling_grammar.py import it at the top: without it no engine starts,
 #             so gpu_check.sh's stages 3-5 could not run (a cp39-abi3 manylinux_2_31 wheel: its platform tag is added
 #             below, the shared tool names 2_28 and older only)
-#   ucxx      the UCX K/V backend (kv_transfer/ucx.py), CUDA 13 build: ucxx-cu13, libucxx-cu13, libucx-cu13,
+#   ucxx      the UCX K/V backend (kv_transfer/backends/ucx.py), CUDA 13 build: ucxx-cu13, libucxx-cu13, libucx-cu13,
 #             rmm-cu13, librmm-cu13, rapids-logger. Whole, their wheels are 57 MB (libucx-cu13 42 MB: 145 MB
 #             unpacked, with static libraries, perftest and each shared library three times over), which with Ray's
 #             30 MB is over the 64 MiB a device run carries; trimmed as the shared tool trims Ray (no headers, static

@@ -269,7 +269,7 @@ if wants 6; then
   else
   tp_line=$(python - <<'PY'
 import torch
-from engine.tp_group import check_device
+from engine.parallel.tp_group import check_device
 gpus = torch.cuda.device_count()
 try:
     check_device(torch.device("cuda", 0), 2, "per_rank", gpus)

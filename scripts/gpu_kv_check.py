@@ -1,6 +1,6 @@
 """GPU check of KV that moves memory to memory (issue 13), one prepared run on a CUDA machine, ~8 minutes:
 
-1. ``python -m kv_transfer.loopback --device cuda``: ``cuda_ipc`` in-place writes into another process's IPC-mapped
+1. ``python -m kv_transfer.backends.loopback --device cuda``: ``cuda_ipc`` in-place writes into another process's IPC-mapped
    cache (same block ids, scattered ids, checksummed) against the device's copy bandwidth; NCCL where two GPUs are.
 2. A decode peer killed (kill -9) mid-transfer: the writer's next write to it fails at once, its writes to another
    peer still land, and CUDA has no sticky error (a kernel and a sync run after).
@@ -53,7 +53,7 @@ def append(report: Path, text: str) -> None:
 
 
 def stage_loopback(device: str, smoke: bool) -> str:
-    cmd = [sys.executable, "-m", "kv_transfer.loopback", "--device", device, "--iters", "3" if smoke else "20"]
+    cmd = [sys.executable, "-m", "kv_transfer.backends.loopback", "--device", device, "--iters", "3" if smoke else "20"]
     if smoke:
         cmd += ["--backends", "shm,shm-scattered", "--mib", "4"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
@@ -65,8 +65,8 @@ def stage_kill(device: str) -> str:
     import torch
 
     from kv_transfer import make_backend
-    from kv_transfer.config import KVTransferConfig
-    from kv_transfer.loopback import CacheSpec, ReceiverProcess
+    from kv_transfer.wire.config import KVTransferConfig
+    from kv_transfer.backends.loopback import CacheSpec, ReceiverProcess
 
     kind = "cuda_ipc" if device.startswith("cuda") else "shm"
     spec = CacheSpec(2, 64, 16, 8, 128, "float16")
@@ -210,9 +210,9 @@ def _per_gpu_writer(device: str, peer: str, conn: Any) -> None:
     whether its cuda:0 has peer access to its cuda:1)."""
     import torch
 
-    from kv_transfer.auto import AutoBackend
-    from kv_transfer.config import KVTransferConfig
-    from kv_transfer.loopback import CacheSpec
+    from kv_transfer.backends.auto import AutoBackend
+    from kv_transfer.wire.config import KVTransferConfig
+    from kv_transfer.backends.loopback import CacheSpec
 
     writer = AutoBackend(KVTransferConfig(backend="auto", name="w", device=device))
     try:
@@ -241,8 +241,8 @@ def _layout(what: str, decode: tuple[str, str], writer: tuple[str, str], rule: s
 
     import torch
 
-    from kv_transfer.config import KVTransferConfig
-    from kv_transfer.loopback import CacheSpec, ReceiverProcess
+    from kv_transfer.wire.config import KVTransferConfig
+    from kv_transfer.backends.loopback import CacheSpec, ReceiverProcess
 
     saved, receiver = os.environ.get("CUDA_VISIBLE_DEVICES"), None
     try:

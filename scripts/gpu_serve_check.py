@@ -275,7 +275,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_term)
     import torch
 
-    from kv_transfer.ucx import ucx_unavailable_reason
+    from kv_transfer.backends.ucx import ucx_unavailable_reason
 
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

@@ -4,7 +4,7 @@
    batch of ``tests/sync_counter.py`` (greedy, seeded top-p and top-k, min-p, the three penalties, logprobs,
    ``n = 2``, stop strings) at batch 8 and 32: prefill, then steady decode steps, each under
    ``torch.cuda.set_sync_debug_mode("warn")``. A step's host reads are the sampler's deliberate ones (calls of
-   ``engine.sampler._to_host``: a pinned copy, then ``Event.synchronize``, which torch does not flag) plus every other
+   ``engine.sampling.sampler._to_host``: a pinned copy, then ``Event.synchronize``, which torch does not flag) plus every other
    wait: each "called a synchronizing CUDA operation" warning (torch flags a copy to or from pageable memory, so
    ``.item()``, ``.tolist()``, ``.cpu()`` and ``bool()`` of device tensors, ``nonzero``, ``Stream.synchronize``, a
    pageable host -> device copy) and each ``torch.cuda.synchronize`` or ``Event.synchronize`` outside the deliberate
@@ -60,7 +60,7 @@ PYTEST_ARGS = ["tests/unit/test_stream_discipline.py", "tests/unit/test_sync_bud
 class Step:
     """What one steady decode step did on the host."""
 
-    deliberate: int  # the sampler's reads (engine.sampler._to_host)
+    deliberate: int  # the sampler's reads (engine.sampling.sampler._to_host)
     other: list[str]  # every other wait, as "what @ file:line"
     busy: bool  # GPU work was queued ahead of the step
     launch_s: float  # step start -> its first deliberate read (all the step's launches are issued by then)
@@ -75,7 +75,7 @@ class Step:
 
 @dataclass
 class DeliberateReads:
-    """Wraps ``engine.sampler._to_host`` (:meth:`installed`): counts and times its calls; while one runs, ``inside``
+    """Wraps ``engine.sampling.sampler._to_host`` (:meth:`installed`): counts and times its calls; while one runs, ``inside``
     is True (its own wait is not an "other" one) and the CPU counter, if given, is paused."""
 
     marks: list[tuple[float, float]] = field(default_factory=list)  # (entered, returned) per call
@@ -84,7 +84,7 @@ class DeliberateReads:
 
     @contextmanager
     def installed(self) -> Iterator[DeliberateReads]:
-        import engine.sampler as sampler
+        import engine.sampling.sampler as sampler
 
         real = sampler._to_host
 

@@ -13,10 +13,10 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader
-from kv_transfer.layer_parts import pack_layer_part
-from kv_transfer.loopback import CacheSpec
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader
+from kv_transfer.wire.layer_parts import pack_layer_part
+from kv_transfer.backends.loopback import CacheSpec
 
 SPEC = CacheSpec(num_layers=1, num_blocks=4, block_size=16, kv_heads=1, head_dim=8, dtype="float32")
 
@@ -29,9 +29,9 @@ def sample_part(seed: int) -> tuple[KVTransferHeader, torch.Tensor]:
 
 
 def peer_main(address: str, name: str, mode: str, conn: Connection) -> None:
-    from kv_transfer.base import sealed_header
-    from kv_transfer.torch_dist import TorchDistBackend
-    from kv_transfer.torch_dist_pairs import RECEIVER, TAG, _envelope
+    from kv_transfer.wire.base import sealed_header
+    from kv_transfer.backends.torch_dist import TorchDistBackend
+    from kv_transfer.backends.torch_dist_pairs import RECEIVER, TAG, _envelope
 
     backend = TorchDistBackend(KVTransferConfig(name=name, host="127.0.0.1", connect_timeout_s=20.0))
     header, payload = sample_part(seed=len(name))

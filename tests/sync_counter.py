@@ -22,7 +22,7 @@ import torch
 
 from engine import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.scheduler import SchedulerOutput
+from engine.scheduling.scheduler import SchedulerOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 OWN = tuple(str(ROOT / pkg) + "/" for pkg in ("engine", "pdkernels"))
@@ -31,7 +31,7 @@ OWN = tuple(str(ROOT / pkg) + "/" for pkg in ("engine", "pdkernels"))
 CPU_ONLY_FILES = tuple(str(ROOT / "pdkernels" / f) for f in ("reference.py", "cpu_decode.py", "cpu_prefill.py"))
 CPU_ONLY_FUNCTIONS = {(str(ROOT / "pdkernels" / "__init__.py"), "_check_lens")}
 # the sampled ids with their logprobs: one read; a second only in a step that redoes a top-p nucleus grown past its
-# candidates (engine/sampling_plan.py)
+# candidates (engine/sampling/sampling_plan.py)
 MAX_SYNCS_PER_STEP = 2
 MAX_CONSTRUCTIONS_PER_STEP = 12  # host -> device copies of Python values, whatever the batch size
 

@@ -1,6 +1,6 @@
 """A test-only tensor-parallel group in one process: one thread per rank, collectives over shared lists.
 
-:class:`ThreadComm` implements :class:`engine.tp.Communicator` with a ``threading.Barrier``: each rank puts its tensor
+:class:`ThreadComm` implements :class:`engine.models.tp.Communicator` with a ``threading.Barrier``: each rank puts its tensor
 in its slot, waits for the others, and every rank computes the same sum (in rank order) or concatenation; a second
 wait keeps a slot from being overwritten before every rank has read it. :func:`run_ranks` runs one function per rank
 on its own thread and re-raises the first failure (a failing rank breaks the barrier, so the others stop too).

@@ -1,7 +1,7 @@
 """The live connector: a Ray actor that adds and drains worker actors, by hand (``pdcluster scale``) or driven by
 the controller core (``pdcluster autoscale on``).
 
-Adding starts a named actor (``pdcluster-worker-<i>``, a :class:`cluster.runtime.worker_actor.WorkerActor`); proxies find it on
+Adding starts a named actor (``pdcluster-worker-<i>``, a :class:`cluster.actor.worker_actor.WorkerActor`); proxies find it on
 their next pool refresh (every second) once its model is loaded. Draining tells the actor to take no new work (a
 decode actor refuses new reservations; both report ``draining``, so proxies stop routing to them), waits until it is
 idle (every request it holds has finished), then stops it: no request is lost. Flipping drains the same way, then
@@ -249,7 +249,7 @@ class PoolManager:
         self._event(f"{name} flipped {old} -> {role} in {out['seconds']:.2f}s (same weights)")
 
     def _start(self, role: str) -> str:
-        from cluster.runtime.worker_actor import WorkerActor
+        from cluster.actor.worker_actor import WorkerActor
 
         with self._lock:
             name = f"{WORKER_PREFIX}{self.next_index}"

@@ -1,4 +1,4 @@
-"""The simulated prefill actor: what one engine step takes, as ``engine/scheduler.py`` schedules it. Mutates the
+"""The simulated prefill actor: what one engine step takes, as ``engine/scheduling/scheduler.py`` schedules it. Mutates the
 simulation's state in place; no I/O.
 
 Two models, chosen by the cost profile's ``prefill_budget_tokens``:
@@ -11,7 +11,7 @@ Two models, chosen by the cost profile's ``prefill_budget_tokens``:
   (``Scheduler.schedule`` then ``_admit_waiting``), so several short prompts share one step and its fixed cost. A
   step of ``k`` tokens takes ``prefill_step_s + k / prefill_tps``; steps run back to back while tokens wait, and a
   prompt's first token leaves when the step that takes its last chunk ends. A prefill actor's steps hold prompt
-  chunks only: its engine never decodes (``cluster/runtime/worker_actor.py``), and a decode actor's steps hold only
+  chunks only: its engine never decodes (``cluster/actor/worker_actor.py``), and a decode actor's steps hold only
   decode rows (prefilled requests join it with their K/V in place), so no step mixes the two in this cluster.
 
 The step model runs on few events: every *full* step is formed as soon as its tokens are queued (a later arrival

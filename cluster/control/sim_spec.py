@@ -2,8 +2,8 @@
 
 With speculation a decode step verifies each running request's drafts with it: ``k + 1`` query positions per request
 instead of one, and each request emits ``E = (1 - a^(k+1)) / (1 - a)`` tokens per step on average when each draft is
-accepted with probability ``a`` (the seeds' formula, :func:`engine.spec_policy.expected_tokens`). The engine's load
-switch (:func:`engine.spec_policy.allocate_drafts`) keeps a step's positions (one per running request plus every
+accepted with probability ``a`` (the seeds' formula, :func:`engine.spec.spec_policy.expected_tokens`). The engine's load
+switch (:func:`engine.spec.spec_policy.allocate_drafts`) keeps a step's positions (one per running request plus every
 draft) within ``verify_budget_tokens``: the drafts fill what the decode rows leave, the first draft of every request
 before anyone's second (equal acceptance), none at all once the batch alone fills the budget or reaches
 ``disable_by_batch_size``. The simulator charges a step ``base + per_seq x positions + per_kv_token x context`` (a
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.spec_policy import expected_tokens
+from engine.spec.spec_policy import expected_tokens
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class SpecCost:
 
     acceptance: float = 0.0
     k: int = 0
-    verify_budget_tokens: int = 16  # the engine's default (engine/spec_config.py)
+    verify_budget_tokens: int = 16  # the engine's default (engine/spec/spec_config.py)
     disable_by_batch_size: int = 0  # 0: no such switch
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ class FolderTokenizer:
     """A Hugging Face model folder's ``tokenizer.json`` (through the proxy's torch-free ``PromptTokenizer``)."""
 
     def __init__(self, folder: str | Path) -> None:
-        from engine.tokenization import PromptTokenizer
+        from engine.text.tokenization import PromptTokenizer
 
         self._tok = PromptTokenizer(folder)
 
@@ -30,7 +30,7 @@ def load_tokenizer(spec: str, cache_dir: str | None = None) -> Tokenizer:
     if spec == "none":
         return WordTokenizer()
     if spec == "default":
-        from engine.default_model import resolve_model
+        from engine.models.default_model import resolve_model
 
         return FolderTokenizer(resolve_model("default", cache_dir))
     folder = Path(spec).expanduser()

@@ -7,14 +7,14 @@ message never passes for another:
 
 - ``kv-part``: every field of a K/V part's header (request and reservation id, the reservation's nonce and epoch,
   layer, token range, block ids, dtype, shape, payload tag, model fingerprint). The payload itself is bound through
-  its tag, a polynomial MAC computed on the payload's device under a one-time key (:mod:`kv_transfer.payload_mac`).
+  its tag, a polynomial MAC computed on the payload's device under a one-time key (:mod:`kv_transfer.wire.payload_mac`).
 - ``kv-part-key``: not a MAC but that one-time key: the HMAC of every header field but the tag and the MAC.
 - ``kv-hi``: an in-place writer's name and the decode actor's one-time challenge (no replay), before the decode actor
   hands over its KV cache's memory.
 - ``kv-open``: an in-place writer opening a reservation: writer, reservation id, nonce, epoch.
 - ``kv-join``: a torch_dist sender joining a decode actor's store: the store's address, its ticket, its name.
 - ``kv-store``: every value written to a torch_dist rendezvous store: the store's address, the key, the value
-  (:mod:`kv_transfer.store_auth`).
+  (:mod:`kv_transfer.wire.store_auth`).
 - ``token-frame``: a token-stream frame: the proxy address it is for and the frame's bytes (which carry the
   sending stream's id and the frame's sequence number: a replayed frame is dropped, ``token_stream``).
 

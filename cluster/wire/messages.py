@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.grammar_spec import GrammarSpec  # torch-free
-from engine.sampling_params import SamplingParams  # torch-free; the one place sampling ranges are defined
+from engine.request.grammar_spec import GrammarSpec  # torch-free
+from engine.request.sampling_params import SamplingParams  # torch-free; the one place sampling ranges are defined
 
 T = TypeVar("T", bound="_Wire")
 
@@ -163,7 +163,7 @@ class GenerateRequest(_Wire):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
-    # constrained decoding: [kind, text] of an engine.grammar_spec.GrammarSpec (data; each actor compiles it)
+    # constrained decoding: [kind, text] of an engine.request.grammar_spec.GrammarSpec (data; each actor compiles it)
     grammar: tuple[str, str] | None = None
     # the tenant's K/V namespace (a digest made by the proxy, proxy/tenant.py; never an API key in clear): block keys
     # bind it on every tier, so another tenant's identical prompt never hits; "": the shared namespace
@@ -263,7 +263,7 @@ class ReserveGrant(_Wire):
     # cache, pinned at reserve): a prefill actor sends the K/V of the blocks after them only
     cached_blocks: int = 0
     # a tensor-parallel decode actor whose ranks hold their own heads (``tp_kv_cache="per_rank"``): each rank's
-    # socket address, rank 0's first; a prefill rank sends each its heads (kv_transfer/head_routes.py). Empty: the
+    # socket address, rank 0's first; a prefill rank sends each its heads (kv_transfer/wire/head_routes.py). Empty: the
     # decode actor's rank 0 holds every head at ``kv_endpoint``
     rank_endpoints: tuple[str, ...] = ()
 
@@ -345,10 +345,10 @@ class PrefillResult(_Wire):
     compute_s: float = 0.0
     send_wait_s: float = 0.0
     # the prefill actor sent this result to the decode actor over the request's K/V channel, after its last part
-    # (kv_transfer.result_message), and the backend reported it sent: the proxy then makes no ``prefilled`` call.
+    # (kv_transfer.wire.result_message), and the backend reported it sent: the proxy then makes no ``prefilled`` call.
     # False: a backend or peer that could not carry it; the proxy hands it over itself, as before
     delivered: bool = False
-    # speculative decoding with a next-token (MTP) layer (engine/spec_mtp.py): that layer's output at the prompt's
+    # speculative decoding with a next-token (MTP) layer (engine/spec/spec_mtp.py): that layer's output at the prompt's
     # last position as float32 values, what the decode owner drafts from at its first step (the layer's K/V came
     # with the stream as one more layer); None: nothing to hand over (no MTP, or n > 1)
     draft_state: tuple[float, ...] | None = None

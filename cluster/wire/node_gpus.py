@@ -1,7 +1,7 @@
 """GPU actors that see every GPU of their node, and which one each uses. Torch-free; never imports Ray itself.
 
 Ray narrows every ``num_gpus`` actor's ``CUDA_VISIBLE_DEVICES`` to the GPUs it assigned that actor, so with one actor
-per GPU a prefill actor cannot open a CUDA IPC handle of the decode actor's GPU (``kv_transfer.cuda_devices``: a
+per GPU a prefill actor cannot open a CUDA IPC handle of the decode actor's GPU (``kv_transfer.backends.cuda_devices``: a
 ``device_not_visible`` fallback). With :data:`NOSET_ENV` in an actor's ``runtime_env`` (:func:`runtime_env`) Ray
 leaves ``CUDA_VISIBLE_DEVICES`` as the node has it: the actor sees all of its node's GPUs, takes the one Ray assigned
 it (:func:`assigned_cuda_index` of ``ray.get_gpu_ids()``) and can map a peer's cache on another GPU (peer access

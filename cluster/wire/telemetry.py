@@ -61,12 +61,12 @@ class ActorStats(_Wire):
 
 @dataclass(frozen=True)
 class PrefixEvents(_Wire):
-    """Actor -> proxy: what its prefix cache gained and lost since the proxy's cursor (``engine.prefix_events``). With
+    """Actor -> proxy: what its prefix cache gained and lost since the proxy's cursor (``engine.kv.prefix_events``). With
     ``reset``, ``added`` is the whole cached set: the reader forgets everything else it thought the actor cached."""
 
     next: int  # the cursor to ask with next time
     reset: bool = False
-    added: tuple[int, ...] = ()  # block hashes (engine.block_hash, bound to the model by the actor's hash extra)
+    added: tuple[int, ...] = ()  # block hashes (engine.kv.block_hash, bound to the model by the actor's hash extra)
     evicted: tuple[int, ...] = ()
     more: bool = False  # the actor held events back (one answer is bounded): ask again now, not at the next refresh
 
@@ -111,7 +111,7 @@ class KVCounts(_Wire):
 
 @dataclass(frozen=True)
 class TierCounts(_Wire):
-    """One K/V tier below a worker's device pool (engine/kv_tiers: "host" L2, "disk" L3), cumulative since start
+    """One K/V tier below a worker's device pool (engine/kv/tiers: "host" L2, "disk" L3), cumulative since start
     except the gauges (pending_writes, used_bytes, capacity_bytes, read_bytes_per_s)."""
 
     tier: str
@@ -182,16 +182,16 @@ class WorkerStats(_Wire):
     # K/V parts, in-place opens and transfer handshakes dropped for a wrong or missing MAC (decode; cluster.wire.auth)
     kv_parts_unauthenticated: int = 0
     # decode actors offered in place that this one writes over the socket backend instead, by reason (prefill, auto:
-    # kv_transfer.inplace_channel.fallback_reason; e.g. device_not_visible: one actor per GPU under cuda_ipc)
+    # kv_transfer.backends.inplace_channel.fallback_reason; e.g. device_not_visible: one actor per GPU under cuda_ipc)
     kv_inplace_fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
     # the engine loop's time spent stepping and its steps (the controller's capacity: tokens per busy second)
     busy_seconds: float = 0.0
     steps: int = 0
-    # prefill results taken (decode): over the request's K/V channel (kv_transfer.result_message), or through the
+    # prefill results taken (decode): over the request's K/V channel (kv_transfer.wire.result_message), or through the
     # proxy's ``prefilled`` Ray call (a backend or peer that could not carry it); a second delivery is ignored
     results_via_channel: int = 0
     results_via_ray: int = 0
-    # speculative decoding (decode; engine/spec_decode.py SpecStats): (request, step) pairs verified with drafts, draft
+    # speculative decoding (decode; engine/spec/spec_decode.py SpecStats): (request, step) pairs verified with drafts, draft
     # tokens verified, of those accepted. Acceptance rate = accepted / proposed; tokens per verify step = (accepted +
     # verified) / verified
     spec_verified_requests: int = 0

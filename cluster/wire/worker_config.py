@@ -7,7 +7,7 @@ from typing import Any
 
 from cluster.wire.auth import ClusterSecret
 from engine.config import KV_CACHE_DTYPES, TP_KV_CACHES
-from engine.spec_config import SpeculativeConfig
+from engine.spec.spec_config import SpeculativeConfig
 
 
 TP_ROLES = {"prefill": "prefill_tp", "decode": "decode_tp"}  # a worker role -> the WorkerConfig field of its TP size

@@ -7,7 +7,7 @@
 - **Prefill side** (:mod:`kv_transfer.connector.prefill_side`): the worker side opens a request's channel, saves each
   layer's K/V as it is stored, waits for what it sent and delivers the prefill result behind the last part.
 
-Both sides speak the wire of :mod:`kv_transfer.header` over any backend of :func:`kv_transfer.make_backend` (in place:
+Both sides speak the wire of :mod:`kv_transfer.wire.header` over any backend of :func:`kv_transfer.make_backend` (in place:
 shm / cuda_ipc; sockets: torch_dist, UCX), so a role never touches a backend. docs/architecture.md shows the seam.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 
 
 def endpoint_config(kv: KVTransferConfig, name: str, device: str, secret: Any) -> KVTransferConfig:

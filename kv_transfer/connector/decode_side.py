@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from cluster.wire.messages import PrefillResult
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from kv_transfer.connector.ranks import RankExpect, RankNotice, group_ranges
 from kv_transfer.connector.reservations import ReservationManager
@@ -69,15 +69,14 @@ class DecodeConnector:
         self.endpoint = ""
         self.rank_endpoints: tuple[str, ...] = ()  # per rank, rank 0's first (a per-rank group)
         if kv is not None:
-            from kv_transfer.connector.rank_ends import rank_config
+            from kv_transfer.connector import rank_ends
             from kv_transfer.connector.receiver import KVReceiver
 
-            own = kv if self.group is None else rank_config(kv)
+            own = kv if self.group is None else rank_ends.rank_config(kv)
             self.receiver = KVReceiver(engine, own, self.lock, self.reservations, self._part_arrived, on_result)
             self.endpoint = self.receiver.address
             if self.group is not None:
-                ends = self.group.start_extension("kv_transfer.connector.rank_ends:start", ("decode", kv),
-                                                  self._rank_notice)
+                ends = self.group.start_extension(rank_ends.start, ("decode", kv), self._rank_notice)
                 self.rank_endpoints = (self.endpoint, *ends)
 
     # -- scheduler side ----------------------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class IntakeRecord:
     num_layers: int
     # what a part covers a range of: the model's cache heads, or with a decode group whose ranks hold their own heads
     # each rank's heads apart (rank r's from r * heads-per-rank: a replicated head counts once per rank holding it).
-    # Every layer's every one must cover the prompt, whichever ranks sent and received it (kv_transfer/head_routes.py)
+    # Every layer's every one must cover the prompt, whichever ranks sent and received it (kv_transfer/wire/head_routes.py)
     heads: int = 1
     request: Any = None  # the GenerateRequest it serves (cluster.wire.messages): text, stops, reply_to
     state: IntakeState = IntakeState.RESERVED

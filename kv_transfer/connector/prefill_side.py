@@ -8,7 +8,7 @@ behind the last part, close the channel.
     delivered = connector.deliver(t, result, ...)  # the result rides the same channel: no third Ray call
     connector.end(t)                               # in place: the decode actor may reuse the blocks
 
-Streams (:mod:`kv_transfer.streams`): a socket part is packed on the compute stream and the backend's send waits for
+Streams (:mod:`kv_transfer.wire.streams`): a socket part is packed on the compute stream and the backend's send waits for
 it there; an in-place copy waits for the compute stream on the backend's copy stream, and
 :meth:`PrefillConnector.order_after_writes` orders the next step after it (no host sync either way).
 """
@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from cluster.wire.messages import ReserveGrant
-from kv_transfer.base import TransferHandle, TransferState
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.base import TransferHandle, TransferState
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector.ranks import RankNotice, RankPart, group_ranges, transfer_routes
-from kv_transfer.head_routes import HeadRoute
+from kv_transfer.connector.route_sends import send_routes
+from kv_transfer.wire.head_routes import HeadRoute
 
 
 @dataclass
@@ -72,36 +73,6 @@ class LayerPart:
         return self.rank_part
 
 
-def send_routes(backend: Any, rank: int, head_start: int, part: RankPart, layer: int, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, scales: torch.Tensor | None, src_index: torch.Tensor | None = None,
-                corrupt: bool = False) -> list[TransferHandle]:
-    """Send ``layer``'s K/V of the routes of ``part`` whose source is ``rank`` (its cache holding the model's heads
-    from ``head_start``): one message per route, each with the heads its decode rank holds. A route that cannot be
-    sent fails alone (its handle says why). The same lines on rank 0 (:class:`PrefillConnector`) and on a follower
-    rank (kv_transfer/connector/rank_ends.py)."""
-    from kv_transfer.layer_parts import pack_layer_part
-
-    handles = []
-    for r in part.routes:
-        if r.src != rank:
-            continue
-        endpoint = part.endpoints[r.dst]
-        try:
-            # the checksum is computed on the backend's I/O thread, not here (a fault injection needs it)
-            header, payload = pack_layer_part(k_cache, v_cache, part.src, part.dst, scales=scales, checksum=corrupt,
-                                              secret=backend.config.secret, src_index=src_index, layer=layer,
-                                              cache_head_start=head_start, heads=(r.start, r.stop), **part.fields)
-            if corrupt:
-                payload.view(-1).view(torch.uint8)[0] ^= 0xFF
-            handle = backend.send(endpoint, header, payload)
-        except Exception as e:  # e.g. the decode peer died and its route changed: this part fails, the step
-            # (and every other request in it) goes on
-            handle = TransferHandle(-1, "send", endpoint, None, 0)
-            handle.mark_failed(f"{type(e).__name__}: {e}")
-        handles.append(handle)
-    return handles
-
-
 class PrefillConnector:
     """Owns the prefill actor's transfer backend. ``corrupt_every`` > 0 flips one payload byte of every n-th part
     after its checksum (fault injection for tests and drills: the decode actor must reject the part and recompute).
@@ -111,18 +82,17 @@ class PrefillConnector:
         """``model_config``: the engine's (its cache heads); ``group``: the engine's tensor-parallel group when its
         ranks hold their own caches (``tp_kv_cache="per_rank"``): each follower then sends its own heads from a
         rank end of its own (kv_transfer/connector/rank_ends.py), and this end from rank 0's heads."""
-        from kv_transfer import make_backend
-        from kv_transfer.connector.rank_ends import rank_config
+        from kv_transfer.backends import make_backend
+        from kv_transfer.connector import rank_ends
 
         self.cfg = model_config
         self.group = group
         self.ranges = group_ranges(model_config, 1 if group is None else group.spec.size, group is not None)
-        self.backend = make_backend(kv if group is None else rank_config(kv))
+        self.backend = make_backend(kv if group is None else rank_ends.rank_config(kv))
         self._open: dict[str, Transfer] = {}  # reservation id -> its transfer, while followers may report on it
         self._reports = threading.Condition()
         if group is not None:
-            group.start_extension("kv_transfer.connector.rank_ends:start", ("prefill", kv), self._rank_notice,
-                                  ships=True)
+            group.start_extension(rank_ends.start, ("prefill", kv), self._rank_notice, ships=True)
         self.corrupt_every = corrupt_every
         self.parts_sent = 0
         self.bytes_sent = 0
@@ -205,10 +175,10 @@ class PrefillConnector:
     def deliver(self, t: Transfer, result: dict[str, Any], *, model_fingerprint: str, kv_layout: str,
                 prompt_tokens: int) -> str | None:
         """Send ``result`` (a ``PrefillResult.to_dict()`` marked delivered) to the decode actor behind ``t``'s last
-        part (in place: before the channel's ``end``; :mod:`kv_transfer.result_message`). None once the backend
+        part (in place: before the channel's ``end``; :mod:`kv_transfer.wire.result_message`). None once the backend
         reports it sent, else why not (the caller then hands it over another way). Waits up to the backend's I/O
         timeout."""
-        from kv_transfer.result_message import pack_result
+        from kv_transfer.wire.result_message import pack_result
 
         grant = t.grant
         try:

@@ -1,15 +1,15 @@
 """The K/V connector's end on a tensor-parallel follower rank (``tp_kv_cache="per_rank"``): the rank's own heads go
 out from, and come into, the rank's own cache, over the rank's own backend endpoint (a socket backend: each rank is
-its own peer, kv_transfer/head_routes.py says which heads go where).
+its own peer, kv_transfer/wire/head_routes.py says which heads go where).
 
-The driver's connector starts one on every follower (``engine.tp_group.TPGroup.start_extension`` with the factory
-``kv_transfer.connector.rank_ends:start``); it runs inside the follower process (engine/tp_follower.py) and speaks
+The driver's connector starts one on every follower (``engine.parallel.tp_group.TPGroup.start_extension`` with the factory
+this module's :func:`start`, passed in by the connector); it runs inside the follower process (engine/parallel/tp_follower.py) and speaks
 the values of :mod:`kv_transfer.connector.ranks`:
 
 - **prefill rank**: a forward the driver runs with its K/V hook runs :meth:`RankEnd.after_kv_store` here: at the
   step's first layer it takes the step's :class:`~kv_transfer.connector.ranks.RankPart` list (the driver sends it
   from its own first-layer hook, so the blocks and grants are worked out once), then after each layer sends its
-  routes' heads of each part (:func:`kv_transfer.connector.prefill_side.send_routes`, the driver's own lines); at
+  routes' heads of each part (:func:`kv_transfer.connector.route_sends.send_routes`, the driver's own lines); at
   the step's end a thread waits for the step's sends and notifies ``sent`` per part.
 - **decode rank**: a receiver thread installs each part into this rank's blocks of a reservation the driver expects
   here (``expect`` / ``forget``, sent in the order of the driver's reserve and release, so a forgotten reservation's
@@ -25,15 +25,15 @@ import queue
 import threading
 from typing import Any
 
-from kv_transfer.base import TransferState, dtype_name
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.connector.prefill_side import send_routes
+from kv_transfer.wire.base import TransferState, dtype_name
+from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector.ranks import RankExpect, RankNotice, RankPart
+from kv_transfer.connector.route_sends import send_routes
 from kv_transfer.connector.receiver import check_part_bounds, receive_loop
-from kv_transfer.header import ExpectedTransfer, KVTransferError, header_authentic
-from kv_transfer.layer_parts import install_layer_part
-from kv_transfer.payload_mac import payload_mac, tag_beside
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.header import ExpectedTransfer, KVTransferError, header_authentic
+from kv_transfer.wire.layer_parts import install_layer_part
+from kv_transfer.wire.payload_mac import payload_mac, tag_beside
+from kv_transfer.wire.streams import HostStreams
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def rank_config(kv: KVTransferConfig) -> KVTransferConfig:
 
 
 def start(ctx: Any, role: str, kv: KVTransferConfig) -> RankEnd:
-    """The factory a follower calls (``ctx``: its ``engine.tp_follower.RankContext``): rank 0's config, named for
+    """The factory a follower calls (``ctx``: its ``engine.parallel.tp_follower.RankContext``): rank 0's config, named for
     the rank, its payloads on the rank's own GPU where rank 0's are on a GPU."""
     device = str(ctx.device) if kv.device != "cpu" else "cpu"
     return RankEnd(ctx, role, dataclasses.replace(rank_config(kv), name=f"{kv.name}-rank{ctx.rank}", device=device))
@@ -59,14 +59,14 @@ class RankEnd:
     def __init__(self, ctx: Any, role: str, kv: KVTransferConfig, streams: HostStreams | None = None) -> None:
         """``streams``: the backend's stream seam, whose ``threads`` start this end's thread and the backend's
         (None: the one for ``kv.device``, the rank's)."""
-        from kv_transfer import make_backend
+        from kv_transfer.backends import make_backend
 
         if role not in ("prefill", "decode"):
             raise ValueError(f"role: 'prefill' or 'decode', got {role!r}")
         self.ctx = ctx
         self.role = role
         self.backend = make_backend(kv, streams=streams)
-        self._mac_stream = self.backend.streams.new_stream("kv-mac")  # payload tags (kv_transfer.payload_mac)
+        self._mac_stream = self.backend.streams.new_stream("kv-mac")  # payload tags (kv_transfer.wire.payload_mac)
         self._secret = kv.secret
         self._parts: list[tuple[RankPart, Any]] = []  # the current step's, each with its source index (prefill)
         self._handles: dict[str, list[Any]] = {}  # the current step's sends per reservation (prefill)
@@ -93,7 +93,7 @@ class RankEnd:
         """Inside the forward, after ``layer`` stored this rank's heads: send this rank's routes of every part."""
         kv = self.ctx.caches[layer]
         if layer == 0:
-            from kv_transfer.streams import block_index
+            from kv_transfer.wire.streams import block_index
 
             op, parts = self.ctx.next_command()
             if op != "parts":

@@ -1,8 +1,8 @@
 """What the K/V connector's ends on a tensor-parallel group's ranks tell each other (``tp_kv_cache="per_rank"``: each
-rank holds only its heads' cache, so each sends and receives its own heads, :mod:`kv_transfer.head_routes`).
+rank holds only its heads' cache, so each sends and receives its own heads, :mod:`kv_transfer.wire.head_routes`).
 
 Two messages cross from a group's driver (rank 0, the actor) to its followers, both torch-free values sent as they
-are (engine/tp_group.py carries them):
+are (engine/parallel/tp_group.py carries them):
 
 - :class:`RankPart`: one request's share of a prefill step, for every sender of the group: the blocks, the header
   fields, where each decode rank listens and every prefill rank's routes (a rank sends the routes it is the source
@@ -19,13 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.head_routes import HeadRoute, head_routes
+from kv_transfer.wire.head_routes import HeadRoute, head_routes
 
 
 def group_ranges(cfg: Any, size: int, per_rank: bool) -> tuple[tuple[int, int], ...]:
     """The cache heads each rank of a group of ``size`` holds: each rank its own (``per_rank``), or one range of every
     head where rank 0 holds the whole cache (TP 1, or a group sharing one file). Pure."""
-    from engine.tp import kv_head_range
+    from engine.models.tp import kv_head_range
 
     if not per_rank or size == 1:
         return ((0, cfg.cache_heads),)

@@ -26,14 +26,13 @@ from typing import Any
 from cluster.wire.messages import PrefillResult
 from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
 from kv_transfer.connector.reservations import ReservationManager
-from kv_transfer.base import dtype_name
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import (ExpectedTransfer, KVTransferError, KVTransferHeader, header_authentic,
-                                verify_checksum, verify_fields)
-from kv_transfer.layer_parts import blocks_mac, install_layer_part
-from kv_transfer.payload_mac import part_key, payload_mac, tag_beside
-from kv_transfer.result_message import unpack_result
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.base import dtype_name
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import ExpectedTransfer, KVTransferError, KVTransferHeader, header_authentic, verify_checksum, verify_fields
+from kv_transfer.wire.layer_parts import blocks_mac, install_layer_part
+from kv_transfer.wire.payload_mac import part_key, payload_mac, tag_beside
+from kv_transfer.wire.result_message import unpack_result
+from kv_transfer.wire.streams import HostStreams
 
 log = logging.getLogger(__name__)
 # chunks whose block-index tensor is kept: a chunk's parts (one per layer) share their block ids, and the parts of a
@@ -78,7 +77,7 @@ class KVReceiver:
         it) for each authentic prefill result that came over the channel (None: such results are dropped).
         ``streams``: the backend's stream seam, whose ``threads`` start this receiver's thread and the backend's
         (None: the one for ``config.device``)."""
-        from kv_transfer import make_backend
+        from kv_transfer.backends import make_backend
 
         self.engine = engine
         self._secret = config.secret
@@ -92,7 +91,7 @@ class KVReceiver:
         self.backend.set_writer_hooks(self._writer_open, self._writer_end, self._writer_gone)
         self.address = self.backend.listen()
         # the stream the engine forwards on: its loop thread's current one, the device's default stream (nothing in
-        # engine/ forwards on another); parts are installed there, queued with the decode steps (kv_transfer.streams)
+        # engine/ forwards on another); parts are installed there, queued with the decode steps (kv_transfer.wire.streams)
         self._compute_stream = self.backend.streams.current()
         # payload tags are computed beside it, on a stream that waits for each part's write only (payload_mac)
         self._mac_stream = self.backend.streams.new_stream("kv-mac")
@@ -165,7 +164,7 @@ class KVReceiver:
             self._on_part(rec)
 
     def _take_result(self, handle: Any, header: KVTransferHeader) -> None:
-        """An authentic header of kind ``result`` (kv_transfer.result_message): checked against its reservation
+        """An authentic header of kind ``result`` (kv_transfer.wire.result_message): checked against its reservation
         (nonce, request, epoch) and its bytes against their tag, then handed to ``on_result``. A result for another
         nonce counts as unauthenticated, anything else wrong as rejected; neither touches the record (the request
         then waits for the proxy's ``prefilled`` call, or its lease)."""
@@ -191,14 +190,14 @@ class KVReceiver:
 
     def _tag_of(self, handle: Any) -> Callable[[Any, Any], bytes]:
         """How ``handle``'s payload tag is computed: on the MAC stream, after the comm stream's write of it (its
-        *ready* event) and nothing else, never on the engine's stream (kv_transfer.payload_mac.tag_beside)."""
+        *ready* event) and nothing else, never on the engine's stream (kv_transfer.wire.payload_mac.tag_beside)."""
         return lambda raw, key: tag_beside(self.backend.streams, self._mac_stream, handle.ready,
                                            lambda: payload_mac(raw, key))
 
     def _index(self, block_ids: tuple[int, ...]) -> Any:
         """``block_ids`` as an index tensor on the cache's device: built at a chunk's first part (on the engine's
         stream, no host sync) and reused by its other layers' parts. Mutates the small cache of recent chunks."""
-        from kv_transfer.streams import block_index
+        from kv_transfer.wire.streams import block_index
 
         index = self._indices.get(block_ids)
         if index is None:

@@ -4,7 +4,7 @@ Pure bookkeeping: no I/O, no torch, no clock of its own (callers pass ``now``, a
 are :class:`~kv_transfer.connector.intake.IntakeRecord` (one per reservation, with its state); this manager indexes the
 pending ones and keeps the block accounting.
 
-Accounting. Every block of the wrapped :class:`~engine.block_pool.BlockPool` is in exactly one bucket:
+Accounting. Every block of the wrapped :class:`~engine.kv.block_pool.BlockPool` is in exactly one bucket:
 
 - ``reserved``: held by a pending reservation for K/V to come (allocated from the pool with ``ref_cnt == 1`` and no
   prefix hash). A reservation may also pin prefix-cache blocks already holding its prompt's head (a reference each,
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kv_transfer.connector.intake import TAKES_PARTS, IntakeRecord, IntakeState
-from engine.block_pool import Block, BlockPool
+from engine.kv.block_pool import Block, BlockPool
 
 
 def _check_time(name: str, value: float) -> None:

@@ -1,7 +1,7 @@
 """L3: full K/V blocks as files in a local directory, written off the serving thread, checked by the payload MAC.
 
 One file per block, ``<dir>/<key:016x>.kvb``: a JSON header line (format, key, tokens, dtype, shape, payload bytes,
-the payload's tag) then the payload bytes. The tag is kv_transfer/payload_mac.py's polynomial MAC under a key
+the payload's tag) then the payload bytes. The tag is kv_transfer/wire/payload_mac.py's polynomial MAC under a key
 derived from the cluster secret (or the public one when authentication is off) and the block's key and tokens, so a
 file written for other tokens, truncated, or with one flipped byte is a miss, never wrong text. Several actors of one
 node may share the directory: a file appears by an atomic rename, so a reader sees a whole file or none.
@@ -25,12 +25,12 @@ import torch
 
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
-from engine.device_threads import DeviceThreads
-from kv_transfer.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
+from engine.parallel.device_threads import DeviceThreads
+from kv_transfer.wire.payload_mac import PUBLIC_SECRET, PartKey, payload_tag
 from pdkernels.poly_mac import P
 
 FORMAT = "pdcluster-kv-block/1"
-# how a file's payload is checked: the transfer's polynomial payload MAC (kv_transfer/payload_mac.py; its CPU path
+# how a file's payload is checked: the transfer's polynomial payload MAC (kv_transfer/wire/payload_mac.py; its CPU path
 # runs ~30 MB/s on a shared core, so on a CPU host it can cost more than recomputing the block), or BLAKE2b keyed
 # under the same derived key (a standard keyed MAC, ~250 MB/s on the same core)
 INTEGRITY = ("payload_mac", "blake2b")
@@ -54,7 +54,7 @@ def block_tag(integrity: str, secret: ClusterSecret | None, key: int, tokens: tu
 
 
 class DiskBlockStore:
-    """A :class:`~engine.kv_tiers.store.BlockStore` over a directory. ``close`` stops the writer (mutates)."""
+    """A :class:`~engine.kv.tiers.store.BlockStore` over a directory. ``close`` stops the writer (mutates)."""
 
     name = "disk"
 
@@ -76,7 +76,7 @@ class DiskBlockStore:
         self._bytes = 0
         self.written = self.dropped = self.write_errors = 0
         self.hits = self.misses = self.corrupt = 0
-        # the writer reads host copies only: it enters no device (engine/device_threads.py starts every thread)
+        # the writer reads host copies only: it enters no device (engine/parallel/device_threads.py starts every thread)
         self._writer = DeviceThreads("cpu").start(self._write_loop, "kv-disk-writer")
 
     @property

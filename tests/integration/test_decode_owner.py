@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from cluster.runtime.worker_actor import WorkerActor
+from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, texts, token_ids
 from tests.worker_pair import eventually, run_request
 from tests.factories import EXACT_DTYPE  # noqa: E402

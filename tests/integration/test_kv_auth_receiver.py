@@ -15,19 +15,19 @@ from typing import Any
 import pytest
 import torch
 
-from cluster.runtime.worker_actor import WorkerActor
+from cluster.actor.worker_actor import WorkerActor
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.connector.intake import TAKES_PARTS
-from kv_transfer.base import as_bytes
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferError, KVTransferHeader, sign_header
-from kv_transfer.inplace import InPlaceBackend
-from kv_transfer.inplace_channel import InPlaceAddress, recv_message, send_message
-from kv_transfer.layer_parts import pack_layer_part
-from kv_transfer.result_message import pack_result
+from kv_transfer.wire.base import as_bytes
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferError, KVTransferHeader, sign_header
+from kv_transfer.backends.inplace import InPlaceBackend
+from kv_transfer.backends.inplace_channel import InPlaceAddress, recv_message, send_message
+from kv_transfer.wire.layer_parts import pack_layer_part
+from kv_transfer.wire.result_message import pack_result
 from tests.worker_pair import eventually
 
 SECRET = ClusterSecret.generate()

@@ -14,31 +14,14 @@ import pytest
 import torch
 
 from kv_transfer import make_backend
-from kv_transfer.base import TransferState, as_bytes
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.fake import FakeFabric
+from kv_transfer.wire.base import TransferState, as_bytes
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.backends.fake import FakeFabric
 from kv_transfer.connector.intake import IntakeRecord
-from kv_transfer.header import (
-    ChecksumError,
-    ExpectedTransfer,
-    HeaderMismatchError,
-    KVTransferHeader,
-    MalformedHeaderError,
-)
-from kv_transfer.layer_parts import (
-    install_layer_part,
-    pack_layer_part,
-    verify_part,
-)
-from kv_transfer.loopback import (
-    CacheSpec,
-    ReceiverProcess,
-    bandwidth_payload,
-    checksum_speed,
-    measure_bandwidth,
-    single_thread_memcpy_bandwidth,
-)
-from kv_transfer.ucx import ucx_unavailable_reason
+from kv_transfer.wire.header import ChecksumError, ExpectedTransfer, HeaderMismatchError, KVTransferHeader, MalformedHeaderError
+from kv_transfer.wire.layer_parts import install_layer_part, pack_layer_part, verify_part
+from kv_transfer.backends.loopback import CacheSpec, ReceiverProcess, bandwidth_payload, checksum_speed, measure_bandwidth, single_thread_memcpy_bandwidth
+from kv_transfer.backends.ucx import ucx_unavailable_reason
 
 SPEC = CacheSpec(num_layers=3, num_blocks=32, block_size=16, kv_heads=2, head_dim=64, dtype="bfloat16")
 FP = "smol-test-fingerprint"

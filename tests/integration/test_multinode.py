@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from cluster.wire.node import NODE_IP_ENV
-from kv_transfer.auto import split_address
+from kv_transfer.backends.auto import split_address
 from own_processes import OwnProcesses, ray_head_port, ray_start, start_ray_node
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from kv_transfer import make_backend
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.connector.prefill_side import send_routes
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.connector.route_sends import send_routes
 from kv_transfer.connector.rank_ends import RankEnd
 from kv_transfer.connector.ranks import RankExpect, RankNotice, RankPart
-from kv_transfer.head_routes import HeadRoute, head_routes
+from kv_transfer.wire.head_routes import HeadRoute, head_routes
 
 LAYERS, BLOCKS, BS, HEADS, HD = 2, 6, 4, 2, 8
 FP = "model-fp"

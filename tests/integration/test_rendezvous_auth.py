@@ -1,4 +1,4 @@
-"""The torch_dist rendezvous admits only cluster members (kv_transfer.store_auth): in one process over real TCPStores
+"""The torch_dist rendezvous admits only cluster members (kv_transfer.wire.store_auth): in one process over real TCPStores
 and gloo, a join written without the cluster secret, a member's join copied under another ticket, and a pair
 rendezvous spoken with another key are refused and counted, while members still pair and move a part. ~15 s here."""
 
@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from cluster.wire.auth import ClusterSecret
 from kv_transfer import make_backend
-from kv_transfer.base import TransferState
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import KVTransferHeader
-from kv_transfer.store_auth import AuthenticatedStore, StoreValueRefused
-from kv_transfer.torch_dist_pairs import RECEIVER, SENDER, pair_groups
+from kv_transfer.wire.base import TransferState
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import KVTransferHeader
+from kv_transfer.wire.store_auth import AuthenticatedStore, StoreValueRefused
+from kv_transfer.backends.torch_dist_pairs import RECEIVER, SENDER, pair_groups
 
 SECRET = ClusterSecret.generate()
 OTHER = ClusterSecret.generate()

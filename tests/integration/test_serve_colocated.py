@@ -258,7 +258,7 @@ def test_worker_threads_run_at_the_raylets_niceness_not_rays_worker_default(clus
     def niceness(_actor):  # type: ignore[no-untyped-def]  # runs in the actor (nested: pickled by value)
         import os
 
-        from cluster.runtime.thread_priority import process_name, thread_ids
+        from cluster.actor.thread_priority import process_name, thread_ids
 
         parent = os.getppid()
         return (os.getpriority(os.PRIO_PROCESS, parent), [os.getpriority(os.PRIO_PROCESS, t) for t in thread_ids()],

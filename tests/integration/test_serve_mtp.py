@@ -1,8 +1,8 @@
 """MTP and draft-model speculation served disaggregated (1P1D on local Ray, real proxy): a tiny DeepSeek-V3-shaped
 checkpoint with its next-token layer (random weights, float32) answers with exactly the offline engine's text
 without speculation. The prefill actor streams the MTP layer's K/V as one more layer and hands the layer's last
-output over in its PrefillResult; the decode actor verified MTP drafts (engine/spec_mtp.py). A draft model's prompt
-K/V is recomputed on the decode actor (engine/spec_draft_model.py)."""
+output over in its PrefillResult; the decode actor verified MTP drafts (engine/spec/spec_mtp.py). A draft model's prompt
+K/V is recomputed on the decode actor (engine/spec/spec_draft_model.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ gloo) K/V backends; a decode group whose follower rank is killed is one dead wor
 with nothing lost. (``--prefill-tp 2 --decode-tp 1`` over the auto backend, and scaling between TP sizes, are in
 test_serve_tp_pools.py.)
 
-A group's K/V cache is one full-head file its ranks each view a head slice of (engine/tp_group.py), so a part
+A group's K/V cache is one full-head file its ranks each view a head slice of (engine/parallel/tp_group.py), so a part
 leaving a TP=p prefill group carries every head and lands in a TP=d decode group's file whole."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.grammar_spec import GrammarSpec  # noqa: E402
+from engine.request.grammar_spec import GrammarSpec  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 
 S = {"type": "string", "maxLength": 12}

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.kv_cache_manager import cdiv  # noqa: E402
+from engine.scheduling.kv_cache_manager import cdiv  # noqa: E402
 from engine.model_runner import DTYPES, kv_block_bytes  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 

@@ -1,6 +1,6 @@
 """torch_dist failure isolation, through gloo pairs and real processes: a sending peer killed by its pid in the
 middle of a transfer fails only that transfer, within the pair timeout, and the receiving end keeps serving
-(kv_transfer/torch_dist_groups.py). The control flow is the NCCL one; on the CPU gloo carries the payload."""
+(kv_transfer/backends/torch_dist_groups.py). The control flow is the NCCL one; on the CPU gloo carries the payload."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kv_transfer.base import TransferState, as_bytes
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.torch_dist import TorchDistBackend
-from kv_transfer.torch_dist_groups import pair_groups
-from kv_transfer.torch_dist_pairs import RECEIVER, SENDER
+from kv_transfer.wire.base import TransferState, as_bytes
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.backends.torch_dist import TorchDistBackend
+from kv_transfer.backends.torch_dist_groups import pair_groups
+from kv_transfer.backends.torch_dist_pairs import RECEIVER, SENDER
 from tests.kv_peer import peer_main, sample_part
 
 PAIR_TIMEOUT_S = 2.0
@@ -140,7 +140,7 @@ def test_pair_groups_carry_the_configured_timeout() -> None:
 def test_receiver_lost_fails_only_the_senders_pair(sig: int) -> None:
     """The other direction: a decode actor killed or stalled fails the prefill side's sends to it within the pair
     timeout (stalled: before it, io_timeout_s); the sender drops the pair and sends to a new receiver."""
-    from kv_transfer.loopback import ReceiverProcess
+    from kv_transfer.backends.loopback import ReceiverProcess
     from tests.kv_peer import SPEC
 
     sender = TorchDistBackend(KVTransferConfig(name="prefill", host="127.0.0.1", pair_timeout_s=PAIR_TIMEOUT_S,

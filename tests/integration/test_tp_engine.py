@@ -1,4 +1,4 @@
-"""Tensor parallelism in one engine (engine/tp_group.py): a TP=2 engine (this process drives rank 0, one follower
+"""Tensor parallelism in one engine (engine/parallel/tp_group.py): a TP=2 engine (this process drives rank 0, one follower
 process runs rank 1, gloo between them, one shared K/V file) generates what the TP=1 engine does, on tiny float32
 models of several head layouts; a dead rank fails the step with a clear error; close() stops the followers.
 
@@ -16,7 +16,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.tp_group import TPGroupError
+from engine.parallel.tp_group import TPGroupError
 
 MAX_NEW = 12
 NEAR_TIE = 2e-3
@@ -138,10 +138,10 @@ def test_memory_profile_runs_on_every_rank_before_the_cache(tiny_checkpoint, kv_
 
     from engine.config import EngineConfig
     from engine.device import profile_forward
-    from engine.model_config import load_model_config
-    from engine.model_loader import load_shard
+    from engine.models.model_config import load_model_config
+    from engine.models.model_loader import load_shard
     from engine.model_runner import KV_DTYPES
-    from engine.tp_group import start_group
+    from engine.parallel.tp_group import start_group
 
     folder = tiny_checkpoint("qwen3")
     cfg = load_model_config(folder)

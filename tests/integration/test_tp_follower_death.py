@@ -1,6 +1,6 @@
 """A tensor-parallel follower that dies ends its group cleanly: the driver notices on its own (no call needed, which
 is what frees a driver stuck in an NCCL collective on a dead peer), every later call fails at once with the rank
-named, and close still stops what is left (engine/tp_group.py, "Death")."""
+named, and close still stops what is left (engine/parallel/tp_group.py, "Death")."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.tp_group import TPGroupError, WATCH_INTERVAL_S
+from engine.parallel.tp_group import TPGroupError, WATCH_INTERVAL_S
 
 ENGINE = dict(dtype="float32", max_num_batched_tokens=48, block_size=8, num_kv_blocks=160, num_threads=1)
 

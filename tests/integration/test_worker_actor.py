@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from cluster.runtime.worker_actor import WorkerActor
+from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
 from cluster.wire.worker_config import WorkerConfig
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, token_ids
 from tests.factories import EXACT_DTYPE  # noqa: E402
 

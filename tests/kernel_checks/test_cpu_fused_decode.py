@@ -66,7 +66,7 @@ def test_strided_query_and_a_head_slice_of_the_layer_cache() -> None:
     got = cpu_fused_decode.paged_decode_attention(qk[:, :8], layer[0], layer[1], tables, lens, scale)
     torch.testing.assert_close(got, reference.paged_decode_attention(q, kc, vc, tables, lens, scale), rtol=2e-6,
                                atol=2e-6)
-    k_half, v_half = layer[:, :, :, 2:][0], layer[:, :, :, 2:][1]  # as engine/model.py slices a rank
+    k_half, v_half = layer[:, :, :, 2:][0], layer[:, :, :, 2:][1]  # as engine/models/model.py slices a rank
     got = cpu_fused_decode.paged_decode_attention(q[:, 4:], k_half, v_half, tables, lens, scale)
     want = reference.paged_decode_attention(q[:, 4:].contiguous(), kc[:, :, 2:].contiguous(),
                                             vc[:, :, 2:].contiguous(), tables, lens, scale)

@@ -1,5 +1,5 @@
 """A tiny DeepSeek-V3 engine with every kernel on its Triton path, run by the interpreter on the CPU: the runner then
-sends the GPU's step layout (prefill chunks as one varlen call, engine.step_wire.varlen_prefill), so MLA prefill runs pdkernels/triton_mla_prefill.py, decode pdkernels/triton_mla.py, within whole
+sends the GPU's step layout (prefill chunks as one varlen call, engine.parallel.step_wire.varlen_prefill), so MLA prefill runs pdkernels/triton_mla_prefill.py, decode pdkernels/triton_mla.py, within whole
 generations with chunked prefill and several prompts' chunks per step. Greedy ids equal, and logprobs stay close to,
 the CPU torch path's with its per-chunk layout. ~30 s here. Skipped on a CUDA machine: there the runner's layout
 follows the device and the engine's GPU runs are another test's (not yet written: no GPU has run this path)."""

@@ -71,7 +71,7 @@ def test_byte_views_of_each_payload_dtype(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("n", [0, 3, 2 * ROW + 9])
 def test_whole_tags_through_the_dispatch(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kv_transfer.payload_mac import PartKey, payload_tag
+    from kv_transfer.wire.payload_mac import PartKey, payload_tag
 
     g = torch.Generator().manual_seed(100 + n)
     payload = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import hash_block, hash_full_blocks
-from engine.block_pool import BlockPool, FreeBlockQueue, Block
-from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.kv.block_hash import hash_block, hash_full_blocks
+from engine.kv.block_pool import BlockPool, FreeBlockQueue, Block
+from engine.scheduling.kv_cache_manager import KVCacheManager
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import Sequence
 
 
 def make_seq(sid: int, tokens: list[int], outputs: list[int] | None = None) -> Sequence:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenization import PromptTokenizer
+from engine.text.tokenization import PromptTokenizer
 
 pytestmark = pytest.mark.fast
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.wire.messages import GenerateRequest, PrefillResult
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 from kv_transfer.connector.decode_side import DecodeConnector
 from kv_transfer.connector.intake import IntakeRecord, IntakeState
 

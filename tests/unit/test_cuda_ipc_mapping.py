@@ -8,9 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from cluster.wire.telemetry import WorkerStats
-from kv_transfer.cuda_devices import (NO_PEER_ACCESS, NO_UUID, NOT_VISIBLE, Mapped, Unmappable, match_device,
-                                      normalize_uuid, visible_from_env)
-from kv_transfer.inplace_channel import InPlaceUnavailable, fallback_reason
+from kv_transfer.backends.cuda_devices import NO_PEER_ACCESS, NO_UUID, NOT_VISIBLE, Mapped, Unmappable, match_device, normalize_uuid, visible_from_env
+from kv_transfer.backends.inplace_channel import InPlaceUnavailable, fallback_reason
 from proxy.metrics import Metrics
 
 # a node's four GPUs as nvidia-smi -L writes them; torch prints the same UUIDs without "GPU-", in lower case
@@ -112,8 +111,8 @@ def test_fallback_reason_reads_the_cause_chain() -> None:
 
 
 def test_auto_counts_a_fallback_by_reason() -> None:
-    from kv_transfer.auto import AutoBackend
-    from kv_transfer.config import KVTransferConfig
+    from kv_transfer.backends.auto import AutoBackend
+    from kv_transfer.wire.config import KVTransferConfig
 
     auto = AutoBackend(KVTransferConfig(backend="auto", host="127.0.0.1"))
     try:
@@ -145,7 +144,7 @@ def test_the_cuda_readers_use_torchs_uuids_or_nvidia_smi(monkeypatch: pytest.Mon
 
     import torch
 
-    from kv_transfer import cuda_devices
+    from kv_transfer.backends import cuda_devices
 
     class Props:
         def __init__(self, uuid: str | None) -> None:

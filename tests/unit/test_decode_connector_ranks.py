@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from cluster.wire.messages import GenerateRequest, PrefillResult
-from engine.block_pool import BlockPool
-from kv_transfer.config import KVTransferConfig
+from engine.kv.block_pool import BlockPool
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.connector import rank_ends
 from kv_transfer.connector import receiver as receiver_module
 from kv_transfer.connector.decode_side import DecodeConnector
 from kv_transfer.connector.intake import IntakeRecord, IntakeState
@@ -34,9 +35,9 @@ class FakeGroup:
         self.spec = SimpleNamespace(size=size)
         self.sent: list[tuple[Any, ...]] = []
         self.on_notice: Callable[[int, RankNotice], None] | None = None
-        self.extension: tuple[str, tuple[Any, ...]] | None = None
+        self.extension: tuple[Callable[..., Any], tuple[Any, ...]] | None = None
 
-    def start_extension(self, factory: str, args: tuple[Any, ...],
+    def start_extension(self, factory: Callable[..., Any], args: tuple[Any, ...],
                         on_notice: Callable[[int, RankNotice], None]) -> list[str]:
         self.extension, self.on_notice = (factory, args), on_notice
         return [f"rank{r}:1" for r in range(1, self.spec.size)]
@@ -61,7 +62,7 @@ class FakeReceiver:
 
 @pytest.fixture()
 def model(tiny_checkpoint) -> Callable[..., Any]:  # type: ignore[no-untyped-def]
-    from engine.model_config import load_model_config
+    from engine.models.model_config import load_model_config
 
     qwen2 = load_model_config(tiny_checkpoint("qwen2"))
     return lambda kv_heads: dataclasses.replace(qwen2, num_heads=4, num_kv_heads=kv_heads)
@@ -98,7 +99,7 @@ def test_each_follower_fills_its_own_slots(monkeypatch: pytest.MonkeyPatch, mode
                                            size: int, local: int, notices: list[tuple[int, int, int]]) -> None:
     c, group = connector(monkeypatch, model(kv_heads), size)
     assert c.slots == size * local and c.rank_endpoints == ("rank0:1", *(f"rank{r}:1" for r in range(1, size)))
-    assert group.extension == ("kv_transfer.connector.rank_ends:start", ("decode", KVTransferConfig(backend="auto",
+    assert group.extension == (rank_ends.start, ("decode", KVTransferConfig(backend="auto",
                                                                                                     name="d0")))
     assert c.receiver.config.backend == "torch_dist"  # rank 0's own end holds some heads: a socket backend
     rec = reserve(c, "a")

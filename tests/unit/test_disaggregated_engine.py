@@ -11,9 +11,9 @@ import torch
 
 import pdkernels
 from engine import LLM, SamplingParams
-from engine.grammar_spec import GrammarSpec
-from engine.kv_cache_manager import cdiv
-from engine.scheduler import SchedulerOutput
+from engine.request.grammar_spec import GrammarSpec
+from engine.scheduling.kv_cache_manager import cdiv
+from engine.scheduling.scheduler import SchedulerOutput
 from tests.factories import EXACT_DTYPE
 
 
@@ -160,8 +160,8 @@ def test_a_request_started_on_reserved_blocks_hits_the_prefix_cache(tiny_checkpo
 def test_scaled_kv_parts_carry_scales_and_decode_equals_colocated(tiny_checkpoint, kv_dtype: str) -> None:
     """An FP8 or int8 cache ships about half the bytes of bfloat16 (blocks + scales) and decodes exactly like one
     engine with that cache."""
-    from kv_transfer.header import ExpectedTransfer
-    from kv_transfer.layer_parts import install_layer_part, pack_layer_part
+    from kv_transfer.wire.header import ExpectedTransfer
+    from kv_transfer.wire.layer_parts import install_layer_part, pack_layer_part
 
     folder = str(tiny_checkpoint("llama"))
     common = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, kv_cache_dtype=kv_dtype)

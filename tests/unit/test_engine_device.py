@@ -163,8 +163,8 @@ def test_no_room_names_the_measured_parts() -> None:
 
 
 def test_transfer_device_bytes_counts_receive_buffers_and_pair_communicators() -> None:
-    from cluster.runtime.engine_loop import NCCL_PAIR_BYTES, transfer_device_bytes
-    from kv_transfer.config import KVTransferConfig
+    from cluster.loop.engine_loop import NCCL_PAIR_BYTES, transfer_device_bytes
+    from kv_transfer.wire.config import KVTransferConfig
 
     kv = KVTransferConfig(recv_buffer_bytes=64 << 20, num_recv_buffers=4)  # torch_dist
     assert transfer_device_bytes(None) == 0  # colocated
@@ -187,7 +187,7 @@ def test_a_prefill_engine_never_calls_enable_decode_graphs(tiny_checkpoint, monk
     """The engine's start as if on CUDA (the rule applied to a CUDA device; the runner's capture recorded, not run):
     a prefill-role engine from load_engine captures nothing, a decode-role one does, and a flip to decode captures."""
     import engine.llm_engine as llm_engine
-    from cluster.runtime.engine_loop import load_engine
+    from cluster.loop.engine_loop import load_engine
     from cluster.wire.worker_config import WorkerConfig
     from engine.model_runner import ModelRunner
 

@@ -1,4 +1,4 @@
-"""``python -m cluster.runtime.evacuate`` (the worker pods' preStop hook): finds worker actor processes by their Ray title,
+"""``python -m cluster.actor.evacuate`` (the worker pods' preStop hook): finds worker actor processes by their Ray title,
 SIGTERMs them and waits. Tested on a fake /proc and on a child process of this test only (never anyone else's)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.runtime.evacuate import evacuate, worker_pids
+from cluster.actor.evacuate import evacuate, worker_pids
 
 
 def test_worker_pids_match_the_ray_title_only(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
 
 def test_cuda_measure_counts_every_wait_but_the_deliberate_read(fake_cuda: list[Any]) -> None:
-    import engine.sampler as sampler
+    import engine.sampling.sampler as sampler
 
     real_to_host = sampler._to_host
 

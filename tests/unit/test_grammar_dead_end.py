@@ -14,8 +14,8 @@ import pytest
 from cluster.wire.messages import GenerateRequest, TokenDelta
 from decode_worker.deltas import DeltaTracker
 from engine import LLM, SamplingParams
-from engine.grammar_spec import GrammarSpec
-from engine.sampling_grammar import GrammarEnd, dead_end
+from engine.request.grammar_spec import GrammarSpec
+from engine.sampling.sampling_grammar import GrammarEnd, dead_end
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
 from proxy.jobs import Job, Leg

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.grammar import GrammarCompiler
-from engine.grammar_spec import GrammarSpec
-from engine.sampling_bitmask import apply_token_bitmask
+from engine.sampling.grammar import GrammarCompiler
+from engine.request.grammar_spec import GrammarSpec
+from engine.sampling.sampling_bitmask import apply_token_bitmask
 from tests.factories import EXACT_DTYPE
 from tests.sync_counter import MAX_CONSTRUCTIONS_PER_STEP, MAX_SYNCS_PER_STEP, counting
 
@@ -123,8 +123,8 @@ def test_fill_rows_writes_what_llguidance_torch_does_and_refuses_a_bad_tensor(ll
     import llguidance
     import llguidance.torch  # the reference only: the engine no longer imports it (torch._dynamo, ~3 s a process)
 
-    from engine.sampling_bitmask import bitmask_width
-    from engine.sampling_grammar import fill_rows
+    from engine.sampling.sampling_bitmask import bitmask_width
+    from engine.sampling.sampling_grammar import fill_rows
 
     compiler = llm.engine.grammar_compiler()
     specs = [GrammarSpec.json_schema(SCHEMAS[0]), GrammarSpec("regex", "ab+"), GrammarSpec.json_schema(SCHEMAS[4])]

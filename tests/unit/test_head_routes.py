@@ -1,6 +1,6 @@
 """Heterogeneous tensor parallelism on the wire (issue 29): a prefill group at TP ``p`` ships to a decode group at TP
 ``d`` with each rank holding its own cache of its own heads (as on CUDA, one GPU each). Every decode rank receives
-exactly its heads, from the prefill ranks that hold them (:mod:`kv_transfer.head_routes`), in parts whose header
+exactly its heads, from the prefill ranks that hold them (:mod:`kv_transfer.wire.head_routes`), in parts whose header
 names ``head_start`` (wire version 10), over the fake backend's bytes; what it ends with equals the TP=1 cache's
 slice, for float32, FP8 and int8 caches, several head layouts and replicated heads. A part for heads a rank does not
 hold is refused with nothing written."""
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from kv_transfer import make_backend
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.fake import FakeFabric
-from kv_transfer.head_routes import HeadRoute, head_routes
-from kv_transfer.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader
-from kv_transfer.layer_parts import install_layer_part, pack_layer_part
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.backends.fake import FakeFabric
+from kv_transfer.wire.head_routes import HeadRoute, head_routes
+from kv_transfer.wire.header import ExpectedTransfer, HeaderMismatchError, KVTransferHeader
+from kv_transfer.wire.layer_parts import install_layer_part, pack_layer_part
 from pdkernels import reference
 
 FP = "tp-fingerprint"
@@ -25,7 +25,7 @@ BS, HD, NB = 4, 8, 12
 
 
 def ranges(heads: int, size: int) -> list[tuple[int, int]]:
-    """engine.tp.kv_head_range's rule, for a model of ``heads`` KV heads at TP ``size`` (the engine test holds the
+    """engine.models.tp.kv_head_range's rule, for a model of ``heads`` KV heads at TP ``size`` (the engine test holds the
     rule itself; here only the shapes it gives matter)."""
     if size <= heads:
         per = heads // size
@@ -34,8 +34,8 @@ def ranges(heads: int, size: int) -> list[tuple[int, int]]:
 
 
 def test_engine_rule_gives_these_ranges(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    from engine.model_config import load_model_config
-    from engine.tp import kv_head_range
+    from engine.models.model_config import load_model_config
+    from engine.models.tp import kv_head_range
 
     qwen2 = load_model_config(tiny_checkpoint("qwen2"))  # 4 heads, 2 kv heads
     for heads, size in ((2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (1, 2)):

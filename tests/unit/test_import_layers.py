@@ -81,7 +81,7 @@ def test_tiny_tree_relative_and_unplaced(tmp_path: Path, capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert "pdkernels/bad.py:4: pdkernels.bad (room 'pdkernels', layer 0) imports engine.ok (room 'engine', layer 1)" in err
     assert "cluster/stray.py" not in err and "cluster/wire/__init__.py" not in err
-    assert "1 import(s) against the layers" in err
+    assert "3 import(s) or folder(s) against the layers" in err  # the import, its folder arrow up, the folder cycle
 
 
 def test_a_module_outside_every_room_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -92,3 +92,65 @@ def test_a_module_outside_every_room_fails(tmp_path: Path, monkeypatch: pytest.M
     (tmp_path / "engine" / "stray.py").write_text("import pdkernels\n")
     assert check.main(["--root", str(tmp_path)]) == 1
     assert "engine/stray.py:1: engine.stray is in no room" in capsys.readouterr().err
+
+
+def _plant(root: Path, rel: str, line: str) -> int:
+    """Appends ``line`` inside a function at the end of ``root/rel``; returns the planted line's number."""
+    path = root / rel
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines) + f"\n\n\ndef _planted() -> None:\n    {line}\n")
+    return len(lines) + 4
+
+
+def test_the_folders_are_placed_and_acyclic(capsys: pytest.CaptureFixture[str]) -> None:
+    assert check.folder_violations(ROOT) == []
+    assert check.main(["--folders", "--root", str(ROOT)]) == 0
+    out = capsys.readouterr().out
+    assert "engine/models/: engine" in out and "cluster/loop/: worker loop" in out
+    assert "cluster/actor/: worker actor" in out and "engine/ -> engine/models/" in out
+
+
+def test_a_folder_cycle_within_one_room_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """engine/sampling/ imports engine/request/; a lazy import back (both in the engine's room, so the module check
+    passes) makes a folder cycle."""
+    root = _copy(tmp_path)
+    line = _plant(root, "engine/request/sampling_params.py", "from engine.sampling import sampler")
+    assert check.violations(root) == []  # one room: the module rule does not see it
+    assert check.main(["--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "folder cycle: engine/request/, engine/sampling/: " in err
+    assert f"engine/request/ -> engine/sampling/ (engine/request/sampling_params.py:{line})" in err
+
+
+def test_a_folder_of_two_rooms_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The layout before issue 49: one folder (cluster/runtime/) holding the worker loop and the worker actor."""
+    old = "cluster" + ".runtime"  # spelled apart: the move's rewrite_imports.py must leave this test's old layout alone
+    monkeypatch.setattr(check, "LAYERS", ({"engine": ("engine",)},
+                                          {"worker loop": (f"{old}.engine_loop",)},
+                                          {"worker actor": (f"{old}.worker_actor", "cluster")}))
+    for package in check.PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "cluster" / "__init__.py").write_text("")
+    (tmp_path / "cluster" / "runtime").mkdir()
+    (tmp_path / "cluster" / "runtime" / "engine_loop.py").write_text("import engine\n")
+    (tmp_path / "cluster" / "runtime" / "worker_actor.py").write_text("from cluster.runtime import engine_loop\n")
+    assert check.violations(tmp_path) == []  # every import goes down
+    assert check.main(["--root", str(tmp_path)]) == 1
+    assert ("cluster/runtime/: its own modules lie in 2 rooms (worker actor, worker loop): one folder, one room"
+            in capsys.readouterr().err)
+
+
+def test_a_folder_arrow_back_up_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _copy(tmp_path)
+    line = _plant(root, "engine/text/detokenizer.py", "from cluster.wire import names")
+    assert check.main(["--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert (f"engine/text/detokenizer.py:{line}: folder engine/text/ (layer 1) -> cluster/wire/ (layer 2): a folder "
+            "arrow that runs back up") in err
+
+
+def test_cycles_are_the_strongly_connected_components() -> None:
+    assert check.cycles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d"), ("d", "e"), ("e", "d")]) == [
+        ["a", "b", "c"], ["d", "e"]]
+    assert check.cycles([("a", "b"), ("b", "c"), ("a", "c")]) == []

@@ -13,7 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.completion_progress import CompletionProgress
 from engine.llm_engine import LLMEngine
-from engine.scheduler import SampledToken, SchedulerOutput
+from engine.scheduling.scheduler import SampledToken, SchedulerOutput
 
 LONG = 1000  # tokens in the long completion (the tiny model's context is 1024)
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kv_transfer.auto import split_address
-from kv_transfer.inplace_channel import InPlaceAddress, recv_message, send_message
+from kv_transfer.backends.auto import split_address
+from kv_transfer.backends.inplace_channel import InPlaceAddress, recv_message, send_message
 
 
 def test_in_place_address_round_trip_and_refusals() -> None:
@@ -53,9 +53,9 @@ def test_channel_frames_carry_maps_and_descriptors() -> None:
 
 
 def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_gone() -> None:
-    from engine.kv_memory import KVLayout, SharedKVMemory
-    from kv_transfer.config import KVTransferConfig
-    from kv_transfer.inplace import InPlaceBackend
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
+    from kv_transfer.wire.config import KVTransferConfig
+    from kv_transfer.backends.inplace import InPlaceBackend
 
     mem = SharedKVMemory(KVLayout(1, 4, 2, 1, 4, "float32"))
     decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
@@ -92,10 +92,10 @@ def test_a_bad_message_is_rejected_and_only_the_writer_closing_its_end_makes_it_
 def test_a_packed_scaled_part_sent_in_place_lands_with_its_scales(dtype: str) -> None:
     import torch
 
-    from engine.kv_memory import KVLayout, SharedKVMemory
-    from kv_transfer.config import KVTransferConfig
-    from kv_transfer.inplace import InPlaceBackend
-    from kv_transfer.layer_parts import pack_layer_part
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
+    from kv_transfer.wire.config import KVTransferConfig
+    from kv_transfer.backends.inplace import InPlaceBackend
+    from kv_transfer.wire.layer_parts import pack_layer_part
 
     mem = SharedKVMemory(KVLayout(1, 6, 4, 2, 8, dtype, scaled=True))
     decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))

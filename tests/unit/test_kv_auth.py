@@ -12,8 +12,8 @@ from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.token_stream import seal, unseal
 from cluster.wire.worker_config import WorkerConfig
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.header import WIRE_VERSION, KVTransferHeader, MalformedHeaderError, header_authentic, sign_header
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.header import WIRE_VERSION, KVTransferHeader, MalformedHeaderError, header_authentic, sign_header
 
 SECRET = ClusterSecret("s" * 64)
 OTHER = ClusterSecret("t" * 64)

@@ -6,7 +6,7 @@ import pytest
 
 from cluster.wire.worker_config import WorkerConfig
 from engine.config import EngineConfig
-from kv_transfer.header import KVTransferHeader
+from kv_transfer.wire.header import KVTransferHeader
 
 
 def _header(dtype: str) -> KVTransferHeader:

@@ -69,9 +69,9 @@ def test_rotation_cuts_int8_error_on_keys_with_outlier_channels() -> None:
 
 
 def _prefill(model: object, runner: object, ids: list[int]) -> None:
-    from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledSeq, SchedulerOutput
-    from engine.sequence import Sequence
+    from engine.request.sampling_params import SamplingParams
+    from engine.scheduling.scheduler import ScheduledSeq, SchedulerOutput
+    from engine.request.sequence import Sequence
 
     seq = Sequence(0, "p", 0, ids, SamplingParams(), 0.0, block_table=list(range(-(-len(ids) // runner.block_size))))
     out = SchedulerOutput(prefills=[ScheduledSeq(seq, 0, len(ids), sample=False)])
@@ -82,9 +82,9 @@ def _prefill(model: object, runner: object, ids: list[int]) -> None:
 
 
 def test_the_model_writes_rotated_k_v_into_an_int8_cache_and_attends_through_it(tiny_checkpoint) -> None:
-    from engine.model import DecoderModel
-    from engine.model_config import load_model_config
-    from engine.model_loader import load_state_dict
+    from engine.models.model import DecoderModel
+    from engine.models.model_config import load_model_config
+    from engine.models.model_loader import load_state_dict
     from engine.model_runner import ModelRunner
 
     folder: Path = tiny_checkpoint("qwen2")

@@ -7,9 +7,9 @@ import pytest
 
 from cluster.wire.messages import GenerateRequest
 from cluster.wire.proxy_settings import ProxySettings
-from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.scheduling.kv_cache_manager import KVCacheManager
+from engine.request.sampling_params import SamplingParams
+from engine.request.sequence import Sequence
 from proxy.tenant import kv_namespace
 
 KEY = "sk-very-secret-key"

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_tiers.config import KVTierConfig
-from engine.kv_tiers.engine_tiers import EngineTiers, attach
+from engine.kv.tiers.config import KVTierConfig
+from engine.kv.tiers.engine_tiers import EngineTiers, attach
 from kv_transfer.tiers.disk_store import DiskBlockStore
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)

@@ -6,12 +6,11 @@ import dataclasses
 
 import pytest
 
-from engine.block_hash import hash_full_blocks
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_tiers.config import KVTierConfig
-from engine.kv_tiers.fetch_or_recompute import (BandwidthMeter, TierLink, break_even_prefill_tokens_per_s, decide,
-                                                kv_bytes_per_token)
-from engine.kv_tiers.keys import ModelIdentity, tenant_extra, tenant_of
+from engine.kv.block_hash import hash_full_blocks
+from engine.scheduling.kv_cache_manager import KVCacheManager
+from engine.kv.tiers.config import KVTierConfig
+from engine.kv.tiers.fetch_or_recompute import BandwidthMeter, TierLink, break_even_prefill_tokens_per_s, decide, kv_bytes_per_token
+from engine.kv.tiers.keys import ModelIdentity, tenant_extra, tenant_of
 
 BASE = ModelIdentity("abc123", "float32", "auto", 16)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.cli import build_parser, serve_config
-from cluster.runtime.engine_loop import engine_kwargs_for, tier_config_for
+from cluster.loop.engine_loop import engine_kwargs_for, tier_config_for
 from engine.config import EngineConfig
 
 

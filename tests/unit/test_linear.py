@@ -1,4 +1,4 @@
-"""engine/linear.py: pre-packed bfloat16 weights on the CPU give exactly what F.linear gives, packed float32 weights
+"""engine/models/linear.py: pre-packed bfloat16 weights on the CPU give exactly what F.linear gives, packed float32 weights
 agree with it to float32 rounding, and what cannot be packed keeps F.linear."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.linear import Linear, cpu_packs, packs
+from engine.models.linear import Linear, cpu_packs, packs
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cluster.runtime.engine_loop import EngineLoop
-from cluster.runtime.loop_profile import ENV_VAR, loop_profile
+from cluster.loop.engine_loop import EngineLoop
+from cluster.loop.loop_profile import ENV_VAR, loop_profile
 
 
 class _CountingLoop(EngineLoop):

@@ -1,4 +1,4 @@
-"""The payload MAC on its own stream (issue 43, S2; kv_transfer/payload_mac.py ``tag_beside``).
+"""The payload MAC on its own stream (issue 43, S2; kv_transfer/wire/payload_mac.py ``tag_beside``).
 
 A part's tag is computed on a side stream (``kv-mac``) that waits for the part's producer event only (the sender's
 K/V store or pack, the receiver's comm-stream write), never on the engine's stream, whose compute queued after the
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer.base import TransferState
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.layer_parts import pack_layer_part
-from kv_transfer.payload_mac import PayloadMac
-from kv_transfer.streams import FakeStream, FakeStreams, HostStreams
+from kv_transfer.wire.base import TransferState
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.layer_parts import pack_layer_part
+from kv_transfer.wire.payload_mac import PayloadMac
+from kv_transfer.wire.streams import FakeStream, FakeStreams, HostStreams
 
 COMPUTE = FakeStream("compute")
 
@@ -71,7 +71,7 @@ def assert_beside(fake: FakeStreams, launches: list[tuple[str, str, int]], produ
 
 
 def test_a_torch_dist_sender_tags_each_part_on_its_mac_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kv_transfer.torch_dist import TorchDistBackend
+    from kv_transfer.backends.torch_dist import TorchDistBackend
 
     fake = FakeStreams()
     spy = MacSpy(fake, monkeypatch)
@@ -176,11 +176,11 @@ def test_the_decode_receiver_checks_an_in_place_part_on_its_mac_stream(monkeypat
     on the engine's."""
     import time
 
-    from engine.block_pool import BlockPool
-    from engine.kv_memory import KVLayout, SharedKVMemory
+    from engine.kv.block_pool import BlockPool
+    from engine.kv.kv_memory import KVLayout, SharedKVMemory
     from kv_transfer.connector.receiver import KVReceiver
     from kv_transfer.connector.reservations import ReservationManager
-    from kv_transfer.inplace import InPlaceBackend
+    from kv_transfer.backends.inplace import InPlaceBackend
 
     fake = FakeStreams()
     mem = SharedKVMemory(KVLayout(1, 4, 4, 2, 8, "float32"))

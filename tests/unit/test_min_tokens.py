@@ -12,8 +12,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.completion_progress import CompletionProgress
-from engine.min_tokens import end_tokens, suppress, suppressed_pairs
-from engine.sampler import Sampler
+from engine.sampling.min_tokens import end_tokens, suppress, suppressed_pairs
+from engine.sampling.sampler import Sampler
 from proxy.errors import APIError
 from proxy.openai_protocol import ProtocolConfig, parse_chat_request, parse_completion_request, to_generate_request
 from tests.factories import EXACT_DTYPE

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_cache_manager import cdiv
+from engine.scheduling.kv_cache_manager import cdiv
 from engine.model_runner import kv_block_bytes
-from engine.scheduler import SchedulerOutput
-from kv_transfer.base import as_bytes, dtype_name
-from kv_transfer.header import ExpectedTransfer, HeaderMismatchError
-from kv_transfer.layer_parts import install_layer_part, pack_layer_part
+from engine.scheduling.scheduler import SchedulerOutput
+from kv_transfer.wire.base import as_bytes, dtype_name
+from kv_transfer.wire.header import ExpectedTransfer, HeaderMismatchError
+from kv_transfer.wire.layer_parts import install_layer_part, pack_layer_part
 
 BS = 8
 

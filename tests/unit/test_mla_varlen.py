@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.step_wire import varlen_prefill
+from engine.parallel.step_wire import varlen_prefill
 
 MAX_NEW = 8
 

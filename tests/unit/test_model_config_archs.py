@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.model_config import load_model_config
+from engine.models.model_config import load_model_config
 
 # gemma-3-1b's config.json, shrunk: transformers 4 keys, no layer_types, no tie_word_embeddings
 GEMMA3_RELEASED: dict[str, Any] = {
@@ -232,7 +232,7 @@ def test_deepseek_every_layer_dense(tmp_path: Path) -> None:
     (DEEPSEEK_V2_LITE_RELEASED, "norm_topk_prob", True),  # transformers' V2 router ignores it: refused, not guessed
     (DEEPSEEK_V2_LITE_RELEASED, "topk_method", "noaux_tc"),
     (DEEPSEEK_V2_LITE_RELEASED, "mlp_bias", True),
-    # block FP8 is parsed now (engine/quant_config.py); a method no scheme runs is still refused by the config
+    # block FP8 is parsed now (engine/models/quant_config.py); a method no scheme runs is still refused by the config
     (DEEPSEEK_V3_RELEASED, "quantization_config", {"quant_method": "gptq", "bits": 4, "group_size": 128}),
 ])
 def test_deepseek_refuses_what_the_forward_lacks(tmp_path: Path, base: dict[str, Any], field: str,
@@ -262,7 +262,7 @@ def test_yarn_tables_equal_transformers(scaling: dict[str, Any]) -> None:
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine.rope import attention_factor, inv_frequencies
+    from engine.models.rope import attention_factor, inv_frequencies
 
     hf = DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16, max_position_embeddings=4096,
                           rope_parameters={**scaling, "rope_theta": 10000.0})

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.model_config import load_model_config
-from engine.model_loader import model_fingerprint
+from engine.models.model_config import load_model_config
+from engine.models.model_loader import model_fingerprint
 
 
 def test_fingerprint_changes_with_dtype_config_and_tokenizer(tiny_checkpoint, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""engine/moe.py: the grouped expert compute against a per-token loop over every (token, slot), the router's
+"""engine/models/moe.py: the grouped expert compute against a per-token loop over every (token, slot), the router's
 weights against Hugging Face's semantics, and the arguments refused by name."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.moe import ExpertWeights, experts_forward, softmax_topk
+from engine.models.moe import ExpertWeights, experts_forward, softmax_topk
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

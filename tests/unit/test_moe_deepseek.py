@@ -1,4 +1,4 @@
-"""DeepSeek's grouped top-k router (engine/moe_deepseek.py) against transformers' DeepseekV3TopkRouter and
+"""DeepSeek's grouped top-k router (engine/models/moe_deepseek.py) against transformers' DeepseekV3TopkRouter and
 DeepseekV2TopkRouter on random logits: the same experts per token and the same weights (float32), for V3's
 noaux_tc with and without norm_topk_prob, V2's greedy and group_limited_greedy."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.deepseek_config import DeepseekMoEConfig
-from engine.moe_deepseek import grouped_topk
+from engine.models.deepseek_config import DeepseekMoEConfig
+from engine.models.moe_deepseek import grouped_topk
 
 
 def _sorted(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 from cluster.launcher import ServeConfig
 from cluster.wire.node import NODE_IP_ENV, advertised, is_wildcard, node_ip
 from cluster.wire.worker_config import WorkerConfig
-from kv_transfer.config import KVTransferConfig
+from kv_transfer.wire.config import KVTransferConfig
 
 
 def test_node_ip_explicit_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:

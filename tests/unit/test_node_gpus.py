@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from cluster.runtime.worker_actor import on_assigned_gpu
+from cluster.actor.worker_actor import on_assigned_gpu
 from cluster.launcher import ServeConfig, actor_options
 from cluster.wire.node_gpus import NOSET_ENV, assigned_cuda_index
 from cluster.wire.worker_config import WorkerConfig

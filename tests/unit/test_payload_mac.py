@@ -1,4 +1,4 @@
-"""The K/V payload's keyed tag (kv_transfer.payload_mac over pdkernels.poly_mac, the torch reference here on the CPU):
+"""The K/V payload's keyed tag (kv_transfer.wire.payload_mac over pdkernels.poly_mac, the torch reference here on the CPU):
 it is the polynomial its docstring defines, a CRC-32-preserving edit of the bytes is refused where CRC-32 let it
 through, the header's MAC covers it, and the tag of blocks where they lie equals the tag of their packed payload."""
 
@@ -14,10 +14,10 @@ import torch
 from cluster.wire.auth import ClusterSecret
 from pdkernels import poly_mac
 from pdkernels.poly_mac import P
-from kv_transfer.base import as_bytes
-from kv_transfer.header import ChecksumError, ExpectedTransfer, header_authentic, sign_header
-from kv_transfer.layer_parts import blocks_checksum, install_layer_part, pack_layer_part, verify_part
-from kv_transfer.payload_mac import MARKER, PayloadMac, part_key, payload_tag
+from kv_transfer.wire.base import as_bytes
+from kv_transfer.wire.header import ChecksumError, ExpectedTransfer, header_authentic, sign_header
+from kv_transfer.wire.layer_parts import blocks_checksum, install_layer_part, pack_layer_part, verify_part
+from kv_transfer.wire.payload_mac import MARKER, PayloadMac, part_key, payload_tag
 from tests.crc_forge import crc_preserving_edit
 
 SECRET = ClusterSecret("s" * 64)

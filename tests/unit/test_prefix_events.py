@@ -1,4 +1,4 @@
-"""Prefix-cache events: the block pool reports what it caches and evicts (``engine.prefix_events``), a proxy applies
+"""Prefix-cache events: the block pool reports what it caches and evicts (``engine.kv.prefix_events``), a proxy applies
 them per actor (``proxy.pools.ActorRef``), and the router scores prefix hits against the real caches."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 import pytest
 
 from cluster.wire.telemetry import ActorStats, PrefixEvents
-from engine.block_hash import hash_full_blocks
-from engine.block_pool import BlockPool
-from engine.prefix_events import PrefixEventLog
+from engine.kv.block_hash import hash_full_blocks
+from engine.kv.block_pool import BlockPool
+from engine.kv.prefix_events import PrefixEventLog
 from proxy.pools import ActorRef
 from proxy.router import Router, RouterConfig
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from engine.default_model import resolve_model
-from engine.tokenization import PromptTokenizer
+from engine.models.default_model import resolve_model
+from engine.text.tokenization import PromptTokenizer
 
 TEXTS = ["Hello world", "  leading spaces and ünïcödé 日本語 🙂", "code:\n\tdef f(x):\n\t\treturn x**2\n", "1234567890"]
 CHATS = [
@@ -32,5 +32,5 @@ def test_matches_transformers(which: str, tiny_tokenizer_dir) -> None:  # type: 
 
 
 def test_no_torch_import() -> None:
-    code = "import engine.tokenization, cluster.wire.token_stream, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import engine.text.tokenization, cluster.wire.token_stream, sys; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

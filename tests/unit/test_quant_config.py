@@ -1,4 +1,4 @@
-"""engine/quant_config.py: parsing ``quantization_config`` and planning each module's scheme from the headers, with
+"""engine/models/quant_config.py: parsing ``quantization_config`` and planning each module's scheme from the headers, with
 fake headers (pure: no files, no torch)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.quant_config import QuantScheme, TensorInfo, is_linear, parse_quant_config, plan_quantization
+from engine.models.quant_config import QuantScheme, TensorInfo, is_linear, parse_quant_config, plan_quantization
 from quant_factory import SCHEMES, scheme_config
 
 LLAMA = "LlamaForCausalLM"

@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from engine import LLM, SamplingParams
-from engine.model import DecoderModel
-from engine.model_config import load_model_config
-from engine.model_loader import load_state_dict
+from engine.models.model import DecoderModel
+from engine.models.model_config import load_model_config
+from engine.models.model_loader import load_state_dict
 from pdkernels.quant import Fp8Weight, Int4Weight, Int8Weight
 from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
 from quant_factory import LOGPROB_TOL, logprob_tol, quantize_checkpoint, scheme_config, with_config
@@ -170,7 +170,7 @@ def test_block_fp8_experts_load_stacked(tiny_checkpoint, tmp_path: Path) -> None
     """Native block FP8 (DeepSeek-V3 / Qwen3-FP8 style, blocks of 8 here) on every projection and expert: the experts
     are stacked into pdkernels.quant_moe.Fp8BlockExperts (the fused Triton MoE on CUDA), holding exactly the
     dequantized weights, and the model generates."""
-    from engine.moe_quant import QuantExperts
+    from engine.models.moe_quant import QuantExperts
 
     src = tiny_checkpoint("qwen3_moe", **EXPERT_CASES["qwen3_moe"])
     q, dense = tmp_path / "q", tmp_path / "dense"

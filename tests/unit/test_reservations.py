@@ -9,7 +9,7 @@ import pytest
 
 from kv_transfer.connector.intake import IntakeRecord as Reservation
 from kv_transfer.connector.reservations import ReservationManager
-from engine.block_pool import BlockPool
+from engine.kv.block_pool import BlockPool
 
 
 class FakeClock:

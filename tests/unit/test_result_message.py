@@ -1,4 +1,4 @@
-"""The prefill result as a message of kind ``result`` on the K/V channel (kv_transfer.result_message): it crosses a
+"""The prefill result as a message of kind ``result`` on the K/V channel (kv_transfer.wire.result_message): it crosses a
 socket-style backend (the fake one, in this process) after the request's parts, in order, authenticated like a part;
 a forged header, another cluster's key or an altered byte is refused; an older wire version is malformed."""
 
@@ -11,12 +11,11 @@ import torch
 
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import PrefillResult
-from kv_transfer.base import TransferState
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.fake import FakeBackend, FakeFabric
-from kv_transfer.header import (WIRE_VERSION, ChecksumError, KVTransferHeader, MalformedHeaderError,
-                                header_authentic, sign_header)
-from kv_transfer.result_message import pack_result, unpack_result
+from kv_transfer.wire.base import TransferState
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.backends.fake import FakeBackend, FakeFabric
+from kv_transfer.wire.header import WIRE_VERSION, ChecksumError, KVTransferHeader, MalformedHeaderError, header_authentic, sign_header
+from kv_transfer.wire.result_message import pack_result, unpack_result
 
 SECRET = ClusterSecret.generate()
 OTHER = ClusterSecret.generate()

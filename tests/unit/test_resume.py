@@ -20,7 +20,7 @@ from test_text_invariant import (BLOCK, Engines, Script, bytes_of, drain, random
 from cluster.wire.messages import GenerateRequest, ReserveRequest, TokenDelta
 from decode_worker.deltas import DeltaTracker
 from engine import LLM, SamplingParams
-from engine.kv_cache_manager import cdiv
+from engine.scheduling.kv_cache_manager import cdiv
 from tests.factories import EXACT_DTYPE
 
 

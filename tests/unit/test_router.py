@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.wire.telemetry import ActorStats
-from engine.block_hash import hash_full_blocks
+from engine.kv.block_hash import hash_full_blocks
 from proxy.router import (PrefillChoice, PrefixHits, Router, RouterConfig, SeenBlocks, leading_hits, pick_decode_actor,
                           prefill_score)
 

@@ -11,11 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.philox import (derive_seed, philox4x32, philox4x32_int, sample_uniform_int,
-                           sample_uniforms, seed_as_int64)
-from engine.sampler import (Sampler, SamplingMetadata, TokenHistory, _inverse_cdf, apply_penalties,
-                            apply_top_k_top_p_min_p)
-from engine.sampling_plan import RowFacts
+from engine.sampling.philox import derive_seed, philox4x32, philox4x32_int, sample_uniform_int, sample_uniforms, seed_as_int64
+from engine.sampling.sampler import Sampler, SamplingMetadata, TokenHistory, _inverse_cdf, apply_penalties, apply_top_k_top_p_min_p
+from engine.sampling.sampling_plan import RowFacts
 
 NEG_INF = float("-inf")
 
@@ -371,7 +369,7 @@ def test_host_facts_and_widths_change_no_token(monkeypatch: pytest.MonkeyPatch) 
     """The same tokens and logprobs whether the sampler reads the settings from the tensors or gets them as host
     facts, and whatever candidate width a top-p row starts from (its last nucleus size): a nucleus wider than the
     candidates costs one more read, never another token."""
-    import engine.sampler as sampler_mod
+    import engine.sampling.sampler as sampler_mod
 
     n, vocab = 12, 3000
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(4)) * 0.6  # flat: wide nuclei
@@ -437,10 +435,10 @@ def test_sampling_state_keeps_histories_on_the_device_across_joins_and_leaves() 
     """Sequences join, sample, leave and come back; a penalized one's history always holds its prompt and output
     (appended on the device from the sampled ids, rebuilt from lists only when it rejoins or its output changed
     behind the state's back); parameters, seeds and positions reach the rows; slots are reused and grow."""
-    from engine.sampler import SamplerOutput
-    from engine.sampling_params import SamplingParams
-    from engine.sampling_state import SamplingState
-    from engine.sequence import Sequence
+    from engine.sampling.sampler import SamplerOutput
+    from engine.request.sampling_params import SamplingParams
+    from engine.sampling.sampling_state import SamplingState
+    from engine.request.sequence import Sequence
 
     vocab = 50
     state = SamplingState(vocab, torch.device("cpu"), base_seed=3, capacity=2)

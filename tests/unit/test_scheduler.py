@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence
+from engine.scheduling.kv_cache_manager import KVCacheManager
+from engine.request.sampling_params import SamplingParams
+from engine.scheduling.scheduler import SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.request.sequence import Sequence
 
 EOS = 0
 

@@ -15,7 +15,7 @@ from cluster.control.controller import ControllerConfig
 from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, Trace
 from cluster.control.sim_spec import SpecCost
 from cluster.control.simulator import Simulation
-from engine.spec_policy import DraftWish, allocate_drafts, expected_tokens
+from engine.spec.spec_policy import DraftWish, allocate_drafts, expected_tokens
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)
 
@@ -37,7 +37,7 @@ def test_a_small_batch_verifies_k_plus_one_positions_and_gets_the_expected_token
 
 @pytest.mark.parametrize("k,budget,disable", [(3, 16, 0), (5, 40, 0), (2, 100, 6), (4, 7, 0)])
 def test_the_allocation_is_the_engines_load_switch(k: int, budget: int, disable: int) -> None:
-    """At equal acceptance the drafts per request are the ones engine/spec_policy.allocate_drafts gives."""
+    """At equal acceptance the drafts per request are the ones engine/spec/spec_policy.allocate_drafts gives."""
     spec = SpecCost(0.7, k, budget, disable)
     for batch in range(1, 45):
         wishes = [DraftWish(i, 0.7, k) for i in range(batch)]

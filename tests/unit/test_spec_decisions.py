@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken, Scheduler, SchedulerConfig
-from engine.sequence import Sequence
-from engine.spec_config import SpeculativeConfig
-from engine.spec_ngram import SuffixIndex, propose_ngram
-from engine.spec_policy import Acceptance, DraftWish, allocate_drafts, best_k, expected_tokens
-from engine.spec_verify import draft_rows, emitted_count
+from engine.scheduling.kv_cache_manager import KVCacheManager
+from engine.request.sampling_params import SamplingParams
+from engine.scheduling.scheduler import SampledToken, Scheduler, SchedulerConfig
+from engine.request.sequence import Sequence
+from engine.spec.spec_config import SpeculativeConfig
+from engine.spec.spec_ngram import SuffixIndex, propose_ngram
+from engine.spec.spec_policy import Acceptance, DraftWish, allocate_drafts, best_k, expected_tokens
+from engine.spec.spec_verify import draft_rows, emitted_count
 
 
 # -- config ----------------------------------------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_metrics_lines_give_acceptance_and_tokens_per_verify() -> None:
 
 
 def test_decoder_steps_back_at_a_full_batch_and_drafts_below_it() -> None:
-    from engine.spec_decode import SpeculativeDecoder
+    from engine.spec.spec_decode import SpeculativeDecoder
 
     dec = SpeculativeDecoder(SpeculativeConfig(prompt_lookup_min=1, verify_budget_tokens=16))
     seqs = [_seq(i, [1, 2, 3, 1, 2]) for i in range(16)]
@@ -212,7 +212,7 @@ def test_decoder_steps_back_at_a_full_batch_and_drafts_below_it() -> None:
 
 
 class _FakeDrafter:
-    """A model drafter's seam (engine/spec_decode.Drafter): always has a first draft; records what it is told."""
+    """A model drafter's seam (engine/spec/spec_decode.Drafter): always has a first draft; records what it is told."""
 
     def __init__(self) -> None:
         self.dropped: list[int] = []
@@ -234,7 +234,7 @@ def test_a_model_drafter_proposes_placeholders_and_stops_for_requests_that_never
     """Drafts past the first are placeholders until the drafter completes them; a request that can never draft (a
     penalty, a grammar, an acceptance that gave k = 0, which only drafts could raise again) is dropped from the
     drafter's passes (an MTP layer's pass costs a layer per step)."""
-    from engine.spec_decode import SpeculativeDecoder
+    from engine.spec.spec_decode import SpeculativeDecoder
 
     fake = _FakeDrafter()
     dec = SpeculativeDecoder(SpeculativeConfig(method="mtp", num_speculative_tokens=3, verify_budget_tokens=64), fake)

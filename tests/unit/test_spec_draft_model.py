@@ -1,4 +1,4 @@
-"""Draft-model drafts (engine/spec_draft_model.py) on the tiny Llama: a smaller Llama sharing the tokenizer drafts
+"""Draft-model drafts (engine/spec/spec_draft_model.py) on the tiny Llama: a smaller Llama sharing the tokenizer drafts
 with its own paged K/V on the target's block tables; the output equals the output without speculation (greedy,
 seeded sampling); the target as its own draft has every greedy draft accepted; a draft with another tokenizer is
 refused by name."""

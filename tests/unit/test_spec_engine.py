@@ -153,7 +153,7 @@ def test_min_tokens_rows_wait_for_drafts_and_keep_their_mask(tiny_checkpoint, mo
     prompts = [loops[0], loops[1], loops[2]]
     want = base.generate(prompts, params)
     assert len(want[2].outputs[0].token_ids) >= 10 and not set(stops) & set(want[2].outputs[0].token_ids[:10])
-    import engine.spec_verify as spec_verify
+    import engine.spec.spec_verify as spec_verify
 
     expand, moved = spec_verify.expand, []
 

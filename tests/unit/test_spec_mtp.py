@@ -1,4 +1,4 @@
-"""MTP drafts (engine/spec_mtp.py) on a tiny DeepSeek-V3-shaped checkpoint with its next-token layer (random
+"""MTP drafts (engine/spec/spec_mtp.py) on a tiny DeepSeek-V3-shaped checkpoint with its next-token layer (random
 weights, float32): the layer's weights are loaded and its drafts are the ones a reference computation of DeepSeek's
 MTP gives (Hugging Face's decoder layer over the main model's hidden states); output with MTP drafts equals output
 without (greedy, seeded sampling); a prefill engine hands a decode engine the MTP K/V (one more pool layer) and the
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import pdkernels
 from engine import LLM, SamplingParams
-from engine.kv_cache_manager import cdiv
-from engine.scheduler import SchedulerOutput
+from engine.scheduling.kv_cache_manager import cdiv
+from engine.scheduling.scheduler import SchedulerOutput
 from tests.factories import add_mtp_layer
 
 COMMON: dict[str, Any] = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=64)

@@ -1,4 +1,4 @@
-"""A step's inputs on the wire (engine/step_wire.py): a TP driver sends each follower only the step's host ints and
+"""A step's inputs on the wire (engine/parallel/step_wire.py): a TP driver sends each follower only the step's host ints and
 their layout, and the rows to project; a rank that rebuilds the step from those alone computes what rank 0 does.
 
 The replaying rank here is a second, whole (TP 1) copy of the model in this process with its own cache: it sees
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.step_wire import HostStep, StepLayout, pack, unpack
+from engine.parallel.step_wire import HostStep, StepLayout, pack, unpack
 
 
 def test_unpack_cuts_each_section_where_the_layout_says() -> None:
@@ -50,15 +50,15 @@ def test_a_layout_that_does_not_fit_its_sections_is_refused() -> None:
 
 
 class ReplayRank:
-    """A follower in this process: runs each command as engine/tp_follower.py does, on its own model and cache."""
+    """A follower in this process: runs each command as engine/parallel/tp_follower.py does, on its own model and cache."""
 
     ships = False
     has_cache = True
 
     def __init__(self, folder: Path, layout: Any) -> None:
-        from engine.model import DecoderModel
-        from engine.model_config import load_model_config
-        from engine.model_loader import load_state_dict
+        from engine.models.model import DecoderModel
+        from engine.models.model_config import load_model_config
+        from engine.models.model_loader import load_state_dict
 
         cfg = load_model_config(folder)
         self.model = DecoderModel(cfg, load_state_dict(folder, torch.float32), torch.float32, 256)
@@ -79,7 +79,7 @@ class ReplayRank:
 
 
 def test_a_rank_rebuilds_every_step_from_the_wire_alone(tiny_checkpoint) -> None:
-    from engine.tp_group import DriverModel
+    from engine.parallel.tp_group import DriverModel
 
     folder = tiny_checkpoint("qwen2")
     rng = random.Random(5)
@@ -115,7 +115,7 @@ def test_a_rank_rebuilds_every_step_from_the_wire_alone(tiny_checkpoint) -> None
 
 
 def test_a_driver_names_the_rows_it_projects(tiny_checkpoint) -> None:
-    from engine.tp_group import DriverModel
+    from engine.parallel.tp_group import DriverModel
 
     folder = tiny_checkpoint("qwen2")
     rank = ReplayRank(folder, _layout(rank_heads=None, folder=folder))
@@ -134,8 +134,8 @@ def _one_chunk() -> tuple[torch.Tensor, HostStep]:
 
 
 def _layout(rank_heads: int | None, folder: Path) -> Any:
-    from engine.kv_memory import KVLayout
-    from engine.model_config import load_model_config
+    from engine.kv.kv_memory import KVLayout
+    from engine.models.model_config import load_model_config
 
     cfg = load_model_config(folder)
     return KVLayout(cfg.num_layers, 4, 8, rank_heads or cfg.cache_heads, cfg.cache_head_dim, "float32", False,

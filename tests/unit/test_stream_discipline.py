@@ -1,4 +1,4 @@
-"""Streams and buffers (kv_transfer.streams): every buffer that changes hands carries an event recorded after its last
+"""Streams and buffers (kv_transfer.wire.streams): every buffer that changes hands carries an event recorded after its last
 use, and the next user waits for it. On the CPU the fake streams log each record / wait / handoff and raise the moment
 the rule breaks; these tests drive the receive buffer pool, a real torch_dist (gloo) pair, in-place writes (shm) and
 the prefill actor's per-layer hook through it. One test runs on CUDA only: a slow reader must not see its buffer
@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from kv_transfer.base import RecvSide, TransferState
-from kv_transfer.config import KVTransferConfig
-from kv_transfer.layer_parts import pack_layer_part
-from kv_transfer.loopback import CacheSpec
-from kv_transfer.streams import (FakeStream, FakeStreams, FencedPool, HostStreams, StreamDisciplineError, StreamOp,
-                                 streams_for)
+from kv_transfer.wire.base import RecvSide, TransferState
+from kv_transfer.wire.config import KVTransferConfig
+from kv_transfer.wire.layer_parts import pack_layer_part
+from kv_transfer.backends.loopback import CacheSpec
+from kv_transfer.wire.streams import FakeStream, FakeStreams, FencedPool, HostStreams, StreamDisciplineError, StreamOp, streams_for
 
 SPEC = CacheSpec(num_layers=2, num_blocks=8, block_size=4, kv_heads=2, head_dim=8, dtype="float32")
 COMPUTE, COMM = FakeStream("compute"), FakeStream("kv-recv")
@@ -132,7 +131,7 @@ def test_host_streams_round_trip_and_seam_choice() -> None:
 
 def test_torch_dist_gloo_pair_orders_waits_end_to_end() -> None:
     """A real torch_dist pair (gloo) in this process, both ends on fake streams; two receive buffers, six parts."""
-    from kv_transfer.torch_dist import TorchDistBackend
+    from kv_transfer.backends.torch_dist import TorchDistBackend
 
     recv_fake, send_fake = FakeStreams(), FakeStreams()
     receiver = TorchDistBackend(KVTransferConfig(backend="torch_dist", name="d", host="127.0.0.1",
@@ -207,8 +206,8 @@ def test_cuda_slow_reader_keeps_its_buffer() -> None:
 def _in_place_pair(layout: Any, streams: Any, checksum: bool = False) -> tuple[Any, Any, Any]:
     """A decode endpoint exporting a shared-memory cache of ``layout`` (every block writable), and a writer on
     ``streams``: ``(memory, decode, writer)``."""
-    from engine.kv_memory import SharedKVMemory
-    from kv_transfer.inplace import InPlaceBackend
+    from engine.kv.kv_memory import SharedKVMemory
+    from kv_transfer.backends.inplace import InPlaceBackend
 
     mem = SharedKVMemory(layout)
     decode = InPlaceBackend(KVTransferConfig(backend="shm", name="d"))
@@ -225,11 +224,11 @@ def test_in_place_copy_waits_for_the_store_and_is_announced_after_it_ran(checksu
     source's tag) on the copy stream; its *done* event host-waited on the I/O thread, which reads the tag back and
     only then announces the part; the caller's stream waits for the copies before it may reuse their sources. The
     tag is the off switch's: none without ``inplace_checksum``."""
-    from engine.kv_memory import KVLayout
+    from engine.kv.kv_memory import KVLayout
     from pdkernels import copy_between
-    from kv_transfer import inplace
-    from kv_transfer.layer_parts import blocks_checksum
-    from kv_transfer.payload_mac import PayloadMac, part_key
+    from kv_transfer.backends import inplace
+    from kv_transfer.wire.layer_parts import blocks_checksum
+    from kv_transfer.wire.payload_mac import PayloadMac, part_key
 
     fake = FakeStreams()
     mem, decode, writer = _in_place_pair(KVLayout(2, 8, 4, 2, 8, "float32"), fake, checksum)
@@ -320,7 +319,7 @@ def test_prefill_hook_builds_no_tensor_per_layer(backend: str, tiny_checkpoint: 
     from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
     from cluster.wire.worker_config import WorkerConfig
     from engine import LLM
-    from engine.kv_memory import KVLayout
+    from engine.kv.kv_memory import KVLayout
     from prefill_worker.worker import PrefillWorker
     from tests.factories import EXACT_DTYPE
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from engine.grammar_spec import GrammarSpec
+from engine.request.grammar_spec import GrammarSpec
 from proxy.errors import APIError
 from proxy.openai_protocol import ProtocolConfig, parse_chat_request, parse_completion_request, to_generate_request
 from proxy.openai_responses import ChoiceOutput, ChoiceStream, chat_completion_body
@@ -186,7 +186,7 @@ def test_a_call_cut_by_max_tokens_stays_length_and_text() -> None:
 
 
 def test_tools_and_template_kwargs_reach_the_chat_template(tiny_tokenizer_dir: Any) -> None:
-    from engine.tokenization import PromptTokenizer
+    from engine.text.tokenization import PromptTokenizer
 
     template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                 "{% if tools %}TOOLS {{ tools | map(attribute='function.name') | join(',') }}\n{% endif %}"

@@ -68,7 +68,7 @@ def test_a_steady_decode_step_reads_the_device_once(engine: LLMEngine, num_seqs:
 
 def test_the_counter_sees_engine_calls_only() -> None:
     """A read from a test frame is not counted; one from engine code is (through the sampler's one read)."""
-    from engine.sampler import _to_host
+    from engine.sampling.sampler import _to_host
 
     with counting() as counts:
         counts.on = True

@@ -26,9 +26,9 @@ from cluster.wire.messages import PrefillResult, TokenDelta
 from cluster.wire.token_stream import decode_deltas, encode_deltas
 from decode_worker.deltas import DeltaTracker
 from engine import LLM, SamplingParams
-from engine.kv_cache_manager import cdiv
+from engine.scheduling.kv_cache_manager import cdiv
 from engine.llm_engine import LLMEngine
-from engine.scheduler import SampledToken, SchedulerOutput
+from engine.scheduling.scheduler import SampledToken, SchedulerOutput
 
 BLOCK = 8
 MODES = ("offline", "disaggregated", "colocated")

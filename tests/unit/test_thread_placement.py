@@ -10,7 +10,7 @@ import pytest
 
 from cluster.launcher import ServeConfig, local_cpu_sets, plan
 from cluster.placement import Placement
-from cluster.runtime.thread_priority import cpu_sets, pin_calling_thread
+from cluster.actor.thread_priority import cpu_sets, pin_calling_thread
 from cluster.wire.worker_config import WorkerConfig
 
 

@@ -1,5 +1,5 @@
 """The pure parts of torch_dist failure isolation: the pair timeout a config gives, and the NCCL error-handling mode
-under which a dead peer fails only its pair (engine/nccl_errors.py, kv_transfer/torch_dist_groups.py). The failures themselves, through real
+under which a dead peer fails only its pair (engine/parallel/nccl_errors.py, kv_transfer/backends/torch_dist_groups.py). The failures themselves, through real
 processes: tests/integration/test_torch_dist_failures.py."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import datetime
 
 import pytest
 
-from kv_transfer.config import KVTransferConfig
-from engine.nccl_errors import ASYNC_ERROR_HANDLING, CLEAN_UP_ONLY, nccl_error_handling, survive_nccl_failures
-from kv_transfer.torch_dist_groups import abort_groups, pair_timeout
+from kv_transfer.wire.config import KVTransferConfig
+from engine.parallel.nccl_errors import ASYNC_ERROR_HANDLING, CLEAN_UP_ONLY, nccl_error_handling, survive_nccl_failures
+from kv_transfer.backends.torch_dist_groups import abort_groups, pair_timeout
 
 
 def test_pair_timeout_is_short_by_default_and_capped_at_io_timeout() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cluster.cli import build_parser, serve_config, serve_threads, tp_sizes
-from cluster.runtime.engine_loop import CPU_KV_CACHE_GIB, engine_kwargs_for
+from cluster.loop.engine_loop import CPU_KV_CACHE_GIB, engine_kwargs_for
 from cluster.launcher import ServeConfig, actor_options
 from cluster.wire.worker_config import WorkerConfig, default_threads
 from engine.config import EngineConfig
@@ -225,7 +225,7 @@ def test_serve_asks_the_engine_whether_it_runs_tp_on_the_actors_device() -> None
 def test_cuda_ranks_follow_rank_zeros_gpu() -> None:
     import torch
 
-    from engine.tp_group import check_device, rank_device
+    from engine.parallel.tp_group import check_device, rank_device
 
     assert [rank_device("cuda", 2, r) for r in range(2)] == [torch.device("cuda", 2), torch.device("cuda", 3)]
     assert rank_device("cpu", 0, 1) == torch.device("cpu")

@@ -1,5 +1,5 @@
 """Tensor parallelism over a quantized checkpoint: each rank's weights are the classes' own row / column slices
-(engine/tp.py ``take_weight``), and a TP group gives the unsharded quantized model's hidden states and logits
+(engine/models/tp.py ``take_weight``), and a TP group gives the unsharded quantized model's hidden states and logits
 (weight-only W4A16: to reduction-order rounding; W8A8: each row-parallel rank quantizes its slice of the activations
 per token, as vLLM does, so within that rounding: ~3-6% of the largest value on these tiny models)."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_config import load_model_config
-from engine.model_loader import load_shard, load_state_dict
-from engine.tp import shard_state
+from engine.models.model_config import load_model_config
+from engine.models.model_loader import load_shard, load_state_dict
+from engine.models.tp import shard_state
 from quant_factory import quantize_checkpoint
 from test_tp_shard import _close, _run
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding of the model forward (engine/tp.py, engine/model.py with a TPShard): a group of ranks,
+"""Tensor-parallel sharding of the model forward (engine/models/tp.py, engine/models/model.py with a TPShard): a group of ranks,
 one thread each (tests/tp_threads.py), every rank writing its kv heads into its head slice of ONE shared cache,
 gives the hidden states, logits and cache of the unsharded model (float32, to reduction-order rounding)."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import pdkernels
-from engine.model import AttentionMetadata, DecoderModel
-from engine.model_config import ModelConfig, load_model_config
-from engine.model_loader import load_shard, load_state_dict
-from engine.tp import TPShard, check_tp, head_source, kv_head_range, shard_config, shard_state
+from engine.models.model import AttentionMetadata, DecoderModel
+from engine.models.model_config import ModelConfig, load_model_config
+from engine.models.model_loader import load_shard, load_state_dict
+from engine.models.tp import TPShard, check_tp, head_source, kv_head_range, shard_config, shard_state
 from pdkernels import reference
 from tp_threads import ThreadComm, ThreadGroup, run_ranks
 

@@ -156,8 +156,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
             preStop:
               exec:
                 # SIGTERM to this pod's worker actors: they take no new work, the proxies resume their requests
-                # on other actors, and each exits once it holds none (cluster/runtime/evacuate.py)
-                command: ["python", "-m", "cluster.runtime.evacuate", "--timeout",
+                # on other actors, and each exits once it holds none (cluster/actor/evacuate.py)
+                command: ["python", "-m", "cluster.actor.evacuate", "--timeout",
                           "{{ sub (int $root.Values.evacuation.gracePeriodSeconds) 5 }}"]
           env:
             {{- include "pdcluster.env" $root | nindent 12 }}

@@ -1,0 +1,1 @@
+"""Speculative decoding: config, policy, proposers (n-gram, draft model, MTP), rows and verification."""

@@ -1,0 +1,1 @@
+"""Text, torch-free: ``tokenization`` (prompt tokenizer and chat templates) and ``detokenizer`` (incremental)."""
