@@ -17,6 +17,7 @@ token sender's. Ray calls post to the loop (:mod:`cluster.loop.engine_loop`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -112,19 +113,17 @@ class DecodeWorker(EngineLoop):
 
     # -- the loop's own work ----------------------------------------------------------------------------------------
     def _reserve(self, msg: ReserveRequest) -> dict[str, Any] | None:
-        from engine.request.sampling_params import SamplingParams
-
         if self.draining:
             return None
         req = msg.request
         if req.request_id in self._records:
             raise ValueError(f"request_id: {req.request_id!r} is already reserved here")
-        self.engine.validate(list(req.prompt_token_ids), SamplingParams(**req.sampling_kwargs()))
+        self.engine.validate(list(req.prompt_token_ids), req.sampling)
         ttl = msg.ttl_s or self.config.reservation_ttl_s
         # K/V to come from a prefill actor: the head this actor's prefix cache already holds is pinned, not sent
         # (its K/V tiers too: promoted here, the prefill actor sends only the rest)
         prefix = [] if msg.colocated else self.engine.kv.lookup_prefix(
-            list(req.prompt_token_ids), req.kv_namespace, room_for=msg.num_blocks)
+            list(req.prompt_token_ids), req.sampling.kv_namespace, room_for=msg.num_blocks)
         rec = self.connector.reserve(req, msg.num_blocks, ttl, time.monotonic(), self.engine.num_cache_layers,
                                      prefix, self.engine.config.block_size)
         if rec is None:
@@ -187,15 +186,12 @@ class DecodeWorker(EngineLoop):
         """Commit ``rec``'s blocks to the engine (caller holds the connector's lock): computed here (colocated, or a
         recompute with the prefill's seed, so the same first tokens come out), or joined with the prefill's first
         tokens over the received K/V."""
-        from engine.request.sampling_params import SamplingParams
-
         req: GenerateRequest = rec.request
-        kwargs = req.sampling_kwargs()
-        if result is not None:
-            kwargs["seed"] = result.seed  # keep drawing from the stream the prefill actor started
-            if not recompute:  # its prompt logprobs came in the PrefillResult: a preempted recompute skips them
-                kwargs["prompt_logprobs"] = None
-        params = SamplingParams(**kwargs)
+        params = req.sampling
+        if result is not None:  # keep drawing from the stream the prefill actor started; its prompt logprobs came in
+            # the PrefillResult (a preempted recompute skips them)
+            params = dataclasses.replace(params, seed=result.seed,
+                                         prompt_logprobs=params.prompt_logprobs if recompute else None)
         blocks = self.connector.commit(rec)
         pinned = rec.cached
         pool = self.engine.kv.pool
@@ -233,7 +229,7 @@ class DecodeWorker(EngineLoop):
         self._records.pop(rec.request_id, None)
         tracker = self._trackers.pop(rec.request_id, None)
         if tracker is not None:
-            self._queue(rec.request.reply_to, tracker.failure(error, rec.request.n))
+            self._queue(rec.request.reply_to, tracker.failure(error, rec.request.sampling.n))
 
     def _proxy_stalled(self, address: str) -> None:
         """The token sender gave up on a proxy: abort its requests and free their blocks (sender thread)."""

@@ -261,6 +261,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         ids = self.tokenize(prompt)
         self.validate(ids, params)
+        params = params.for_prompt(len(ids), self.max_model_len)  # max_tokens None: the rest of the context
         arrival = time.monotonic() if arrival is None else arrival
         seed = self.effective_seed(params)  # one per request: its completions differ by their index in the key
         if (output_prefix or choice_index) and params.n != 1:
@@ -316,6 +317,7 @@ class LLMEngine:
             raise ValueError(f"first_logprobs: {len(first_logprobs)} for n = {params.n} completions")
         ids = list(prompt_token_ids)
         self.validate(ids, params)
+        params = params.for_prompt(len(ids), self.max_model_len)
         seed = self.effective_seed(params)
         arrival = time.monotonic() if arrival is None else arrival
         seqs = [Sequence(seq_id=next(self._ids), request_id=request_id, index=i, prompt_token_ids=ids, params=params,

@@ -84,8 +84,6 @@ class PrefillWorker(EngineLoop):
     def prefill(self, message: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         """Compute the prompt of a :class:`PrefillRequest`, send its K/V layer by layer into the grant's blocks, and
         return the :class:`PrefillResult` (wire form). Raises ``ValueError`` for a bad request (nothing started)."""
-        from engine.request.sampling_params import SamplingParams
-
         msg = PrefillRequest.from_dict(message)
         req = msg.request
         # in place, the decode actor records this writer (and refuses a reservation already gone)
@@ -93,10 +91,9 @@ class PrefillWorker(EngineLoop):
 
         def add() -> None:  # also while draining: a proxy may have routed it here before it saw the drain
             # one token here: its min_tokens is whether that one may end (the decode owner holds the rest)
-            params = SamplingParams(**{**req.sampling_kwargs(), "max_tokens": 1,
-                                       "min_tokens": min(req.min_tokens, 1)})
-            job.seed = self.engine.effective_seed(params)
-            params = dataclasses.replace(params, seed=job.seed)
+            job.seed = self.engine.effective_seed(req.sampling)
+            params = dataclasses.replace(req.sampling, max_tokens=1, min_tokens=min(req.sampling.min_tokens, 1),
+                                         seed=job.seed)
             self.engine.add_request(req.request_id, list(req.prompt_token_ids), params)
             self._jobs[req.request_id] = job
 
@@ -241,10 +238,10 @@ class PrefillWorker(EngineLoop):
         started = job.started_at if job.started_at is not None else job.computed_at
         outs = sorted(out.outputs, key=lambda c: c.index)
         lps = None
-        if job.request.logprobs is not None:
+        if job.request.sampling.logprobs is not None:
             lps = [sorted(c.logprobs[0].items()) if c.logprobs else [] for c in outs]
         prompt_lps = None
-        if job.request.prompt_logprobs is not None and out.prompt_logprobs is not None:
+        if job.request.sampling.prompt_logprobs is not None and out.prompt_logprobs is not None:
             prompt_lps = prompt_logprob_pairs(job.request.prompt_token_ids, out.prompt_logprobs)
         return PrefillResult(
             request_id=job.request.request_id, reservation_id=job.grant.reservation_id,

@@ -98,12 +98,12 @@ class Dispatcher:
         is computed by its decode actor itself."""
         req = leg.req
         resumed = req.resumed or req.choice_index > 0
-        hashes = self._hashes(req.prompt_token_ids, req.kv_namespace)
+        hashes = self._hashes(req.prompt_token_ids, req.sampling.kv_namespace)
         prefix = PrefixHits(len(hashes), {a.name: leading_hits(hashes, a.cached_hashes)
                                           for a in self.pools.live_decode() if a.cached_hashes})
         prefill = None if resumed else self._choose_prefill(req, hashes, prefix)
         context = len(req.prompt_token_ids) + len(req.resume_token_ids)
-        need = self.config.reserve_blocks(context, req.max_tokens - len(req.resume_token_ids), req.n)
+        need = self.config.reserve_blocks(context, req.sampling.max_tokens - len(req.resume_token_ids), req.sampling.n)
         asked = time.monotonic()
         try:
             actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None), prefix)
@@ -164,7 +164,7 @@ class Dispatcher:
             decode_queued_tokens=(sum(self.local_pending.values())
                                   + sum(a.stats.queued_prefill_tokens for a in decode if a.stats)) // per,
             decode_running=sum(a.stats.running for a in decode if a.stats) // per,
-            expected_output_tokens=min(req.max_tokens, self.config.reserve_headroom_tokens),
+            expected_output_tokens=min(req.sampling.max_tokens, self.config.reserve_headroom_tokens),
             has_prefill_actor=chosen is not None)
         d = decide(policy, view, self.costs.costs)
         self.metrics.disagg_decision(d.remote, d.reason)
@@ -231,7 +231,7 @@ class Dispatcher:
             raise service_unavailable(f"The request was interrupted ({why}) and has been resumed {job.resumes} "
                                       f"times already; giving up.", 1)
         job.resumes += 1
-        ids = iter(range(len(job.legs), len(job.legs) + job.req.n + 1))  # legs only grow: ids stay unique
+        ids = iter(range(len(job.legs), len(job.legs) + job.req.sampling.n + 1))  # legs only grow: ids stay unique
         reqs = job.resume_requests(leg, lambda: f"{job.req.request_id}.{next(ids)}")
         legs = []
         for req in reqs:
@@ -305,7 +305,7 @@ class Dispatcher:
 
     def _take(self, job: Job, leg: Leg, d: TokenDelta) -> tuple[Job, TokenDelta, list[TokenLogprob]]:
         self.local_pending.pop(leg.req.request_id, None)  # its prompt is computed: no longer queued on its owner
-        k = job.req.logprobs
+        k = job.req.sampling.logprobs
         lps = [] if d.logprobs is None or k is None else [
             token_logprob(t, pairs, k, self.render_logprob) for t, pairs in zip(d.token_ids, d.logprobs)]
         job.apply(d, lps, time.monotonic())

@@ -26,7 +26,7 @@ Pairs = Sequence[Sequence[tuple[int, float]]]
 
 def echo_only(parsed: Any) -> bool:
     """Whether a parsed request asks for its prompt alone (completions, ``echo`` with ``max_tokens: 0``). Pure."""
-    return bool(getattr(parsed, "echo", False)) and parsed.sampling.max_tokens == 0
+    return bool(getattr(parsed, "prompt_only", False))
 
 
 def prompt_entries(prompt_ids: Sequence[int], pairs: Pairs | None, k: int,

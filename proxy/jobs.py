@@ -53,7 +53,7 @@ class Leg:
     @property
     def indices(self) -> range:
         """The job's completions this leg serves. Pure."""
-        return range(self.req.choice_index, self.req.choice_index + self.req.n)
+        return range(self.req.choice_index, self.req.choice_index + self.req.sampling.n)
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Job:
 
     def __post_init__(self) -> None:
         if not self.choices:
-            self.choices = [ChoiceState() for _ in range(self.req.n)]
+            self.choices = [ChoiceState() for _ in range(self.req.sampling.n)]
 
     @property
     def finished(self) -> bool:
@@ -95,15 +95,16 @@ class Job:
         characters of it: its new owner computes prompt + tokens and continues after them (greedy and seeded output
         as if undisturbed: draws are keyed by seed, completion index and position)."""
         open_ = [i for i in leg.indices if self.choices[i].finish is None]
-        if not any(self.choices[i].token_ids for i in open_) and len(open_) == leg.req.n:
+        if not any(self.choices[i].token_ids for i in open_) and len(open_) == leg.req.sampling.n:
             return [dataclasses.replace(leg.req, request_id=new_id())]
-        return [dataclasses.replace(self.req, request_id=new_id(), n=1, choice_index=i,
+        one = dataclasses.replace(self.req.sampling, n=1)
+        return [dataclasses.replace(self.req, request_id=new_id(), sampling=one, choice_index=i,
                                     resume_token_ids=tuple(self.choices[i].token_ids),
                                     resume_chars=len(self.choices[i].text)) for i in open_]
 
     def choice_index(self, index: int) -> int:
         """The response's choice index of this job's completion ``index``. Pure."""
-        return self.prompt_index * self.req.n + index
+        return self.prompt_index * self.req.sampling.n + index
 
     def apply(self, d: TokenDelta, logprobs: list[TokenLogprob], now: float) -> ChoiceState:
         """Mutates: record one delta (``logprobs``: its tokens' entries, already rendered). Raises ``ValueError`` for

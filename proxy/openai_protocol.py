@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.wire.messages import GenerateRequest
 from engine.request.grammar_spec import GrammarSpec
+from engine.request.sampling_params import SamplingParams, resolve_max_tokens
 from proxy.errors import (body_too_large, context_length_exceeded, invalid_json, invalid_request, json_type_name,
                           model_not_found, read_bool, read_float, read_int, read_str, type_error)
 from proxy.chat_messages import ChatMessage, content_text, tool_calls_of
@@ -78,7 +79,6 @@ class ProtocolConfig:
     served_models: tuple[str, ...]  # names accepted in "model"; the first is used when "model" is omitted (as vLLM)
     max_model_len: int  # the context: prompt + max_tokens must fit
     max_body_bytes: int = 4 * 1024 * 1024
-    default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions; chat fills the context
     default_temperature: float = 1.0  # OpenAI's default
     max_n: int = 128
     max_logprobs: int = 20  # the engine's limit (OpenAI allows 5 for completions, 20 for chat)
@@ -90,7 +90,7 @@ class ProtocolConfig:
         if not self.served_models or any(not isinstance(m, str) or not m for m in self.served_models):
             raise ValueError(f"served_models: must be non-empty strings, got {self.served_models!r}")
         object.__setattr__(self, "served_models", tuple(self.served_models))
-        for name in ("max_model_len", "max_body_bytes", "default_completion_max_tokens", "max_n", "max_stop"):
+        for name in ("max_model_len", "max_body_bytes", "max_n", "max_stop"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
@@ -101,30 +101,6 @@ class ProtocolConfig:
             raise ValueError(f"vocab_size: must be None or an integer >= 1, got {self.vocab_size!r}")
         if self.tool_parser is not None and self.tool_parser not in PARSERS:
             raise ValueError(f"tool_parser: must be one of {', '.join(PARSERS)}, got {self.tool_parser!r}")
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Validated sampling fields of one request, as ``GenerateRequest`` carries them (max_tokens not yet resolved)."""
-
-    max_tokens: int | None  # None: whatever the context leaves after the prompt (chat's default); 0: echo only
-    temperature: float
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0  # vLLM's: no end token or stop string before this many output tokens
-    n: int = 1
-    logprobs: int | None = None  # top-k logprobs per token (chat: top_logprobs when logprobs is true); None: off
-    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (completions' echo with logprobs)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True  # vLLM's extension: special tokens left out of the text
-    grammar: tuple[str, str] | None = None  # what the output must match: a GrammarSpec's (kind, text)
 
 
 @dataclass(frozen=True)
@@ -139,11 +115,13 @@ class CompletionRequest:
 
     model: str
     prompts: tuple[str | tuple[int, ...], ...]  # a batch: each prompt is text or token ids; choice i*n+j is prompt i
-    sampling: SamplingOptions
+    sampling: SamplingParams  # max_tokens omitted: the type's default (16, OpenAI's for completions)
     stream: bool = False
     stream_options: StreamOptions = StreamOptions()
     user: str | None = None
     echo: bool = False  # each choice's text starts with its prompt's text (streamed: in the choice's first chunk)
+    # echo with max_tokens 0: the prompt alone, to score it (as vLLM); the engine makes one token, left out
+    prompt_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompts:
@@ -174,7 +152,7 @@ class ChatCompletionRequest:
 
     model: str
     messages: tuple[ChatMessage, ...]
-    sampling: SamplingOptions
+    sampling: SamplingParams  # max_tokens omitted: None, the rest of the context (as vLLM)
     stream: bool = False
     stream_options: StreamOptions = StreamOptions()
     user: str | None = None
@@ -222,12 +200,12 @@ def parse_completion_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> Co
     prompts = _prompts(body.get("prompt"), cfg)
     logprobs = read_int(body, "logprobs", 0, cfg.max_logprobs)
     echo = read_bool(body, "echo") or False  # with logprobs: the prompt's too (max_tokens 0: only the prompt's)
-    sampling = _with_grammar(_sampling(body, cfg, cfg.default_completion_max_tokens, logprobs, echo),
-                             parse_grammar(body))
-    if echo and logprobs is not None:
-        sampling = dataclasses.replace(sampling, prompt_logprobs=logprobs)
+    max_tokens = _max_tokens(body, cfg, echo)
+    prompt_only = max_tokens == 0
+    sampling = _sampling(body, cfg, {} if max_tokens is None else {"max_tokens": max_tokens or 1}, logprobs,
+                         parse_grammar(body), logprobs if echo else None)
     stream, options = _stream(body)
-    return CompletionRequest(model, prompts, sampling, stream, options, read_str(body, "user"), echo)
+    return CompletionRequest(model, prompts, sampling, stream, options, read_str(body, "user"), echo, prompt_only)
 
 
 def parse_chat_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> ChatCompletionRequest:
@@ -246,7 +224,7 @@ def parse_chat_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> ChatComp
             raise invalid_request(f"'tool_choice' {tools.choice} constrains the output: it cannot be combined "
                                   f"with '{grammar_param(body)}'.", "tool_choice")
         grammar = tools.grammar()
-    sampling = _with_grammar(_sampling(body, cfg, None, (top or 0) if want else None), grammar)
+    sampling = _sampling(body, cfg, {"max_tokens": _max_tokens(body, cfg)}, (top or 0) if want else None, grammar)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise type_error("chat_template_kwargs", "an object", kwargs)
@@ -259,30 +237,30 @@ def parse_chat_request(body: Mapping[str, Any], cfg: ProtocolConfig) -> ChatComp
                                  tuple(sorted((kwargs or {}).items())))
 
 
-def _with_grammar(sampling: SamplingOptions, grammar: GrammarSpec | None) -> SamplingOptions:
-    if grammar is not None and sampling.min_tokens:  # a whole structure allows only an end token
-        raise invalid_request("'min_tokens' cannot be combined with a structured output (a grammar, or tools the "
-                              "output must call).", "min_tokens")
-    return sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar.wire())
-
-
-def to_generate_request(request_id: str, prompt_token_ids: list[int] | tuple[int, ...], sampling: SamplingOptions,
-                        max_model_len: int, param: str = "prompt", reply_to: str = "") -> GenerateRequest:
-    """Resolve max_tokens against the context and build the actor message. Pure; raises ``APIError`` (400)."""
+def to_generate_request(request_id: str, prompt_token_ids: list[int] | tuple[int, ...], sampling: SamplingParams,
+                        max_model_len: int, param: str = "prompt", reply_to: str = "", trace_id: str = "",
+                        kv_namespace: str = "") -> GenerateRequest:
+    """The actor message of one prompt: ``sampling`` with max_tokens resolved against the context (None: what the
+    context leaves after this prompt) and the tenant's K/V namespace. Pure; raises ``APIError`` (400)."""
     prompt = len(prompt_token_ids)
     if not prompt:
         raise invalid_request("The prompt is empty after tokenization.", param)
-    max_tokens = sampling.max_tokens if sampling.max_tokens is not None else max_model_len - prompt
-    max_tokens = max_tokens or 1  # echo only (0): the engine makes one token, which the response leaves out
-    if max_tokens < 1 or prompt + max_tokens > max_model_len:
-        raise context_length_exceeded(prompt, max(max_tokens, 1), max_model_len, param)
-    if sampling.min_tokens > max_tokens:  # a chat without max_tokens: what the context leaves after this prompt
-        raise invalid_request(f"'min_tokens' ({sampling.min_tokens}) must be at most max_tokens ({max_tokens}: "
-                              f"what the context leaves after the {prompt}-token prompt).", "min_tokens")
-    fields = {k: getattr(sampling, k) for k in SamplingOptions.__dataclass_fields__}
-    fields["max_tokens"] = max_tokens
-    return GenerateRequest(request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), reply_to=reply_to,
-                           **fields)
+    if prompt + (sampling.max_tokens or 1) > max_model_len:
+        raise context_length_exceeded(prompt, sampling.max_tokens or 1, max_model_len, param)
+    # a chat's min_tokens over what the context leaves after this prompt: a 400 naming min_tokens
+    sampling = _checked(dataclasses.replace, sampling, kv_namespace=kv_namespace,
+                        max_tokens=resolve_max_tokens(sampling.max_tokens, prompt, max_model_len))
+    return GenerateRequest(request_id=request_id, prompt_token_ids=tuple(prompt_token_ids), sampling=sampling,
+                           reply_to=reply_to, trace_id=trace_id)
+
+
+def _checked(make: Callable[..., SamplingParams], *args: Any, **kwargs: Any) -> SamplingParams:
+    """``make(...)`` with the type's ``ValueError`` ("field: why") as a 400 naming that field. Pure."""
+    try:
+        return make(*args, **kwargs)
+    except ValueError as e:
+        field, _, why = str(e).partition(": ")
+        raise invalid_request(f"'{field}' {why}.", field) from None
 
 
 def _check_fields(obj: Mapping[str, Any], implemented: frozenset[str], neutral: Mapping[str, tuple[Any, ...]],
@@ -318,21 +296,30 @@ def _model(body: Mapping[str, Any], cfg: ProtocolConfig) -> str:
     return model
 
 
-def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, default_max_tokens: int | None,
-              logprobs: int | None, echo: bool = False) -> SamplingOptions:
+def _max_tokens(body: Mapping[str, Any], cfg: ProtocolConfig, echo: bool = False) -> int | None:
+    """``max_completion_tokens`` or ``max_tokens``; None when both are omitted; 0 only with ``echo`` (a completion
+    that is only its prompt, to score it: as vLLM). Pure; raises ``APIError``."""
     max_tokens = read_int(body, "max_completion_tokens", 1, cfg.max_model_len)
-    if max_tokens is None:  # 0 only with echo (a completion that is only its prompt, to score it: as vLLM)
+    if max_tokens is None:
         max_tokens = read_int(body, "max_tokens", 0, cfg.max_model_len)
         if max_tokens == 0 and not echo:
             raise invalid_request("'max_tokens' must be at least 1 (0 only with 'echo': the prompt alone).",
                                   "max_tokens")
+    return max_tokens
+
+
+def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, max_tokens: Mapping[str, int | None],
+              logprobs: int | None, grammar: GrammarSpec | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's one ``SamplingParams`` (OpenAI's field names and ranges read here, JSON types checked; the type
+    checks itself, its refusals a 400 naming the field). ``max_tokens``: empty for the type's default. Pure."""
     temperature = read_float(body, "temperature", 0.0, 2.0)
 
     def opt(value: Any, default: Any) -> Any:
         return default if value is None else value
 
-    return SamplingOptions(
-        max_tokens=opt(max_tokens, default_max_tokens),
+    return _checked(
+        SamplingParams,
+        **max_tokens,
         temperature=opt(temperature, cfg.default_temperature),
         top_p=opt(read_float(body, "top_p", 0.0, 1.0, lo_open=True), 1.0),
         top_k=opt(read_int(body, "top_k", -1, 2**31 - 1), -1),
@@ -341,23 +328,16 @@ def _sampling(body: Mapping[str, Any], cfg: ProtocolConfig, default_max_tokens: 
         stop=_stop(body.get("stop"), cfg.max_stop),
         stop_token_ids=_token_ids(opt(body.get("stop_token_ids"), []), "stop_token_ids", None, allow_empty=True),
         ignore_eos=opt(read_bool(body, "ignore_eos"), False),
-        min_tokens=_min_tokens(body, max_tokens, cfg.max_model_len),
+        min_tokens=opt(read_int(body, "min_tokens", 0, cfg.max_model_len), 0),  # vLLM's
         n=opt(read_int(body, "n", 1, cfg.max_n), 1),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=opt(read_float(body, "presence_penalty", -2.0, 2.0), 0.0),
         frequency_penalty=opt(read_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
         repetition_penalty=opt(read_float(body, "repetition_penalty", 0.0, 10.0, lo_open=True), 1.0),
         skip_special_tokens=opt(read_bool(body, "skip_special_tokens"), True),
+        grammar=grammar,
     )
-
-
-def _min_tokens(body: Mapping[str, Any], max_tokens: int | None, max_model_len: int) -> int:
-    """vLLM's ``min_tokens``: 0 <= min_tokens <= max_tokens (checked again once a chat's max_tokens is resolved);
-    not with a grammar (``_with_grammar``). Pure; raises ``APIError``."""
-    value = read_int(body, "min_tokens", 0, max_model_len) or 0
-    if max_tokens is not None and value > max(max_tokens, 1):
-        raise invalid_request(f"'min_tokens' ({value}) must be at most max_tokens ({max_tokens}).", "min_tokens")
-    return value
 
 
 def _stop(value: Any, max_stop: int) -> tuple[str, ...]:

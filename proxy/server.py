@@ -251,7 +251,7 @@ class Proxy:
         try:
             parsed, jobs = await self._parse(await request.read(), chat, trace, request.headers)
             for j in jobs:  # demand, whether it is then admitted, queued or refused
-                self.report.arrived(len(j.req.prompt_token_ids), j.req.max_tokens, j.req.n)
+                self.report.arrived(len(j.req.prompt_token_ids), j.req.sampling.max_tokens, j.req.sampling.n)
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
             await asyncio.gather(*(self.dispatch.start(j, j.legs[0]) for j in jobs))
             if parsed.stream:
@@ -305,8 +305,7 @@ class Proxy:
         jobs = []
         for i, ids in enumerate(prompts):  # one request per prompt, with all n completions: one reserve, one prefill
             gen = to_generate_request(f"{base}-{next(self._ids)}", ids, parsed.sampling, self.proto.max_model_len,
-                                      param, self.stream.address)
-            gen = dataclasses.replace(gen, trace_id=trace, kv_namespace=namespace)
+                                      param, self.stream.address, trace, namespace)
             job = Job(gen, i, chat_turn=turn)
             self.dispatch.new_leg(job, gen)
             jobs.append(job)
@@ -321,7 +320,7 @@ class Proxy:
 
     def _prompt_entries(self, job: Job) -> tuple[TokenLogprob, ...]:
         """The echoed prompt's logprob entries of ``job`` (echo with logprobs), first one null (``proxy.echo``)."""
-        return prompt_entries(job.req.prompt_token_ids, job.prompt_logprobs, job.req.logprobs or 0,
+        return prompt_entries(job.req.prompt_token_ids, job.prompt_logprobs, job.req.sampling.logprobs or 0,
                               self.dispatch.render_logprob)
 
     async def _collect(self, parsed: Any, jobs: list[Job], chat: bool, start: float, trace: str) -> web.Response:
@@ -335,9 +334,9 @@ class Proxy:
         only = echo_only(parsed)  # max_tokens 0: the prompt alone (the engine's one token left out)
         choices = []
         for j in jobs:
-            prompt_lps = self._prompt_entries(j) if j.req.prompt_logprobs is not None else ()
+            prompt_lps = self._prompt_entries(j) if j.req.sampling.prompt_logprobs is not None else ()
             for i, c in enumerate(j.choices):
-                lps = None if j.req.logprobs is None else prompt_lps + (() if only else tuple(c.logprobs))
+                lps = None if j.req.sampling.logprobs is None else prompt_lps + (() if only else tuple(c.logprobs))
                 choices.append(ChoiceOutput(j.choice_index(i), (echo(j.choice_index(i), self.tok.decode) if echo
                                                                 else "") + ("" if only else c.text),
                                             "length" if only else c.finish or "stop", lps))
@@ -360,13 +359,13 @@ class Proxy:
         include = parsed.stream_options.include_usage
         echo = getattr(parsed, "echo_text", None)
         only = echo_only(parsed)  # max_tokens 0: the prompt alone (the engine's one token left out)
-        streams = {(id(j), i): ChoiceStream(j.choice_index(i), j.req.logprobs is not None,
+        streams = {(id(j), i): ChoiceStream(j.choice_index(i), j.req.sampling.logprobs is not None,
                                             echo(j.choice_index(i), self.tok.decode) if echo else "",
                                             (lambda j=j: self._prompt_entries(j))
-                                            if j.req.prompt_logprobs is not None else None)
-                   for j in jobs for i in range(j.req.n)}
+                                            if j.req.sampling.prompt_logprobs is not None else None)
+                   for j in jobs for i in range(j.req.sampling.n)}
         for j in jobs if chat else []:  # OpenAI's first chat chunk carries the role
-            for i in range(j.req.n):
+            for i in range(j.req.sampling.n):
                 await resp.write(sse_event(chat_chunk_body(rid, parsed.model, created,
                                                            [ChoiceOutput(j.choice_index(i), "")], None, include,
                                                            first=True)))

@@ -1,6 +1,6 @@
 """Which K/V namespace a request belongs to: the operator names the source (``--kv-tenant-from``), this module turns a
-request into the namespace's digest, which ``GenerateRequest.kv_namespace`` carries to the prefill and decode actors
-and which every block key binds (engine/scheduling/kv_cache_manager.py, engine/kv/tiers/keys.py). Another tenant's identical
+request into the namespace's digest, which ``GenerateRequest.sampling.kv_namespace`` carries to the prefill and decode
+actors and which every block key binds (engine/scheduling/kv_cache_manager.py, engine/kv/tiers/keys.py). Another tenant's identical
 prompt is then a miss on every tier, so a cache hit's shorter TTFT (the seeds' timing side channel) never tells one
 tenant what another asked.
 

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
+from engine.request.sampling_params import SamplingParams
 from tests.token_inbox import TokenInbox
 
 
@@ -15,8 +16,8 @@ def run_request(prefill: Any, decode: Any, inbox: TokenInbox, rid: str, prompt: 
     """One request through both workers (``ignore_eos`` unless ``sampling`` says otherwise): its deltas and the
     prefill's result. Like the proxy, the result is handed to the decode worker only when the K/V channel did not
     carry it (``hand_over``: always, as a duplicate the decode worker must ignore)."""
-    req = GenerateRequest(rid, prompt, reply_to=inbox.address,
-                          **{"max_tokens": max_tokens, "ignore_eos": True, **sampling})
+    req = GenerateRequest(rid, prompt, SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, **sampling}),
+                          reply_to=inbox.address)
     grant = decode.reserve(ReserveRequest(req, 6).to_dict())
     assert grant is not None
     result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))

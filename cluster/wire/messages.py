@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.request.grammar_spec import GrammarSpec  # torch-free
 from engine.request.sampling_params import SamplingParams  # torch-free; the one place sampling ranges are defined
 
 T = TypeVar("T", bound="_Wire")
@@ -28,8 +27,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine ended
 # prompt logprobs: GenerateRequest.prompt_logprobs, PrefillResult.prompt_logprobs, TokenDelta.prompt_logprobs; 8:
 # ReserveGrant.rank_endpoints, which an older prefill actor would drop and send every head to rank 0; 9:
 # GenerateRequest.min_tokens, which an older actor would drop and end early; 10: GenerateRequest.kv_namespace, which
-# an older actor would drop and so share K/V across tenants)
-WIRE_VERSION = 10
+# an older actor would drop and so share K/V across tenants; 11: GenerateRequest.sampling, the engine's SamplingParams,
+# in place of its flat sampling fields)
+WIRE_VERSION = 11
 
 
 class WireVersionError(ValueError):
@@ -63,6 +63,8 @@ class _Wire:
 def _plain(v: Any) -> Any:
     if isinstance(v, _Wire):
         return v.to_dict()
+    if isinstance(v, SamplingParams):
+        return sampling_to_dict(v)
     if isinstance(v, (tuple, list)):
         return [_plain(x) for x in v]
     return v
@@ -132,42 +134,35 @@ class Usage(_Wire):
         return self.prompt_tokens + self.completion_tokens
 
 
-_NOT_SAMPLING = ("request_id", "prompt_token_ids", "reply_to", "trace_id", "resume_token_ids", "resume_chars",
-                 "choice_index")
+def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
+    """A ``SamplingParams`` in wire form: its fields by name (tuples as lists, the grammar as its ``[kind, text]``
+    pair). Pure."""
+    d = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    d["grammar"] = None if p.grammar is None else p.grammar.wire()
+    return {k: _plain(v) for k, v in d.items()}
+
+
+def sampling_from_dict(d: Mapping[str, Any]) -> SamplingParams:
+    """The ``SamplingParams`` of its wire form (unknown keys ignored, as for every message); its own checks run.
+    Pure; raises ``ValueError`` naming the field."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(**{k: v for k, v in d.items() if k in names})
 
 
 @dataclass(frozen=True)
 class GenerateRequest(_Wire):
     """One tokenized request as the proxy hands it to a prefill or decode actor.
 
-    The sampling fields mirror ``engine.SamplingParams`` one for one and are validated by it, so the ranges live in
-    one place; ``sampling_kwargs()`` is what the worker passes to ``SamplingParams(**...)``.
+    ``sampling`` is the engine's own :class:`SamplingParams`, built once by the proxy from the HTTP body and handed to
+    the engine as it is (a prefill actor narrows it to its one token); its ``max_tokens`` is already resolved against
+    the context (never None here).
     """
 
     request_id: str  # unique per proxy request; every actor message about this request carries it
     prompt_token_ids: tuple[int, ...]  # the tokenized prompt (chat template already applied)
-    max_tokens: int = 16  # already resolved against the context length by the proxy
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 disable
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()  # stop strings, excluded from the returned text
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0  # no end token or stop string ends a completion before this many output tokens
-    n: int = 1
-    logprobs: int | None = None  # top-k logprobs per generated token; None means none
-    prompt_logprobs: int | None = None  # top-k logprobs per prompt token (echo with logprobs); None means none
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    # constrained decoding: [kind, text] of an engine.request.grammar_spec.GrammarSpec (data; each actor compiles it)
-    grammar: tuple[str, str] | None = None
-    # the tenant's K/V namespace (a digest made by the proxy, proxy/tenant.py; never an API key in clear): block keys
-    # bind it on every tier, so another tenant's identical prompt never hits; "": the shared namespace
-    kv_namespace: str = ""
+    # how to sample, validated by its own type; its kv_namespace is the tenant's K/V namespace (a digest made by the
+    # proxy, proxy/tenant.py; never an API key in clear): block keys bind it on every tier
+    sampling: SamplingParams = SamplingParams()
     reply_to: str = ""  # the owning proxy's token-stream address: where TokenDeltas go (several proxies may serve)
     trace_id: str = ""  # the client's X-Request-Id (or one the proxy made): every hop logs it
     # A resumed completion (migrated off a dead decode actor, or retried): the tokens of it the client already has.
@@ -183,41 +178,36 @@ class GenerateRequest(_Wire):
                 raise ValueError(f"GenerateRequest.{name}: must be a string, got {getattr(self, name)!r}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"GenerateRequest.request_id: must be a non-empty string, got {self.request_id!r}")
-        for name in ("prompt_token_ids", "stop", "stop_token_ids", "resume_token_ids"):
+        for name in ("prompt_token_ids", "resume_token_ids"):
             value = getattr(self, name)
             if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
                 raise ValueError(f"GenerateRequest.{name}: must be a list, got {type(value).__name__}")
             _set(self, name, tuple(value))
-        if self.grammar is not None:
-            try:
-                _set(self, "grammar", GrammarSpec.of(self.grammar).wire())  # type: ignore[union-attr]
-            except ValueError as e:
-                raise ValueError(f"GenerateRequest.{e}") from None
         if not self.prompt_token_ids:
             raise ValueError("GenerateRequest.prompt_token_ids: must not be empty")
         _check_ids("GenerateRequest", "prompt_token_ids", self.prompt_token_ids)
         _check_ids("GenerateRequest", "resume_token_ids", self.resume_token_ids)
         for name in ("resume_chars", "choice_index"):
             _check_int("GenerateRequest", name, getattr(self, name))
-        try:
-            SamplingParams(**self.sampling_kwargs())
-        except ValueError as e:
-            raise ValueError(f"GenerateRequest.{e}") from None
-        if (self.resume_token_ids or self.choice_index) and self.n != 1:
-            raise ValueError(f"GenerateRequest.n: a resumed completion has n == 1, got {self.n}")
-        if len(self.resume_token_ids) >= self.max_tokens:
+        if isinstance(self.sampling, Mapping):
+            try:
+                _set(self, "sampling", sampling_from_dict(self.sampling))
+            except ValueError as e:
+                raise ValueError(f"GenerateRequest.sampling.{e}") from None
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"GenerateRequest.sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.sampling.max_tokens is None:
+            raise ValueError("GenerateRequest.sampling.max_tokens: must be resolved against the context (not None)")
+        if (self.resume_token_ids or self.choice_index) and self.sampling.n != 1:
+            raise ValueError(f"GenerateRequest.sampling.n: a resumed completion has n == 1, got {self.sampling.n}")
+        if len(self.resume_token_ids) >= self.sampling.max_tokens:
             raise ValueError(f"GenerateRequest.resume_token_ids: {len(self.resume_token_ids)} tokens leave nothing of "
-                             f"max_tokens {self.max_tokens} to generate")
+                             f"max_tokens {self.sampling.max_tokens} to generate")
 
     @property
     def resumed(self) -> bool:
         """Whether this continues a completion the client already has tokens of. Pure."""
         return bool(self.resume_token_ids)
-
-    def sampling_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``engine.SamplingParams``. Pure."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in _NOT_SAMPLING}
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,43 @@
-"""Per-request sampling parameters (frozen, validated)."""
+"""Per-request sampling parameters (frozen, validated): the one sampling type from the HTTP request to the sampler.
+
+The proxy builds it once from the request body (``proxy/openai_protocol.py``), ``GenerateRequest`` carries it over the
+wire as it is (``cluster/wire/messages.py``), and the prefill and decode actors hand it to the engine. Torch-free.
+
+``max_tokens`` has one rule: omitted, it is :data:`DEFAULT_MAX_TOKENS` (16: vLLM's and OpenAI's ``/v1/completions``
+default, and the offline API's); ``None`` means what the context leaves after the prompt (an OpenAI chat request
+that omits it, as vLLM does), resolved by :func:`resolve_max_tokens` once the prompt's length is known.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from engine.request.grammar_spec import GrammarSpec
 
+DEFAULT_MAX_TOKENS = 16
+
+
+def resolve_max_tokens(max_tokens: int | None, prompt_len: int, max_model_len: int) -> int:
+    """The output budget of a ``prompt_len``-token prompt: ``max_tokens``, or for ``None`` what the context of
+    ``max_model_len`` tokens leaves after the prompt (at least 1: a prompt that fills the context is refused by
+    whoever checks the context, with the prompt's length). Pure."""
+    return max(max_model_len - prompt_len, 1) if max_tokens is None else max_tokens
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request's continuation. Invalid values raise ``ValueError`` naming the field."""
+    """How to sample one request's continuation. Invalid values raise ``ValueError`` naming the field
+    (``"field: why, got value"``: the proxy turns it into a 400 naming that field)."""
 
-    max_tokens: int = 32
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: the rest of the context (resolve_max_tokens)
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0) disables
     min_p: float = 0.0
     seed: int | None = None
-    stop: tuple[str, ...] | list[str] | str | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None  # normalized to a tuple of strings
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     # vLLM's: end tokens (EOS, stop_token_ids) are never sampled and stop strings never matched before this many
@@ -37,17 +56,18 @@ class SamplingParams:
     # the K/V namespace this request's cache blocks are keyed under (a digest of its tenant, never a raw key: see
     # engine/kv/tiers/keys.py); "": the shared one. Another namespace never hits this one's blocks, on any tier
     kv_namespace: str = ""
-    stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be an integer >= 1")
-        if (not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
-                or not 0 <= self.min_tokens <= self.max_tokens):
-            raise bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+                                            or self.max_tokens < 1):
+            raise bad("max_tokens", "must be None (the rest of the context) or an integer >= 1")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise bad("temperature", "must be in [0, 100]")
         if not 0.0 < float(self.top_p) <= 1.0:
@@ -83,8 +103,19 @@ class SamplingParams:
             raise bad("kv_namespace", "must be a string of at most 128 characters")
         if self.min_tokens and self.grammar is not None:  # a grammar that is whole allows only an end token
             raise bad("min_tokens", "cannot be combined with a grammar (structured output)")
-        object.__setattr__(self, "stop_strings", stop)
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", ids)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.stop  # type: ignore[return-value]  # normalized in __post_init__
+
+    def for_prompt(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """These parameters with ``max_tokens`` resolved for a ``prompt_len``-token prompt (itself when already
+        set). Pure; raises ``ValueError`` (``min_tokens`` over what the context leaves)."""
+        if self.max_tokens is not None:
+            return self
+        return dataclasses.replace(self, max_tokens=resolve_max_tokens(None, prompt_len, max_model_len))
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,7 @@ import pytest
 
 from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
+from engine.request.sampling_params import SamplingParams
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.wire.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, texts, token_ids
@@ -109,7 +110,7 @@ def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: 
                         on_transfer_failure="fail")
     try:
         for dc, rid in ((decode, "sf1"), (strict, "sf2")):
-            req = GenerateRequest(rid, PROMPT, max_tokens=5, ignore_eos=True, reply_to=inbox.address)
+            req = GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), reply_to=inbox.address)
             grant = ReserveGrant.from_dict(dc.reserve(ReserveRequest(req, 6).to_dict()))
             # no part was ever sent; the prefill actor says its sends failed: no 600 s wait for the lease
             result = PrefillResult(rid, grant.reservation_id, (7,), seed=3, failed_parts=("connection refused",))
@@ -131,7 +132,7 @@ def test_reported_send_failure_recomputes_at_once_and_fail_policy_errors(model: 
 def test_reservation_without_kv_expires_with_an_error(model: str, inbox: TokenInbox) -> None:
     _, decode = None, WorkerActor("dc3", "decode", WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=64), KV)
     try:
-        req = GenerateRequest("lost", PROMPT, max_tokens=5, reply_to=inbox.address)
+        req = GenerateRequest("lost", PROMPT, SamplingParams(max_tokens=5), reply_to=inbox.address)
         assert decode.reserve(ReserveRequest(req, 6, ttl_s=0.5).to_dict()) is not None
         deltas = inbox.collect("lost", timeout_s=20)
         assert deltas[-1].error and "lease" in deltas[-1].error and deltas[-1].finish_reason == "abort"
@@ -151,8 +152,9 @@ def test_a_proxy_that_stops_reading_loses_its_requests_not_others(model: str, in
     try:
         # long enough that it cannot finish before the stall is seen: the sender's queue is full after 256 steps,
         # and on a loaded host its thread may wait a while for the GIL before it reports (CI once saw it finish 400)
-        gone = GenerateRequest("gone", PROMPT, max_tokens=900, ignore_eos=True, reply_to=f"tcp://127.0.0.1:{port}")
-        live = GenerateRequest("live", PROMPT, max_tokens=60, ignore_eos=True, reply_to=inbox.address)
+        gone = GenerateRequest("gone", PROMPT, SamplingParams(max_tokens=900, ignore_eos=True),
+                               reply_to=f"tcp://127.0.0.1:{port}")
+        live = GenerateRequest("live", PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), reply_to=inbox.address)
         assert decode.reserve(ReserveRequest(gone, 32, colocated=True).to_dict()) is not None
         assert decode.reserve(ReserveRequest(live, 12, colocated=True).to_dict()) is not None
         deltas = inbox.collect("live", timeout_s=60)

@@ -21,6 +21,7 @@ import pytest
 
 from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, ReserveGrant, ReserveRequest
+from engine.request.sampling_params import SamplingParams
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.backends.loopback import CacheSpec, ReceiverProcess, WriterProcess
@@ -139,7 +140,7 @@ def _writer(decode: WorkerActor) -> WriterProcess:
 
 
 def _reserve(decode: WorkerActor, inbox: TokenInbox, rid: str, ttl_s: float) -> ReserveGrant:
-    req = GenerateRequest(rid, PROMPT, max_tokens=4, reply_to=inbox.address)
+    req = GenerateRequest(rid, PROMPT, SamplingParams(max_tokens=4), reply_to=inbox.address)
     return ReserveGrant.from_dict(decode.reserve(ReserveRequest(req, 6, ttl_s=ttl_s).to_dict()))
 
 

@@ -19,6 +19,7 @@ from cluster.actor.worker_actor import WorkerActor
 from cluster.wire import auth
 from cluster.wire.auth import ClusterSecret
 from cluster.wire.messages import GenerateRequest, PrefillResult, ReserveGrant, ReserveRequest
+from engine.request.sampling_params import SamplingParams
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.connector.intake import TAKES_PARTS
 from kv_transfer.wire.base import as_bytes
@@ -52,7 +53,7 @@ def decode(model: str) -> Iterator[WorkerActor]:
 
 
 def _reserve(decode: WorkerActor, rid: str) -> ReserveGrant:
-    req = GenerateRequest(rid, tuple(range(40, 60)), reply_to="tcp://127.0.0.1:1", max_tokens=4)
+    req = GenerateRequest(rid, tuple(range(40, 60)), SamplingParams(max_tokens=4), reply_to="tcp://127.0.0.1:1")
     grant = decode.reserve(ReserveRequest(req, 2).to_dict())
     assert grant is not None
     return ReserveGrant.from_dict(grant)

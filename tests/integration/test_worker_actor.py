@@ -12,6 +12,7 @@ import pytest
 
 from cluster.actor.worker_actor import WorkerActor
 from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant, ReserveRequest
+from engine.request.sampling_params import SamplingParams
 from cluster.wire.worker_config import WorkerConfig
 from kv_transfer.wire.config import KVTransferConfig
 from tests.token_inbox import TokenInbox, token_ids
@@ -26,7 +27,7 @@ def _transfer(prefill: WorkerActor, decode: WorkerActor, request_id: str) -> Non
     and stream the prefill's first token then the rest."""
     inbox = TokenInbox()
     try:
-        req = GenerateRequest(request_id, PROMPT, max_tokens=4, ignore_eos=True, reply_to=inbox.address)
+        req = GenerateRequest(request_id, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), reply_to=inbox.address)
         grant = decode.reserve(ReserveRequest(req, 5).to_dict())
         assert grant is not None
         result = PrefillResult.from_dict(prefill.prefill(PrefillRequest(req, ReserveGrant.from_dict(grant)).to_dict()))

@@ -164,6 +164,7 @@ def test_the_scope_needs_one_fingerprint_and_answers_are_recorded_only_whole_and
     import asyncio
 
     from cluster.wire.messages import GenerateRequest
+    from engine.request.sampling_params import SamplingParams
     from proxy.chat_token_cache import chat_scope, record_finished
     from proxy.jobs import Job, Leg
     from types import SimpleNamespace
@@ -174,7 +175,7 @@ def test_the_scope_needs_one_fingerprint_and_answers_are_recorded_only_whole_and
 
     def job(fingerprint: str, finish: str | None, error: str | None = None) -> Job:
         cache_turn = cache.prompt(SCOPE, render([], "tree?"), encode)
-        j = Job(GenerateRequest(request_id="r", prompt_token_ids=tuple(cache_turn.ids), n=2), 0,
+        j = Job(GenerateRequest("r", tuple(cache_turn.ids), SamplingParams(n=2)), 0,
                 chat_turn=cache_turn)
         j.legs.append(Leg(j.req, asyncio.Queue(), actor=SimpleNamespace(info={"fingerprint": fingerprint})))
         j.choices[0].text, j.choices[0].token_ids, j.choices[0].finish = ANSWER, list(GENERATED), finish

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.wire.messages import GenerateRequest, PrefillResult
+from engine.request.sampling_params import SamplingParams
 from engine.kv.block_pool import BlockPool
 from kv_transfer.connector.decode_side import DecodeConnector
 from kv_transfer.connector.intake import IntakeRecord, IntakeState
@@ -21,7 +22,7 @@ def connector(blocks: int = 32) -> DecodeConnector:
 
 
 def reserve(c: DecodeConnector, rid: str, prompt: int = 10, ttl: float = 30.0) -> IntakeRecord:
-    req = GenerateRequest(rid, tuple(range(1, prompt + 1)), max_tokens=4)
+    req = GenerateRequest(rid, tuple(range(1, prompt + 1)), SamplingParams(max_tokens=4))
     rec = c.reserve(req, -(-prompt // BS) + 1, ttl, T0, LAYERS, (), BS)
     assert rec is not None and rec.state is IntakeState.RESERVED
     return rec
@@ -78,7 +79,7 @@ def test_what_finished_loading_is_handed_over_once_each() -> None:
 def test_release_gives_the_blocks_back_and_a_full_pool_refuses() -> None:
     c = connector(blocks=6)
     a = reserve(c, "a", prompt=12)  # four blocks
-    req = GenerateRequest("b", tuple(range(1, 13)), max_tokens=4)
+    req = GenerateRequest("b", tuple(range(1, 13)), SamplingParams(max_tokens=4))
     assert c.reserve(req, 4, 30.0, T0, LAYERS, (), BS) is None  # two free
     c.release(a, "aborted by the proxy")
     assert a.state is IntakeState.ABORTED and c.counts()["reserved"] == 0

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from cluster.wire.messages import GenerateRequest, PrefillResult
+from engine.request.sampling_params import SamplingParams
 from engine.kv.block_pool import BlockPool
 from kv_transfer.wire.config import KVTransferConfig
 from kv_transfer.connector import rank_ends
@@ -78,7 +79,7 @@ def connector(monkeypatch: pytest.MonkeyPatch, cfg: Any, size: int) -> tuple[Dec
 
 
 def reserve(c: DecodeConnector, rid: str, ttl: float = 30.0) -> IntakeRecord:
-    req = GenerateRequest(rid, tuple(range(1, PROMPT + 1)), max_tokens=4)
+    req = GenerateRequest(rid, tuple(range(1, PROMPT + 1)), SamplingParams(max_tokens=4))
     rec = c.reserve(req, -(-PROMPT // BS) + 1, ttl, T0, LAYERS, (), BS)
     assert rec is not None
     return rec
@@ -128,7 +129,8 @@ def test_expect_goes_out_at_reserve_with_the_record(monkeypatch: pytest.MonkeyPa
     rec = reserve(c, "a")
     assert group.sent == [("ext", "expect", RankExpect(rec.reservation_id, "a", rec.block_ids, rec.epoch, rec.nonce,
                                                        LAYERS, 0, 0, "fp", "kv"))]
-    assert c.reserve(GenerateRequest("big", tuple(range(1, 200)), max_tokens=4), 64, 30.0, T0, LAYERS, (), BS) is None
+    big = GenerateRequest("big", tuple(range(1, 200)), SamplingParams(max_tokens=4))
+    assert c.reserve(big, 64, 30.0, T0, LAYERS, (), BS) is None
     assert len(group.sent) == 1  # nothing reserved: nothing to expect
 
 

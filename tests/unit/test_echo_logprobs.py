@@ -50,15 +50,15 @@ def test_echo_with_logprobs_asks_for_the_prompts(k: int) -> None:
     req = parse(echo=True, logprobs=k)
     assert (req.sampling.logprobs, req.sampling.prompt_logprobs) == (k, k)
     gen = to_generate_request("r", [4, 5, 6], req.sampling, CFG.max_model_len)
-    assert gen.prompt_logprobs == k and GenerateRequest.from_dict(gen.to_dict()).prompt_logprobs == k
+    assert gen.sampling.prompt_logprobs == k and GenerateRequest.from_dict(gen.to_dict()).sampling.prompt_logprobs == k
     assert parse(logprobs=k).sampling.prompt_logprobs is None  # no echo: the completion's only
     assert parse(echo=True).sampling.prompt_logprobs is None  # no logprobs: the prompt's text only
 
 
 def test_max_tokens_zero_only_with_echo() -> None:
     req = parse(echo=True, logprobs=1, max_tokens=0)
-    assert req.sampling.max_tokens == 0 and echo_only(req)
-    assert to_generate_request("r", [4, 5, 6], req.sampling, CFG.max_model_len).max_tokens == 1  # made, left out
+    assert req.prompt_only and echo_only(req)
+    assert to_generate_request("r", [4, 5, 6], req.sampling, CFG.max_model_len).sampling.max_tokens == 1  # left out
     assert not echo_only(parse(echo=True, max_tokens=1)) and not echo_only(parse(max_tokens=1))
     err = refused(max_tokens=0)
     assert err.param == "max_tokens" and "echo" in err.message

@@ -49,7 +49,7 @@ def test_a_refused_prefix_ends_with_error_not_stop(llm: LLM) -> None:
     assert outs[-1].finished and last.finish_reason == "error"
     assert "no longer matches its grammar" in last.error and "z" in last.error
     assert last.token_ids == bad  # nothing sampled after the dead end (no end token appended)
-    deltas = DeltaTracker.for_request(GenerateRequest("dead", (5, 6, 7), max_tokens=8)).deltas(outs[-1])
+    deltas = DeltaTracker.for_request(GenerateRequest("dead", (5, 6, 7), SamplingParams(max_tokens=8))).deltas(outs[-1])
     assert deltas[-1].finish_reason == "error" and deltas[-1].error == last.error and deltas[-1].usage is not None
     good = llm.tokenizer.encode("a", add_special_tokens=False)
     ok = _run(llm, "alive", SamplingParams(max_tokens=8, grammar=AB), good)[-1].outputs[0]
@@ -73,7 +73,7 @@ def test_dead_end_rules(llm: LLM) -> None:
 
 
 def test_the_proxy_answers_an_error_delta_with_an_openai_error() -> None:
-    req = GenerateRequest("r", (5, 6, 7), max_tokens=8, grammar=AB.wire())
+    req = GenerateRequest("r", (5, 6, 7), SamplingParams(max_tokens=8, grammar=AB.wire()))
     job = Job(req, 0)
     leg = Leg(req, asyncio.Queue())
     this = SimpleNamespace(render_logprob=str, local_pending={})

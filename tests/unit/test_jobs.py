@@ -9,12 +9,14 @@ import itertools
 import pytest
 
 from cluster.wire.messages import GenerateRequest, TokenDelta
+from engine.request.sampling_params import SamplingParams
 from proxy.dispatch import DispatchConfig
 from proxy.jobs import Job, Leg
 
 
 def job_with(n: int, seed: int | None = 5) -> tuple[Job, Leg]:
-    req = GenerateRequest("cmpl-1", (1, 2, 3), max_tokens=10, n=n, temperature=0.7, seed=seed, stop=("END",))
+    req = GenerateRequest("cmpl-1", (1, 2, 3),
+                          SamplingParams(max_tokens=10, n=n, temperature=0.7, seed=seed, stop=("END",)))
     job = Job(req, 0)
     leg = Leg(req, asyncio.Queue())
     job.legs.append(leg)
@@ -29,8 +31,8 @@ def test_nothing_delivered_restarts_the_same_request_under_a_new_id() -> None:
     job, leg = job_with(3)
     c = ids()
     (again,) = job.resume_requests(leg, lambda: f"cmpl-1.{next(c)}")
-    assert again.request_id == "cmpl-1.1" and again.n == 3 and not again.resumed
-    assert again.prompt_token_ids == leg.req.prompt_token_ids and again.seed == 5
+    assert again.request_id == "cmpl-1.1" and again.sampling.n == 3 and not again.resumed
+    assert again.prompt_token_ids == leg.req.prompt_token_ids and again.sampling.seed == 5
 
 
 def test_each_unfinished_completion_resumes_from_what_the_client_has() -> None:
@@ -40,9 +42,10 @@ def test_each_unfinished_completion_resumes_from_what_the_client_has() -> None:
     job.apply(TokenDelta("cmpl-1", 2, (4, 5, 6), "xy\u00e9"), [], 0.0)
     c = ids()
     reqs = job.resume_requests(leg, lambda: f"cmpl-1.{next(c)}")
-    assert [(r.request_id, r.choice_index, r.resume_token_ids, r.resume_chars, r.n) for r in reqs] == [
+    assert [(r.request_id, r.choice_index, r.resume_token_ids, r.resume_chars, r.sampling.n) for r in reqs] == [
         ("cmpl-1.1", 0, (7, 8), 2, 1), ("cmpl-1.2", 2, (4, 5, 6), 3, 1)]
-    assert all(r.max_tokens == 10 and r.seed == 5 and r.stop == ("END",) for r in reqs)  # resumed tokens count
+    # resumed tokens count
+    assert all(r.sampling.max_tokens == 10 and r.sampling.seed == 5 and r.sampling.stop == ("END",) for r in reqs)
     # a resumed leg that dies again resumes from what the client has by then
     leg2 = Leg(reqs[1], asyncio.Queue())
     job.apply(TokenDelta("cmpl-1.2", 2, (1,), "z"), [], 0.0)

@@ -113,7 +113,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 def test_proxy_carries_min_tokens_to_the_actor_message() -> None:
     req = parse_chat_request({**CHAT, "min_tokens": 5, "max_completion_tokens": 8}, CFG)
     assert req.sampling.min_tokens == 5
-    assert to_generate_request("r", [1, 2], req.sampling, 64).min_tokens == 5
+    assert to_generate_request("r", [1, 2], req.sampling, 64).sampling.min_tokens == 5
     assert parse_completion_request({"model": "m", "prompt": "x", "min_tokens": 0}, CFG).sampling.min_tokens == 0
 
 
@@ -129,7 +129,7 @@ def test_proxy_refuses_min_tokens_naming_it(body) -> None:
 
 def test_proxy_checks_min_tokens_against_a_chats_resolved_max_tokens() -> None:
     sampling = parse_chat_request({**CHAT, "min_tokens": 60}, CFG).sampling  # no max_tokens: the context's rest
-    assert to_generate_request("r", [1] * 4, sampling, 64).max_tokens == 60
+    assert to_generate_request("r", [1] * 4, sampling, 64).sampling.max_tokens == 60
     with pytest.raises(APIError) as e:
         to_generate_request("r", [1] * 5, sampling, 64)
     assert e.value.param == "min_tokens"

@@ -207,9 +207,9 @@ def test_stop_token_ids_and_skip_special_tokens_reach_the_generate_request() -> 
     for parse, make in ((parse_completion_request, completion), (parse_chat_request, chat)):
         req = parse(make(stop_token_ids=[7, 9], skip_special_tokens=False), CFG)
         gen = to_generate_request("r", [1, 2], req.sampling, CFG.max_model_len)
-        assert gen.stop_token_ids == (7, 9) and gen.skip_special_tokens is False
+        assert gen.sampling.stop_token_ids == (7, 9) and gen.sampling.skip_special_tokens is False
         gen = to_generate_request("r", [1, 2], parse(make(), CFG).sampling, CFG.max_model_len)
-        assert gen.stop_token_ids == () and gen.skip_special_tokens is True
+        assert gen.sampling.stop_token_ids == () and gen.sampling.skip_special_tokens is True
     assert refused(parse_chat_request, chat(skip_special_tokens="no")).param == "skip_special_tokens"
 
 

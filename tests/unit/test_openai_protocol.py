@@ -4,6 +4,8 @@ no HTTP server. Field-by-field conformance (unknown, ignored and refused fields,
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 import sys
@@ -214,11 +216,11 @@ def test_completion_full_body_round_trips_to_generate_request() -> None:
     assert req.model == "tiny-alias" and req.user == "u" and req.stream
     assert req.stream_options.include_usage and req.stream_options.continuous_usage_stats
     gen = to_generate_request("req-1", [5, 6, 7], req.sampling, CFG.max_model_len, reply_to="tcp://127.0.0.1:5000")
-    assert gen.sampling_kwargs() == {
+    assert dataclasses.asdict(gen.sampling) == {
         "max_tokens": 20, "temperature": 0.0, "top_p": 0.5, "top_k": 5, "min_p": 0.1, "seed": 7, "stop": ("\n",),
         "stop_token_ids": (2,), "ignore_eos": True, "min_tokens": 4, "n": 3, "logprobs": 2, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "skip_special_tokens": True, "grammar": None,
-        "prompt_logprobs": None, "kv_namespace": ""}  # the proxy sets the K/V tenant after (proxy/tenant.py)
+        "prompt_logprobs": None, "kv_namespace": ""}  # the K/V tenant: to_generate_request's (proxy/tenant.py)
     assert not req.echo
     wire = msgpack.unpackb(msgpack.packb(gen.to_dict()))
     assert GenerateRequest.from_dict(wire) == gen and gen.reply_to == "tcp://127.0.0.1:5000"
@@ -241,7 +243,7 @@ def test_chat_guidellm_style_body() -> None:
     assert parse_chat_request(chat(logprobs=True), CFG).sampling.logprobs == 0
     assert parse_chat_request(chat(), CFG).sampling.max_tokens is None
     gen = to_generate_request("c", [1] * 100, parse_chat_request(chat(), CFG).sampling, CFG.max_model_len)
-    assert gen.max_tokens == 28  # the rest of the context
+    assert gen.sampling.max_tokens == 28  # the rest of the context
 
 
 # ---- errors ----

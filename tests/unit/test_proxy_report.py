@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from cluster.wire.messages import GenerateRequest, TokenDelta, Usage
+from engine.request.sampling_params import SamplingParams
 from proxy.jobs import Job, Leg
 from proxy.controller_feed import ReportCollector, finished_sample
 
@@ -42,7 +43,7 @@ def test_collector_reports_arrivals_with_ages_and_starts_over() -> None:
 
 
 def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
-    req = GenerateRequest("r1", [1, 2, 3, 4], max_tokens=8, n=2)
+    req = GenerateRequest("r1", [1, 2, 3, 4], SamplingParams(max_tokens=8, n=2))
     job = Job(req, 0)
     leg = Leg(req, asyncio.Queue())
     leg.admission_s, leg.prefill_queue_s, leg.prefill_compute_s, leg.send_wait_s = 0.3, 0.2, 0.1, 0.05
@@ -80,7 +81,8 @@ def test_the_gate_counts_the_prompt_tokens_waiting_for_decode_kv() -> None:
     async def scenario() -> tuple[int, int, int]:
         gate = AdmissionGate(FullPools(), AdmissionConfig(block_size=4, queue_timeout_s=30.0))  # type: ignore[arg-type]
         gate.start()
-        task = asyncio.ensure_future(gate.reserve(ReserveRequest(GenerateRequest("r1", [1] * 10, max_tokens=4), 4)))
+        held = ReserveRequest(GenerateRequest("r1", [1] * 10, SamplingParams(max_tokens=4)), 4)
+        task = asyncio.ensure_future(gate.reserve(held))
         await asyncio.sleep(0.05)
         waiting = (gate.waiting, gate.waiting_prompt_tokens)
         task.cancel()  # the client left: it leaves the queue and the count

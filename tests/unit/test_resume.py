@@ -27,10 +27,9 @@ from tests.factories import EXACT_DTYPE
 def wire_request(rid: str, prompt: list[int], params: SamplingParams, tokens: list[int], chars: int,
                  index: int) -> GenerateRequest:
     """What the proxy sends to resume completion ``index``: the request with n == 1 and the client's progress."""
-    kw = {k: v for k, v in dataclasses.asdict(params).items() if k in {f.name for f in dataclasses.fields(GenerateRequest)}}
-    kw.update(n=1, stop=tuple(params.stop_strings), stop_token_ids=tuple(params.stop_token_ids))
-    return GenerateRequest.from_dict(GenerateRequest(rid, tuple(prompt), resume_token_ids=tuple(tokens),
-                                                     resume_chars=chars, choice_index=index, **kw).to_dict())
+    return GenerateRequest.from_dict(GenerateRequest(rid, tuple(prompt), dataclasses.replace(params, n=1),
+                                                     resume_token_ids=tuple(tokens), resume_chars=chars,
+                                                     choice_index=index).to_dict())
 
 
 def first_run(e: Engines, rid: str, prompt: list[int], params: SamplingParams) -> list[TokenDelta]:
@@ -46,8 +45,8 @@ def first_run(e: Engines, rid: str, prompt: list[int], params: SamplingParams) -
 def resume(e: Engines, rid: str, req: GenerateRequest) -> list[TokenDelta]:
     """Resume ``req`` on the decode engine the way the decode actor does: its own blocks, its tracker."""
     decode = e.decode
-    params = SamplingParams(**req.sampling_kwargs())
-    need = cdiv(len(req.prompt_token_ids) + req.max_tokens, BLOCK)
+    params = req.sampling
+    need = cdiv(len(req.prompt_token_ids) + params.max_tokens, BLOCK)
     blocks = [b.block_id for b in decode.kv.pool.allocate(need)]
     decode.add_request(rid, list(req.prompt_token_ids), params, block_ids=blocks,
                        output_prefix=list(req.resume_token_ids), choice_index=req.choice_index)
@@ -133,13 +132,14 @@ def test_resumed_seeded_and_greedy_sampling_draw_what_the_undisturbed_run_drew(t
 
 
 def test_resume_fields_are_validated() -> None:
-    ok = GenerateRequest("r", (1, 2), max_tokens=4, resume_token_ids=(5, 6), resume_chars=3, choice_index=2)
+    ok = GenerateRequest("r", (1, 2), SamplingParams(max_tokens=4), resume_token_ids=(5, 6), resume_chars=3,
+                         choice_index=2)
     assert ok.resumed and GenerateRequest.from_dict(ok.to_dict()) == ok
-    assert "resume_token_ids" not in ok.sampling_kwargs() and "choice_index" not in ok.sampling_kwargs()
+    assert ok.sampling == SamplingParams(max_tokens=4)
     with pytest.raises(ValueError, match="n"):
-        GenerateRequest("r", (1,), max_tokens=4, n=2, resume_token_ids=(5,))
+        GenerateRequest("r", (1,), SamplingParams(max_tokens=4, n=2), resume_token_ids=(5,))
     with pytest.raises(ValueError, match="resume_token_ids"):
-        GenerateRequest("r", (1,), max_tokens=2, resume_token_ids=(5, 6))
+        GenerateRequest("r", (1,), SamplingParams(max_tokens=2), resume_token_ids=(5, 6))
     with pytest.raises(ValueError, match="resume_chars"):
         GenerateRequest("r", (1,), resume_chars=-1)
     with pytest.raises(ValueError, match="colocated"):

@@ -317,6 +317,7 @@ def test_prefill_hook_builds_no_tensor_per_layer(backend: str, tiny_checkpoint: 
     ids); ``shm``: written in place into a decode cache (source and destination ids), an int8 cache whose scales
     are copied by index, on fake streams: each step ends with the compute stream waiting for its copies."""
     from cluster.wire.messages import GenerateRequest, PrefillRequest, PrefillResult, ReserveGrant
+    from engine.request.sampling_params import SamplingParams
     from cluster.wire.worker_config import WorkerConfig
     from engine import LLM
     from engine.kv.kv_memory import KVLayout
@@ -364,7 +365,7 @@ def test_prefill_hook_builds_no_tensor_per_layer(backend: str, tiny_checkpoint: 
     worker._ship = counted_ship  # the loop looks the hook up at each step
     worker.connector.backend.order_after_writes = logged_order  # at each step's end
     try:
-        req = GenerateRequest("r1", tuple(range(40, 110)), max_tokens=4)
+        req = GenerateRequest("r1", tuple(range(40, 110)), SamplingParams(max_tokens=4))
         grant = ReserveGrant("rsv", "r1", "dc", dst_blocks, endpoint, 60.0)
         result = PrefillResult.from_dict(worker.prefill(PrefillRequest(req, grant).to_dict()))
         if mem is not None:  # every layer's blocks and scales landed in the decode cache (all 9 blocks computed)

@@ -53,9 +53,9 @@ def refused(fn: Any, *args: Any, **kw: Any) -> APIError:
 def test_each_field_becomes_a_grammar_on_the_wire(fields: dict[str, Any], kind: str) -> None:
     for parse, base in ((parse_chat_request, {"messages": MSGS}), (parse_completion_request, {"prompt": "x"})):
         req = parse({**base, **fields}, CFG)
-        assert req.sampling.grammar is not None and req.sampling.grammar[0] == kind
+        assert req.sampling.grammar is not None and req.sampling.grammar.kind == kind
         gen = to_generate_request("r", [1, 2], req.sampling, 512)
-        assert GrammarSpec.of(gen.to_dict()["grammar"]).kind == kind
+        assert GrammarSpec.of(gen.to_dict()["sampling"]["grammar"]).kind == kind
 
 
 def test_text_format_asks_for_nothing() -> None:

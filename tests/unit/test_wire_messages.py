@@ -8,9 +8,10 @@ import pytest
 from cluster.wire.messages import (WIRE_VERSION, AbortRequest, GenerateRequest, PrefillRequest, PrefillResult,
                                    ReserveGrant, ReserveRequest, TokenDelta, Usage, WireVersionError)
 from cluster.wire.telemetry import ActorStats
+from engine.request.sampling_params import SamplingParams
 
-REQ = GenerateRequest("r1", [1, 2, 3], max_tokens=4, stop=["x"], seed=1, logprobs=0, n=2, reply_to="tcp://h:1",
-                      trace_id="abc")
+REQ = GenerateRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4, stop=["x"], seed=1, logprobs=0, n=2,
+                                                      grammar=("regex", "a+")), reply_to="tcp://h:1", trace_id="abc")
 GRANT = ReserveGrant("rsv-1", "r1", "pdcluster-worker-0", [3, 4, 9], "tcp://10.0.0.2:5555", 120.0)
 MESSAGES = [
     REQ,
@@ -57,18 +58,20 @@ def test_unknown_fields_are_ignored_within_a_version() -> None:
     assert GenerateRequest.from_dict({**REQ.to_dict(), "newer_field": 1}) == REQ
 
 
-def test_sampling_kwargs_exclude_routing_fields() -> None:
-    kw = REQ.sampling_kwargs()
-    assert "reply_to" not in kw and "trace_id" not in kw and "request_id" not in kw and kw["n"] == 2
+def test_the_request_carries_the_engine_sampling_type() -> None:
+    back = GenerateRequest.from_dict(msgpack.unpackb(msgpack.packb(REQ.to_dict()), raw=False))
+    assert isinstance(back.sampling, SamplingParams) and back.sampling == REQ.sampling
+    assert back.sampling.stop == ("x",) and back.sampling.grammar == REQ.sampling.grammar
 
 
 @pytest.mark.parametrize("make,field", [
     (lambda: GenerateRequest("", [1]), "request_id"),
     (lambda: GenerateRequest("r", []), "prompt_token_ids"),
     (lambda: GenerateRequest("r", [-1]), "prompt_token_ids"),
-    (lambda: GenerateRequest("r", [1], temperature=-1.0), "temperature"),
-    (lambda: GenerateRequest("r", [1], max_tokens=0), "max_tokens"),
-    (lambda: GenerateRequest("r", [1], stop="x"), "stop"),
+    (lambda: GenerateRequest("r", [1], SamplingParams(temperature=-1.0)), "temperature"),
+    (lambda: GenerateRequest("r", [1], SamplingParams(max_tokens=None)), "sampling.max_tokens"),
+    (lambda: GenerateRequest.from_dict({**REQ.to_dict(), "sampling": {"stop": [""]}}), "sampling.stop"),
+    (lambda: GenerateRequest("r", [1], {"max_tokens": 0}), "sampling.max_tokens"),
     (lambda: GenerateRequest("r", [1], trace_id=5), "trace_id"),
     (lambda: ReserveRequest(REQ, 0), "num_blocks"),
     (lambda: ReserveRequest(REQ, 1, ttl_s=-1.0), "ttl_s"),
