@@ -116,7 +116,8 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) 
 
     From the record's ``counters`` (what each actor measured each interval) when it has them: decode, the actors'
     busy seconds over the steps' cost in ``profile`` at the batch they ran (tokens per step) and the decoded
-    requests' mean context; prefill, busy seconds over ``steps x prefill_step_s + tokens / prefill_tps``. Else from
+    requests' mean context; prefill, busy seconds over ``steps x prefill_step_s + tokens / prefill_tps``, pooled
+    over the windows until a prompt's tokens are counted (a prefill actor counts them when the prompt is done). Else from
     the finished requests, each counted in the window that held the middle of its decode (TPOT: the median over the
     profile's step at the batch the window's observation saw) or of its prefill compute (measured over the
     profile's). A window with nothing measured (or under ``min_samples`` finished requests) keeps the previous
@@ -134,9 +135,13 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) 
 
     windows: list[tuple[float, float | None, float | None]] = []  # (start, decode, prefill); None: not measured
     if len(rec.counters) >= 2:
+        # a prefill actor counts a prompt's tokens when its last chunk is done, but its busy seconds and steps as
+        # they pass: its windows are pooled until tokens come, and the span's factor holds for each of them
+        span: list[int] = []
+        p_busy = p_steps = p_tokens = 0.0
         for (t0, before), (_, now) in zip(rec.counters, rec.counters[1:]):
             prev = {c.actor_id: c for c in before}
-            d_busy = d_model = p_busy = p_model = 0.0
+            d_busy = d_model = 0.0
             for c in now:
                 b = prev.get(c.actor_id)
                 if b is None or b.role != c.role or b.epoch != c.epoch:
@@ -147,10 +152,17 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) 
                 if c.role == "decode" and c.decode_tokens > b.decode_tokens:
                     d_busy += busy
                     d_model += steps * step((c.decode_tokens - b.decode_tokens) / steps)
-                elif c.role == "prefill" and c.prefill_tokens > b.prefill_tokens:
-                    p_busy += busy
-                    p_model += prefill(steps, c.prefill_tokens - b.prefill_tokens, 0.0)
-            windows.append((t0, d_busy / d_model if d_model > 0 else None, p_busy / p_model if p_model > 0 else None))
+                elif c.role == "prefill":
+                    p_busy, p_steps = p_busy + busy, p_steps + steps
+                    p_tokens += max(0.0, c.prefill_tokens - b.prefill_tokens)
+            windows.append((t0, d_busy / d_model if d_model > 0 else None, None))
+            if p_busy > 0:
+                span.append(len(windows) - 1)
+            if p_tokens > 0 and prefill(p_steps, p_tokens, 0.0) > 0:
+                k = p_busy / prefill(p_steps, p_tokens, 0.0)
+                for j in span:
+                    windows[j] = (windows[j][0], windows[j][1], k)
+                span, p_busy, p_steps, p_tokens = [], 0.0, 0.0, 0.0
     elif rec.observations:
         edges = [0.0] + [t for t, _ in rec.observations]
         tpots: list[list[float]] = [[] for _ in rec.observations]

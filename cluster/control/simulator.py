@@ -339,14 +339,15 @@ class Simulation(PoolChanges):
                 t_xf[r] = exposed
                 heappush(events, (done + transfers[r], _JOIN, next(seq), r, 0))
                 continue
-            t, kind, _, x, y = heappop(events)
+            t, kind, _, x, y = events[0]  # a finish that reschedules replaces itself (one heap operation, not two)
             if kind == _FINISH:
                 a = actors[x]
                 if y != a.version or not a.live:
+                    heappop(events)
                     continue  # stale
                 if a.due > t:  # early: joins since it was scheduled moved the finish later (see _JOIN)
                     a.next_t = a.due
-                    heappush(events, (a.due, _FINISH, next(seq), x, y))
+                    heapreplace(events, (a.due, _FINISH, next(seq), x, y))
                     continue
                 b = a.b  # advance: as SimActor.advance
                 if b:
@@ -378,8 +379,9 @@ class Simulation(PoolChanges):
                     a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) / tok
                     left = heap[0][0] - v
                     a.due = a.next_t = due = t + (left if left > 0.0 else 0.0) * step
-                    heappush(events, (due, _FINISH, next(seq), x, a.version))
+                    heapreplace(events, (due, _FINISH, next(seq), x, a.version))  # nothing pushed since the peek
                 else:
+                    heappop(events)
                     a.due = a.next_t = inf
                 heappush(kv_heap, (a.kv_held - a.kv_total, x))  # after the release: as _after_release
                 if len(kv_heap) > kv_cap:
@@ -388,7 +390,9 @@ class Simulation(PoolChanges):
                     self._leave_counted(a, t)
                 if adm_queue:
                     self._admit(t)
-            elif kind == _JOIN:
+                continue
+            heappop(events)
+            if kind == _JOIN:
                 r = x
                 a = actors[owner[r]]
                 a.kv_reserved -= need[r]
