@@ -80,13 +80,14 @@ def make_trace(name: str, workers: int, prof: CostProfile, duration: float, seed
 
 
 def run(trace: Trace, prof: CostProfile, workers: int, policy: str,
-        on_control: Callable | None = None) -> tuple[float, float]:
-    """(attainment, wall seconds) of one simulation."""
+        on_control: Callable | None = None) -> tuple[float, float, float]:
+    """(attainment, wall seconds, CPU seconds of this process) of one simulation: on a shared machine the wall time
+    moves with the other processes' load, the CPU time much less."""
     cfg = prof.controller_config(policy=policy, slo_ttft_s=SLO_TTFT, slo_tpot_s=SLO_TPOT, interval_s=INTERVAL,
                                  budget=workers)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     r = Simulation(trace, prof, cfg, workers, on_control=on_control).run()
-    return float(r.ok.mean()), time.perf_counter() - t0
+    return float(r.ok.mean()), time.perf_counter() - t0, time.process_time() - c0
 
 
 def ideal_prefill(trace: Trace, prof: CostProfile, workers: int) -> int:
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
           f"average at start {la:.1f} on {os.cpu_count()} CPUs\n")
     print(f"{'workload':<11} {'workers':>7} {'policy':<22} {'mean':>6} {'min':>6} {'max':>6}  notes")
     misses: list[str] = []
-    slowest = 0.0
+    slowest = slowest_cpu = 0.0
     per_worker: dict[str, float] = {}
     for w in (int(x) for x in args.workers.split(",")):
         for name in args.workloads.split(","):
@@ -160,14 +161,15 @@ def main(argv: list[str] | None = None) -> None:
                 true: list[float] = []
 
                 def window(now: float, obs: object, _: object, tr: Trace = trace) -> None:
-                    sel = (tr.t >= now - INTERVAL) & (tr.t < now)
-                    if sel.any():
+                    # the window's arrivals (times sorted): two binary searches, not two scans of a million times
+                    lo, hi = np.searchsorted(tr.t, (now - INTERVAL, now), side="left")
+                    if hi > lo:
                         pred.append(obs.mean_output_tokens)  # type: ignore[attr-defined]
-                        true.append(float(tr.output[sel].mean()))
+                        true.append(float(tr.output[lo:hi].mean()))
 
-                a, wall = run(trace, prof, w, "adaptive", window)
+                a, wall, cpu = run(trace, prof, w, "adaptive", window)
                 if w >= 1000:
-                    slowest = max(slowest, wall)
+                    slowest, slowest_cpu = max(slowest, wall), max(slowest_cpu, cpu)
                 errs.append(predict.error(pred, true)["relative"])
                 rows["adaptive"].append(a)
                 rows["throughput"].append(run(trace, prof, w, "throughput")[0])
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     print("goal adaptive >= best fixed - 1 point, >= 95% where best fixed >= 97%: "
           + ("met everywhere" if not misses else "MISSED: " + "; ".join(misses)))
     if slowest:
-        print(f"slowest 1,000-worker adaptive hour: {slowest:.1f} s (goal <= {GOAL_SIM_S:.0f} s)")
+        print(f"slowest 1,000-worker adaptive run: {slowest_cpu:.1f} s CPU, {slowest:.1f} s wall (goal <= "
+              f"{GOAL_SIM_S:.0f} s; the best-fixed sweep's runs not counted)")
     la = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"load average at the end: {la:.1f}")
 

@@ -164,15 +164,30 @@ def main() -> int:
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
 
-    from cluster.control.calibrate import calibrate
+    from cluster.control.calibrate import calibrate, speed_over_time
 
     rec = rows[0][1]
     base = CostProfile.load(DEFAULT_PROFILE)
     # the checked-in profile, then calibrated from the record with prefill per request, then as the engine's steps
-    # of max_num_batched_tokens (BUDGET_TOKENS, as one_run starts the workers; issue 47)
-    for profile in (base, calibrate(rec, base), calibrate(rec, base, BUDGET_TOKENS)):
-        result, _ = replay(rec, profile)
-        print("\n" + format_report(side_by_side(rec, result, profile)))
+    # of max_num_batched_tokens (BUDGET_TOKENS, as one_run starts the workers; issue 47); each calibrated one for the
+    # whole run and then interval by interval (the machine's speed over the run, from the actors' counters)
+    summary = []
+    for label, profile, over_time in (("checked-in profile", base, False),
+                                      ("calibrated, per request", calibrate(rec, base), False),
+                                      ("calibrated, engine steps", calibrate(rec, base, BUDGET_TOKENS), False),
+                                      ("engine steps, speed over time", calibrate(rec, base, BUDGET_TOKENS), True)):
+        speed = speed_over_time(rec, profile) if over_time else []
+        result, _ = replay(rec, profile, speed)
+        report = side_by_side(rec, result, profile)
+        print(f"\n{label}" + (f" ({len(speed)} speed changes, from the actors' counters)" if rec.counters and speed
+                               else f" ({len(speed)} speed changes, from the finished requests)" if speed else ""))
+        print(format_report(report))
+        summary.append((label, report["simulated"]["slo_attainment"], report["live"]["slo_attainment"]))
+    print("\nreplay vs live attainment (goal: within 5 points):")
+    for label, sim, live in summary:
+        if sim is not None and live is not None:
+            gap = abs(sim - live)
+            print(f"  {label:32} {sim:6.1%} vs live {live:6.1%}: {gap * 100:4.1f} pt {'met' if gap <= 0.05 else 'MISS'}")
     return 0
 
 

@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prefill-budget", type=int, default=0, metavar="TOKENS",
                    help="--replay of a live record: the workers' max_num_batched_tokens, so the calibrated profile "
                         "prefills as the engine's steps do (several prompts share a step's budget and fixed cost)")
+    s.add_argument("--one-speed", action="store_true",
+                   help="--replay of a live record: one calibration for the whole run (default: the machine's speed "
+                        "interval by interval, from the actors' recorded counters or the finished requests)")
     s.add_argument("--speculative", default=None, metavar="A:K[:BUDGET[:DISABLE_AT]]",
                    help="decode with speculation: each draft accepted with probability A, K drafts per request, the "
                         "engine's verify_budget_tokens (default 16) and disable_by_batch_size (0: none); a generated "
@@ -56,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from cluster.control.calibrate import calibrate
+    from cluster.control.calibrate import calibrate, speed_over_time
     from cluster.control.record import read_record
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
@@ -67,9 +70,11 @@ def _replay(args: argparse.Namespace) -> int:
             profile = CostProfile.load(args.profile or DEFAULT_PROFILE)
         else:
             profile = CostProfile(**rec.profile)
+        speed: list[tuple[float, float, float]] = []
         if rec.source == "live" and not args.profile:  # the machine it ran on, from what the record measured
             profile = calibrate(rec, profile, args.prefill_budget)
-        result, _ = replay(rec, profile)
+            speed = [] if args.one_speed else speed_over_time(rec, profile)
+        result, _ = replay(rec, profile, speed)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ has it; ``source`` says what was calibrated.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -106,3 +107,105 @@ def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
     err_b = sum((y - k * b_only) ** 2 for _, k, y in samples)
     # on a tie (every sample one step of the same size) the step's fixed cost: a small prompt's is all fixed cost
     return (max(0.0, a_only), 0.0) if err_a <= err_b + 1e-12 else (0.0, max(0.0, b_only))
+
+
+def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) -> list[tuple[float, float, float]]:
+    """``(t, decode, prefill)`` from each recorded window on: how much slower than ``profile`` (already calibrated
+    from the whole record, or not) the machine ran then, as :class:`~cluster.control.simulator.Simulation`'s
+    ``speed`` takes it; a machine whose load changed during the run is replayed as it was. Pure.
+
+    From the record's ``counters`` (what each actor measured each interval) when it has them: decode, the actors'
+    busy seconds over the steps' cost in ``profile`` at the batch they ran (tokens per step) and the decoded
+    requests' mean context; prefill, busy seconds over ``steps x prefill_step_s + tokens / prefill_tps``, pooled
+    over the windows until a prompt's tokens are counted (a prefill actor counts them when the prompt is done). Else from
+    the finished requests, each counted in the window that held the middle of its decode (TPOT: the median over the
+    profile's step at the batch the window's observation saw) or of its prefill compute (measured over the
+    profile's). A window with nothing measured (or under ``min_samples`` finished requests) keeps the previous
+    factor; the first measured one also covers the time before it; none at all: ``[]`` (the profile as it is)."""
+    done = [f.sample for f in rec.finished]
+    decoded = [s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
+    ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in decoded) if decoded else 0.0
+
+    def step(batch: float) -> float:
+        b = min(float(profile.max_batch), max(1.0, batch))
+        return profile.decode_base_s + profile.decode_per_seq_s * b + profile.decode_per_kv_token_s * ctx * b
+
+    def prefill(steps: float, tokens: float, requests: float) -> float:
+        return steps * profile.prefill_step_s + tokens / profile.prefill_tps + requests * profile.prefill_overhead_s
+
+    windows: list[tuple[float, float | None, float | None]] = []  # (start, decode, prefill); None: not measured
+    if len(rec.counters) >= 2:
+        # a prefill actor counts a prompt's tokens when its last chunk is done, but its busy seconds and steps as
+        # they pass: its windows are pooled until tokens come, and the span's factor holds for each of them
+        span: list[int] = []
+        p_busy = p_steps = p_tokens = 0.0
+        for (t0, before), (_, now) in zip(rec.counters, rec.counters[1:]):
+            prev = {c.actor_id: c for c in before}
+            d_busy = d_model = 0.0
+            for c in now:
+                b = prev.get(c.actor_id)
+                if b is None or b.role != c.role or b.epoch != c.epoch:
+                    continue
+                busy, steps = c.busy_s - b.busy_s, c.steps - b.steps
+                if busy <= 0 or steps <= 0:
+                    continue
+                if c.role == "decode" and c.decode_tokens > b.decode_tokens:
+                    d_busy += busy
+                    d_model += steps * step((c.decode_tokens - b.decode_tokens) / steps)
+                elif c.role == "prefill":
+                    p_busy, p_steps = p_busy + busy, p_steps + steps
+                    p_tokens += max(0.0, c.prefill_tokens - b.prefill_tokens)
+            windows.append((t0, d_busy / d_model if d_model > 0 else None, None))
+            if p_busy > 0:
+                span.append(len(windows) - 1)
+            if p_tokens > 0 and prefill(p_steps, p_tokens, 0.0) > 0:
+                k = p_busy / prefill(p_steps, p_tokens, 0.0)
+                for j in span:
+                    windows[j] = (windows[j][0], windows[j][1], k)
+                span, p_busy, p_steps, p_tokens = [], 0.0, 0.0, 0.0
+    elif rec.observations:
+        edges = [0.0] + [t for t, _ in rec.observations]
+        tpots: list[list[float]] = [[] for _ in rec.observations]
+        p_meas = [0.0] * len(rec.observations)
+        p_mod = [0.0] * len(rec.observations)
+        p_n = [0] * len(rec.observations)
+        budget = profile.prefill_budget_tokens
+
+        def window(t: float) -> int:
+            return min(len(rec.observations) - 1, max(0, bisect.bisect_right(edges, t) - 1))
+
+        for f in rec.finished:
+            s = f.sample
+            decode_s = s.tpot_s * max(0, s.output_tokens - 1)
+            if s.output_tokens > 1 and s.tpot_s > 0:
+                tpots[window(f.t - decode_s / 2)].append(s.tpot_s)
+            tokens = s.prompt_tokens - s.cached_tokens
+            if s.prefill_compute_s > 0 and tokens > 0:
+                mid = f.t - decode_s - s.ttft_s + s.admission_wait_s + s.prefill_queue_s + s.prefill_compute_s / 2
+                w = window(mid)
+                p_meas[w] += s.prefill_compute_s
+                p_mod[w] += prefill(math.ceil(tokens / budget) if budget > 0 else 0, tokens, 1.0 if budget <= 0 else 0.0)
+                p_n[w] += 1
+        for j, (_, obs) in enumerate(rec.observations):
+            depths = [a.queue_depth for a in obs.live("decode") if a.queue_depth > 0]
+            batch = sum(d * d for d in depths) / sum(depths) if depths else 1.0
+            dk = statistics.median(tpots[j]) / step(batch) if len(tpots[j]) >= min_samples else None
+            pk = p_meas[j] / p_mod[j] if p_n[j] >= min(min_samples, 2) and p_mod[j] > 0 else None
+            windows.append((edges[j], dk, pk))
+    return _held(windows)
+
+
+def _held(windows: list[tuple[float, float | None, float | None]]) -> list[tuple[float, float, float]]:
+    """Fill the unmeasured (None) factors: the previous window's, before the first measured one that one's; drop
+    windows that change nothing. Pure."""
+    first_d = next((d for _, d, _ in windows if d is not None), None)
+    first_p = next((p for _, _, p in windows if p is not None), None)
+    if first_d is None and first_p is None:
+        return []
+    d, p = first_d or 1.0, first_p or 1.0
+    out: list[tuple[float, float, float]] = []
+    for k, (t, dk, pk) in enumerate(windows):
+        d, p = dk if dk is not None else d, pk if pk is not None else p
+        if not out or (out[-1][1], out[-1][2]) != (d, p):
+            out.append((0.0 if k == 0 else t, d, p))
+    return out

@@ -37,7 +37,8 @@ from cluster.control import budget
 from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide
 from cluster.control.observe import (ActorCounters, ObserverConfig, ObserverState, build, demand_from_reports,
                              observation_summary)
-from cluster.control.record import (RecordWriter, decision_fields, header_fields, observation_fields, report_records)
+from cluster.control.record import (RecordWriter, counters_fields, decision_fields, header_fields, observation_fields,
+                                   report_records)
 from cluster.wire.worker_config import WorkerConfig
 from cluster.wire.telemetry import ProxyReport, WorkerStats
 from cluster.wire.names import NAMESPACE, WORKER_PREFIX, worker_names
@@ -328,6 +329,9 @@ class PoolManager:
             reports, self._reports = self._reports, []
         demand = demand_from_reports(reports, self.controller.slo_ttft_s, self.controller.slo_tpot_s)
         obs, self._observed = build(now, counters, demand, self.observer, self._observed)
+        recorder = self._recorder
+        if recorder is not None:  # what each actor measured this window: a replay calibrates each interval from it
+            recorder.write("counters", now - recorder.t0, counters_fields(counters))
         return obs
 
     def _auto_loop(self) -> None:

@@ -16,6 +16,11 @@ header; every other kind may come in any order (a reader sorts by ``t``). Versio
 - ``rejected``: ``count`` requests a proxy refused with 429 since its last report, and ``failed`` that failed
   otherwise (5xx, an error mid-stream, 499; absent: 0);
 - ``observation``: the :class:`~cluster.control.controller.Observation` the controller decided on (``observation``);
+- ``counters``: every actor's :class:`~cluster.control.observe.ActorCounters` as the window read them (``actors``:
+  cumulative tokens, busy seconds and steps, and gauges; live only, the first window's baselines included): what
+  each actor measured over each interval, so a replay can run the machine at the speed it had then
+  (:func:`cluster.control.calibrate.speed_over_time`; a record without them is calibrated from its finished
+  requests);
 - ``decision``: every decision, holds included: ``n_prefill``, ``n_decode``, ``add``, ``drain``, ``flip``,
   ``reason``, ``changes`` (it changes something), ``applied`` (False in a dry run or for a hold), ``manual``
   (``pdcluster scale``);
@@ -37,11 +42,11 @@ from pathlib import Path
 from typing import Any
 
 from cluster.control.controller import ActorObservation, ControllerConfig, Decision, Observation
-from cluster.control.observe import ObserverConfig
+from cluster.control.observe import ActorCounters, ObserverConfig
 from cluster.wire.telemetry import FinishedSample, ProxyReport
 
 RECORD_VERSION = 1
-KINDS = ("header", "arrival", "finished", "rejected", "observation", "decision", "pools", "end")
+KINDS = ("header", "arrival", "finished", "rejected", "observation", "decision", "pools", "end", "counters")
 _FINISHED_FIELDS = tuple(f.name for f in dataclasses.fields(FinishedSample))
 
 
@@ -82,6 +87,11 @@ def decision_fields(d: Decision, applied: bool, manual: bool = False) -> dict[st
     return {"n_prefill": d.n_prefill, "n_decode": d.n_decode, "add": list(d.add), "drain": list(d.drain),
             "flip": [list(f) for f in d.flip], "reason": d.reason, "changes": d.changes,
             "applied": bool(applied and d.changes), "manual": manual}
+
+
+def counters_fields(counters: list[ActorCounters]) -> dict[str, Any]:
+    """Every actor's counters at one window as a record's fields. Pure."""
+    return {"actors": [dataclasses.asdict(c) for c in counters]}
 
 
 def observation_fields(obs: Observation) -> dict[str, Any]:
@@ -131,6 +141,7 @@ class Recording:
     end_t: float  # the last time in the record
     truncated: bool = False  # its last line was cut off (ignored)
     failed: tuple[tuple[float, int], ...] = ()  # (t, count): failed otherwise (5xx, mid-stream errors, 499)
+    counters: tuple[tuple[float, tuple[ActorCounters, ...]], ...] = ()  # (t, every actor's counters then)
 
 
 def parse_record(lines: list[str], name: str = "record") -> Recording:
@@ -166,6 +177,7 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ValueError(f"{name}:1: a bad header: {e}") from None
     arrivals, finished, rejected, failed, observations, decisions, pools = [], [], [], [], [], [], []
+    counters: list[tuple[float, tuple[ActorCounters, ...]]] = []
     end_t = 0.0
     for i, row in sorted(rows[1:], key=lambda r: (r[1]["t"], r[0])):
         kind, t = row["kind"], float(row["t"])
@@ -188,13 +200,15 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
                 decisions.append(row)
             elif kind == "pools":
                 pools.append((t, int(row["prefill"]), int(row["decode"])))
+            elif kind == "counters":
+                counters.append((t, tuple(ActorCounters(**a) for a in row["actors"])))
             elif kind == "header":
                 raise ValueError("a second header")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{name}:{i}: a bad {kind} record: {e}") from None
     return Recording(str(head.get("source", "")), controller, observer, initial, bool(head.get("dry_run")),
                      head.get("profile"), tuple(arrivals), tuple(finished), tuple(rejected), tuple(observations),
-                     tuple(decisions), tuple(pools), end_t, truncated, tuple(failed))
+                     tuple(decisions), tuple(pools), end_t, truncated, tuple(failed), tuple(counters))
 
 
 def read_record(path: str | Path) -> Recording:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +74,15 @@ def live_attainment(rec: Recording) -> dict[str, Any]:
             "slo_attainment": round(met / judged, 4) if judged else None}
 
 
-def replay(rec: Recording, profile: CostProfile) -> tuple[SimResult, Trace]:
-    """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured.
-    Pure (deterministic)."""
+def replay(rec: Recording, profile: CostProfile,
+           speed: Sequence[tuple[float, float, float]] = ()) -> tuple[SimResult, Trace]:
+    """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured;
+    ``speed``: the machine's speed over the run (:func:`cluster.control.calibrate.speed_over_time`). Pure
+    (deterministic)."""
     trace = trace_from_recording(rec)
     sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer,
-                     baseline_first=rec.source == "live")  # live, the manager's first step takes baselines only
+                     baseline_first=rec.source == "live",  # live, the manager's first step takes baselines only
+                     speed=speed)
     return sim.run(), trace
 
 

@@ -24,6 +24,7 @@ def window_demand(sim: Simulation, upto: int) -> Demand:
     idx = np.asarray(done, dtype=np.int64)
     t, out = tr.t[idx], tr.output[idx]
     first, last, t_adm = take(sim.first, done), take(sim.last, done), take(sim.t_adm, done)
+    compute = take(sim.t_pc, done)
     ttft = first - t
     tpot = (last - first) / np.maximum(1, out - 1)
     cls = sim._class[idx]
@@ -36,9 +37,9 @@ def window_demand(sim: Simulation, upto: int) -> Demand:
         ttft_met=int((ttft <= cfg.slo_ttft_s).sum()), tpot_met=int((tpot <= cfg.slo_tpot_s).sum()),
         met=int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum()),
         ttft_s=float(ttft.sum()), tpot_s=float(tpot.sum()), admission_wait_s=float((t_adm - t).sum()),
-        prefill_queue_s=float(take(sim.t_pq, done).sum()), prefill_compute_s=float(take(sim.t_pc, done).sum()),
+        prefill_queue_s=float(take(sim.t_pq, done).sum()), prefill_compute_s=float(compute.sum()),
         transfer_s=float(take(sim.t_xf, done).sum()),
-        unfixable=int((take(sim.t_pc, done) > cfg.slo_ttft_s).sum()),
+        unfixable=int((compute > cfg.slo_ttft_s).sum()),
         arrivals_by_class=tuple(np.bincount(sim._class[lo:upto], minlength=CLASSES).astype(float).tolist()),
         finished_by_class=tuple(np.bincount(cls, minlength=CLASSES).astype(float).tolist()),
         finished_output_by_class=tuple(np.bincount(cls, out, minlength=CLASSES).tolist()))

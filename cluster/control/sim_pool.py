@@ -59,7 +59,7 @@ class PoolChanges:
     def _control(self: Simulation, now: float, upto: int) -> None:
         bounded = self.kv_total < UNBOUNDED
         # the rate a prefill actor's formed work drains at (the step model: full steps, fixed cost included)
-        rate = 1.0 / self.step_per_token if self.step_mode else self.prof.prefill_tps
+        rate = 1.0 / self.step_per_token if self.step_mode else self.p_tps
         counters = [a.counters(now, rate, bounded) for a in self.actors if a.live]
         self._expire(now)
         obs, self.obs_state = build(now, counters, window_demand(self, upto), self.obs_cfg, self.obs_state, self.pending)

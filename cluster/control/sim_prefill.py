@@ -34,10 +34,9 @@ JOIN, STEP = 0, 5  # the simulator's event kinds this module pushes (cluster.con
 
 def per_request(sim: Simulation, a: SimActor, r: int, now: float) -> None:
     """The per-request model: ``r`` queues on ``a`` (the top of the prefill heap) and is prefilled alone."""
-    prof = sim.prof
     p = sim._pf[r]
     start = a.free_at if a.free_at > now else now
-    work = p / prof.prefill_tps + prof.prefill_overhead_s
+    work = p / sim.p_tps + sim.p_over
     done = start + work
     a.free_at = done
     a.p_tokens += p
@@ -70,7 +69,7 @@ def form(sim: Simulation, a: SimActor, now: float) -> None:
     """Form ``a``'s next steps from its queue at ``now`` (idle, or the end of its last formed step): every full step
     at once, a partial one only when it starts now; a partial one that starts later becomes a step event then."""
     a.p_step_due = False
-    budget, step_s, tps = sim.prof.prefill_budget_tokens, sim.prof.prefill_step_s, sim.prof.prefill_tps
+    budget, step_s, tps = sim.prof.prefill_budget_tokens, sim.p_step_s, sim.p_tps  # the profile's, or as ``speed`` says
     q, p_all, t_pq, t_adm = a.pq, sim._pf, sim.t_pq, sim.t_adm
     t = a.p_end if a.p_end > now else now
     while a.p_queued > 0:

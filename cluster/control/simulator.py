@@ -38,7 +38,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ from cluster.control.sim_model import CostProfile, Trace
 from cluster.control.sim_pool import PoolChanges
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
-_JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP = 0, 1, 2, 3, 4, 5  # event kinds (sim_pool, sim_prefill)
+_JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP, _SPEED = 0, 1, 2, 3, 4, 5, 6  # event kinds (sim_pool, sim_prefill)
 
 
 class Simulation(PoolChanges):
@@ -61,11 +61,14 @@ class Simulation(PoolChanges):
     def __init__(self, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
                  initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
                  on_control: Callable[[float, Observation, Decision], None] | None = None,
-                 baseline_first: bool = False) -> None:
+                 baseline_first: bool = False, speed: Sequence[tuple[float, float, float]] = ()) -> None:
         """``observer``: how observations are built (default: seeded from ``profile``; a replay passes the recorded
         one); ``on_control``: called with every window's observation and decision, holds included (a record);
         ``baseline_first``: the first window only takes the actors' counters as baselines, as the live pool manager's
-        first step does (a live record's replay), instead of counting from t=0."""
+        first step does (a live record's replay), instead of counting from t=0; ``speed``: ``(t, decode, prefill)``
+        in time order: from ``t`` on, decode steps take ``decode`` times the profile's and prefill compute
+        ``prefill`` times (a replay of a machine whose speed changed during the run:
+        :func:`cluster.control.calibrate.speed_over_time`); empty: the profile's all along."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
         self.on_control = on_control
         rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
@@ -79,6 +82,11 @@ class Simulation(PoolChanges):
         self.step_mode = budget_tokens > 0  # the engine's chunked-prefill steps (sim_prefill), else per request
         # seconds per prompt token in full steps: the prefill queue's value when a proxy picks an actor
         self.step_per_token = (profile.prefill_step_s + budget_tokens / profile.prefill_tps) / max(1, budget_tokens)
+        # prefill's costs now (sim_prefill reads them): the profile's, scaled from each ``speed`` change on
+        self.p_tps, self.p_step_s, self.p_over = profile.prefill_tps, profile.prefill_step_s, profile.prefill_overhead_s
+        self.speed = [(float(t), float(d), float(p)) for t, d, p in speed]
+        if any(d <= 0 or p <= 0 or not (math.isfinite(d) and math.isfinite(p)) for _, d, p in self.speed):
+            raise ValueError("speed: every decode and prefill factor must be a finite number > 0")
         self.actors: list[SimActor] = []
         for role, n in zip(("prefill", "decode"), sizes):
             for _ in range(n):
@@ -118,6 +126,8 @@ class Simulation(PoolChanges):
         self.timeline: list[dict] = []
         self.decisions: list[dict] = []
         self.pending = 0
+        for k, (t, _, _) in enumerate(self.speed):
+            self._push(max(0.0, t), _SPEED, k)
         self.mark = 0  # first request of the controller's window (arrivals)
         self.window_done: list[int] = []  # requests that finished in the window
 
@@ -253,7 +263,7 @@ class Simulation(PoolChanges):
         positions, tokens = (list(x) for x in zip(*(prof.spec.step(b) for b in range(max_batch + 1))))  # per batch
         # per-request constants of prefill and transfer, computed once for the whole trace
         p_arr, computed = self.trace.prompt, self._pf
-        works = (self.trace.computed() / ptps + pover).tolist()
+        works = works0 = (self.trace.computed() / ptps + pover).tolist()
         transfers = (p_arr * kvb / link).tolist()
         exposeds = (p_arr * kvb / link * expo).tolist()
         interval, step_mode = cfg.interval_s, self.step_mode
@@ -329,14 +339,15 @@ class Simulation(PoolChanges):
                 t_xf[r] = exposed
                 heappush(events, (done + transfers[r], _JOIN, next(seq), r, 0))
                 continue
-            t, kind, _, x, y = heappop(events)
+            t, kind, _, x, y = events[0]  # a finish that reschedules replaces itself (one heap operation, not two)
             if kind == _FINISH:
                 a = actors[x]
                 if y != a.version or not a.live:
+                    heappop(events)
                     continue  # stale
                 if a.due > t:  # early: joins since it was scheduled moved the finish later (see _JOIN)
                     a.next_t = a.due
-                    heappush(events, (a.due, _FINISH, next(seq), x, y))
+                    heapreplace(events, (a.due, _FINISH, next(seq), x, y))
                     continue
                 b = a.b  # advance: as SimActor.advance
                 if b:
@@ -368,8 +379,9 @@ class Simulation(PoolChanges):
                     a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) / tok
                     left = heap[0][0] - v
                     a.due = a.next_t = due = t + (left if left > 0.0 else 0.0) * step
-                    heappush(events, (due, _FINISH, next(seq), x, a.version))
+                    heapreplace(events, (due, _FINISH, next(seq), x, a.version))  # nothing pushed since the peek
                 else:
+                    heappop(events)
                     a.due = a.next_t = inf
                 heappush(kv_heap, (a.kv_held - a.kv_total, x))  # after the release: as _after_release
                 if len(kv_heap) > kv_cap:
@@ -378,7 +390,9 @@ class Simulation(PoolChanges):
                     self._leave_counted(a, t)
                 if adm_queue:
                     self._admit(t)
-            elif kind == _JOIN:
+                continue
+            heappop(events)
+            if kind == _JOIN:
                 r = x
                 a = actors[owner[r]]
                 a.kv_reserved -= need[r]
@@ -422,6 +436,23 @@ class Simulation(PoolChanges):
                 a = actors[x]
                 if a.draining and a.role == "prefill":
                     self._drain_check(a, t)
+            elif kind == _SPEED:  # the machine's speed changed: every running decode actor goes on at the new step
+                _, kd, kp = self.speed[x]
+                base, per_seq, per_kv = prof.decode_base_s * kd, prof.decode_per_seq_s * kd, \
+                    prof.decode_per_kv_token_s * kd
+                self.p_tps, self.p_step_s, self.p_over = ptps / kp, prof.prefill_step_s * kp, pover * kp
+                self.step_per_token = ((self.p_step_s + prof.prefill_budget_tokens / self.p_tps)
+                                       / max(1, prof.prefill_budget_tokens))
+                works = [w * kp for w in works0]
+                for a in actors:
+                    if a.live and a.role == "decode" and a.b:
+                        a.advance(t)
+                        b = a.b
+                        a.step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * a.v - a.sum_vj)) / tokens[b]
+                        left = a.heap[0][0] - a.v
+                        a.version += 1
+                        a.due = a.next_t = t + (left if left > 0.0 else 0.0) * a.step
+                        heappush(events, (a.due, _FINISH, next(seq), a.aid, a.version))
             elif kind == _RETRY:  # an admitted request that found no prefill actor
                 a = self._route_prefill()
                 if a is None:

@@ -105,6 +105,8 @@ def test_the_controller_follows_the_load_mix_recorded_and_replayed(tmp_path: Pat
         load is not None and int(load[1]) > 10 * int(load[2])), changes[1]["reason"]
     assert all(d["applied"] for d in changes) and all(d["reason"] for d in rec.decisions)
     assert len(rec.observations) == len(rec.decisions)  # every window's decision is logged, holds included
+    # every window's actor counters too, the first window's baselines included: a replay's speed over time
+    assert len(rec.counters) == len(rec.observations) + 1 and all(len(cs) == 3 for _, cs in rec.counters)
     # each move came within three controller windows of its phase's first request (counted in windows on the
     # manager's clock: the first, partial window plus three)
     starts = (min(a.t for a in rec.arrivals if a.prompt_tokens < 200),
