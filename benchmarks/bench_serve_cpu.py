@@ -2,7 +2,7 @@
 
     python benchmarks/bench_serve_cpu.py [--systems inproc,colocated,disaggregated,vllm] [--num-requests 48]
         [--concurrency 16] [--input-len 512] [--output-len 96] [--pd-args "--dtype bfloat16"] [--json out.json]
-        [--before TREE --systems colocated@before,colocated,...]
+        [--before TREE [--before-args ARGS] --systems colocated@before,colocated,...]
 
 On a machine shared with other work, output tok/s measures the share of the cores a server got as much as the
 server; the CPU time each process and thread used for the same work does not. Each system runs alone, one after the
@@ -15,7 +15,7 @@ other, on the same workload (random prompts of ``--input-len`` tokens, ``--outpu
   defaults plus ``--pd-args``) driven by ``pdcluster bench``;
 - ``vllm``: vLLM's CPU build at its defaults, the same way (skipped when its venv is missing);
 - ``colocated@before`` / ``disaggregated@before``: the same server from another tree (``--before``, e.g. a worktree
-  of main), to compare a change with what it changes in one run.
+  of main) with ``--before-args`` (default ``--pd-args``), to compare a change, or two flag sets, in one run.
 
 For a server it reads ``/proc`` before and after the load: the CPU seconds of every process the server started and of
 each of their threads, grouped (engine threads, the actors' other threads, proxies, Ray's own processes; vLLM's
@@ -114,7 +114,8 @@ def run_server(kind: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     system, _, tree = kind.partition("@")  # "colocated@before": the server of --before's tree
-    cmd, env = server_command(system, port, args.vllm_python, [], shlex.split(args.pd_args))
+    pd_args = args.pd_args if not tree or args.before_args is None else args.before_args
+    cmd, env = server_command(system, port, args.vllm_python, [], shlex.split(pd_args))
     cwd = None
     if tree:
         if system == "vllm" or tree != "before" or not args.before:
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="")
     p.add_argument("--before", default="", help="another pdcluster tree (e.g. a worktree of main): the systems "
                    "colocated@before and disaggregated@before run their servers from it, in the same run")
+    p.add_argument("--before-args", default=None, help="pdcluster's arguments for the @before systems (default: "
+                   "--pd-args); with --before naming this tree, compares two flag sets in one run")
     p.add_argument("--inproc-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.inproc_child:
