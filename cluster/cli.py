@@ -159,7 +159,6 @@ def serve_config(args: argparse.Namespace, environ: dict[str, str] | None = None
                             kv_host_gib=args.kv_host_gib, kv_disk_dir=args.kv_disk_dir, kv_disk_gib=args.kv_disk_gib,
                             kv_disk_integrity=args.kv_disk_integrity,
                             kv_prefill_tokens_per_s=args.kv_prefill_tokens_per_s,
-                            prefill_step_tokens=args.prefill_step_tokens,
                             prefill_tp=prefill_tp, decode_tp=decode_tp, tp_kv_cache=tp_kv_cache(args),
                             speculative_config=args.speculative_config),
         decode=args.decode, prefill=args.prefill, mode=args.mode, kv_backend=args.kv_backend, host=args.host,
@@ -402,9 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-disk-integrity", choices=("payload_mac", "blake2b"), default="blake2b",
                     help="how L3 block files are checked on read: keyed BLAKE2b (default; ~8x faster on a CPU) or "
                          "the transfer's payload MAC")
-    sv.add_argument("--prefill-step-tokens", type=int, default=0,
-                    help="the prompt tokens a prefill actor computes in one step at most (0: the engine's step "
-                         "budget, 2048): smaller steps hand each prompt's first token back sooner when several wait")
     sv.add_argument("--kv-prefill-tokens-per-s", type=float, default=0.0,
                     help="K/V tiers: read a tier only while its measured bandwidth loads a block faster than this "
                          "prefill speed computes it (0: always read)")

@@ -55,16 +55,13 @@ def engine_kwargs_for(config: Any, role: str, kv: Any, device_type: str) -> dict
     :class:`~cluster.wire.worker_config.WorkerConfig` ``config`` and the KV transfer config ``kv``, whose engine runs
     on a device of ``device_type`` ("cpu" or "cuda"). A KV cache size left open (None) is :data:`CPU_KV_CACHE_GIB` on
     the CPU (on CUDA the engine sizes it from ``gpu_memory_utilization`` less :func:`transfer_device_bytes`); a
-    prefill engine captures no decode graphs and steps ``config.prefill_step_tokens`` when set (an actor that flips
-    keeps the budget it started with); the tensor-parallel size is the role's (``config.tp_for(role)``: a
+    prefill engine captures no decode graphs; the tensor-parallel size is the role's (``config.tp_for(role)``: a
     colocated actor is a decode one). ``ValueError`` naming ``role`` for an unknown role. Pure."""
     kwargs = config.engine_kwargs()
     kwargs["tensor_parallel_size"] = config.tp_for(role)
     if kwargs["kv_cache_gib"] is None and device_type == "cpu":
         kwargs["kv_cache_gib"] = CPU_KV_CACHE_GIB
     kwargs["decode_graphs"] = role != "prefill"
-    if role == "prefill" and getattr(config, "prefill_step_tokens", 0):
-        kwargs["max_num_batched_tokens"] = config.prefill_step_tokens
     kwargs["reserved_device_bytes"] = transfer_device_bytes(kv) if device_type == "cuda" else 0
     return kwargs
 

@@ -47,9 +47,6 @@ class WorkerConfig:
     kv_cache_gib: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    # a prefill actor's step budget (0: max_num_batched_tokens): smaller steps hand each prompt's first token back
-    # sooner when several queue (docs/serving.md, issue 48)
-    prefill_step_tokens: int = 0
     enable_prefix_caching: bool = True
     num_threads: int = 1  # torch threads per actor (serve picks default_threads when --threads is left out)
     # tensor-parallel ranks of a prefill / a decode actor (a colocated actor is a decode one): the actor's engine
@@ -99,9 +96,6 @@ class WorkerConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads: must be >= 1, got {self.num_threads}")
-        if self.prefill_step_tokens < 0:
-            raise ValueError(f"prefill_step_tokens: must be >= 0 (0: max_num_batched_tokens), got "
-                             f"{self.prefill_step_tokens}")
         for name in TP_ROLES.values():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TP:
@@ -132,6 +126,6 @@ class WorkerConfig:
         d = asdict(self)
         for name in ("reservation_ttl_s", "kv_wait_s", "share_node_gpus", "cluster_secret", *TP_ROLES.values(),
                      "kv_host_gib", "kv_disk_dir", "kv_disk_gib", "kv_disk_integrity",
-                     "kv_prefill_tokens_per_s", "prefill_step_tokens"):
+                     "kv_prefill_tokens_per_s"):
             d.pop(name)
         return d
