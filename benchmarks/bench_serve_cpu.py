@@ -2,6 +2,7 @@
 
     python benchmarks/bench_serve_cpu.py [--systems inproc,colocated,disaggregated,vllm] [--num-requests 48]
         [--concurrency 16] [--input-len 512] [--output-len 96] [--pd-args "--dtype bfloat16"] [--json out.json]
+        [--before TREE [--before-args ARGS] --systems colocated@before,colocated,...]
 
 On a machine shared with other work, output tok/s measures the share of the cores a server got as much as the
 server; the CPU time each process and thread used for the same work does not. Each system runs alone, one after the
@@ -12,7 +13,9 @@ other, on the same workload (random prompts of ``--input-len`` tokens, ``--outpu
   colocated actor, keeping ``--concurrency`` requests in flight (a new one is added before the step after one ends);
 - ``colocated`` / ``disaggregated``: ``pdcluster serve`` (``benchmarks/bench_vs_vllm.py``'s command line, its
   defaults plus ``--pd-args``) driven by ``pdcluster bench``;
-- ``vllm``: vLLM's CPU build at its defaults, the same way (skipped when its venv is missing).
+- ``vllm``: vLLM's CPU build at its defaults, the same way (skipped when its venv is missing);
+- ``colocated@before`` / ``disaggregated@before``: the same server from another tree (``--before``, e.g. a worktree
+  of main) with ``--before-args`` (default ``--pd-args``), to compare a change, or two flag sets, in one run.
 
 For a server it reads ``/proc`` before and after the load: the CPU seconds of every process the server started and of
 each of their threads, grouped (engine threads, the actors' other threads, proxies, Ray's own processes; vLLM's
@@ -110,9 +113,16 @@ def cpu_groups(before: dict[tuple[int, int], tuple[str, str, float]],
 def run_server(kind: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd, env = server_command(kind, port, args.vllm_python, [], shlex.split(args.pd_args))
+    system, _, tree = kind.partition("@")  # "colocated@before": the server of --before's tree
+    pd_args = args.pd_args if not tree or args.before_args is None else args.before_args
+    cmd, env = server_command(system, port, args.vllm_python, [], shlex.split(pd_args))
+    cwd = None
+    if tree:
+        if system == "vllm" or tree != "before" or not args.before:
+            raise ValueError(f"--systems {kind}: only pdcluster's systems run @before, and only with --before TREE")
+        cwd = env["PYTHONPATH"] = str(Path(args.before).resolve())  # python -m puts cwd first: both name the tree
     with open(out / f"{kind}.log", "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_ready(url, proc, args.start_timeout)
             result = out / f"{kind}.json"
@@ -126,7 +136,7 @@ def run_server(kind: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
             wall = time.monotonic() - t0
             groups, load1 = cpu_groups(before, cpu_snapshot(proc.pid)), os.getloadavg()[0]
             actors = []
-            if kind != "vllm":
+            if system != "vllm":
                 with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
                     actors = [{k: a.get(k) for k in ("actor_id", "role", "busy_seconds", "steps", "tokens_generated",
                                                      "prompt_tokens")} for a in json.loads(r.read())["actors"]]
@@ -203,6 +213,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ratios(rows: list[dict[str, Any]]) -> str:
+    """Each pdcluster row's output tok/s and TTFT p50 against vLLM's row of the same run ("" without one). Pure."""
+    ref = next((r for r in rows if r["system"] == "vllm"), None)
+    if ref is None:
+        return ""
+    return "\n".join(f"{r['system']}: {r['output_tok_s'] / ref['output_tok_s']:.2f}x vLLM output tok/s, TTFT p50 "
+                     f"{r['ttft_p50_s'] / ref['ttft_p50_s']:.2f}x" for r in rows if r is not ref)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="inproc,colocated,disaggregated,vllm")
@@ -215,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--point-timeout", type=float, default=1800.0)
     p.add_argument("--json", default="")
+    p.add_argument("--before", default="", help="another pdcluster tree (e.g. a worktree of main): the systems "
+                   "colocated@before and disaggregated@before run their servers from it, in the same run")
+    p.add_argument("--before-args", default=None, help="pdcluster's arguments for the @before systems (default: "
+                   "--pd-args); with --before naming this tree, compares two flag sets in one run")
     p.add_argument("--inproc-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.inproc_child:
@@ -232,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             for a in rows[-1].get("actors", []):
                 print(f"[serve-cpu]   {a}", file=sys.stderr, flush=True)
     print(table(rows))
+    print(ratios(rows))
     print(f"\nmachine: {isa_summary()}; {args.num_requests} requests, {args.concurrency} at once, "
           f"{args.input_len}/{args.output_len}; pdcluster {args.pd_args or 'at its defaults'}")
     if args.json:

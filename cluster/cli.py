@@ -102,14 +102,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def serve_threads(cfg: ServeConfig) -> int:
     """Torch threads per actor (per rank of a tensor-parallel one) for ``serve`` without ``--threads``: this machine's
-    cores but one shared among the rank processes a local cluster may run (``cfg.max_ranks``), or
-    ``--cpus-per-actor`` on an existing cluster."""
+    cores shared among the rank processes a local cluster may run (``cfg.max_ranks``), all of them when its actors
+    are pinned to their own cores (``pins_cpus``), all but one when not; or ``--cpus-per-actor`` on an existing
+    cluster (``cluster.wire.worker_config.default_threads``)."""
     import os
 
+    from cluster.launcher import pins_cpus
     from cluster.wire.worker_config import default_threads
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return default_threads(cpus, cfg.max_ranks, local=not cfg.ray_address, cpus_per_actor=cfg.cpus_per_actor)
+    return default_threads(cpus, cfg.max_ranks, local=not cfg.ray_address, cpus_per_actor=cfg.cpus_per_actor,
+                           pinned=pins_cpus(cfg))
 
 
 def tp_sizes(mode: str, tensor_parallel_size: int | None, prefill_tp: int | None,
@@ -373,8 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "node then move K/V over --kv-fallback instead of writing it in place")
     sv.add_argument("--no-pin-cpus", action="store_true",
                     help="leave the worker actors' engine threads unpinned (by default a local CPU cluster pins each "
-                         "actor's engine thread to its own cores when they all fit: one colocated actor on 2 cores "
-                         "runs on CPU 0, a 1P1D pair on CPUs 0 and 1; pass this when other work shares the machine)")
+                         "actor's engine thread to its own cores when they all fit, and without --threads each "
+                         "actor computes with all of its cores: one colocated actor on 2 cores with 2 threads on "
+                         "CPUs 0-1, a 1P1D pair with 1 each on CPUs 0 and 1; unpinned, serve keeps one core for the "
+                         "rest: 1 thread for a colocated actor on 2 cores; pass this when other work shares the "
+                         "machine)")
     sv.add_argument("--host", default=_serve_default("host"),
                     help="where the proxies serve HTTP (0.0.0.0: every interface)")
     sv.add_argument("--kv-host", default=None,

@@ -266,19 +266,29 @@ def controller_config(cfg: ServeConfig) -> Any:
     return ctrl if cfg.worker.flips_keep_tp else dataclasses.replace(ctrl, flip_s=ctrl.start_s)
 
 
+def pins_cpus(cfg: ServeConfig) -> bool:
+    """Whether ``cfg``'s worker actors are pinned to their own CPUs when they fit: a cluster serve starts on this
+    machine with TP 1, ``pin_cpus`` on and ``PDCLUSTER_PIN_CPUS`` not 0 (other servers share this machine, e.g.
+    parallel test workers, whose first actors would all pin CPU 0). GPUs are decided later, by the placement
+    (``local_cpu_sets``). Reads the environment."""
+    import os
+
+    return cfg.pin_cpus and os.environ.get("PDCLUSTER_PIN_CPUS", "1") != "0" and not cfg.ray_address \
+        and max(cfg.ranks) == 1 and hasattr(os, "sched_getaffinity")
+
+
 def local_cpu_sets(cfg: ServeConfig, placement: Placement) -> list[tuple[int, ...]] | None:
     """The CPUs each worker actor's engine thread is pinned to, in start order (decode actors, then prefill ones), for
     a cluster serve started on this machine, on the CPU, with TP 1, when they all fit in this process's CPUs
-    (``cluster.actor.thread_priority.cpu_sets``); None: not pinned (``pin_cpus`` off, a joined Ray cluster, GPUs,
-    tensor-parallel ranks, more threads than cores, or ``PDCLUSTER_PIN_CPUS=0`` in the environment: other servers share
-    this machine, e.g. parallel test workers, whose first actors would all pin CPU 0). Actors started later (scaling)
-    are not pinned. Reads this process's affinity and environment."""
+    (``cluster.actor.thread_priority.cpu_sets``): ``cfg.worker.num_threads`` each, which ``serve`` without
+    ``--threads`` makes every core split among the actors (a lone colocated actor gets them all). None: not pinned
+    (not ``pins_cpus``, GPUs, more threads than cores). Actors started later (scaling) are not pinned. Reads this
+    process's affinity and environment."""
     import os
 
     from cluster.actor.thread_priority import cpu_sets
 
-    if not cfg.pin_cpus or os.environ.get("PDCLUSTER_PIN_CPUS", "1") == "0" or cfg.ray_address or placement.on_gpu or max(cfg.ranks) > 1 \
-            or not hasattr(os, "sched_getaffinity"):
+    if not pins_cpus(cfg) or placement.on_gpu:
         return None
     actors = cfg.decode + (cfg.prefill if cfg.mode == "disaggregated" else 0)
     return cpu_sets(sorted(os.sched_getaffinity(0)), actors, cfg.worker.num_threads)

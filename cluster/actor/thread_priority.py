@@ -73,9 +73,9 @@ def restore_niceness(proc: Path = Path("/proc")) -> int | None:
 def cpu_sets(allowed: Sequence[int], actors: int, threads_per_actor: int) -> list[tuple[int, ...]] | None:
     """Disjoint CPU sets for the ``actors`` worker actors a local cluster starts, ``threads_per_actor`` CPUs each, in
     start order, from the CPUs this process may run on (``allowed``); None (leave placement to the OS) when they do
-    not all fit. One colocated actor with one thread on two cores gets CPU 0, leaving CPU 1 to the proxies and Ray,
-    as vLLM's CPU build binds its one OpenMP thread to core 0 and reserves core 1 for its frontend; a 1P1D pair gets
-    CPU 0 and CPU 1. Pure."""
+    not all fit. One colocated actor with two threads on two cores (``serve``'s default there) gets CPUs 0-1, with
+    one thread CPU 0 (leaving CPU 1 to the proxies and Ray); a 1P1D pair with one thread each gets CPU 0 and CPU 1.
+    An actor's torch threads are as many as its CPUs (``cluster.wire.worker_config.default_threads``). Pure."""
     cpus = sorted(set(allowed))
     if actors < 1 or threads_per_actor < 1 or actors * threads_per_actor > len(cpus):
         return None

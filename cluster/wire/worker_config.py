@@ -14,20 +14,22 @@ TP_ROLES = {"prefill": "prefill_tp", "decode": "decode_tp"}  # a worker role -> 
 MAX_TP = 64  # EngineConfig.tensor_parallel_size's bound
 
 
-def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float) -> int:
+def default_threads(cpus: int, actors: int, local: bool, cpus_per_actor: float, pinned: bool = False) -> int:
     """Torch threads per worker actor (per rank process of a tensor-parallel actor) when ``serve --threads`` is left
     out. Pure.
 
-    A local cluster (serve started Ray on this machine) keeps one core for everything else on it (the proxies, Ray's
-    own processes, a client) and shares the rest among the ``actors`` it may run, at least one thread each (a
-    tensor-parallel actor counts as its ranks: each rank process runs that many threads): one
-    colocated actor on 2 cores gets 1, on 16 cores 15; a 1P1D pair on 2 cores 1 each. An engine thread that another
-    process preempts stalls its siblings at every matmul (OpenMP waits for all of them), and Ray runs workers at nice
-    15: measured on 2 cores, one colocated actor served 1.26x the output tok/s with 1 thread than with 2 (docs/
-    benchmarks.md). On an existing Ray cluster an actor gets the CPUs Ray reserves for it (``--cpus-per-actor``, at
-    least 1)."""
+    A local cluster whose actors are pinned to their own cores (``pinned``: ``cluster.launcher.pins_cpus``) splits
+    every core among the ``actors`` it may run, at least one thread each, and each actor computes with as many
+    threads as it has cores: one colocated actor on 2 cores gets 2 (pinned to CPUs 0-1), on 16 cores 16; a 1P1D pair
+    on 2 cores 1 each, on 16 cores 8 each; three actors on 2 cores 1 each (not pinned: they do not fit). The proxies
+    and Ray's processes, a few percent of the CPU (docs/serving.md), share the actors' cores. Unpinned, a local
+    cluster keeps one core for everything else and shares the rest: an unpinned engine thread that another process
+    preempts stalls its siblings at every matmul (OpenMP waits for all of them), and the scheduler moves it between
+    cores (measured on 2 cores before pinning, with Ray's nice 15: one colocated actor served 1.26x the output tok/s
+    with 1 thread than with 2, docs/benchmarks.md). On an existing Ray cluster an actor gets the CPUs Ray reserves for
+    it (``--cpus-per-actor``, at least 1)."""
     if local:
-        return max(1, (cpus - 1) // max(1, actors))
+        return max(1, (cpus if pinned else cpus - 1) // max(1, actors))
     return max(1, int(cpus_per_actor))
 
 
