@@ -104,7 +104,7 @@ def test_rendered_cpu_example_serves_a_chat_completion() -> None:
             except OSError:
                 pass
             assert time.monotonic() < deadline, "the proxy never became ready"
-            time.sleep(1)
+            time.sleep(0.25)
         body = json.dumps({"model": vals.get("model", {}).get("servedName", "default"), "temperature": 0,
                            "max_tokens": 16, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
         req = urllib.request.Request(f"{url}/v1/chat/completions", body.encode(), {"Content-Type": "application/json"})

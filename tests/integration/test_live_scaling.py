@@ -134,7 +134,7 @@ def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
             try:  # traffic flows until the controller has acted on it
                 while ray.get(c.manager.counts.remote()) != {"prefill": 2, "decode": 1}:
                     assert time.monotonic() < deadline, ray.get(c.manager.status.remote())
-                    time.sleep(1)
+                    time.sleep(0.25)
             finally:
                 stop.set()
                 for f in loops:

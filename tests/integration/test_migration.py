@@ -145,11 +145,17 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
         reservations = [ray.get(a.stats.remote())["reservations"] for a in c.decode_actors]
         holder = next(i for i, (a, n) in enumerate(zip(c.decode_actors, reservations)) if n)
         busy_errors: list[str] = []
+        turn_two_done = threading.Event()
 
-        def long_answer() -> None:
+        def long_answer() -> None:  # streamed, and hung up once turn 2 is answered: its other tokens prove nothing
             try:
-                client.chat.completions.create(model="default", max_tokens=300, temperature=0, extra_body={
-                    "ignore_eos": True}, messages=[{"role": "user", "content": "Count slowly to one hundred."}])
+                stream = client.chat.completions.create(
+                    model="default", max_tokens=300, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                    messages=[{"role": "user", "content": "Count slowly to one hundred."}])
+                for _ in stream:
+                    if turn_two_done.is_set():
+                        break
+                stream.close()
             except openai.APIError as e:
                 busy_errors.append(str(e))
 
@@ -168,8 +174,13 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
         cached = second.usage.prompt_tokens_details.cached_tokens if second.usage.prompt_tokens_details else 0
         assert first.usage.prompt_tokens > 700 and cached >= 600, (cached, first.usage)
         assert [ray.get(a.stats.remote())["reservations"] for a in c.decode_actors][holder] == reservations[holder] + 2
+        turn_two_done.set()
         busy.join(180)
         assert not busy_errors, busy_errors
+        deadline = time.monotonic() + 30  # the hung-up answer is aborted: phase 1 finds only its own streams running
+        while any(ray.get(a.stats.remote())["running"] for a in c.decode_actors):
+            assert time.monotonic() < deadline, "the abandoned long answer still runs"
+            time.sleep(0.05)
 
         # phase 1: SIGSTOP one actor mid-stream; the proxy stops hearing from it (5 s) and resumes its streams
         questions = [f"Count slowly to {40 + i}." for i in range(4)]

@@ -74,7 +74,7 @@ def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> Non
             except OSError:
                 pass
             assert time.monotonic() < deadline, f"not ready after 300 s:\n{own.log_tail(serve)}"
-            time.sleep(1)
+            time.sleep(0.25)
 
         body = json.dumps({"model": "default", "temperature": 0, "max_tokens": 16,
                            "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
