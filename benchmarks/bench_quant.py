@@ -152,6 +152,17 @@ def reference(folder: Path, wins: list[list[int]], prompts: list[list[int]], tas
     return teacher, greedy
 
 
+def vllm_thread_env(threads: int) -> dict[str, str]:
+    """The environment that runs vLLM's CPU worker on ``threads`` OpenMP threads bound to CPUs 0..threads-1 with no
+    core kept back for its scheduler ({} for 0: its default, which on x86 keeps one core back, so on 2 cores its
+    model runs one thread). Pure."""
+    if threads < 0:
+        raise ValueError(f"threads: must be >= 0, got {threads}")
+    if threads == 0:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
 def run_worker(python: str, job: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run benchmarks/quant_worker.py under ``python`` on ``job``; its result (or the error it died with)."""
     with tempfile.TemporaryDirectory(prefix="bench-quant-") as d:
@@ -159,6 +170,7 @@ def run_worker(python: str, job: dict[str, Any], timeout: float) -> dict[str, An
         jp.write_text(json.dumps(job))
         env = {**os.environ, "PYTHONPATH": str(HERE.parent), "TOKENIZERS_PARALLELISM": "false"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job["kv_gib"]))
+        env.update(vllm_thread_env(int(job.get("threads") or 0)))
         t0 = time.monotonic()
         try:
             proc = subprocess.run([python, str(HERE / "quant_worker.py"), str(jp), str(rp)], env=env,
@@ -214,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--task-tokens", type=int, default=24)
     ap.add_argument("--requests", type=int, default=48, help="the mixed throughput batch (0: no tok/s)")
     ap.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB for each engine")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="compute threads of each engine (ours: num_threads; vLLM: its worker's OpenMP threads bound "
+                         "to CPUs 0..N-1); 0 leaves each engine's default (vLLM keeps a core for its scheduler, so "
+                         "on 2 cores its model runs 1 thread against our 2)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per engine and checkpoint")
     ap.add_argument("--no-float32-row", action="store_true",
                     help="skip our float32 dense row (slow; the reference is transformers' float32 anyway)")
@@ -251,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {base}; activations {dtype}; teacher-forced {len(wins)} windows of {args.window} tokens of "
           f"{TEXT.name} ({sum(len(w) - 1 for w in wins)} predictions); {len(TASKS)} tasks, greedy "
           f"{args.task_tokens} tokens; {len(load)} mixed requests (prompts 16-256, outputs 16-128, "
-          f"{sum(n for _, n in load)} output tokens) all at once", flush=True)
+          f"{sum(n for _, n in load)} output tokens) all at once; threads per engine: "
+          f"{args.threads or 'each default'}", flush=True)
     t0 = time.monotonic()
     ref_teacher, ref_greedy = reference(base, wins, prompts, args.task_tokens, tok.eos_token_id)
     ref_q = teacher_forced(ref_teacher, ref_teacher)
@@ -278,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 job = {"engine": engine, "model": path, "dtype": dt, "windows": wins, "prompts": prompts,
                        "task_tokens": args.task_tokens, "workload": load, "max_model_len": args.window + 256,
-                       "max_num_seqs": max(len(load), len(prompts), len(wins), 1), "kv_gib": args.kv_gib}
+                       "max_num_seqs": max(len(load), len(prompts), len(wins), 1), "kv_gib": args.kv_gib,
+                       "threads": args.threads}
                 r = summarize(run_worker(python, job, args.timeout), ref_teacher, ref_greedy, tok.decode)
             rows[(engine, f"{name}:{dt}")] = r
             print(row_text(engine, name, dt, r, ref_q.perplexity), flush=True)

@@ -4,7 +4,8 @@
 
 JOB holds ``engine`` ("ours" or "vllm"), ``model`` (a folder), ``dtype``, the teacher-forcing ``windows`` (token
 ids), the task ``prompts`` (chat-templated token ids) and ``task_tokens``, the throughput ``workload`` ([prompt ids,
-output length] pairs), ``max_model_len``, ``kv_gib``. RESULT gets ``load_s``, ``teacher`` (per window, per position
+output length] pairs), ``max_model_len``, ``kv_gib``, ``threads`` (0: the engine's default; vLLM's is set
+through its environment by the orchestrator). RESULT gets ``load_s``, ``teacher`` (per window, per position
 after the first: [top-1 id, log-probability of the real token]), ``greedy`` (token ids per task), ``tok_s``,
 ``out_tokens``, ``wall_s``, or ``error`` (the exception, when the checkpoint does not load or run). Both engines get
 the same token ids, so one tokenizer (the orchestrator's) decides every text. Only the standard library is imported
@@ -67,8 +68,9 @@ def run_ours(job: dict[str, Any]) -> dict[str, Any]:
     from engine.request.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
+    threads = {"num_threads": job["threads"]} if job.get("threads") else {}
     llm = LLM(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"], kv_cache_gib=job["kv_gib"],
-              max_num_seqs=job["max_num_seqs"])
+              max_num_seqs=job["max_num_seqs"], **threads)
     res: dict[str, Any] = {"load_s": time.perf_counter() - t0}
     tf = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     outs = llm.generate(job["windows"], tf)

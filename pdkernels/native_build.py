@@ -1,5 +1,6 @@
-"""Building and loading a plain-C++ kernel file as a ``ctypes`` library at first use (a shared helper; the fused
-decode attention of :mod:`pdkernels.cpu_fused_decode` uses it).
+"""Building and loading a plain-C++ kernel file as a ``ctypes`` library at first use (the one builder of our C++
+extensions: the fused decode attention of :mod:`pdkernels.cpu_fused_decode` and the quantized kernels of
+:mod:`pdkernels.quant_fused`).
 
 The source compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, ``is_python_module=False``) into
 ``~/.cache/pdcluster/ext/<name>-<hash>-torch<version>`` (``PDCLUSTER_EXT_CACHE`` overrides the root). The hash covers

@@ -1,5 +1,5 @@
 """The fused CPU kernels of W8A8 and W4A16 (``pdkernels/csrc/quant_fused.cpp``, a C++ extension compiled at first use
-with ``torch.utils.cpp_extension.load``), their weight packing, and the choice between them and the torch paths of
+through :mod:`pdkernels.native_build`, the builder of both C++ extensions), their weight packing, and the choice between them and the torch paths of
 :mod:`pdkernels.quant_cpu`.
 
 - W8A8 (:func:`int8_linear`): one call quantizes the activations per token (the levels of
@@ -15,25 +15,22 @@ with ``torch.utils.cpp_extension.load``), their weight packing, and the choice b
 Where the kernels cannot run (no AVX-512 VNNI / BF16 in ``/proc/cpuinfo``, no compiler or ninja, a failed build,
 ``PDCLUSTER_FUSED_QUANT=0``) or a weight's shape does not fit (W4A16 groups not a multiple of 4), the torch paths
 run, and the reason is logged once per process, at the first quantized call. The build lives in
-``~/.cache/pdcluster/ext/quant_fused-<source hash>-torch<version>`` (``PDCLUSTER_EXT_CACHE`` overrides the root): the
-first process compiles it (tens of seconds, timed and logged), the next ones load it.
+``~/.cache/pdcluster/ext/pdcluster_quant_fused-<hash>-torch<version>`` (``PDCLUSTER_EXT_CACHE`` overrides the root):
+the first process compiles it (tens of seconds, timed and logged), the next ones load it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdkernels import quant_cpu
+from pdkernels import native_build
 from pdkernels.native_build import cpu_flags
 from pdkernels.quant_ref import unpack_int4
 
@@ -43,18 +40,11 @@ SOURCE = Path(__file__).with_name("csrc") / "quant_fused.cpp"
 W8A8_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 W4A16_FLAGS = (*W8A8_FLAGS, "avx512_bf16")
 NAME = "pdcluster_quant_fused"
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma"]
+CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma")
 # Up to this many activation rows the fused kernels run; above, the torch paths (prefill: a dense GEMM of a
 # dequantized tile, or torch._int_mm, reuse each weight over many rows better than these register tiles).
 INT8_MAX_ROWS = 1 << 30
 INT4_MAX_ROWS = 1 << 30
-
-
-def build_dir() -> Path:
-    """Where the extension is built: keyed by the source's hash and torch's version."""
-    root = Path(os.environ.get("PDCLUSTER_EXT_CACHE", Path.home() / ".cache" / "pdcluster" / "ext"))
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return root / f"quant_fused-{digest}-torch{torch.__version__.replace('+', '_')}"
 
 
 _P = ctypes.c_void_p
@@ -62,6 +52,14 @@ _I = ctypes.c_int64
 # the C signatures of pdq_w8a8 and pdq_w4a16 (pdkernels/csrc/quant_fused.cpp)
 _SIGNATURES = {"pdq_w8a8": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, ctypes.c_int],
                "pdq_w4a16": [_P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, ctypes.c_int]}
+LIBRARY = native_build.NativeLibrary(
+    name=NAME, source=SOURCE, cflags=CFLAGS, switch="PDCLUSTER_FUSED_QUANT",
+    signatures={fn: (args, None) for fn, args in _SIGNATURES.items()})
+
+
+def build_dir() -> Path:
+    """Where the extension is built (:func:`pdkernels.native_build.build_dir` of :data:`LIBRARY`)."""
+    return native_build.build_dir(LIBRARY)
 
 
 @functools.cache
@@ -75,37 +73,13 @@ def extension() -> tuple[ctypes.CDLL | None, str]:
 
 
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("PDCLUSTER_FUSED_QUANT", "1") == "0":
-        return None, "PDCLUSTER_FUSED_QUANT=0"
+    """The CPU check (the kernels need AVX512-VNNI), then :func:`pdkernels.native_build.load`."""
+    if not native_build.enabled(LIBRARY):
+        return None, f"{LIBRARY.switch}=0"
     missing = [f for f in W8A8_FLAGS if f not in cpu_flags()]
     if missing:
         return None, f"CPU lacks {', '.join(missing)}"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return None, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH"
-    from torch.utils import cpp_extension
-
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        return None, "ninja is not installed"
-    where = build_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    so = where / f"{NAME}.so"
-    fresh = not so.exists()
-    t0 = time.perf_counter()
-    try:
-        cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(where), is_python_module=False, verbose=False)
-        lib = ctypes.CDLL(str(so))
-        for fn, args in _SIGNATURES.items():
-            getattr(lib, fn).argtypes = args
-            getattr(lib, fn).restype = None
-    except (RuntimeError, OSError, ImportError, AttributeError) as e:
-        return None, f"build failed in {where}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-    if fresh:
-        log.warning("compiled the fused quantized CPU kernels in %.1f s (once; cached in %s)",
-                    time.perf_counter() - t0, where)
-    return lib, "ok"
+    return native_build.load(LIBRARY)
 
 
 def w4a16_ready() -> bool:

@@ -25,6 +25,8 @@ from quant_eval import (  # noqa: E402
 )
 from quant_worker import _teacher  # noqa: E402
 
+from bench_quant import vllm_thread_env  # noqa: E402
+
 
 def _positions(logits: torch.Tensor, ids: list[int]) -> list[Position]:
     """Positions as an engine reports them: top-1 of the logits before each token, log-prob of the real token."""
@@ -126,3 +128,12 @@ def test_verdicts_judge_unrounded_numbers() -> None:
     assert [line.rsplit(": ", 1)[1] for line in miss] == ["MISS", "MISS", "MISS", "MISS"]
     assert "1.30x our bfloat16" in miss[3]
     assert len(compare({"agreement": 0.9, "perplexity": 20.0, "tok_s": 1.0}, vllm, None)) == 3
+
+
+def test_vllm_runs_the_thread_count_asked() -> None:
+    """--threads N binds vLLM's worker to N CPUs with none kept back (its default keeps one of two: 1 thread vs 2)."""
+    assert vllm_thread_env(0) == {}
+    assert vllm_thread_env(1) == {"VLLM_CPU_OMP_THREADS_BIND": "0-0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert vllm_thread_env(2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    with pytest.raises(ValueError, match="threads"):
+        vllm_thread_env(-1)
