@@ -53,11 +53,16 @@ class _Wire:
         if d.get("v") != WIRE_VERSION:
             raise WireVersionError(f"{cls.__name__}: wire version {d.get('v')!r}, this process speaks {WIRE_VERSION} "
                                    "(a cluster mixing pdcluster versions: finish the rolling upgrade)")
-        names = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
         try:
-            return cls(**{k: v for k, v in d.items() if k in names})
+            return cls(**_known_fields(cls, d))
         except TypeError as e:  # a missing required field
             raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+def _known_fields(cls: type, d: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``d`` that name an init field of dataclass ``cls`` (unknown keys are ignored on the wire). Pure."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return {k: v for k, v in d.items() if k in names}
 
 
 def _plain(v: Any) -> Any:
@@ -145,8 +150,7 @@ def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
 def sampling_from_dict(d: Mapping[str, Any]) -> SamplingParams:
     """The ``SamplingParams`` of its wire form (unknown keys ignored, as for every message); its own checks run.
     Pure; raises ``ValueError`` naming the field."""
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
-    return SamplingParams(**{k: v for k, v in d.items() if k in names})
+    return SamplingParams(**_known_fields(SamplingParams, d))
 
 
 @dataclass(frozen=True)
