@@ -53,6 +53,7 @@ from cluster.control.sim_pool import PoolChanges
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP, _SPEED = 0, 1, 2, 3, 4, 5, 6  # event kinds (sim_pool, sim_prefill)
+_END = 7  # the run's sentinel event, at infinity: never handled
 
 
 class Simulation(PoolChanges):
@@ -268,7 +269,6 @@ class Simulation(PoolChanges):
         t_arr, need, prompt, output = self._t, self.need, self._p, self._o
         first, last, owner, t_adm, t_pq, t_pc, t_xf = (self.first, self.last, self.owner, self.t_adm, self.t_pq,
                                                        self.t_pc, self.t_xf)
-        n = len(t_arr)
         actors, events, kv_heap, prefill_heap, adm_queue = (self.actors, self.events, self.kv_heap,
                                                             self.prefill_heap, self.adm_queue)
         heappop, heappush, heapreplace, seq = heapq.heappop, heapq.heappush, heapq.heapreplace, self.seq
@@ -288,41 +288,51 @@ class Simulation(PoolChanges):
         i = 0
         inf = math.inf
         kv_cap = 4 * len(actors) + 64  # the KV heap is compacted beyond this (actors only grow by adds)
-        while i < n or events:
-            ta = t_arr[i] if i < n else inf
-            te = events[0][0] if events else inf
-            if next_control <= ta and next_control <= te:
+        kv_total, timeout = self.kv_total, self.timeout  # every decode actor's kv_total is the simulation's
+        # sentinels at infinity past the last arrival and the last event: the loop reads both heads unguarded and
+        # ends when both are the sentinels
+        t_arr = t_arr + [inf]
+        heappush(events, (inf, _END, 0, 0, 0))
+        done_list = self.window_done  # a new list each window (re-read after each control)
+        while True:
+            ta = t_arr[i]
+            te = events[0][0]
+            head = ta if ta <= te else te
+            if next_control <= head:
+                if head == inf:
+                    break
                 self._control(next_control, i)
+                done_list = self.window_done
                 next_control += interval
                 continue
             if ta <= te:  # an arrival: it reserves decode KV first (or waits for it, first come first served)
                 r = i
                 i += 1
                 if adm_queue:  # a queue's head never fits until something is released (which admits)
-                    if t_arr[adm_queue[0]] <= ta - self.timeout:
+                    if t_arr[adm_queue[0]] <= ta - timeout:
                         self._expire(ta)
-                if adm_queue:
-                    adm_queue.append(r)
-                    self.adm_tokens += prompt[r]
-                    continue
+                    if adm_queue:
+                        adm_queue.append(r)
+                        self.adm_tokens += prompt[r]
+                        continue
                 a = None  # the decode actor with the most free KV (stale heap entries dropped)
                 while kv_heap:
                     free, aid = kv_heap[0]
                     a = actors[aid]
-                    if not a.live or a.role != "decode" or a.draining or free != a.kv_held - a.kv_total:
+                    if not a.live or a.role != "decode" or a.draining or free != a.kv_held - kv_total:
                         heappop(kv_heap)
                         a = None
                         continue
                     break
                 nr = need[r]
-                if a is None or a.kv_total - a.kv_held < nr:
+                if a is None or kv_total - a.kv_held < nr:
                     adm_queue.append(r)
                     self.adm_tokens += prompt[r]
                     continue
                 a.kv_held += nr  # admitted: as _take
                 a.kv_reserved += nr
                 a.holds += 1
-                heapreplace(kv_heap, (a.kv_held - a.kv_total, a.aid))
+                heapreplace(kv_heap, (a.kv_held - kv_total, a.aid))
                 owner[r] = a.aid
                 t_adm[r] = ta
                 pa = None  # the prefill actor free first
@@ -373,7 +383,7 @@ class Simulation(PoolChanges):
                     a.steps += dv / a.per_step
                     a.busy += t - a.t_last
                 a.t_last = t
-                heap, done_list = a.heap, self.window_done
+                heap = a.heap
                 edge = a.v + 1e-9
                 while heap and heap[0][0] <= edge:  # release every sequence that is done: as _release
                     vfin, r = heappop(heap)
@@ -399,7 +409,7 @@ class Simulation(PoolChanges):
                 else:
                     heappop(events)
                     a.due = a.next_t = inf
-                heappush(kv_heap, (a.kv_held - a.kv_total, x))  # after the release: as _after_release
+                heappush(kv_heap, (a.kv_held - kv_total, x))  # after the release: as _after_release
                 if len(kv_heap) > kv_cap:
                     self._compact_kv()
                 if a.draining and a.holds == 0:
