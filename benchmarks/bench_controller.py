@@ -1,7 +1,7 @@
 """The controller's policies against the best fixed split, on public traces and surges nothing can foresee.
 
     python benchmarks/bench_controller.py [--workers 16,1000] [--workloads azure-conv,azure-code,aperiodic,shifted]
-                                          [--seeds 0,1,2] [--load 0.9] [--cache DIR]
+                                          [--seeds 0,1,2] [--load 0.9] [--cache DIR] [--adaptive-only]
 
 For each workload, cluster size and seed: one hour, the checked-in CPU cost profile (measured start 3.67 s and
 flip 0.02 s, 429 after a 10 s wait for decode K/V), SLOs TTFT 5 s and TPOT 0.25 s, a 15 s control interval, the
@@ -22,6 +22,8 @@ trace's mean work asks for) on the same trace: an oracle no controller could pic
 and size, each policy's mean attainment with its min-max over the seeds, adaptive minus the best fixed split (the
 worst seed), the output-length predictor's error (the controller never sees a true output length), and the goals:
 adaptive >= best fixed - 1 point everywhere, >= 95% where best fixed >= 97%, a 1,000-worker hour in <= 20 s.
+``--adaptive-only``: the adaptive runs alone (their attainment and CPU seconds; no baselines, no goal table): the
+simulator-speed goal without the best-fixed search's 10-20 more simulated hours.
 """
 
 from __future__ import annotations
@@ -135,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--duration", type=float, default=3600.0)
     ap.add_argument("--load", type=float, default=0.9, help="share of the workers the mean work fills")
     ap.add_argument("--cache", default=None, help="trace cache (default ~/.cache/pdcluster/traces)")
+    ap.add_argument("--adaptive-only", action="store_true", help="run adaptive alone (the simulator-speed goal)")
     args = ap.parse_args(argv)
     prof = CostProfile.load(DEFAULT_PROFILE)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -170,6 +173,11 @@ def main(argv: list[str] | None = None) -> None:
                 a, wall, cpu = run(trace, prof, w, "adaptive", window)
                 if w >= 1000:
                     slowest, slowest_cpu = max(slowest, wall), max(slowest_cpu, cpu)
+                if args.adaptive_only:
+                    la = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+                    print(f"{name:<11} {w:>7} seed {seed:<17} adaptive {a:.2%}, {len(trace)} requests: {cpu:.1f} s "
+                          f"CPU, {wall:.1f} s wall (load average {la:.1f})", flush=True)
+                    continue
                 errs.append(predict.error(pred, true)["relative"])
                 rows["adaptive"].append(a)
                 rows["throughput"].append(run(trace, prof, w, "throughput")[0])
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows["best fixed"].append(b)
                 splits.append(f"{p}:{w - p}")
                 gaps.append(a - b)
-            if not rows["adaptive"]:
+            if not rows["adaptive"] or args.adaptive_only:
                 continue
             for label, xs in rows.items():
                 note = ""
@@ -195,12 +203,14 @@ def main(argv: list[str] | None = None) -> None:
                       f"{'MISSED' if miss else 'met'}", flush=True)
                 if miss:
                     misses.append(f"{name} {w} seed {s}: adaptive {a:.1%} vs best fixed {b:.1%}")
-    print("\nattainment: requests meeting both SLOs (429s are misses); min/max over the seeds")
-    print("goal adaptive >= best fixed - 1 point, >= 95% where best fixed >= 97%: "
-          + ("met everywhere" if not misses else "MISSED: " + "; ".join(misses)))
+    if not args.adaptive_only:
+        print("\nattainment: requests meeting both SLOs (429s are misses); min/max over the seeds")
+        print("goal adaptive >= best fixed - 1 point, >= 95% where best fixed >= 97%: "
+              + ("met everywhere" if not misses else "MISSED: " + "; ".join(misses)))
     if slowest:
         print(f"slowest 1,000-worker adaptive run: {slowest_cpu:.1f} s CPU, {slowest:.1f} s wall (goal <= "
-              f"{GOAL_SIM_S:.0f} s; the best-fixed sweep's runs not counted)")
+              f"{GOAL_SIM_S:.0f} s CPU: {'met' if slowest_cpu <= GOAL_SIM_S else 'MISSED'}; the best-fixed sweep's "
+              "runs not counted)")
     la = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"load average at the end: {la:.1f}")
 

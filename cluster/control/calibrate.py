@@ -41,6 +41,10 @@ from cluster.control.record import Recording
 from cluster.control.sim_model import CostProfile
 
 MIN_SAMPLES = 8
+# an actor's first engine steps in a role are its warm-up (first forward passes at new shapes, allocations): live,
+# a flipped decode actor's first two steps took 9 s where later ones took 0.1-0.5 s. A window whose baseline found
+# the actor this early in its role measures the warm-up, not the machine, and is left out of the speed over time
+WARMUP_STEPS = 4
 
 
 def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> CostProfile:
@@ -109,7 +113,8 @@ def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
     return (max(0.0, a_only), 0.0) if err_a <= err_b + 1e-12 else (0.0, max(0.0, b_only))
 
 
-def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) -> list[tuple[float, float, float]]:
+def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3,
+                    warmup_steps: float = WARMUP_STEPS) -> list[tuple[float, float, float]]:
     """``(t, decode, prefill)`` from each recorded window on: how much slower than ``profile`` (already calibrated
     from the whole record, or not) the machine ran then, as :class:`~cluster.control.simulator.Simulation`'s
     ``speed`` takes it; a machine whose load changed during the run is replayed as it was. Pure.
@@ -117,7 +122,9 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) 
     From the record's ``counters`` (what each actor measured each interval) when it has them: decode, the actors'
     busy seconds over the steps' cost in ``profile`` at the batch they ran (tokens per step) and the decoded
     requests' mean context; prefill, busy seconds over ``steps x prefill_step_s + tokens / prefill_tps``, pooled
-    over the windows until a prompt's tokens are counted (a prefill actor counts them when the prompt is done). Else from
+    over the windows until a prompt's tokens are counted (a prefill actor counts them when the prompt is done); an
+    actor's window is left out while its baseline had taken under ``warmup_steps`` steps in its role (its warm-up: a
+    flipped actor's slow first steps would read as the whole machine slowing down, 36x in one live window). Else from
     the finished requests, each counted in the window that held the middle of its decode (TPOT: the median over the
     profile's step at the batch the window's observation saw) or of its prefill compute (measured over the
     profile's). A window with nothing measured (or under ``min_samples`` finished requests) keeps the previous
@@ -144,8 +151,8 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3) 
             d_busy = d_model = 0.0
             for c in now:
                 b = prev.get(c.actor_id)
-                if b is None or b.role != c.role or b.epoch != c.epoch:
-                    continue
+                if b is None or b.role != c.role or b.epoch != c.epoch or b.steps < warmup_steps:
+                    continue  # a baseline, or its role's first steps (warm-up)
                 busy, steps = c.busy_s - b.busy_s, c.steps - b.steps
                 if busy <= 0 or steps <= 0:
                     continue

@@ -33,7 +33,9 @@ within them.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import gc
 import heapq
 import itertools
 import math
@@ -51,6 +53,14 @@ from cluster.control.sim_pool import PoolChanges
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP, _SPEED = 0, 1, 2, 3, 4, 5, 6  # event kinds (sim_pool, sim_prefill)
+_END = 7  # the run's sentinel event, at infinity: never handled
+
+
+def c_array(typecode: str, values: np.ndarray) -> array.array:
+    """``values`` as an ``array.array`` of ``typecode`` (``d``: float64, ``q``: int64). Pure."""
+    out = array.array(typecode)
+    out.frombytes(np.ascontiguousarray(values, dtype=np.float64 if typecode == "d" else np.int64).tobytes())
+    return out
 
 
 class Simulation(PoolChanges):
@@ -92,22 +102,26 @@ class Simulation(PoolChanges):
             for _ in range(n):
                 self._new_actor(role, 0.0)
         n = len(trace)
-        self._t: list[float] = trace.t.tolist()
-        self._p: list[int] = trace.prompt.tolist()
-        self._o: list[int] = trace.output.tolist()
-        self._pf: list[int] = trace.computed().tolist()  # prompt tokens prefill computes (prefix-cache hits left out)
+        # the trace's per-request constants as C arrays (array.array): 8 bytes each where a list of Python numbers
+        # costs ~40, so the loop's reads stay in the caches
+        self._t = c_array("d", trace.t)
+        self._p = c_array("q", trace.prompt)
+        self._o = c_array("q", trace.output)
+        self._pf = c_array("q", trace.computed())  # prompt tokens prefill computes (prefix-cache hits left out)
         # what the proxies see of each request: its ask and its prompt's class, never its output until it finishes
         self._asked = trace.asked()
         self._class = prompt_classes(trace.prompt)
         # KV tokens each request holds once admitted: its prompt plus max(headroom, output)
-        self.need: list[float] = np.minimum(trace.prompt + np.maximum(trace.output, profile.reserve_headroom_tokens),
-                                            self.kv_total).astype(np.float64).tolist()
-        nan = math.nan
-        self.first, self.last = [nan] * n, [nan] * n
-        self.owner = [-1] * n  # the decode actor that reserved for it
-        self.t_adm = [nan] * n  # when it was admitted (its decode KV reserved)
+        self.need = c_array("d", np.minimum(trace.prompt + np.maximum(trace.output, profile.reserve_headroom_tokens),
+                                             self.kv_total))
+        # per-request times as C doubles (array.array): a store costs less than a list's (no float object kept, so
+        # far less memory for the collector and the caches), and a window's finished ones are one numpy gather
+        nans, zeros = array.array("d", [math.nan]) * n, array.array("d", [0.0]) * n
+        self.first, self.last = nans, array.array("d", nans)
+        self.owner = array.array("q", [-1]) * n  # the decode actor that reserved for it
+        self.t_adm = array.array("d", nans)  # when it was admitted (its decode KV reserved)
         # TTFT parts: prefill queue, prefill compute, exposed transfer
-        self.t_pq, self.t_pc, self.t_xf = [0.0] * n, [0.0] * n, [0.0] * n
+        self.t_pq, self.t_pc, self.t_xf = zeros, array.array("d", zeros), array.array("d", zeros)
         self.events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, a, b)
         self.seq = itertools.count(1)
         self.adm_queue: deque[int] = deque()  # requests waiting for decode KV, FIFO
@@ -244,7 +258,19 @@ class Simulation(PoolChanges):
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
-        """Run the whole trace; mutates this simulation (one run per instance). The per-request path (arrival and
+        """Run the whole trace; mutates this simulation (one run per instance). Python's cyclic garbage collector is
+        paused meanwhile (and restored): the loop allocates millions of short-lived tuples and no cycles, and the
+        collector's passes over the run's long-lived state cost about a tenth of the run."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _run(self) -> SimResult:
+        """The event loop (see :meth:`run`). The per-request path (arrival and
         admission, prefill, join, finish) is written out inline here, with the trace's per-request constants computed
         once: at a million requests an hour, method calls and numpy scalars were much of the time. The helpers
         (``_take``, ``_prefill``, ``_start``, ``_release``, ``SimActor.advance``) do the same for the rarer paths."""
@@ -252,7 +278,6 @@ class Simulation(PoolChanges):
         t_arr, need, prompt, output = self._t, self.need, self._p, self._o
         first, last, owner, t_adm, t_pq, t_pc, t_xf = (self.first, self.last, self.owner, self.t_adm, self.t_pq,
                                                        self.t_pc, self.t_xf)
-        n = len(t_arr)
         actors, events, kv_heap, prefill_heap, adm_queue = (self.actors, self.events, self.kv_heap,
                                                             self.prefill_heap, self.adm_queue)
         heappop, heappush, heapreplace, seq = heapq.heappop, heapq.heappush, heapq.heapreplace, self.seq
@@ -263,50 +288,60 @@ class Simulation(PoolChanges):
         positions, tokens = (list(x) for x in zip(*(prof.spec.step(b) for b in range(max_batch + 1))))  # per batch
         # per-request constants of prefill and transfer, computed once for the whole trace
         p_arr, computed = self.trace.prompt, self._pf
-        works = works0 = (self.trace.computed() / ptps + pover).tolist()
-        transfers = (p_arr * kvb / link).tolist()
-        exposeds = (p_arr * kvb / link * expo).tolist()
+        works = works0 = c_array("d", self.trace.computed() / ptps + pover)
+        transfers = c_array("d", p_arr * kvb / link)
+        exposeds = c_array("d", p_arr * kvb / link * expo)
         interval, step_mode = cfg.interval_s, self.step_mode
         next_control = interval
         self._record(0.0)
         i = 0
         inf = math.inf
         kv_cap = 4 * len(actors) + 64  # the KV heap is compacted beyond this (actors only grow by adds)
-        while i < n or events:
-            ta = t_arr[i] if i < n else inf
-            te = events[0][0] if events else inf
-            if next_control <= ta and next_control <= te:
+        kv_total, timeout = self.kv_total, self.timeout  # every decode actor's kv_total is the simulation's
+        # sentinels at infinity past the last arrival and the last event: the loop reads both heads unguarded and
+        # ends when both are the sentinels
+        t_arr = t_arr + array.array("d", [inf])
+        heappush(events, (inf, _END, 0, 0, 0))
+        done_list = self.window_done  # a new list each window (re-read after each control)
+        while True:
+            ta = t_arr[i]
+            te = events[0][0]
+            head = ta if ta <= te else te
+            if next_control <= head:
+                if head == inf:
+                    break
                 self._control(next_control, i)
+                done_list = self.window_done
                 next_control += interval
                 continue
             if ta <= te:  # an arrival: it reserves decode KV first (or waits for it, first come first served)
                 r = i
                 i += 1
                 if adm_queue:  # a queue's head never fits until something is released (which admits)
-                    if t_arr[adm_queue[0]] <= ta - self.timeout:
+                    if t_arr[adm_queue[0]] <= ta - timeout:
                         self._expire(ta)
-                if adm_queue:
-                    adm_queue.append(r)
-                    self.adm_tokens += prompt[r]
-                    continue
+                    if adm_queue:
+                        adm_queue.append(r)
+                        self.adm_tokens += prompt[r]
+                        continue
                 a = None  # the decode actor with the most free KV (stale heap entries dropped)
                 while kv_heap:
                     free, aid = kv_heap[0]
                     a = actors[aid]
-                    if not a.live or a.role != "decode" or a.draining or free != a.kv_held - a.kv_total:
+                    if not a.live or a.role != "decode" or a.draining or free != a.kv_held - kv_total:
                         heappop(kv_heap)
                         a = None
                         continue
                     break
                 nr = need[r]
-                if a is None or a.kv_total - a.kv_held < nr:
+                if a is None or kv_total - a.kv_held < nr:
                     adm_queue.append(r)
                     self.adm_tokens += prompt[r]
                     continue
                 a.kv_held += nr  # admitted: as _take
                 a.kv_reserved += nr
                 a.holds += 1
-                heapreplace(kv_heap, (a.kv_held - a.kv_total, a.aid))
+                heapreplace(kv_heap, (a.kv_held - kv_total, a.aid))
                 owner[r] = a.aid
                 t_adm[r] = ta
                 pa = None  # the prefill actor free first
@@ -357,7 +392,7 @@ class Simulation(PoolChanges):
                     a.steps += dv / a.per_step
                     a.busy += t - a.t_last
                 a.t_last = t
-                heap, done_list = a.heap, self.window_done
+                heap = a.heap
                 edge = a.v + 1e-9
                 while heap and heap[0][0] <= edge:  # release every sequence that is done: as _release
                     vfin, r = heappop(heap)
@@ -383,7 +418,7 @@ class Simulation(PoolChanges):
                 else:
                     heappop(events)
                     a.due = a.next_t = inf
-                heappush(kv_heap, (a.kv_held - a.kv_total, x))  # after the release: as _after_release
+                heappush(kv_heap, (a.kv_held - kv_total, x))  # after the release: as _after_release
                 if len(kv_heap) > kv_cap:
                     self._compact_kv()
                 if a.draining and a.holds == 0:
@@ -459,9 +494,9 @@ class Simulation(PoolChanges):
                     self._push(t + 0.05, _RETRY, x)
                 else:
                     self._prefill(a, x, t)
-        firsts, tr = np.asarray(first), self.trace
+        firsts, tr = np.array(first), self.trace
         ttft = firsts - tr.t
-        tpot = (np.asarray(last) - firsts) / np.maximum(1, tr.output - 1)
+        tpot = (np.array(last) - firsts) / np.maximum(1, tr.output - 1)
         ok = (ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)
         return SimResult(ttft, tpot, ok, self.timeline, self.decisions, float(max(tr.duration, tr.t[-1])),
-                         np.asarray(t_adm) - tr.t, np.asarray(self.refused, dtype=bool))
+                         np.array(t_adm) - tr.t, np.asarray(self.refused, dtype=bool))

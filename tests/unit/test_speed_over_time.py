@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cluster.control.calibrate import calibrate, speed_over_time
-from cluster.control.record import (RecordWriter, counters_fields, decision_fields, header_fields, observation_fields,
+from cluster.control.record import (Recording, RecordWriter, counters_fields, decision_fields, header_fields, observation_fields,
                                     read_record)
 from cluster.control.replay import live_attainment, replay
 from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, Trace, make_workload
@@ -96,3 +96,46 @@ def test_speed_changes_scale_the_steps_and_no_change_is_exact() -> None:
     assert slow.tpot[1] == pytest.approx(2.0 * plain.tpot[1], rel=0.05)
     with pytest.raises(ValueError, match="speed"):
         Simulation(tr, BASE, cfg, 2, speed=[(0.0, 0.0, 1.0)])
+
+
+def flipped_with_warmup(rec: Recording, actor: str, k: int, warmup_s: float) -> Recording:
+    """``rec`` with decode actor ``actor`` flipped in window ``k`` (its counters restart, one step into its role at
+    window ``k``'s baseline) and its next two steps taking ``warmup_s`` more busy seconds, as a live flipped actor's
+    first steps did (two steps in 9 s where later ones took 0.1-0.5 s). Pure."""
+    t0, row0 = rec.counters[k]
+    base = next(c for c in row0 if c.actor_id == actor)
+    rows = list(rec.counters[:k])
+    for j, (t, row) in enumerate(rec.counters[k:]):
+        new = []
+        for c in row:
+            if c.actor_id == actor:
+                c = dataclasses.replace(c, epoch=c.epoch + 1, steps=c.steps - base.steps + 1,
+                                        busy_s=c.busy_s - base.busy_s + (warmup_s if j else 0.0),
+                                        decode_tokens=c.decode_tokens - base.decode_tokens)
+            new.append(c)
+        rows.append((t, tuple(new)))
+    return dataclasses.replace(rec, counters=tuple(rows))
+
+
+def test_a_flipped_actors_warm_up_is_not_read_as_the_machines_speed(tmp_path: Path) -> None:
+    """Live, the window after a flip read 36x as the machine's decode speed: the flipped actor's two warm-up steps
+    took 9 s. An actor's first steps in its role (its baseline had under ``WARMUP_STEPS``) are left out, so the speed
+    over time is the one the other actors measured. (Only the speed is checked: this record's attainment is ~0 at
+    its 3 s TTFT SLO, so a replay's attainment would show nothing.)"""
+    path = tmp_path / "live.jsonl"
+    record_run(path, counters=True)
+    clean = read_record(path)
+    prof = calibrate(clean, BASE)
+    k = len(clean.counters) // 3  # a window before the slow-down, under load
+    decode = sorted(c.actor_id for c in clean.counters[k][1] if c.role == "decode")
+    warm = flipped_with_warmup(clean, decode[0], k, warmup_s=9.0)
+    t_after = clean.counters[k][0]  # the window holding the warm-up starts at its baseline's time
+
+    def factor_at(speed: list[tuple[float, float, float]], t: float) -> float:
+        return [d for s, d, _ in speed if s <= t][-1]
+
+    read_all = speed_over_time(warm, prof, warmup_steps=0)  # as before: every differenced window counts
+    kept = speed_over_time(warm, prof)
+    reference = factor_at(speed_over_time(clean, prof), t_after)
+    assert factor_at(read_all, t_after) > 3 * reference  # the warm-up read as a machine 3x+ slower
+    assert factor_at(kept, t_after) == pytest.approx(reference, rel=0.1)  # the other decode actor's measure
