@@ -45,19 +45,13 @@ CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512v
 # dequantized tile, or torch._int_mm, reuse each weight over many rows better than these register tiles).
 INT8_MAX_ROWS = 1 << 30
 INT4_MAX_ROWS = 1 << 30
-# From this many activation rows W4A16 would run the expanded-tile kernel (each group's levels unpacked once per tile
-# of columns into an L1-resident bfloat16 buffer, then read by every row tile) instead of the row kernel (which
-# unpacks them again for every 8 rows). Off: on the AMD EPYC (Zen 4) of 2026-12-07 it was 0.85-0.95x of the row
-# kernel at 16..64 rows and 0.6-0.85x at 512 (both bound by vdpbf16ps; the row kernel's unpack runs beside it).
-INT4_TILE_MIN_ROWS = 1 << 30
 
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-# the C signatures of pdq_w8a8, pdq_w4a16 and pdq_w4a16_tile (pdkernels/csrc/quant_fused.cpp; the last two alike)
-_W4 = [_P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, ctypes.c_int]
+# the C signatures of pdq_w8a8 and pdq_w4a16 (pdkernels/csrc/quant_fused.cpp)
 _SIGNATURES = {"pdq_w8a8": [_P, ctypes.c_int, _I, _I, _P, _I, _I, _P, _P, _P, _I, _P, _P, _P, ctypes.c_int],
-               "pdq_w4a16": _W4, "pdq_w4a16_tile": _W4}
+               "pdq_w4a16": [_P, ctypes.c_int, _I, _I, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, ctypes.c_int]}
 LIBRARY = native_build.NativeLibrary(
     name=NAME, source=SOURCE, cflags=CFLAGS, switch="PDCLUSTER_FUSED_QUANT",
     signatures={fn: (args, None) for fn, args in _SIGNATURES.items()})
@@ -171,12 +165,10 @@ def int8_linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
-def int4_linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None, tile: bool | None = None) -> torch.Tensor:
+def int4_linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """W4A16 of ``x`` ``[M, K]`` with an :class:`~pdkernels.quant.Int4Weight`, plus ``bias``, ``[M, N]`` in x's
     dtype: the fused kernel up to ``INT4_MAX_ROWS`` rows where it runs and the group size is a multiple of 4, else
-    :func:`quant_cpu.int4_linear`. The fused kernel's two forms give the same bits: the expanded-tile one from
-    ``INT4_TILE_MIN_ROWS`` rows, the row one below (``tile`` True / False forces one). Pure (the packed weight is
-    cached on ``w`` on first use)."""
+    :func:`quant_cpu.int4_linear`. Pure (the packed weight is cached on ``w`` on first use)."""
     if x.shape[0] > INT4_MAX_ROWS or w.group_size % 4 or not w4a16_ready():
         return quant_cpu.int4_linear(w, x, bias)
     lib = extension()[0]
@@ -190,8 +182,6 @@ def int4_linear(w: Any, x: torch.Tensor, bias: torch.Tensor | None, tile: bool |
     xsum = None if zero is None else xo.view(m, k // g, g).sum(-1, dtype=torch.float32)
     split = torch.empty(3, m, k, dtype=torch.bfloat16) if f32 else None
     out = torch.empty(m, n, dtype=xo.dtype)
-    use_tile = m >= INT4_TILE_MIN_ROWS if tile is None else tile
-    kernel = lib.pdq_w4a16_tile if use_tile else lib.pdq_w4a16
-    kernel(xo.data_ptr(), int(f32), m, k, packed.data_ptr(), packed.shape[0], scale.data_ptr(), _ptr(zero), g,
-           _ptr(xsum), _ptr(b), n, _ptr(split), out.data_ptr(), torch.get_num_threads())
+    lib.pdq_w4a16(xo.data_ptr(), int(f32), m, k, packed.data_ptr(), packed.shape[0], scale.data_ptr(), _ptr(zero), g,
+                  _ptr(xsum), _ptr(b), n, _ptr(split), out.data_ptr(), torch.get_num_threads())
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace {
 
@@ -257,98 +256,6 @@ void split_row(const float* x, int64_t K, uint16_t* h, uint16_t* m, uint16_t* l)
   }
 }
 
-// Expanded-tile W4A16 (many rows): the levels of `nb` 16-column blocks and one group unpacked once to bfloat16
-// (level - 8) into `ex` ([nb][qpg][lo 32 | hi 32] words, a few KiB the thread owns, so it stays in L1), then every
-// row tile reads them from there: the unpack is paid once per group and tile instead of once per 8 rows.
-inline void w4_expand(const uint8_t* wq, int64_t Q, int64_t nb, int64_t q0, int64_t qpg, uint16_t* ex) {
-  const __m512i lut = w4_table();
-  const __m512i nib = _mm512_set1_epi16(0x0F);
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t i = 0; i < qpg; ++i) {
-      __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(wq + (b * Q + q0 + i) * 32)));
-      uint16_t* e = ex + (b * qpg + i) * 64;
-      _mm512_storeu_si512(e, _mm512_permutexvar_epi16(_mm512_and_si512(w16, nib), lut));
-      _mm512_storeu_si512(e + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(w16, 4), lut));
-    }
-}
-
-// R rows x NB blocks of group g from the expanded levels: the same sums, in the same order, as w4_tile's group g
-// (so the two paths agree bit for bit), added into acc [R][NB][16] as there.
-template <int R, int NB, int S>
-void w4_group_ex(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* ex, int64_t q0, int64_t qpg,
-                 const float* sc, const float* zc, const float* xsum, int64_t G, int64_t g, float* acc) {
-  __m512 gacc[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) gacc[r][b] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < qpg; ++i) {
-    __m512i lo[NB], hi[NB];
-    for (int b = 0; b < NB; ++b) {
-      lo[b] = _mm512_loadu_si512(ex + (b * qpg + i) * 64);
-      hi[b] = _mm512_loadu_si512(ex + (b * qpg + i) * 64 + 32);
-    }
-    for (int r = 0; r < R; ++r)
-      for (int s = 0; s < S; ++s) {
-        int32_t p0, p1;
-        const uint16_t* xr = xb + (s * M + r) * K + 4 * (q0 + i);
-        std::memcpy(&p0, xr, 4);
-        std::memcpy(&p1, xr + 2, 4);
-        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(p0), x1 = (__m512bh)_mm512_set1_epi32(p1);
-        for (int b = 0; b < NB; ++b) {
-          gacc[r][b] = _mm512_dpbf16_ps(gacc[r][b], (__m512bh)lo[b], x0);
-          gacc[r][b] = _mm512_dpbf16_ps(gacc[r][b], (__m512bh)hi[b], x1);
-        }
-      }
-  }
-  for (int b = 0; b < NB; ++b) {
-    const __m512 s = _mm512_loadu_ps(sc + (b * G + g) * 16);
-    const __m512 z = zc ? _mm512_loadu_ps(zc + (b * G + g) * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      float* a = acc + (r * NB + b) * 16;
-      __m512 v = zc ? _mm512_fnmadd_ps(z, _mm512_set1_ps(xsum[r * G + g]), gacc[r][b]) : gacc[r][b];
-      _mm512_storeu_ps(a, _mm512_fmadd_ps(s, v, _mm512_loadu_ps(a)));
-    }
-  }
-}
-
-template <int NB, int S>
-void w4_group_rows(int R, const uint16_t* xb, int64_t M, int64_t K, const uint16_t* ex, int64_t q0, int64_t qpg,
-                   const float* sc, const float* zc, const float* xsum, int64_t G, int64_t g, float* acc) {
-  switch (R) {
-    case 1: w4_group_ex<1, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    case 2: w4_group_ex<2, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    case 3: w4_group_ex<3, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    case 4: w4_group_ex<4, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    case 5: w4_group_ex<5, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    case 6: w4_group_ex<6, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    case 7: w4_group_ex<7, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-    default: w4_group_ex<8, NB, S>(xb, M, K, ex, q0, qpg, sc, zc, xsum, G, g, acc); break;
-  }
-}
-
-// x as bfloat16 rows: x itself, or (float32 x) its three-part split written into `split` [3][M][K].
-const uint16_t* w4_operand(const void* x, bool f32, int64_t M, int64_t K, uint16_t* split, int threads) {
-  if (!f32) return (const uint16_t*)x;
-  const float* xf = (const float*)x;
-#pragma omp parallel for num_threads(threads) if (M > 16 && threads > 1)
-  for (int64_t m = 0; m < M; ++m) split_row(xf + m * K, K, split + m * K, split + (M + m) * K, split + (2 * M + m) * K);
-  return split;
-}
-
-// acc [R][nb][16] of rows m0.. -> out (plus bias), in x's dtype.
-inline void w4_store(const float* acc, int R, int64_t nb, int64_t b0, int64_t m0, const float* bp, int64_t N, bool f32,
-                     void* op) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t n0 = (b0 + b) * 16;
-    const __mmask16 msk = tail_mask(N - n0);
-    const __m512 bv = bp ? _mm512_maskz_loadu_ps(msk, bp + n0) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_loadu_ps(acc + (r * nb + b) * 16);
-      if (bp) v = _mm512_add_ps(v, bv);
-      store_row(v, f32, op, (m0 + r) * N + n0, msk);
-    }
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -362,7 +269,13 @@ void pdq_w4a16(const void* x, int x_f32, int64_t M, int64_t K, const uint8_t* wp
   const bool f32 = x_f32 != 0;
   const int S = f32 ? 3 : 1;
   const int64_t Q = K / 4, G = K / group, qpg = group / 4;
-  const uint16_t* xbp = w4_operand(x, f32, M, K, split, threads);
+  const uint16_t* xbp = (const uint16_t*)x;
+  if (f32) {
+    const float* xf = (const float*)x;
+#pragma omp parallel for num_threads(threads) if (M > 16 && threads > 1)
+    for (int64_t m = 0; m < M; ++m) split_row(xf + m * K, K, split + m * K, split + (M + m) * K, split + (2 * M + m) * K);
+    xbp = split;
+  }
   const int64_t nbt = blocks_per_tile(NBk, threads, 2);
   const int64_t tiles = (NBk + nbt - 1) / nbt;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -383,52 +296,16 @@ void pdq_w4a16(const void* x, int x_f32, int64_t M, int64_t K, const uint8_t* wp
         if (nb == 2) w4_rows<2, 1>(R, xr, M, K, wb, Q, sb, zb, xs, G, qpg, acc);
         else w4_rows<1, 1>(R, xr, M, K, wb, Q, sb, zb, xs, G, qpg, acc);
       }
-      w4_store(acc, R, nb, b0, m0, bp, N, f32, op);
-    }
-  }
-}
-
-// pdq_w4a16's arguments and result, computed the expanded-tile way (for many rows): per tile of 16-column blocks and
-// per group, the levels unpacked once (w4_expand), then every row tile's sums from them (w4_group_ex), the per-row
-// accumulators [M][nb][16] kept in `acc` until the last group. Equal to pdq_w4a16 bit for bit.
-void pdq_w4a16_tile(const void* x, int x_f32, int64_t M, int64_t K, const uint8_t* wp, int64_t NBk, const float* sp,
-                    const float* zp, int64_t group, const float* xsp, const float* bp, int64_t N, uint16_t* split,
-                    void* op, int threads) {
-  const bool f32 = x_f32 != 0;
-  const int S = f32 ? 3 : 1;
-  const int64_t Q = K / 4, G = K / group, qpg = group / 4;
-  const uint16_t* xbp = w4_operand(x, f32, M, K, split, threads);
-  const int64_t nbt = blocks_per_tile(NBk, threads, 2);
-  const int64_t tiles = (NBk + nbt - 1) / nbt;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<uint16_t> ex(nbt * qpg * 64);
-    std::vector<float> acc(M * nbt * 16);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t b0 = t * nbt, nb = std::min(nbt, NBk - b0);
-      const uint8_t* wb = wp + b0 * Q * 32;
-      const float* sb = sp + b0 * G * 16;
-      const float* zb = zp ? zp + b0 * G * 16 : nullptr;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t g = 0; g < G; ++g) {
-        w4_expand(wb, Q, nb, g * qpg, qpg, ex.data());
-        for (int64_t m0 = 0; m0 < M; m0 += MR4) {
-          const int R = (int)std::min<int64_t>(MR4, M - m0);
-          const uint16_t* xr = xbp + m0 * K;
-          const float* xs = xsp ? xsp + m0 * G : nullptr;
-          float* a = acc.data() + m0 * nb * 16;
-          if (S == 3) {
-            if (nb == 2) w4_group_rows<2, 3>(R, xr, M, K, ex.data(), g * qpg, qpg, sb, zb, xs, G, g, a);
-            else w4_group_rows<1, 3>(R, xr, M, K, ex.data(), g * qpg, qpg, sb, zb, xs, G, g, a);
-          } else {
-            if (nb == 2) w4_group_rows<2, 1>(R, xr, M, K, ex.data(), g * qpg, qpg, sb, zb, xs, G, g, a);
-            else w4_group_rows<1, 1>(R, xr, M, K, ex.data(), g * qpg, qpg, sb, zb, xs, G, g, a);
-          }
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t n0 = (b0 + b) * 16;
+        const __mmask16 msk = tail_mask(N - n0);
+        const __m512 bv = bp ? _mm512_maskz_loadu_ps(msk, bp + n0) : _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+          __m512 v = _mm512_loadu_ps(acc + (r * nb + b) * 16);
+          if (bp) v = _mm512_add_ps(v, bv);
+          store_row(v, f32, op, (m0 + r) * N + n0, msk);
         }
       }
-      for (int64_t m0 = 0; m0 < M; m0 += MR4)
-        w4_store(acc.data() + m0 * nb * 16, (int)std::min<int64_t>(MR4, M - m0), nb, b0, m0, bp, N, f32, op);
     }
   }
 }

@@ -119,26 +119,6 @@ def test_w4a16_every_row_tile(asym: bool) -> None:
 
 @needs_kernels
 @needs_w4
-@pytest.mark.parametrize("asym", [False, True])
-@pytest.mark.parametrize("n,k,group", [(13, 24, 8), (40, 192, 32), (200, 576, 64), (33, 96, 96)])
-def test_w4a16_tile_path_equals_row_path(n: int, k: int, group: int, asym: bool) -> None:
-    """The expanded-tile kernel (each group's levels unpacked once per tile of columns, then read by every row tile)
-    sums the same products in the same order as the row kernel: equal bit for bit, every row-tile remainder, odd
-    column counts (a partial last block), bias, bfloat16 / float32 / float16; and the reference within tolerance."""
-    w = _int4(n, k, group, asym, seed=n * k)
-    bias = torch.randn(n, generator=_gen(5))
-    for rows in (*range(1, 18), 32, 41):
-        x = torch.randn(rows, k, generator=_gen(200 + rows)) * 2
-        for dtype in DTYPES:
-            xd = x.to(dtype)
-            for b in (None, bias):
-                tile = quant_fused.int4_linear(w, xd, b, tile=True)
-                assert torch.equal(tile, quant_fused.int4_linear(w, xd, b, tile=False)), (rows, dtype)
-                _close(tile, w.reference_linear(xd, b), dtype)
-
-
-@needs_kernels
-@needs_w4
 def test_w4a16_float32_is_float32() -> None:
     """float32 activations are split exactly into three bfloat16 parts: the result is the float64 product of the
     dequantized weight within float32 summation error, not bfloat16's."""
