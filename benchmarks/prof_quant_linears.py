@@ -1,8 +1,8 @@
 """Where an engine-level step of a quantized checkpoint spends its time (issue 44): every ``engine.models.linear.Linear``
-call timed, grouped by phase (prefill: more than 16 activation rows; decode: 16 or fewer), weight kind (``packed``
-bfloat16 dense, ``Int8Weight``, ``Int4Weight``, ...), shape and dtypes, over one offline batch (8 prompts of 64
-tokens: one 512-row prefill chunk, then 8 decode steps of 8 rows), after a warm-up; then the same batch untimed, and
-that untimed wall at 1 and at 2 torch threads alternately (``--threads``).
+call timed, grouped by phase (prefill: more activation rows than ``--seqs``; decode: at most one a sequence), weight
+kind (``packed`` bfloat16 dense, ``Int8Weight``, ``Int4Weight``, ...), shape and dtypes, over one offline batch (8
+prompts of 64 tokens: one 512-row prefill chunk, then 8 decode steps of 8 rows), after a warm-up; then the same batch
+untimed, and that untimed wall at 1 and at 2 torch threads alternately (``--threads``).
 
     python benchmarks/prof_quant_linears.py ~/.cache/pdcluster/quant/w8a8 --threads 1
     python benchmarks/prof_quant_linears.py ~/.cache/pdcluster/models/SmolLM2-135M-Instruct --threads 1,2
@@ -34,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     threads = [int(t) for t in args.threads.split(",")]
     torch.set_num_threads(threads[0])
-    llm = LLM(args.model, dtype="bfloat16", max_model_len=512, kv_cache_gib=1, max_num_seqs=16,
+    llm = LLM(args.model, dtype="bfloat16", max_model_len=512, kv_cache_gib=1, max_num_seqs=max(16, args.seqs),
               num_threads=threads[0])
     prompts = [[100 + (i * 7 + j) % 3000 for j in range(args.prompt)] for i in range(args.seqs)]
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -49,7 +49,7 @@ def main() -> None:
         dt = time.perf_counter() - t
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         kind = type(self.quant).__name__ if self.quant is not None else ("packed" if self.packed else "dense")
-        key = ("decode" if rows <= 16 else "prefill", kind, f"{x.shape[-1]}->{self.out_features}",
+        key = ("decode" if rows <= args.seqs else "prefill", kind, f"{x.shape[-1]}->{self.out_features}",
                str(x.dtype).split(".")[-1], str(y.dtype).split(".")[-1])
         stats[key][0] += 1
         stats[key][1] += dt
