@@ -66,6 +66,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
     return make
 
 
+@pytest.fixture(scope="module")
+def local_ray():  # type: ignore[no-untyped-def]
+    """One local Ray for a module's clusters, started before its first test that asks and shut down after its last:
+    each ``Cluster(cfg, local_ray=True)`` runs on it and its stop leaves it up (cluster/local_ray.py), saving a Ray
+    start and stop (~5 s on two cores) per cluster after the first. Offers 6 CPUs: the largest cluster a module starts
+    (actors x CPUs each + 1, as serve's own embedded Ray would)."""
+    ray = pytest.importorskip("ray")
+    from cluster.local_ray import start_local_ray
+
+    start_local_ray(num_cpus=6)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 # -- tiers -----------------------------------------------------------------------------------------------------------
 # Every test CI runs is in exactly one tier, decided here and nowhere else:
 #   fast:        pure code: no subprocess, no Ray, no server process, no model bigger than the tiny factory ones.
