@@ -133,6 +133,13 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
     return FOLDER_TIERS.get(parts[1], "integration") if len(parts) > 2 and parts[0] == "tests" else "integration"
 
 
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture (a served cluster, the module's local Ray, a converted model):
+    such a module's tests belong on one pytest-xdist worker, or each worker running some of them builds it again."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection, which then sees the tier markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
@@ -144,6 +151,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = _tier_of(item, rel)
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
+        # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
+        # worker (xdist sends the largest groups first); every other test goes to whichever worker is free
+        if _uses_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(rel))
     # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
     # (only when whole files were collected: not under -k or a `file::test` argument)
     whole_files = not config.getoption("keyword") and not any("::" in str(a) for a in config.args)
