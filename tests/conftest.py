@@ -133,6 +133,17 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
     return FOLDER_TIERS.get(parts[1], "integration") if len(parts) > 2 and parts[0] == "tests" else "integration"
 
 
+# Files of long subprocess tests (each starts torch, transformers or a cluster in fresh processes: minutes on loaded
+# cores), run as one xdist group each: xdist sends the largest groups first, so they start early instead of ending the
+# run on one worker while the other idles (tests otherwise go in collection order, and these come near its end).
+LONG_FILES = {
+    "tests/unit/test_gpu_check_smoke.py": "gpu-check smokes",
+    "tests/integration/test_gpu_kv_check_smoke.py": "gpu-check smokes",
+    "tests/integration/test_gpu_serve_check_smoke.py": "gpu-check smokes",
+    "tests/unit/test_benchmark_scripts.py": "benchmark scripts",
+}
+
+
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
     """Whether ``item`` uses a module-scoped fixture (a served cluster, the module's local Ray, a converted model):
     such a module's tests belong on one pytest-xdist worker, or each worker running some of them builds it again."""
@@ -153,7 +164,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(tier)
         # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
         # worker (xdist sends the largest groups first); every other test goes to whichever worker is free
-        if _uses_a_module_fixture(item) and not item.get_closest_marker("xdist_group"):
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if rel in LONG_FILES:
+            item.add_marker(pytest.mark.xdist_group(LONG_FILES[rel]))
+        elif _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(rel))
     # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
     # (only when whole files were collected: not under -k or a `file::test` argument)
@@ -161,3 +176,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = [k for k in INTEGRATION if k.split("::")[0] in seen_files and k not in seen_keys]
     if stale and whole_files:
         raise pytest.UsageError(f"tests/conftest.py INTEGRATION names tests that do not exist: {stale}")
+    gone = [f for f in LONG_FILES if not (root / f).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py LONG_FILES names files that do not exist: {gone}")
