@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.local_ray import claim, ray_cpus, start_local_ray, wait_released
 from cluster.placement import LandedActor, Placement, PlacementError, PlacementRequest, kv_words, plan_placement
 from cluster.wire import node_gpus
 from cluster.wire.auth import ENV_VAR, ClusterSecret
@@ -311,9 +312,11 @@ def _ray_gpu_ids(_actor: Any) -> list[str]:
 class Cluster:
     """A running cluster: the Ray connection, the decode actors and the proxy processes. ``stop`` ends them.
 
-    ``progress`` (default: nothing) is told the placement as soon as it is decided, with any warning."""
+    ``progress`` (default: nothing) is told the placement as soon as it is decided, with any warning. ``local_ray``:
+    run on the local Ray this process already started and leave it running at stop (``cluster.local_ray``)."""
 
-    def __init__(self, cfg: ServeConfig, progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, cfg: ServeConfig, progress: Callable[[str], None] | None = None, *,
+                 local_ray: bool = False) -> None:
         self.cfg = cfg  # once started: as placed (apply_placement)
         self.progress = progress or (lambda _msg: None)
         self.placement: Placement | None = None  # decided at start, before any actor
@@ -326,6 +329,8 @@ class Cluster:
         self.secret: ClusterSecret | None = None  # the cluster's secret once started (None: authentication off)
         self._port_dir: str | None = None
         self._owns_ray = False  # stop() shuts Ray down only if this cluster started or joined it
+        self._local_ray = local_ray
+        self._sole = False  # the only cluster on its Ray: stop() ends every pdcluster actor there
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Start everything and wait until every proxy is ready; on failure, stop what was started and raise."""
@@ -344,15 +349,17 @@ class Cluster:
         from cluster.wire.names import NAMESPACE, WORKER_PREFIX
 
         cfg = self.cfg
-        if ray.is_initialized():
+        if self._local_ray:
+            claim(cfg.ray_address)
+        elif ray.is_initialized():
             raise RuntimeError("Ray is already initialized in this process: stop the other Cluster first")
-        if cfg.ray_address:
+        elif cfg.ray_address:
             wait_reachable(cfg.ray_address, timeout_s=30.0)
             ray.init(address=cfg.ray_address, namespace=NAMESPACE, log_to_driver=False)
         else:
-            ray.init(namespace=NAMESPACE, num_cpus=max(2, int(cfg.max_actors * cfg.cpus_per_actor) + 1),
-                     include_dashboard=False, log_to_driver=False)
-        self._owns_ray = True
+            start_local_ray(ray_cpus(cfg.max_actors, cfg.cpus_per_actor))
+        self._owns_ray = not self._local_ray
+        self._sole = True
         # before any actor: on which GPUs (or the CPU), or a refusal naming the fix
         placement = self.placement = plan(cfg, ray_node_gpus(ray.nodes()), elastic=bool(cfg.ray_address))
         try:
@@ -467,7 +474,7 @@ class Cluster:
             ray.kill(self.manager)
             self.manager = None
         actors = list(self.decode_actors + self.prefill_actors)
-        if self._owns_ray and ray.is_initialized():  # and those the manager started
+        if self._sole and ray.is_initialized():  # and those the manager started
             from cluster.wire.names import NAMESPACE, worker_names
 
             for name in worker_names():
@@ -483,6 +490,8 @@ class Cluster:
             ray.kill(a)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-        self._owns_ray = False
+        elif self._sole and ray.is_initialized():  # a local Ray left running: the next cluster reuses the names
+            wait_released()
+        self._owns_ray = self._sole = False
         if self._port_dir:
             shutil.rmtree(self._port_dir, ignore_errors=True)

@@ -66,6 +66,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
     return make
 
 
+@pytest.fixture(scope="module")
+def local_ray():  # type: ignore[no-untyped-def]
+    """One local Ray for a module's clusters, started before its first test that asks and shut down after its last:
+    each ``Cluster(cfg, local_ray=True)`` runs on it and its stop leaves it up (cluster/local_ray.py), saving a Ray
+    start and stop (~5 s on two cores) per cluster after the first. Offers 6 CPUs: the largest cluster a module starts
+    (actors x CPUs each + 1, as serve's own embedded Ray would)."""
+    ray = pytest.importorskip("ray")
+    from cluster.local_ray import start_local_ray
+
+    start_local_ray(num_cpus=6)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 # -- tiers -----------------------------------------------------------------------------------------------------------
 # Every test CI runs is in exactly one tier, decided here and nowhere else:
 #   fast:        pure code: no subprocess, no Ray, no server process, no model bigger than the tiny factory ones.
@@ -117,6 +133,24 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
     return FOLDER_TIERS.get(parts[1], "integration") if len(parts) > 2 and parts[0] == "tests" else "integration"
 
 
+# Files of long subprocess tests (each starts torch, transformers or a cluster in fresh processes: minutes on loaded
+# cores), run as one xdist group each: xdist sends the largest groups first, so they start early instead of ending the
+# run on one worker while the other idles (tests otherwise go in collection order, and these come near its end).
+LONG_FILES = {
+    "tests/unit/test_gpu_check_smoke.py": "gpu-check smokes",
+    "tests/integration/test_gpu_kv_check_smoke.py": "gpu-check smokes",
+    "tests/integration/test_gpu_serve_check_smoke.py": "gpu-check smokes",
+    "tests/unit/test_benchmark_scripts.py": "benchmark scripts",
+}
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` uses a module-scoped fixture (a served cluster, the module's local Ray, a converted model):
+    such a module's tests belong on one pytest-xdist worker, or each worker running some of them builds it again."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection, which then sees the tier markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
@@ -128,9 +162,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = _tier_of(item, rel)
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
+        # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
+        # worker (xdist sends the largest groups first); every other test goes to whichever worker is free
+        if item.get_closest_marker("xdist_group"):
+            continue
+        if rel in LONG_FILES:
+            item.add_marker(pytest.mark.xdist_group(LONG_FILES[rel]))
+        elif _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(rel))
     # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
     # (only when whole files were collected: not under -k or a `file::test` argument)
     whole_files = not config.getoption("keyword") and not any("::" in str(a) for a in config.args)
     stale = [k for k in INTEGRATION if k.split("::")[0] in seen_files and k not in seen_keys]
     if stale and whole_files:
         raise pytest.UsageError(f"tests/conftest.py INTEGRATION names tests that do not exist: {stale}")
+    gone = [f for f in LONG_FILES if not (root / f).is_file()]
+    if gone:
+        raise pytest.UsageError(f"tests/conftest.py LONG_FILES names files that do not exist: {gone}")

@@ -20,12 +20,13 @@ from tests.factories import EXACT_DTYPE
 def assert_served_equals_offline(model: Path, mode: str, prompts: list[str], max_tokens: int,
                                  offline_texts: list[str], speculative_config: dict | None = None) -> None:
     """Serve ``model`` in ``mode``, send every prompt at once (greedy, ``ignore_eos``) and assert the completions
-    equal ``offline_texts``. Starts and stops its own cluster. ``speculative_config``: the actors speculate, and
+    equal ``offline_texts``. Starts and stops its own cluster, on the module's local Ray (the caller's tests use the
+    ``local_ray`` fixture of tests/conftest.py). ``speculative_config``: the actors speculate, and
     (disaggregated) the decode actor must have verified drafts."""
     cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, model=str(model), num_kv_blocks=256,
                                                       max_num_batched_tokens=32,
                                                       speculative_config=speculative_config),
-                                  decode=1, prefill=1, port=0, mode=mode))
+                                  decode=1, prefill=1, port=0, mode=mode), local_ray=True)
     try:
         cluster.start()
         client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -25,6 +25,9 @@ from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402  (served text is compared with offline)
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 
 def _waiting(url: str) -> int:
     with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
@@ -40,7 +43,8 @@ def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
 
 def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
-                            proxy=ProxySettings(queue_timeout_s=2.0, reserve_headroom_tokens=512)))  # reserve every request's max_tokens
+                            proxy=ProxySettings(queue_timeout_s=2.0, reserve_headroom_tokens=512)),  # reserve every request's max_tokens
+                local_ray=True)
     try:
         c.start()
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0)
@@ -83,7 +87,8 @@ def test_no_free_blocks_queues_then_429_with_retry_after() -> None:
 def test_waiting_requests_are_admitted_in_arrival_order() -> None:
     """A small request that would fit does not overtake a big one waiting ahead of it (no starvation)."""
     c = Cluster(ServeConfig(worker=WorkerConfig(num_kv_blocks=40), decode=1, port=0, mode="colocated",
-                            proxy=ProxySettings(queue_timeout_s=60.0, reserve_headroom_tokens=512)))  # reserve every request's max_tokens
+                            proxy=ProxySettings(queue_timeout_s=60.0, reserve_headroom_tokens=512)),  # reserve every request's max_tokens
+                local_ray=True)
     try:
         c.start()
         url = c.urls[0]
@@ -133,7 +138,7 @@ def test_chats_without_max_tokens_all_run_on_growing_reservations() -> None:
                                                         "What is 2 + 2?", "Say hello in Spanish.")]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, num_kv_blocks=100), decode=1, port=0,
                             mode="colocated",
-                            proxy=ProxySettings(queue_timeout_s=2.0)))
+                            proxy=ProxySettings(queue_timeout_s=2.0)), local_ray=True)
     try:
         c.start()
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -18,6 +18,9 @@ from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 SYSTEM = " ".join(f"rule {i}: answer briefly and in plain words." for i in range(10))
 # found offline: the first answer's generated ids differ from its text's re-tokenization at its 11th token
 QUESTIONS = ["Write the word maple backwards.", "Another one, please.", "And one more."]
@@ -56,7 +59,7 @@ def _chat(url: str) -> tuple[list[str], list[float], str]:
 
 def _serve(mib: int) -> tuple[list[str], list[float], str]:
     cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32"), decode=1, port=0, mode="colocated",
-                                  proxy=ProxySettings(chat_token_cache_mib=mib)))
+                                  proxy=ProxySettings(chat_token_cache_mib=mib)), local_ray=True)
     try:
         cluster.start()
         return _chat(cluster.urls[0])

@@ -14,6 +14,9 @@ ray = pytest.importorskip("ray")
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 SYSTEM = " ".join(f"rule {i}: answer briefly and in plain words." for i in range(30))
 
 
@@ -33,7 +36,7 @@ def _turn(client: object, msgs: list[dict[str, str]]) -> tuple[str, int, int]:
 
 def test_later_turns_hit_prompt_and_answer_even_after_a_prefill_actor_dies(tmp_path: Path) -> None:
     cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
-                                  decode=1, prefill=2, port=0, mode="disaggregated"))
+                                  decode=1, prefill=2, port=0, mode="disaggregated"), local_ray=True)
     try:
         cluster.start()
         client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -111,7 +114,7 @@ def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tm
 
     cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=2, port=0, mode="disaggregated",
-                                  proxy=ProxySettings(kv_tenant_from="user")))
+                                  proxy=ProxySettings(kv_tenant_from="user")), local_ray=True)
     try:
         cluster.start()
         url = cluster.urls[0]
@@ -153,7 +156,7 @@ def test_a_turn_prefilled_on_its_decode_owner_reads_the_tiers(tmp_path: Path) ->
 
     cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=1, port=0, mode="disaggregated",
-                                  proxy=ProxySettings(disagg_mode="never")))
+                                  proxy=ProxySettings(disagg_mode="never")), local_ray=True)
     try:
         cluster.start()
         client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

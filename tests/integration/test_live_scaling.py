@@ -21,6 +21,9 @@ from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 PROMPTS = [f"{q} Answer in one sentence." for q in
            ("What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.")]
 
@@ -37,7 +40,7 @@ def test_scale_up_and_across_while_serving() -> None:
     del offline
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=1,
-                            port=0, budget=3, cpus_per_actor=0.5))
+                            port=0, budget=3, cpus_per_actor=0.5), local_ray=True)
     c.start()
     try:
         url = c.urls[0]
@@ -111,7 +114,7 @@ def test_scale_up_and_across_while_serving() -> None:
 def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=1,
-                            port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0))
+                            port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

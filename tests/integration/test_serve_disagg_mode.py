@@ -21,10 +21,13 @@ from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 from tests.integration.test_serve_disaggregated import PROMPTS, ask_all  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 
 def served(mode: str) -> tuple[list[str], int, str, dict]:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=1, port=0,
-                            proxy=ProxySettings(disagg_mode=mode)))
+                            proxy=ProxySettings(disagg_mode=mode)), local_ray=True)
     c.start()
     try:
         answers = ask_all(c.urls[0], PROMPTS)

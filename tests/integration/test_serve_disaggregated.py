@@ -19,6 +19,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 from tests.worker_pair import eventually  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 PROMPTS = [f"{q} Answer in one sentence." for q in
            ("What is the capital of France?", "Name a primary color.", "What is 2 + 2?", "Say hello in Spanish.")]
 
@@ -32,7 +35,7 @@ def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=1,
                             port=0, kv_backend=backend, corrupt_kv_every=corrupt_every,
-                            kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0))
+                            kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0), local_ray=True)
     c.start()
     return c
 
@@ -151,7 +154,8 @@ def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() 
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=2, port=0))
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=2, port=0),
+                local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -191,7 +195,7 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
 
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=2, prefill=1,
-                            port=0, kv_backend="shm"))
+                            port=0, kv_backend="shm"), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -246,7 +250,7 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
 
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=2,
-                            port=0, kv_backend="shm"))
+                            port=0, kv_backend="shm"), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -290,7 +294,7 @@ def test_an_mla_model_handed_off_in_place_equals_offline(tiny_checkpoint) -> Non
     want = [o.text for o in LLM(model, dtype=EXACT_DTYPE, num_kv_blocks=128).generate(prompts, params)]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128,
                                                 max_num_batched_tokens=32),
-                            decode=1, prefill=1, port=0, kv_backend="shm"))
+                            decode=1, prefill=1, port=0, kv_backend="shm"), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

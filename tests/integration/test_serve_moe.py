@@ -16,6 +16,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 from tests.served_equals import assert_served_equals_offline  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 # long enough to cross blocks and the 48-token window; the tiny tokenizer's corpus words
 PROMPTS = ["the cat sat on the mat and the dog " * 6, "one two three four five six seven", "a"]
 MAX_TOKENS = 20

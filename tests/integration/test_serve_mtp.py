@@ -15,6 +15,9 @@ from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE, add_mtp_layer  # noqa: E402
 from tests.served_equals import assert_served_equals_offline  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 PROMPTS = ["the cat sat on the mat and the dog " * 3, "one two three four five six seven", "a"]
 MAX_TOKENS = 16
 SPEC = {"method": "mtp", "num_speculative_tokens": 3, "draft_token_cost": 0.0}

@@ -17,6 +17,9 @@ from pdkernels.quant import Int8Weight  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 from tests.served_equals import assert_served_equals_offline  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 PROMPTS = ["the cat sat on the mat and the dog " * 6, "one two three four five six seven", "a"]
 MAX_TOKENS = 16
 

@@ -14,6 +14,9 @@ from tests.factories import EXACT_DTYPE  # noqa: E402
 from tests.served_equals import assert_served_equals_offline  # noqa: E402
 
 # repeated phrases: n-gram drafts find matches in the prompt and in what the model repeats
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 PROMPTS = ["the cat sat on the mat and the dog " * 6, "one two three four five six seven one two three four", "a"]
 MAX_TOKENS = 24
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}

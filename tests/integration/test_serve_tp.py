@@ -30,6 +30,9 @@ from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
 
+# every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
+pytestmark = pytest.mark.usefixtures("local_ray")
+
 PROMPTS = ["the cat sat on the mat and the dog " * 5, "one two three four five six seven", "a"]
 SAMPLING = [dict(temperature=0.0), dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=5)]
 MAX_TOKENS = 16
@@ -74,7 +77,8 @@ def test_tp_pools_serve_what_tp1_offline_does(tiny_checkpoint: Any, name: str) -
     want = _offline(folder)
     worker = WorkerConfig(dtype=EXACT_DTYPE, model=str(folder), num_kv_blocks=256, max_num_batched_tokens=32,
                           prefill_tp=ptp, decode_tp=dtp, tp_kv_cache=tp_kv)
-    cluster = Cluster(ServeConfig(worker=worker, decode=1, prefill=1, port=0, mode=mode, kv_backend=backend))
+    cluster = Cluster(ServeConfig(worker=worker, decode=1, prefill=1, port=0, mode=mode, kv_backend=backend),
+                      local_ray=True)
     try:
         cluster.start()
         actors = cluster.decode_actors + (cluster.prefill_actors if mode == "disaggregated" else [])
@@ -103,7 +107,7 @@ def test_a_killed_tp_rank_takes_its_group_down_and_loses_no_stream(tiny_checkpoi
                                                          for s in sampling])]  # type: ignore[arg-type]
     worker = WorkerConfig(dtype=EXACT_DTYPE, model=str(folder), num_kv_blocks=256, max_num_batched_tokens=32,
                           prefill_tp=1, decode_tp=2)
-    c = Cluster(ServeConfig(worker=worker, decode=2, prefill=1, port=0, kv_backend="shm"))
+    c = Cluster(ServeConfig(worker=worker, decode=2, prefill=1, port=0, kv_backend="shm"), local_ray=True)
     c.start()
     victim_pid = None
     try:

@@ -53,11 +53,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Answer with JS
 
 
 @pytest.fixture(scope="module", params=["colocated", "disaggregated"])
-def url(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def url(request: pytest.FixtureRequest, local_ray: None):  # type: ignore[no-untyped-def]
     mode = request.param
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1,
                             prefill=1, mode=mode, port=0,
-                            proxy=ProxySettings(enable_auto_tool_choice=True, tool_call_parser="hermes")))
+                            proxy=ProxySettings(enable_auto_tool_choice=True, tool_call_parser="hermes")),
+                local_ray=True)
     try:
         c.start()
         yield c.urls[0]

@@ -86,9 +86,9 @@ def cases(offline: LLM) -> dict[str, Case]:
 
 
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
-def cluster(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def cluster(request: pytest.FixtureRequest, local_ray: None):  # type: ignore[no-untyped-def]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=KV_GIB), decode=1, prefill=1, port=0,
-                            mode=request.param))
+                            mode=request.param), local_ray=True)
     try:
         c.start()
         yield c
