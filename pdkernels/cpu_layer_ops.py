@@ -21,15 +21,11 @@ cannot run is logged once per process.
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from pdkernels import native_build
-
-log = logging.getLogger(__name__)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 LIBRARY = native_build.NativeLibrary(
@@ -47,17 +43,13 @@ LIBRARY = native_build.NativeLibrary(
 MAX_DIM = 16384  # cpu_layer_ops.cpp MAX_DIM
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib, why = native_build.load(LIBRARY)
-    if lib is None:
-        log.warning("fused CPU layer ops off (%s): bfloat16 norms and SiLU run torch's ops", why)
-    return lib
+_LOADED = native_build.LazyLibrary(LIBRARY, "bfloat16 norms and SiLU run torch's ops")
+_library = _LOADED.get
 
 
 def available() -> bool:
     """Whether the kernel can run in this process now: switched on and built. Builds on the first call."""
-    return native_build.enabled(LIBRARY) and _library() is not None
+    return _LOADED.available()
 
 
 def _rows_ok(t: torch.Tensor, dim: int) -> bool:
