@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.config import EngineConfig
 from engine.models.default_model import resolve_model
 from engine.completion_progress import CompletionProgress
-from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.detokenizer import IncrementalDetokenizer, fast_decoder
 from engine.device import num_kv_blocks, resolve_device, resolve_dtype
 from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.scheduling.kv_cache_manager import KVCacheManager, cdiv
@@ -87,6 +87,7 @@ class LLMEngine:
         self.model_path = path
         self.model_config = mc = load_model_config(path)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+        self._decoder = fast_decoder(self.tokenizer)  # the detokenizers' decode: the Rust backend where equal
         self.bind_threads()
         self.device = resolve_device(config.device)
         dtype_name = resolve_dtype(config.dtype, self.device)
@@ -285,7 +286,7 @@ class LLMEngine:
                 seqs[0].output_logprobs = list(prefix_logprobs or [{} for _ in output_prefix])
         if block_ids is not None:
             self._adopt_reserved(seqs[0], block_ids, 0)
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
+        detoks = [IncrementalDetokenizer(self._decoder, ids, params.skip_special_tokens) for _ in seqs]
         # a resumed completion's prefix is output like new tokens: its first output hands the prefix out again
         prefix_text = "".join(detoks[0].add_token(t) for t in (output_prefix or []))
         progress = [CompletionProgress(params.stop_strings, prefix_text if i == 0 else "") for i in range(len(seqs))]
@@ -327,7 +328,7 @@ class LLMEngine:
         if drafter is not None and draft_state is not None and params.n == 1:
             drafter.adopt(seqs[0], draft_state)
         req = _Request(request_id, ids, seqs,
-                       [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs],
+                       [IncrementalDetokenizer(self._decoder, ids, params.skip_special_tokens) for _ in seqs],
                        [CompletionProgress(params.stop_strings) for _ in seqs])
         self._requests[request_id] = req
         self.scheduler.add_running(seqs[0])

@@ -16,15 +16,11 @@ Same contract as :func:`pdkernels.reference.paged_decode_attention`.
 from __future__ import annotations
 
 import ctypes
-import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from pdkernels import native_build
-
-log = logging.getLogger(__name__)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 LIBRARY = native_build.NativeLibrary(
@@ -44,17 +40,13 @@ MAX_GROUP = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib, why = native_build.load(LIBRARY)
-    if lib is None:
-        log.warning("fused CPU decode attention off (%s): decode attention runs the torch paths", why)
-    return lib
+_LOADED = native_build.LazyLibrary(LIBRARY, "decode attention runs the torch paths")
+_library = _LOADED.get
 
 
 def available() -> bool:
     """Whether the kernel can run in this process now: switched on and built. Builds on the first call."""
-    return native_build.enabled(LIBRARY) and _library() is not None
+    return _LOADED.available()
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, k_scales: torch.Tensor | None) -> bool:

@@ -105,3 +105,26 @@ def load(lib: NativeLibrary) -> tuple[ctypes.CDLL | None, str]:
     if fresh:
         log.warning("compiled %s in %.1f s (once; cached in %s)", lib.name, time.perf_counter() - t0, where)
     return dll, "ok"
+
+
+class LazyLibrary:
+    """``lib`` built and loaded at the first :meth:`get` (once per process); where it cannot be, why is logged once,
+    with what runs ``instead``. Mutates only its own cache."""
+
+    def __init__(self, lib: NativeLibrary, instead: str) -> None:
+        self.lib = lib
+        self.instead = instead
+        self._loaded: tuple[ctypes.CDLL | None] | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        """The loaded library, or None where it cannot run (its off switch aside: see :meth:`available`)."""
+        if self._loaded is None:
+            dll, why = load(self.lib)
+            if dll is None:
+                log.warning("%s off (%s): %s", self.lib.name, why, self.instead)
+            self._loaded = (dll,)
+        return self._loaded[0]
+
+    def available(self) -> bool:
+        """Whether the library can run in this process now: switched on and built. Builds on the first call."""
+        return enabled(self.lib) and self.get() is not None

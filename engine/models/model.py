@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import pdkernels
-from pdkernels import kv_rotation
+from pdkernels import cpu_layer_ops, kv_rotation
 from engine.models.linear import Linear, cat_weights, weight_rows
 from engine.models.model_config import ModelConfig
 from engine.models.moe import SparseMoE, load_sparse_moe
@@ -186,6 +186,22 @@ class DecoderModel:
             return F.rms_norm(x, (x.shape[-1],), w, eps)
         return F.rms_norm(x, (x.shape[-1],), None, eps) * w
 
+    def _add_norm(self, h: torch.Tensor, add: torch.Tensor | None, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + add, norm(h + add, w))``, or ``(h, norm(h, w))`` where ``add`` is None. Mutates ``h`` (the forward's own
+        residual stream) where the fused bfloat16 kernel runs; otherwise torch's ops, bit for bit as before (float32)."""
+        if not self.cfg.gemma_norms and cpu_layer_ops.fits(h, add, w):
+            return h, cpu_layer_ops.add_rms_norm(h, add, w, self.cfg.rms_norm_eps)
+        if add is not None:
+            h = h + add
+        return h, self._norm(h, w)
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the fused projection's halves; SiLU in bfloat16 on the CPU fused. Pure."""
+        if self.cfg.hidden_act == "silu" and cpu_layer_ops.fits_silu(gate_up):
+            return cpu_layer_ops.silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -219,8 +235,9 @@ class DecoderModel:
         # each decode group's gather ids and mask, once per step for all layers with the same sliding window
         plans = {w: [pdkernels.decode_plan(kv_caches[0][0], tables, lens, w) for _, _, tables, lens in meta.decode_groups]
                  for w in set(cfg.sliding_windows)}
+        # each norm takes the residual add before it (fused in bfloat16 on the CPU, as SiLU-and-mul: pdkernels/cpu_layer_ops.py)
+        h, x = self._add_norm(h, None, self.layers[0].input_norm)
         for i, lw in enumerate(self.layers):
-            x = self._norm(h, lw.input_norm)
             scales = (kv_scales[i][0], kv_scales[i][1]) if kv_scales is not None else (None, None)
             stored = None if after_kv_store is None else functools.partial(after_kv_store, i)
             if self.mla is not None:  # latent attention: engine/models/mla.py (replicated under TP: no reduce)
@@ -232,17 +249,16 @@ class DecoderModel:
                 out = self.tp.comm.all_reduce(out)
                 if stored is not None:
                     stored()
-            h = h + (out if lw.attn_out_norm is None else self._norm(out, lw.attn_out_norm))
-            x = self._norm(h, lw.post_norm)
+            h, x = self._add_norm(h, out if lw.attn_out_norm is None else self._norm(out, lw.attn_out_norm), lw.post_norm)
             if lw.moe is not None:
                 out = lw.moe(x)
             else:
-                gate, up = lw.gate_up(x).chunk(2, dim=-1)
-                out = lw.down(self.act(gate) * up)
+                out = lw.down(self._act_and_mul(lw.gate_up(x)))
             if self.tp is not None:  # the rank's slice of the intermediate (of every expert): a partial sum
                 out = self.tp.comm.all_reduce(out)
-            h = h + (out if lw.mlp_out_norm is None else self._norm(out, lw.mlp_out_norm))
-        return self._norm(h, self.final_norm)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h, x = self._add_norm(h, out if lw.mlp_out_norm is None else self._norm(out, lw.mlp_out_norm), following)
+        return x
 
     def _rank_caches(self, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

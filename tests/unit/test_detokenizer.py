@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.text.detokenizer import IncrementalDetokenizer, TokenDecoder, find_stop
+from engine.text.detokenizer import BackendDecoder, IncrementalDetokenizer, TokenDecoder, fast_decoder, find_stop
 
 CORPUS = [
     "hello world the quick brown fox jumps over the lazy dog",
@@ -246,3 +246,59 @@ def test_smollm2_tokenizer_matches_decode() -> None:
     for _ in range(100):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 20))]
         assert stream(tok, ids)[1] == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_backend_streams_what_the_tokenizer_decodes(tokenizer: PreTrainedTokenizerFast,
+                                                             metaspace_tokenizer: PreTrainedTokenizerFast,
+                                                             skip: bool) -> None:
+    """fast_decoder picks the backend for a plain fast tokenizer, and a stream through it equals decode()."""
+    rng = random.Random(7 + skip)
+    for tok in (tokenizer, metaspace_tokenizer):
+        fast = fast_decoder(tok)
+        assert isinstance(fast, BackendDecoder)
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 30))]
+            deltas, full = stream(fast, ids, skip)
+            assert "".join(deltas) == full == tok.decode(ids, skip_special_tokens=skip), ids
+        for text in TEXTS:
+            assert stream(fast, tok.encode(text), skip)[1] == tok.decode(tok.encode(text), skip_special_tokens=skip)
+
+
+def test_fast_decoder_keeps_the_tokenizer_where_its_decode_differs(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A tokenizer that cleans up spaces, or whose class overrides decoding, or that has no Rust backend: its own
+    decode runs (never a different text)."""
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>",
+                                       clean_up_tokenization_spaces=True)
+    assert fast_decoder(cleaning) is cleaning
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, *a, **k):  # type: ignore[no-untyped-def]
+            return super()._decode(*a, **k).upper()
+
+    loud = Shouting(tokenizer_object=tokenizer.backend_tokenizer, eos_token="<|endoftext|>")
+    assert fast_decoder(loud) is loud
+
+    class Plain:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return " ".join(map(str, token_ids))
+
+    plain = Plain()
+    assert fast_decoder(plain) is plain
+
+
+@pytest.mark.skipif(not (SMOL_DIR / "tokenizer.json").exists(),
+                    reason=f"no cached SmolLM2 tokenizer at {SMOL_DIR}")
+def test_smollm2_takes_the_rust_backend_with_the_same_text() -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(SMOL_DIR))
+    fast = fast_decoder(tok)
+    assert isinstance(fast, BackendDecoder)
+    rng = random.Random(5)
+    for text in TEXTS + ["<|im_start|>assistant\nSure! 日本語 🙂<|im_end|>"]:
+        for skip in (True, False):
+            assert stream(fast, tok.encode(text), skip)[1] == tok.decode(tok.encode(text), skip_special_tokens=skip)
+    for _ in range(100):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 20))]
+        assert stream(fast, ids)[1] == tok.decode(ids, skip_special_tokens=True)
