@@ -4,7 +4,7 @@ extensions: the fused decode attention of :mod:`pdkernels.cpu_fused_decode` and 
 
 The source compiles with ``torch.utils.cpp_extension.load`` (g++ and ninja, ``is_python_module=False``) into
 ``~/.cache/pdcluster/ext/<name>-<hash>-torch<version>`` (``PDCLUSTER_EXT_CACHE`` overrides the root). The hash covers
-the source, the flags and, where the flags say ``-march=native``, this CPU's feature flags, so a home directory shared
+the source and the headers it includes with quotes (``#include "x.h"``, from its own folder), the flags and, where the flags say ``-march=native``, this CPU's feature flags, so a home directory shared
 by different machines never loads a build made for another ISA. The first process compiles (timed and logged), the
 next ones load it. Where it cannot run (the library's off switch set to ``0``, no compiler, no ninja, a failed build)
 :func:`load` says why and the caller keeps its torch path.
@@ -16,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -58,11 +59,33 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+_QUOTED_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def source_bytes(source: Path) -> bytes:
+    """``source`` followed by every header it includes with quotes, recursively, each once (a header's change must
+    rebuild its includers). Reads the files; a quoted include that is not there raises ``FileNotFoundError``."""
+    seen: set[Path] = set()
+    out: list[bytes] = []
+
+    def add(path: Path) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        text = path.read_bytes()
+        out.append(text)
+        for name in _QUOTED_INCLUDE.findall(text):
+            add((path.parent / name.decode()).resolve())
+
+    add(source.resolve())
+    return b"".join(out)
+
+
 def build_dir(lib: NativeLibrary) -> Path:
-    """Where ``lib`` is built: keyed by its source, flags (and this CPU's flags under ``-march=native``) and torch's
-    version. Reads the source."""
+    """Where ``lib`` is built: keyed by its source and quoted headers, flags (and this CPU's flags under
+    ``-march=native``) and torch's version. Reads the source and its headers."""
     root = Path(os.environ.get("PDCLUSTER_EXT_CACHE", Path.home() / ".cache" / "pdcluster" / "ext"))
-    key = lib.source.read_bytes() + " ".join(lib.cflags).encode()
+    key = source_bytes(lib.source) + " ".join(lib.cflags).encode()
     if "-march=native" in lib.cflags:
         key += " ".join(sorted(cpu_flags())).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]

@@ -18,6 +18,11 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16_scalar.h"
+
+using pdk::bf16_to_float;
+using pdk::float_to_bf16;
+
 namespace {
 
 constexpr int CHUNK = 128;     // positions per online-softmax step
@@ -25,22 +30,6 @@ constexpr int MAX_DIM = 256;   // head_dim bound (the caller falls back above it
 constexpr int MAX_GROUP = 16;  // query heads per kv head bound (likewise)
 constexpr int MAX_TASK_HEADS = 8;
 constexpr int PREFETCH = 16;   // rows ahead that the loops ask the cache for (the rows of a chunk are scattered)  // kv heads of one sequence computed together in one task
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// float32 -> bfloat16, round to nearest even (torch's cast); NaN stays NaN
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
 
 // Ask for every cache line of a row of n values (a hint: no effect on results).
 template <typename T>

@@ -20,25 +20,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_scalar.h"
+
+using pdk::bf16_to_float;
+using pdk::float_to_bf16;
+
 namespace {
 
 constexpr int64_t MAX_DIM = 16384;  // float32 row buffer on the stack (the caller falls back above it)
-
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// float32 -> bfloat16, round to nearest even (torch's cast); NaN stays NaN. Branch-free (a select), so loops vectorize.
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t nan = (u >> 16) | 0x40u;
-  return uint16_t((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
 
 void one_row(uint16_t* h, const uint16_t* add, const uint16_t* w, uint16_t* out, int64_t dim, float eps) {
   alignas(64) float x[MAX_DIM];
