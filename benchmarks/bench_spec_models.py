@@ -22,6 +22,7 @@ ratio, acceptance and tokens per verify. Checkpoints go to ``--cache`` (a tempor
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ PROMPTS = [list(range(5, 25)) * 2, [30, 31, 32, 33] * 5, [50 + (i * 7) % 40 for 
 
 
 def _checkpoints(root: Path) -> dict[str, Path]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's tests.factories, from any folder
     from tests.factories import add_mtp_layer, build_checkpoint, build_tokenizer
 
     names = {n: root / n for n in ("rand", "pred", "llama", "llama1")}
