@@ -12,7 +12,9 @@ next ones load it. Where it cannot run (the library's off switch set to ``0``, n
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -21,7 +23,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -97,6 +99,24 @@ def enabled(lib: NativeLibrary) -> bool:
     return os.environ.get(lib.switch, "1") != "0"
 
 
+@contextlib.contextmanager
+def _build_lock(where: Path) -> Iterator[None]:
+    """Hold ``where``'s build lock: an ``flock`` the kernel drops when its holder dies, so a process killed mid-build
+    (the OOM killer, a test's timeout) never stalls the next ones. Under it, a ``lock`` file that torch's
+    ``cpp_extension`` left behind is stale (it marks a build in progress, and none can be: this process holds the
+    flock) and is removed: torch waits on that file forever otherwise. Blocks while another process builds."""
+    with open(where / "build.flock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            stale = where / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 def load(lib: NativeLibrary) -> tuple[ctypes.CDLL | None, str]:
     """``lib`` built (on first use) and loaded with its signatures set, and ``"ok"``; or None and why not. Compiles
     where no build is cached (the compile time is logged)."""
@@ -116,9 +136,10 @@ def load(lib: NativeLibrary) -> tuple[ctypes.CDLL | None, str]:
     fresh = not so.exists()
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(name=lib.name, sources=[str(lib.source)], extra_cflags=list(lib.cflags),
-                           extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
-                           verbose=False)
+        with _build_lock(where):
+            cpp_extension.load(name=lib.name, sources=[str(lib.source)], extra_cflags=list(lib.cflags),
+                               extra_ldflags=["-fopenmp"], build_directory=str(where), is_python_module=False,
+                               verbose=False)
         dll = ctypes.CDLL(str(so))
         for fn, (args, res) in lib.signatures.items():
             getattr(dll, fn).argtypes = args

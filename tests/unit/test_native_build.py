@@ -75,3 +75,23 @@ def test_the_shared_conversions_round_as_torch_does(tmp_path: Path, monkeypatch:
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~want.isnan()].float(), want[~want.isnan()].float())
     assert dll.back(int(want[0].view(torch.int16).item()) & 0xFFFF) == want[0].float().item()
+
+
+def test_a_build_left_half_done_by_a_dead_process_does_not_stall_the_next(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's ``cpp_extension`` marks a build in progress with a ``lock`` file and waits while it exists; a process
+    killed mid-build leaves it behind. The next build must go ahead (under our flock, which dies with its holder)."""
+    monkeypatch.setenv("PDCLUSTER_EXT_CACHE", str(tmp_path / "ext"))
+    src = tmp_path / "k.cpp"
+    src.write_text('extern "C" int seven() { return 7; }\n')
+    lib = NativeLibrary(name="stale_probe", source=src, cflags=("-O2",), switch="PDCLUSTER_STALE_PROBE",
+                        signatures={"seven": ([], ctypes.c_int)})
+    where = build_dir(lib)
+    where.mkdir(parents=True)
+    (where / "lock").write_text("")  # what a build killed half-way leaves
+    dll, why = native_build.load(lib)
+    if dll is None and "build failed" not in why:
+        pytest.skip(f"no C++ build here: {why}")
+    assert dll is not None, why
+    assert dll.seven() == 7
+    assert not (where / "lock").exists()
