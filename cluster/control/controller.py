@@ -461,3 +461,10 @@ def _act(obs: Observation, cfg: ControllerConfig, state: ControllerState, t_p: i
     if decision.changes:
         state = replace(state, last_change_t=obs.t, history=(*state.history, decision)[-20:])
     return decision, state
+
+
+def plan(obs: Observation, cfg: ControllerConfig, state: ControllerState, n_prefill: int, n_decode: int,
+         why: str) -> tuple[Decision, ControllerState]:
+    """The actions (flips first, then adds and drains) that take the pools in ``obs`` to the given sizes, as
+    :func:`decide` would carry its own targets out (a replay that follows a record's decisions). Pure."""
+    return _act(obs, cfg, state, n_prefill, n_decode, why, allow_flip=True)

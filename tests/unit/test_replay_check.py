@@ -1,0 +1,83 @@
+"""A live record replayed, judged where it tells (issue 47 item 4: "a recorded live run, replayed, predicts its
+attainment within 5 points"). The record under ``tests/data/replay`` is a live run of
+``benchmarks/bench_live_controller.py --runs adaptive`` (2026-12-07 14:16 UTC, 2 vCPU shared: load 0.6 when it
+started, ~15 when it ended): 226 requests, two pool changes, 45.1% within its own SLOs (TTFT 3.5 s, TPOT 0.1 s).
+Judged at one SLO pair a replay can land within 5 points by chance (the previous test's record met 0.5% live and 0%
+replayed); judged at every pair of the record's TTFT and TPOT quantiles where it meets 30-70%, the replay must
+reproduce the latency distributions, not one number. Pure: no Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.control.calibrate import calibrate, speed_over_time
+from cluster.control.record import read_record
+from cluster.control.replay import live_attainment, replay
+from cluster.control.replay_check import attainment_rows, format_comparison, recorded, replayed, slo_pairs
+from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
+
+RECORD = Path(__file__).parents[1] / "data" / "replay" / "live-adaptive-2026-12-07.jsonl.gz"
+BUDGET_TOKENS = 64  # the live benchmark's workers' max_num_batched_tokens
+GOAL_POINTS = 5.0
+
+
+@pytest.fixture(scope="module")
+def rec():  # type: ignore[no-untyped-def]
+    return read_record(RECORD)
+
+
+def test_the_recorded_side_judges_as_the_live_attainment(rec) -> None:  # type: ignore[no-untyped-def]
+    cfg = rec.controller
+    assert recorded(rec).attainment(cfg.slo_ttft_s, cfg.slo_tpot_s) == pytest.approx(
+        live_attainment(rec)["slo_attainment"], abs=1e-4)
+
+
+def test_the_slo_pairs_are_where_the_record_meets_30_to_70_percent(rec) -> None:  # type: ignore[no-untyped-def]
+    live = recorded(rec)
+    pairs = slo_pairs(live)
+    assert len(pairs) >= 6
+    assert all(0.3 <= live.attainment(a, b) <= 0.7 for a, b in pairs)
+    assert len({a for a, _ in pairs}) >= 3 and len({b for _, b in pairs}) >= 3  # both SLOs bind somewhere
+
+
+def test_the_check_fails_a_replay_whose_latencies_are_off(rec) -> None:  # type: ignore[no-untyped-def]
+    """The same latencies pass at every pair; TTFTs 0.2 s longer (the admission RPC's 0.08 s median is a part of
+    this size) or TPOTs 10% longer miss by more than 5 points at some pair."""
+    live = recorded(rec)
+    pairs = slo_pairs(live)
+
+    def worst(other: object) -> float:
+        return max(abs(y - x) for _, _, x, y in attainment_rows(live, other, pairs)) * 100  # type: ignore[arg-type]
+
+    assert worst(live) == 0.0
+    assert worst(dataclasses.replace(live, ttft=live.ttft + 0.2)) > GOAL_POINTS
+    assert worst(dataclasses.replace(live, tpot=live.tpot * 1.1)) > GOAL_POINTS
+
+
+def test_a_pinned_replay_changes_the_pools_when_the_record_did(rec) -> None:  # type: ignore[no-untyped-def]
+    prof = calibrate(rec, CostProfile.load(DEFAULT_PROFILE), BUDGET_TOKENS)
+    result, _ = replay(rec, prof, pinned=True)
+    live = [(d["t"], d["n_prefill"], d["n_decode"]) for d in rec.decisions if d["changes"]]
+    sim = [(d["t"], d["reason"].split(" -> ")[1].split(":")[0]) for d in result.decisions]
+    assert len(sim) == len(live) == 2
+    for (t_live, p, d), (t_sim, target) in zip(live, sim):
+        assert abs(t_sim - t_live) <= rec.controller.interval_s and target == f"{p}P"
+
+
+@pytest.mark.xfail(strict=True, reason="MISS (issue 47): the replay is 10-40 points off at some SLO pairs; see "
+                                       "docs/controller.md, 'Live replay against a live run'")
+@pytest.mark.parametrize("pinned", [False, True], ids=["its own decisions", "the recorded decisions"])
+def test_the_live_record_replays_within_5_points_at_every_slo_pair(rec, pinned: bool) -> None:  # type: ignore[no-untyped-def]
+    """The replay as ``pdcluster simulate --replay FILE --prefill-budget 64`` runs it (calibrated from the record,
+    the machine's speed over time), closed loop and with the pools pinned to the recorded changes."""
+    live = recorded(rec)
+    pairs = slo_pairs(live)
+    prof = calibrate(rec, CostProfile.load(DEFAULT_PROFILE), BUDGET_TOKENS)
+    result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned)
+    sim = replayed(result, trace.output)
+    gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live, sim, pairs)]
+    assert np.max(gaps) <= GOAL_POINTS, format_comparison(live, sim, pairs)
