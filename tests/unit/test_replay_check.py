@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.control.calibrate import calibrate, speed_over_time
+from cluster.control.calibrate import admission_rpc_s, calibrate, speed_over_time
 from cluster.control.record import read_record
 from cluster.control.replay import live_attainment, replay
 from cluster.control.replay_check import attainment_rows, format_comparison, recorded, replayed, slo_pairs
@@ -82,3 +82,30 @@ def test_the_live_record_replays_within_5_points_at_every_slo_pair(rec, pinned: 
     sim = replayed(result, trace.output)
     gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live, sim, pairs)]
     assert np.max(gaps) <= GOAL_POINTS, format_comparison(live, sim, pairs)
+
+
+def test_the_admission_rpc_is_on_the_replays_path(rec) -> None:  # type: ignore[no-untyped-def]
+    """Live, the reserve call waited for the decode actor's step in progress (0.04-0.18 s while decoding); the
+    simulator's admission wait is the wait for decode K/V only, so the step model's path carries the RPC."""
+    rpc = admission_rpc_s(rec)
+    assert 0.04 < rpc < 0.15
+    base = CostProfile.load(DEFAULT_PROFILE)
+    rest = float(np.median(recorded(rec).rest()))
+    assert calibrate(rec, base, BUDGET_TOKENS).ttft_path_s == pytest.approx(base.ttft_path_s + rest + rpc, abs=0.02)
+
+
+def test_the_prefill_speed_over_time_reads_the_requests_not_the_loops_idle_calls(rec) -> None:  # type: ignore[no-untyped-def]
+    """In the decode phase (10-45 s) the prefill actors' busy seconds per counted step read 2x+ faster than the
+    profile calibrated on the requests' compute (the loop counts calls that scheduled nothing as steps); the speed
+    over time follows the requests (factors around 1 there)."""
+    prof = calibrate(rec, CostProfile.load(DEFAULT_PROFILE), BUDGET_TOKENS)
+    busy = steps = 0.0
+    for (t0, before), (_, now) in zip(rec.counters, rec.counters[1:]):
+        prev = {c.actor_id: c for c in before}
+        for c in now:
+            b = prev.get(c.actor_id)
+            if 10 <= t0 <= 45 and c.role == "prefill" and b is not None and b.role == "prefill" and b.steps >= 4:
+                busy, steps = busy + c.busy_s - b.busy_s, steps + c.steps - b.steps
+    assert busy / (steps * prof.prefill_step_s) < 0.7  # the counters' reading
+    factors = [p for t, _, p in speed_over_time(rec, prof) if 10 <= t <= 45]
+    assert 0.7 < float(np.median(factors)) < 1.4, factors
