@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from cluster.control import budget, forecast, guard
@@ -461,6 +462,10 @@ def _act(obs: Observation, cfg: ControllerConfig, state: ControllerState, t_p: i
     if decision.changes:
         state = replace(state, last_change_t=obs.t, history=(*state.history, decision)[-20:])
     return decision, state
+
+
+# what decides each window in the simulator: decide() itself, or a replay's recorded decisions (cluster.control.replay)
+Decider = Callable[[Observation, ControllerConfig, ControllerState], tuple[Decision, ControllerState]]
 
 
 def plan(obs: Observation, cfg: ControllerConfig, state: ControllerState, n_prefill: int, n_decode: int,

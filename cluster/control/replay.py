@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide, plan
+from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
+                                        plan)
 from cluster.control.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
 from cluster.control.sim_model import CostProfile, Trace
-from cluster.control.simulator import Decider, SimResult, Simulation
+from cluster.control.simulator import SimResult, Simulation
 from cluster.wire.slo import RequestLatency, SloConfig, judge
 
 

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from cluster.control import budget, sim_prefill
-from cluster.control.controller import (ControllerConfig, ControllerState, Decision, Observation, decide,
+from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
                                         fixed_sizes)
 from cluster.control.observe import ObserverConfig, ObserverState
 from cluster.control.predict import prompt_classes
@@ -55,7 +55,6 @@ from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP, _SPEED = 0, 1, 2, 3, 4, 5, 6  # event kinds (sim_pool, sim_prefill)
 _END = 7  # the run's sentinel event, at infinity: never handled
-Decider = Callable[[Observation, ControllerConfig, ControllerState], tuple[Decision, ControllerState]]
 
 
 def c_array(typecode: str, values: np.ndarray) -> array.array:
@@ -81,9 +80,8 @@ class Simulation(PoolChanges):
         first step does (a live record's replay), instead of counting from t=0; ``speed``: ``(t, decode, prefill)``
         in time order: from ``t`` on, decode steps take ``decode`` times the profile's and prefill compute
         ``prefill`` times (a replay of a machine whose speed changed during the run:
-        :func:`cluster.control.calibrate.speed_over_time`); empty: the profile's all along; ``decider``: what decides
-        each window (the controller's ``decide``; a replay may pass the recorded decisions instead:
-        :func:`cluster.control.replay.as_recorded`)."""
+        :func:`cluster.control.calibrate.speed_over_time`); empty: the profile's all along; ``decider``: each window's
+        decision (``decide``, or a record's: :func:`cluster.control.replay.as_recorded`)."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
         self.on_control, self.decider = on_control, decider
         rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
