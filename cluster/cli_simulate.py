@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--one-speed", action="store_true",
                    help="--replay of a live record: one calibration for the whole run (default: the machine's speed "
                         "interval by interval, from the actors' recorded counters or the finished requests)")
+    s.add_argument("--as-recorded", action="store_true",
+                   help="--replay: the pools change when and as the record's did, instead of the replay's controller "
+                        "deciding (the latencies are then compared on the same pools)")
     s.add_argument("--speculative", default=None, metavar="A:K[:BUDGET[:DISABLE_AT]]",
                    help="decode with speculation: each draft accepted with probability A, K drafts per request, the "
                         "engine's verify_budget_tokens (default 16) and disable_by_batch_size (0: none); a generated "
@@ -74,12 +77,20 @@ def _replay(args: argparse.Namespace) -> int:
         if rec.source == "live" and not args.profile:  # the machine it ran on, from what the record measured
             profile = calibrate(rec, profile, args.prefill_budget)
             speed = [] if args.one_speed else speed_over_time(rec, profile)
-        result, _ = replay(rec, profile, speed)
+        result, trace = replay(rec, profile, speed, pinned=args.as_recorded)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report = side_by_side(rec, result, profile)
     print(format_report(report), flush=True)
+    if rec.source == "live" and rec.finished:
+        from cluster.control.replay_check import format_comparison, recorded, replayed, slo_pairs
+
+        live = recorded(rec)
+        own = (rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
+        print("\nrecorded and replayed latencies judged at the record's SLOs and where it meets 30-70% (issue 47: "
+              "within 5 points):")
+        print(format_comparison(live, replayed(result, trace.output), [own, *slo_pairs(live)]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from cluster.control import budget, forecast, guard
@@ -461,3 +462,14 @@ def _act(obs: Observation, cfg: ControllerConfig, state: ControllerState, t_p: i
     if decision.changes:
         state = replace(state, last_change_t=obs.t, history=(*state.history, decision)[-20:])
     return decision, state
+
+
+# what decides each window in the simulator: decide() itself, or a replay's recorded decisions (cluster.control.replay)
+Decider = Callable[[Observation, ControllerConfig, ControllerState], tuple[Decision, ControllerState]]
+
+
+def plan(obs: Observation, cfg: ControllerConfig, state: ControllerState, n_prefill: int, n_decode: int,
+         why: str) -> tuple[Decision, ControllerState]:
+    """The actions (flips first, then adds and drains) that take the pools in ``obs`` to the given sizes, as
+    :func:`decide` would carry its own targets out (a replay that follows a record's decisions). Pure."""
+    return _act(obs, cfg, state, n_prefill, n_decode, why, allow_flip=True)

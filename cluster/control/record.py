@@ -34,6 +34,7 @@ header; every other kind may come in any order (a reader sorts by ``t``). Versio
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import threading
 import time
@@ -212,8 +213,11 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
 
 
 def read_record(path: str | Path) -> Recording:
-    """Read a record file (see :func:`parse_record`)."""
-    return parse_record(Path(path).read_text().splitlines(), str(path))
+    """Read a record file (see :func:`parse_record`); a name ending in ``.gz`` is read through gzip (a record kept as
+    test data)."""
+    p = Path(path)
+    text = gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text()
+    return parse_record(text.splitlines(), str(path))
 
 
 class RecordWriter:

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, decide
+from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
+                                        plan)
 from cluster.control.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
 from cluster.control.sim_model import CostProfile, Trace
 from cluster.control.simulator import SimResult, Simulation
@@ -74,16 +75,36 @@ def live_attainment(rec: Recording) -> dict[str, Any]:
             "slo_attainment": round(met / judged, 4) if judged else None}
 
 
-def replay(rec: Recording, profile: CostProfile,
-           speed: Sequence[tuple[float, float, float]] = ()) -> tuple[SimResult, Trace]:
+def replay(rec: Recording, profile: CostProfile, speed: Sequence[tuple[float, float, float]] = (),
+           pinned: bool = False) -> tuple[SimResult, Trace]:
     """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured;
-    ``speed``: the machine's speed over the run (:func:`cluster.control.calibrate.speed_over_time`). Pure
-    (deterministic)."""
+    ``speed``: the machine's speed over the run (:func:`cluster.control.calibrate.speed_over_time`); ``pinned``: the
+    pools change as the record's did instead (:func:`as_recorded`), so the replay's latencies are compared on the
+    same pools. Pure (deterministic)."""
     trace = trace_from_recording(rec)
     sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer,
                      baseline_first=rec.source == "live",  # live, the manager's first step takes baselines only
-                     speed=speed)
+                     speed=speed, decider=as_recorded(rec) if pinned else decide)
     return sim.run(), trace
+
+
+def as_recorded(rec: Recording) -> Decider:
+    """A decider that changes the pools as the record did: each window takes the target sizes of the last recorded
+    change at or before its end (within half an interval: the live windows' times are not the replay's), carried out
+    on the simulated actors. Pure (its state is the controller state it is passed)."""
+    changes = [(float(d["t"]), int(d["n_prefill"]), int(d["n_decode"])) for d in rec.decisions
+               if d.get("changes") and d.get("applied", True)]
+    half = rec.controller.interval_s / 2
+
+    def decider(obs: Observation, cfg: ControllerConfig, state: ControllerState) -> tuple[Decision, ControllerState]:
+        due = [c for c in changes if c[0] <= obs.t + half]
+        if not due or obs.pending_changes:  # nothing recorded yet, or a change still under way
+            live = obs.live("prefill"), obs.live("decode")
+            return Decision(len(live[0]), len(live[1]), reason="hold: as recorded"), state
+        t, p, d = due[-1]
+        return plan(obs, cfg, state, p, d, f"as recorded at {t:.1f}s")
+
+    return decider
 
 
 def redecide(rec: Recording) -> tuple[int, int]:

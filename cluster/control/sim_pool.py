@@ -9,7 +9,6 @@ import heapq
 from typing import TYPE_CHECKING
 
 from cluster.control import sim_prefill
-from cluster.control.controller import decide
 from cluster.control.observe import build
 from cluster.control.sim_demand import window_demand
 from cluster.control.sim_state import UNBOUNDED, SimActor
@@ -66,7 +65,7 @@ class PoolChanges:
         self.mark, self.window_done, self.window_refused = upto, [], 0
         if obs is None:
             return
-        decision, self.state = decide(obs, self.cfg, self.state)
+        decision, self.state = self.decider(obs, self.cfg, self.state)
         if self.on_control is not None:
             self.on_control(float(now), obs, decision)
         if not decision.changes:

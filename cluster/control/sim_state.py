@@ -103,3 +103,7 @@ class SimResult:
     duration: float
     admission_wait: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request: waiting for decode KV
     refused: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # per request: 429 after the timeout
+    # per request, the TTFT's other parts, as a live FinishedSample splits it (a replay is compared with its record)
+    prefill_queue: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    prefill_compute: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per request model: its overhead too
+    transfer: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the exposed part

@@ -45,7 +45,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from cluster.control import budget, sim_prefill
-from cluster.control.controller import ControllerConfig, ControllerState, Decision, Observation, fixed_sizes
+from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
+                                        fixed_sizes)
 from cluster.control.observe import ObserverConfig, ObserverState
 from cluster.control.predict import prompt_classes
 from cluster.control.sim_model import CostProfile, Trace
@@ -71,16 +72,18 @@ class Simulation(PoolChanges):
     def __init__(self, trace: Trace, profile: CostProfile, cfg: ControllerConfig, workers: int,
                  initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
                  on_control: Callable[[float, Observation, Decision], None] | None = None,
-                 baseline_first: bool = False, speed: Sequence[tuple[float, float, float]] = ()) -> None:
+                 baseline_first: bool = False, speed: Sequence[tuple[float, float, float]] = (),
+                 decider: Decider = decide) -> None:
         """``observer``: how observations are built (default: seeded from ``profile``; a replay passes the recorded
         one); ``on_control``: called with every window's observation and decision, holds included (a record);
         ``baseline_first``: the first window only takes the actors' counters as baselines, as the live pool manager's
         first step does (a live record's replay), instead of counting from t=0; ``speed``: ``(t, decode, prefill)``
         in time order: from ``t`` on, decode steps take ``decode`` times the profile's and prefill compute
         ``prefill`` times (a replay of a machine whose speed changed during the run:
-        :func:`cluster.control.calibrate.speed_over_time`); empty: the profile's all along."""
+        :func:`cluster.control.calibrate.speed_over_time`); empty: the profile's all along; ``decider``: each window's
+        decision (``decide``, or a record's: :func:`cluster.control.replay.as_recorded`)."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
-        self.on_control = on_control
+        self.on_control, self.decider = on_control, decider
         rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
         half = max(1, workers // 2 // rp)
         sizes = fixed_sizes(cfg.policy) or initial or (half, max(1, (workers - half * rp) // rd))
@@ -499,4 +502,5 @@ class Simulation(PoolChanges):
         tpot = (np.array(last) - firsts) / np.maximum(1, tr.output - 1)
         ok = (ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)
         return SimResult(ttft, tpot, ok, self.timeline, self.decisions, float(max(tr.duration, tr.t[-1])),
-                         np.array(t_adm) - tr.t, np.asarray(self.refused, dtype=bool))
+                         np.array(t_adm) - tr.t, np.asarray(self.refused, dtype=bool),
+                         np.array(t_pq), np.array(t_pc), np.array(t_xf))

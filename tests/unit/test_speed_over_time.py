@@ -62,6 +62,9 @@ def record_run(path: Path, counters: bool) -> float:
 
 @pytest.mark.parametrize("counters", [True, False], ids=["from counters", "from finished requests"])
 def test_a_replay_follows_the_machines_speed_over_the_run(tmp_path: Path, counters: bool) -> None:
+    """At this record's own SLOs (TTFT 3 s against a ~3 s prefill) it meets ~0.5%, so "within 5 points" here checks
+    little beyond the decode factor's ratio below; the replay judged at SLO pairs where a run meets 30-70%, on live
+    records, is ``tests/unit/test_replay_check.py`` (issue 47)."""
     path = tmp_path / "live.jsonl"
     truth = record_run(path, counters)
     rec = read_record(path)

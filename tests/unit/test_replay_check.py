@@ -1,0 +1,119 @@
+"""A live record replayed, judged where it tells (issue 47 item 4: "a recorded live run, replayed, predicts its
+attainment within 5 points"). The records under ``tests/data/replay`` are two live runs of
+``benchmarks/bench_live_controller.py --runs adaptive`` on 2 shared vCPUs, 2026-12-07: at 14:16 UTC (load 0.6 when it
+started, ~15 when it ended; 226 requests, two pool changes, 45.1% within its own SLOs, TTFT 3.5 s and TPOT 0.1 s)
+and at 14:39 UTC (``-loaded``: load 16-45; 145 requests, two pool changes, 19.3%).
+Judged at one SLO pair a replay can land within 5 points by chance (the previous test's record met 0.5% live and 0%
+replayed); judged at every pair of the record's TTFT and TPOT quantiles where it meets 30-70%, the replay must
+reproduce the latency distributions, not one number. Pure: no Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.control.calibrate import admission_rpc_s, calibrate, speed_over_time
+from cluster.control.record import read_record
+from cluster.control.replay import live_attainment, replay
+from cluster.control.replay_check import attainment_rows, format_comparison, recorded, replayed, slo_pairs
+from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
+
+DATA = Path(__file__).parents[1] / "data" / "replay"
+RECORDS = ("live-adaptive-2026-12-07.jsonl.gz", "live-adaptive-2026-12-07-loaded.jsonl.gz")
+BUDGET_TOKENS = 64  # the live benchmark's workers' max_num_batched_tokens
+GOAL_POINTS = 5.0
+
+
+@pytest.fixture(scope="module", params=RECORDS, ids=["quiet start", "loaded"])
+def any_rec(request):  # type: ignore[no-untyped-def]
+    return read_record(DATA / request.param)
+
+
+@pytest.fixture(scope="module")
+def rec():  # type: ignore[no-untyped-def]
+    """The first record (its phases' times and parts are named in the tests that use it)."""
+    return read_record(DATA / RECORDS[0])
+
+
+def test_the_recorded_side_judges_as_the_live_attainment(any_rec) -> None:  # type: ignore[no-untyped-def]
+    cfg = any_rec.controller
+    assert recorded(any_rec).attainment(cfg.slo_ttft_s, cfg.slo_tpot_s) == pytest.approx(
+        live_attainment(any_rec)["slo_attainment"], abs=1e-4)
+
+
+def test_the_slo_pairs_are_where_the_record_meets_30_to_70_percent(any_rec) -> None:  # type: ignore[no-untyped-def]
+    live = recorded(any_rec)
+    pairs = slo_pairs(live)
+    assert len(pairs) >= 6
+    assert all(0.3 <= live.attainment(a, b) <= 0.7 for a, b in pairs)
+    assert len({a for a, _ in pairs}) >= 3 and len({b for _, b in pairs}) >= 3  # both SLOs bind somewhere
+
+
+def test_the_check_fails_a_replay_whose_latencies_are_off(any_rec) -> None:  # type: ignore[no-untyped-def]
+    """The same latencies pass at every pair; TTFTs 0.2 s longer (the admission RPC's 0.08 s median is a part of
+    this size) or TPOTs 10% longer miss by more than 5 points at some pair."""
+    live = recorded(any_rec)
+    pairs = slo_pairs(live)
+
+    def worst(other: object) -> float:
+        return max(abs(y - x) for _, _, x, y in attainment_rows(live, other, pairs)) * 100  # type: ignore[arg-type]
+
+    assert worst(live) == 0.0
+    assert worst(dataclasses.replace(live, ttft=live.ttft + 0.2)) > GOAL_POINTS
+    assert worst(dataclasses.replace(live, tpot=live.tpot * 1.1)) > GOAL_POINTS
+
+
+def test_a_pinned_replay_changes_the_pools_when_the_record_did(any_rec) -> None:  # type: ignore[no-untyped-def]
+    prof = calibrate(any_rec, CostProfile.load(DEFAULT_PROFILE), BUDGET_TOKENS)
+    result, _ = replay(any_rec, prof, pinned=True)
+    live = [(d["t"], d["n_prefill"], d["n_decode"]) for d in any_rec.decisions if d["changes"]]
+    sim = [(d["t"], d["reason"].split(" -> ")[1].split(":")[0]) for d in result.decisions]
+    assert len(sim) == len(live) == 2
+    for (t_live, p, d), (t_sim, target) in zip(live, sim):
+        assert abs(t_sim - t_live) <= any_rec.controller.interval_s and target == f"{p}P"
+
+
+@pytest.mark.xfail(strict=True, reason="MISS (issue 47): 9-12 points off on average, 22-30 at worst; per-actor "
+                                       "speed, per-step variance and closed-loop arrivals are not modelled: see "
+                                       "docs/controller.md, 'Live replay against a live run'")
+@pytest.mark.parametrize("pinned", [False, True], ids=["its own decisions", "the recorded decisions"])
+def test_the_live_record_replays_within_5_points_at_every_slo_pair(any_rec, pinned: bool) -> None:  # type: ignore[no-untyped-def]
+    """The replay as ``pdcluster simulate --replay FILE --prefill-budget 64`` runs it (calibrated from the record,
+    the machine's speed over time), closed loop and with the pools pinned to the recorded changes."""
+    live = recorded(any_rec)
+    pairs = slo_pairs(live)
+    prof = calibrate(any_rec, CostProfile.load(DEFAULT_PROFILE), BUDGET_TOKENS)
+    result, trace = replay(any_rec, prof, speed_over_time(any_rec, prof), pinned=pinned)
+    sim = replayed(result, trace.output)
+    gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live, sim, pairs)]
+    assert np.max(gaps) <= GOAL_POINTS, format_comparison(live, sim, pairs)
+
+
+def test_the_admission_rpc_is_on_the_replays_path(rec) -> None:  # type: ignore[no-untyped-def]
+    """Live, the reserve call waited for the decode actor's step in progress (0.04-0.18 s while decoding); the
+    simulator's admission wait is the wait for decode K/V only, so the step model's path carries the RPC."""
+    rpc = admission_rpc_s(rec)
+    assert 0.04 < rpc < 0.15
+    base = CostProfile.load(DEFAULT_PROFILE)
+    rest = float(np.median(recorded(rec).rest()))
+    assert calibrate(rec, base, BUDGET_TOKENS).ttft_path_s == pytest.approx(base.ttft_path_s + rest + rpc, abs=0.02)
+
+
+def test_the_prefill_speed_over_time_reads_the_requests_not_the_loops_idle_calls(rec) -> None:  # type: ignore[no-untyped-def]
+    """In the decode phase (10-45 s) the prefill actors' busy seconds per counted step read 2x+ faster than the
+    profile calibrated on the requests' compute (the loop counts calls that scheduled nothing as steps); the speed
+    over time follows the requests (factors around 1 there)."""
+    prof = calibrate(rec, CostProfile.load(DEFAULT_PROFILE), BUDGET_TOKENS)
+    busy = steps = 0.0
+    for (t0, before), (_, now) in zip(rec.counters, rec.counters[1:]):
+        prev = {c.actor_id: c for c in before}
+        for c in now:
+            b = prev.get(c.actor_id)
+            if 10 <= t0 <= 45 and c.role == "prefill" and b is not None and b.role == "prefill" and b.steps >= 4:
+                busy, steps = busy + c.busy_s - b.busy_s, steps + c.steps - b.steps
+    assert busy / (steps * prof.prefill_step_s) < 0.7  # the counters' reading
+    factors = [p for t, _, p in speed_over_time(rec, prof) if 10 <= t <= 45]
+    assert 0.7 < float(np.median(factors)) < 1.4, factors
