@@ -69,7 +69,7 @@ class Metrics:
     slo: SloTracker = field(default_factory=SloTracker)  # goodput against the configured TTFT / TPOT SLOs
     # where prompts were prefilled (proxy/disagg.py): (side "remote" | "local", reason) -> requests
     disagg: dict[tuple[str, str], int] = field(default_factory=dict)
-    # finished prompts' TTFT parts by prefill side ("remote" | "local"): [prompts, then the summed seconds of TTFT_PARTS]
+    # finished prompts' TTFT parts by prefill side ("remote" | "local"): [prompts, then TTFT_PARTS summed, seconds]
     ttft_parts: dict[str, list[float]] = field(default_factory=dict)
 
     def disagg_decision(self, remote: bool, reason: str) -> None:

@@ -183,3 +183,21 @@ def test_a_burst_sees_its_own_earlier_choices_and_splits_between_the_sides() -> 
 def test_always_sends_a_whole_burst_to_the_prefill_actor_and_counts_it_queued() -> None:
     remote, waiting, after = asyncio.run(_burst("always"))
     assert all(remote) and waiting == {"p0": 16 * 512} and after == {"p0": 0}
+
+
+def test_ttft_parts_are_averaged_per_prefill_side() -> None:
+    from cluster.wire.telemetry import FinishedSample
+    from proxy.metrics import Metrics
+
+    m = Metrics()
+    m.ttft_split(True, FinishedSample(512, 0, 96, ttft_s=4.0, tpot_s=0.1, admission_wait_s=0.5, prefill_queue_s=2.0,
+                                      prefill_compute_s=1.0, transfer_s=0.1))
+    m.ttft_split(True, FinishedSample(512, 0, 96, ttft_s=2.0, tpot_s=0.1, admission_wait_s=0.5, prefill_queue_s=0.0,
+                                      prefill_compute_s=1.0, transfer_s=0.1))
+    m.ttft_split(False, FinishedSample(512, 0, 96, ttft_s=1.5, tpot_s=0.1, admission_wait_s=0.1))
+    got = m.ttft_split_means()
+    assert got["remote"] == pytest.approx({"prompts": 2, "ttft_s": 3.0, "admission_wait_s": 0.5, "prefill_queue_s": 1.0,
+                                           "prefill_compute_s": 1.0, "transfer_s": 0.1, "rest_s": 0.4})
+    assert got["local"] == pytest.approx({"prompts": 1, "ttft_s": 1.5, "admission_wait_s": 0.1, "prefill_queue_s": 0.0,
+                                          "prefill_compute_s": 0.0, "transfer_s": 0.0, "rest_s": 1.4})
+    assert Metrics().ttft_split_means() == {}
