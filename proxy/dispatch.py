@@ -174,6 +174,10 @@ class Dispatcher:
         for a in decode:
             if a.stats is not None:
                 self.costs.observe_decode(a.name, a.stats.busy_seconds, a.stats.steps)
+        for a in self.pools.live_prefill():
+            if a.stats is not None:
+                self.costs.observe_prefill_actor(a.name, a.stats.busy_seconds,
+                                                 a.stats.prompt_tokens - a.stats.cached_prompt_tokens)
         prompt = len(req.prompt_token_ids)
         bs, per = self.config.block_size, max(1, len(decode))
         remote_cached = 0 if chosen is None else self.router.cached_blocks(chosen.name, hashes, {

@@ -87,10 +87,22 @@ def test_estimator_learns_speed_transfer_handoff_and_step() -> None:
     est = CostEstimator(Costs(prefill_tok_s=1000.0, decode_step_s=0.05, handoff_s=0.0), weight=1.0)
     est.observe_prefill(computed_tokens=500, compute_s=0.25, send_wait_s=0.005, queue_s=0.1, wall_s=0.375)
     c = est.costs
-    assert (c.prefill_tok_s, c.transfer_s_per_token) == (2000.0, pytest.approx(1e-5))
+    # a prompt's compute_s spans the step it shared with others: the result moves the transfer and hand-off only
+    assert (c.prefill_tok_s, c.transfer_s_per_token) == (1000.0, pytest.approx(1e-5))
     assert c.handoff_s == pytest.approx(0.02)
     est.observe_prefill(computed_tokens=3, compute_s=0.01, send_wait_s=0.0, queue_s=0.0, wall_s=0.01)
-    assert est.costs.prefill_tok_s == 2000.0  # a few tokens move only the hand-off
+    assert est.costs.transfer_s_per_token == pytest.approx(1e-5)  # a few tokens move only the hand-off
+    # the speed: tokens computed per busy second of the prefill actor, between two sights of its counters
+    est.observe_prefill_actor("p0", 10.0, 4000)
+    assert est.costs.prefill_tok_s == 1000.0  # a first sight: nothing to difference yet
+    est.observe_prefill_actor("p0", 12.0, 4008)
+    assert est.costs.prefill_tok_s == 1000.0  # 8 tokens: too few, wait for more (kept from 10 s / 4000)
+    est.observe_prefill_actor("p0", 14.0, 4000 + 4 * 512)  # four prompts in one 4 s step
+    assert est.costs.prefill_tok_s == pytest.approx(512.0)
+    est.observe_prefill_actor("p0", 1.0, 100)  # restarted actor: counters went back
+    assert est.costs.prefill_tok_s == pytest.approx(512.0)
+    est.observe_prefill_actor("p0", 2.0, 600)
+    assert est.costs.prefill_tok_s == pytest.approx(500.0)
     est.observe_decode("d0", 10.0, 100)
     assert est.costs.decode_step_s == 0.05  # a first sight: nothing to difference yet
     est.observe_decode("d0", 11.0, 150)
