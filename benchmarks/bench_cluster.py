@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from cluster.launcher import Cluster, ServeConfig
+from cluster.wire.proxy_settings import ProxySettings
 from cluster.wire.worker_config import WorkerConfig
 
 WORDS = "the quick brown fox jumps over a lazy dog while serving large language models on small machines".split()
@@ -76,7 +77,9 @@ def serve_config(mode: str, backend: str, args: argparse.Namespace, tp: tuple[in
     worker = WorkerConfig(model=args.model, kv_cache_gib=0.5, dtype=args.dtype, num_threads=args.threads,
                           prefill_tp=tp[0] if mode == "disaggregated" else 1, decode_tp=tp[1], tp_kv_cache=layout)
     kv_backend = backend if mode == "disaggregated" else "torch_dist"  # colocated: no transfer ("-")
-    return ServeConfig(worker=worker, mode=mode, decode=1, prefill=1, kv_backend=kv_backend, port=0)  # 0: free port
+    # every prompt on the prefill actor (--disagg-mode always): the transfer is what the disaggregated rows measure
+    return ServeConfig(worker=worker, mode=mode, decode=1, prefill=1, kv_backend=kv_backend, port=0,  # 0: free port
+                       proxy=ProxySettings(disagg_mode="always"))
 
 
 def run(cfg: ServeConfig, args: argparse.Namespace) -> dict[str, Any]:

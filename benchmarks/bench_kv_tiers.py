@@ -94,7 +94,9 @@ def serve_and_run(tiers: str | None, args: argparse.Namespace, disk_dir: str) ->
     cluster = Cluster(ServeConfig(worker=WorkerConfig(dtype="float32", num_kv_blocks=args.blocks,
                                                       max_num_batched_tokens=args.batch_tokens, **extra),
                                   decode=1, prefill=2, port=0, mode="disaggregated",
-                                  proxy=ProxySettings(chat_token_cache_mib=args.chat_token_cache_mib)))
+                                  # every turn on a prefill actor: the tiers' hits there are what it measures
+                                  proxy=ProxySettings(chat_token_cache_mib=args.chat_token_cache_mib,
+                                                      disagg_mode="always")))
     try:
         cluster.start()
         run = run_chats(cluster.urls[0], args.chats, args.turns, args.system_words, args.user_words,

@@ -135,17 +135,19 @@ def run_server(kind: str, args: argparse.Namespace, out: Path) -> dict[str, Any]
             subprocess.run(bench, check=True, timeout=args.point_timeout, stdout=subprocess.DEVNULL)
             wall = time.monotonic() - t0
             groups, load1 = cpu_groups(before, cpu_snapshot(proc.pid)), os.getloadavg()[0]
-            actors = []
+            actors, disagg = [], None
             if system != "vllm":
                 with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
-                    actors = [{k: a.get(k) for k in ("actor_id", "role", "busy_seconds", "steps", "tokens_generated",
-                                                     "prompt_tokens")} for a in json.loads(r.read())["actors"]]
+                    status = json.loads(r.read())
+                actors = [{k: a.get(k) for k in ("actor_id", "role", "busy_seconds", "steps", "tokens_generated",
+                                                 "prompt_tokens")} for a in status["actors"]]
+                disagg = status.get("disagg")  # where the proxy prefilled, why, and the TTFT parts per side
             summary = json.loads(result.read_text())["points"][0]["summary"]
         finally:
             stop(proc)
     return {"system": kind, "wall_s": wall, "output_tokens": summary["output_tokens"],
             "output_tok_s": summary["output_throughput"], "ttft_p50_s": summary["ttft_ms"]["p50"] / 1000,
-            "cpu_groups": groups, "actors": actors, "load": [load0, load1]}
+            "cpu_groups": groups, "actors": actors, "disagg": disagg, "load": [load0, load1]}
 
 
 def run_inproc(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,6 +224,16 @@ def ratios(rows: list[dict[str, Any]]) -> str:
                      f"{r['ttft_p50_s'] / ref['ttft_p50_s']:.2f}x" for r in rows if r is not ref)
 
 
+def disagg_line(row: dict[str, Any]) -> str:
+    """Where a disaggregated server prefilled (side:reason -> prompts) and each side's mean TTFT parts. Pure."""
+    d = row["disagg"]
+    parts = "; ".join(f"{side} {p['prompts']:.0f}: TTFT {p['ttft_s']:.2f} = admission {p['admission_wait_s']:.2f} + "
+                      f"prefill queue {p['prefill_queue_s']:.2f} + compute {p['prefill_compute_s']:.2f} + transfer "
+                      f"{p['transfer_s']:.2f} + rest {p['rest_s']:.2f} s"
+                      for side, p in (d.get("ttft_parts") or {}).items())
+    return f"{row['system']} ({d['mode']}): {d['decisions']}; mean {parts}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", default="inproc,colocated,disaggregated,vllm")
@@ -254,8 +266,13 @@ def main(argv: list[str] | None = None) -> int:
             print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
             for a in rows[-1].get("actors", []):
                 print(f"[serve-cpu]   {a}", file=sys.stderr, flush=True)
+            if rows[-1].get("disagg"):
+                print(f"[serve-cpu]   {json.dumps(rows[-1]['disagg'])}", file=sys.stderr, flush=True)
     print(table(rows))
     print(ratios(rows))
+    for r in rows:
+        if r.get("disagg"):
+            print(disagg_line(r))
     print(f"\nmachine: {isa_summary()}; {args.num_requests} requests, {args.concurrency} at once, "
           f"{args.input_len}/{args.output_len}; pdcluster {args.pd_args or 'at its defaults'}")
     if args.json:

@@ -117,9 +117,10 @@ def decide(policy: DisaggPolicy, view: RequestView, costs: Costs) -> Decision:
 
 
 class CostEstimator:
-    """Running estimates of :class:`Costs` from what the proxy sees: each remote prefill's result (tokens computed,
-    compute, exposed transfer, the call's round trip) and the decode actors' cumulative step counters. Mutated by
-    its two ``observe_*`` methods only; no I/O (values are passed in)."""
+    """Running estimates of :class:`Costs` from what the proxy sees: each remote prefill's result (exposed transfer,
+    the call's round trip), the prefill actors' cumulative busy seconds and prompt tokens (the prefill speed) and the
+    decode actors' cumulative step counters. Mutated by its ``observe_*`` methods only; no I/O (values are passed
+    in)."""
 
     def __init__(self, prior: Costs = Costs(), weight: float = 0.2) -> None:
         if not 0 < weight <= 1:
@@ -127,20 +128,37 @@ class CostEstimator:
         self.costs = prior
         self.weight = weight
         self._decode_seen: dict[str, tuple[float, int]] = {}  # actor -> (busy seconds, steps) last seen
+        self._prefill_seen: dict[str, tuple[float, int]] = {}  # actor -> (busy seconds, tokens computed) last seen
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.weight) * old + self.weight * new
 
     def observe_prefill(self, computed_tokens: int, compute_s: float, send_wait_s: float, queue_s: float,
                         wall_s: float) -> None:
-        """Mutates: one remote prefill's result (``wall_s``: the proxy's call, end to end)."""
+        """Mutates: one remote prefill's result (``wall_s``: the proxy's call, end to end). Not the speed: a prompt's
+        ``compute_s`` spans the steps it shared with the other prompts of its batch (four 512-token prompts share a
+        2048-token step, each reporting the whole step), which read as a quarter of the speed; the actors' counters
+        give it (:meth:`observe_prefill_actor`)."""
         c = self.costs
-        speed, transfer = c.prefill_tok_s, c.transfer_s_per_token
-        if computed_tokens >= 16 and compute_s > 0:  # a few tokens say more about overheads than speed
-            speed = self._mix(speed, computed_tokens / compute_s)
+        transfer = c.transfer_s_per_token
+        if computed_tokens >= 16:  # a few tokens say more about overheads than the transfer per token
             transfer = self._mix(transfer, max(0.0, send_wait_s) / computed_tokens)
         handoff = self._mix(c.handoff_s, max(0.0, wall_s - queue_s - compute_s - send_wait_s))
-        self.costs = Costs(speed, c.decode_step_s, transfer, handoff)
+        self.costs = Costs(c.prefill_tok_s, c.decode_step_s, transfer, handoff)
+
+    def observe_prefill_actor(self, actor: str, busy_s: float, computed_tokens: int) -> None:
+        """Mutates: a prefill actor's cumulative busy seconds and prompt tokens computed (its stats); the tokens per
+        busy second since the last observation of that actor that moved by a prompt's worth (>= 16 tokens and some
+        busy time) feed the prefill speed."""
+        before = self._prefill_seen.get(actor)
+        if before is not None and (0 <= computed_tokens - before[1] < 16 or 0 <= busy_s - before[0] <= 0):
+            return  # too little since: wait for more (the counters are kept from the last use)
+        self._prefill_seen[actor] = (busy_s, computed_tokens)
+        if before is None or computed_tokens < before[1] or busy_s < before[0]:  # first sight, or a restarted actor
+            return
+        speed = (computed_tokens - before[1]) / (busy_s - before[0])
+        c = self.costs
+        self.costs = Costs(self._mix(c.prefill_tok_s, speed), c.decode_step_s, c.transfer_s_per_token, c.handoff_s)
 
     def observe_decode(self, actor: str, busy_s: float, steps: int) -> None:
         """Mutates: a decode actor's cumulative busy seconds and steps (its stats); the step time since the last

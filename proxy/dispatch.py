@@ -63,6 +63,21 @@ class DispatchConfig:
         return estimate_blocks(prompt_tokens, min(max_tokens, self.reserve_headroom_tokens), self.block_size, n)
 
 
+class _Queued:
+    """Mutates ``inflight``: ``tokens`` counted on prefill actor ``name`` from construction until the first
+    :meth:`done` (idempotent; no actor, ``name`` empty: nothing counted)."""
+
+    def __init__(self, inflight: dict[str, int], name: str, tokens: int) -> None:
+        self.inflight, self.name, self.tokens = inflight, name, tokens if name else 0
+        if self.tokens:
+            inflight[name] = inflight.get(name, 0) + self.tokens
+
+    def done(self) -> None:
+        if self.tokens:
+            self.inflight[self.name] -= self.tokens
+            self.tokens = 0
+
+
 def _gone(actor: ActorRef | None) -> bool:
     """Whether ``actor``'s requests must move: it died, hangs, or was told to stop (SIGTERM). Pure."""
     return actor is not None and (not actor.alive or (actor.stats is not None and actor.stats.evacuating))
@@ -102,24 +117,32 @@ class Dispatcher:
         prefix = PrefixHits(len(hashes), {a.name: leading_hits(hashes, a.cached_hashes)
                                           for a in self.pools.live_decode() if a.cached_hashes})
         prefill = None if resumed else self._choose_prefill(req, hashes, prefix)
+        leg.remote = prefill is not None
         context = len(req.prompt_token_ids) + len(req.resume_token_ids)
         need = self.config.reserve_blocks(context, req.sampling.max_tokens - len(req.resume_token_ids), req.sampling.n)
-        asked = time.monotonic()
+        # the prompt counts as queued on its prefill actor from the choice on, its reservation's wait included: the
+        # requests of a burst choose before any of them has reserved, and each must see the ones before it
+        queued = _Queued(self.inflight, prefill.name if prefill is not None else "", len(req.prompt_token_ids))
         try:
-            actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None), prefix)
-        except ValueError as e:
-            raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
-        leg.actor, leg.grant, leg.blocks = actor, grant, need
-        leg.admission_s = time.monotonic() - asked
-        if prefill is None:
-            return
-        try:
-            result = await self._prefill(leg, prefill)
-            if job.prompt_logprobs is None:  # echo with logprobs: the prompt's, computed there
-                job.prompt_logprobs = result.prompt_logprobs
-        except ActorGone as gone:  # the prefill actor died mid-prefill: the same prompt on another one
-            self._give_up(leg, f"prefill actor {gone} is gone")
-            await self._resume(job, leg, f"prefill actor {gone} died")
+            asked = time.monotonic()
+            try:
+                actor, grant = await self.gate.reserve(ReserveRequest(req, need, colocated=prefill is None), prefix)
+            except ValueError as e:
+                raise APIError(400, f"The request was rejected by the worker: {e}", param="prompt") from None
+            leg.actor, leg.grant, leg.blocks = actor, grant, need
+            leg.admission_s = time.monotonic() - asked
+            if prefill is None:
+                return
+            try:
+                result = await self._prefill(leg, prefill, queued)
+                if job.prompt_logprobs is None:  # echo with logprobs: the prompt's, computed there
+                    job.prompt_logprobs = result.prompt_logprobs
+            except ActorGone as gone:  # the prefill actor died mid-prefill: the same prompt on another one
+                queued.done()
+                self._give_up(leg, f"prefill actor {gone} is gone")
+                await self._resume(job, leg, f"prefill actor {gone} died")
+        finally:
+            queued.done()
 
     def _hashes(self, prompt: tuple[int, ...], namespace: str = "") -> list[int]:
         """The prompt's full blocks hashed as the actors hash their prefix caches (bound to the model and the
@@ -151,6 +174,10 @@ class Dispatcher:
         for a in decode:
             if a.stats is not None:
                 self.costs.observe_decode(a.name, a.stats.busy_seconds, a.stats.steps)
+        for a in self.pools.live_prefill():
+            if a.stats is not None:
+                self.costs.observe_prefill_actor(a.name, a.stats.busy_seconds,
+                                                 a.stats.prompt_tokens - a.stats.cached_prompt_tokens)
         prompt = len(req.prompt_token_ids)
         bs, per = self.config.block_size, max(1, len(decode))
         remote_cached = 0 if chosen is None else self.router.cached_blocks(chosen.name, hashes, {
@@ -161,8 +188,9 @@ class Dispatcher:
             remote_uncached=prompt - bs * remote_cached,
             local_uncached=prompt - bs * max(prefix.by_actor.values(), default=0),
             prefill_queued_tokens=p_queued,
-            decode_queued_tokens=(sum(self.local_pending.values())
-                                  + sum(a.stats.queued_prefill_tokens for a in decode if a.stats)) // per,
+            # this proxy's own prompts on their owners count from the choice on (the owners' stats lag a refresh)
+            decode_queued_tokens=max(sum(self.local_pending.values()),
+                                     sum(a.stats.queued_prefill_tokens for a in decode if a.stats)) // per,
             decode_running=sum(a.stats.running for a in decode if a.stats) // per,
             expected_output_tokens=min(req.sampling.max_tokens, self.config.reserve_headroom_tokens),
             has_prefill_actor=chosen is not None)
@@ -191,14 +219,13 @@ class Dispatcher:
             self.router.record_prefill(prefill.name, hashes)
         return prefill
 
-    async def _prefill(self, leg: Leg, prefill: ActorRef) -> PrefillResult:
+    async def _prefill(self, leg: Leg, prefill: ActorRef, queued: _Queued) -> PrefillResult:
         """Compute the prompt on ``prefill`` (K/V streamed into the grant's blocks) and return its typed result. The
         prefill actor sends the result to the decode actor that owns the request behind the K/V (two Ray calls per
         request: reserve, prefill); only when it could not (``delivered`` False) is it handed over here. Raises
         :class:`ActorGone` if the prefill actor died or hung."""
         assert leg.grant is not None
         n = len(leg.req.prompt_token_ids)
-        self.inflight[prefill.name] = self.inflight.get(prefill.name, 0) + n
         leg.prefill = prefill
         called = time.monotonic()
         try:
@@ -210,7 +237,7 @@ class Dispatcher:
                         prefill.name, e)
             raise service_unavailable(f"Prefill actor {prefill.name} failed: {type(e).__name__}", 1) from None
         finally:
-            self.inflight[prefill.name] -= n
+            queued.done()
             leg.prefill = None
         result = PrefillResult.from_dict(raw)
         leg.prefill_queue_s, leg.prefill_compute_s, leg.send_wait_s = result.queue_s, result.compute_s, \

@@ -40,6 +40,7 @@ class Leg:
     queue: asyncio.Queue[TokenDelta]  # its deltas; subscribed before the reserve (a colocated start streams at once)
     actor: Any = None  # the decode actor (an ActorRef) once reserved
     prefill: Any = None  # the prefill actor while it prefills
+    remote: bool = False  # its prompt was sent to a prefill actor (else prefilled by its owner, or resumed there)
     grant: ReserveGrant | None = None
     blocks: int = 0  # blocks the admission gate counts for it on ``actor`` until it ends
     ended: bool = False  # finished, or given up (its actor died and it was resumed elsewhere)

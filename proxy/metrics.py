@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.wire.slo import RequestLatency, SloTracker
+from cluster.wire.telemetry import FinishedSample
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFT_PARTS = ("ttft_s", "admission_wait_s", "prefill_queue_s", "prefill_compute_s", "transfer_s")
 
 
 @dataclass
@@ -67,11 +69,31 @@ class Metrics:
     slo: SloTracker = field(default_factory=SloTracker)  # goodput against the configured TTFT / TPOT SLOs
     # where prompts were prefilled (proxy/disagg.py): (side "remote" | "local", reason) -> requests
     disagg: dict[tuple[str, str], int] = field(default_factory=dict)
+    # finished prompts' TTFT parts by prefill side ("remote" | "local"): [prompts, then TTFT_PARTS summed, seconds]
+    ttft_parts: dict[str, list[float]] = field(default_factory=dict)
 
     def disagg_decision(self, remote: bool, reason: str) -> None:
         """Mutates: count one prompt's prefill side and why."""
         key = ("remote" if remote else "local", reason)
         self.disagg[key] = self.disagg.get(key, 0) + 1
+
+    def ttft_split(self, remote: bool, sample: FinishedSample) -> None:
+        """Mutates: one finished prompt's TTFT and its parts, counted on the side that prefilled it."""
+        sums = self.ttft_parts.setdefault("remote" if remote else "local", [0.0] * (1 + len(TTFT_PARTS)))
+        sums[0] += 1
+        for i, name in enumerate(TTFT_PARTS, 1):
+            sums[i] += getattr(sample, name)
+
+    def ttft_split_means(self) -> dict[str, dict[str, float]]:
+        """Per prefill side: prompts, and the mean of each TTFT part in seconds (what the parts leave of the TTFT is
+        the rest of the path: RPCs, the owner's join, its own prefill of a local prompt, the first delta's trip).
+        Pure."""
+        out = {}
+        for side, (n, *sums) in sorted(self.ttft_parts.items()):
+            means = {name: total / n for name, total in zip(TTFT_PARTS, sums)}
+            out[side] = {"prompts": n, **means,
+                         "rest_s": means["ttft_s"] - sum(v for k, v in means.items() if k != "ttft_s")}
+        return out
 
     def transfer(self, backend: str, nbytes: int, seconds: float) -> None:
         """Mutates: count one request's KV transfer."""

@@ -219,7 +219,8 @@ class Proxy:
             return None
         return {"mode": self.dispatch.config.disagg.mode,
                 "decisions": {f"{side}:{why}": n for (side, why), n in sorted(self.metrics.disagg.items())},
-                "costs": dataclasses.asdict(self.dispatch.costs.costs)}
+                "costs": dataclasses.asdict(self.dispatch.costs.costs),
+                "ttft_parts": self.metrics.ttft_split_means()}
 
     async def metrics_page(self, _: web.Request) -> web.Response:
         kv = {a.name: a.stats.kv.gauges() for a in self.pools.live_decode() if a.stats}
@@ -423,5 +424,8 @@ class Proxy:
             tpot = tpot_s(c.first_at, end, len(c.token_ids))
             self.metrics.latency(c.first_at - start, tpot, end - start)
         for j in jobs:  # for the controller, with each prompt's TTFT parts; sent on the next refresh
-            self.report.finished(finished_sample(j, start, end))
+            sample = finished_sample(j, start, end)
+            self.report.finished(sample)
+            if sample is not None and self.disaggregated:
+                self.metrics.ttft_split(bool(j.legs) and j.legs[0].remote, sample)
         return request_latency(start, end, ((c.first_at, len(c.token_ids)) for j in jobs for c in j.choices))

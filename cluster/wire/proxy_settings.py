@@ -35,8 +35,9 @@ class ProxySettings:
     tool_call_parser: str = ""  # one of TOOL_PARSERS, or "" (then 'auto' is refused)
     chat_template: str = ""  # a Jinja chat template file replacing the model's ("": the model's)
     # disaggregated clusters: per request on a prefill actor or on the decode owner, from measured costs (auto), or
-    # always on a prefill actor, or never (proxy/disagg.py). always by default until auto's cost model is tuned on
-    # measurements (docs/serving.md): under load auto moves prompts the tests and operators expect on prefill actors
+    # always on a prefill actor, or never (proxy/disagg.py). always by default: auto cut 1P1D's TTFT at 512/96 but
+    # raised it at 128/96 (a local prefill lengthens the owner's steps, which reservations and joins wait for;
+    # docs/serving.md)
     disagg_mode: str = "always"
     # where a request's K/V tenant comes from (proxy/tenant.py): none, api-key, user or header:NAME; another tenant's
     # prefix is never a cache hit on any tier

@@ -12,6 +12,7 @@ openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
 # every cluster of this module runs on one local Ray (tests/conftest.py): a Ray start and stop saved per cluster
@@ -35,8 +36,9 @@ def _turn(client: object, msgs: list[dict[str, str]]) -> tuple[str, int, int]:
 
 
 def test_later_turns_hit_prompt_and_answer_even_after_a_prefill_actor_dies(tmp_path: Path) -> None:
-    cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
-                                  decode=1, prefill=2, port=0, mode="disaggregated"), local_ray=True)
+    cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),  # every turn on a prefill actor: what is tested
+                                  decode=1, prefill=2, port=0, mode="disaggregated",
+                                  proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     try:
         cluster.start()
         client = openai.OpenAI(base_url=f"{cluster.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -110,11 +112,9 @@ def test_a_turn_on_the_other_prefill_actor_hits_and_another_tenant_never_does(tm
     still hits >= 90% of turn 1's prompt + answer (the decode actor's write-back, through the shared disk tier).
     Tenants come from the OpenAI ``user`` field (--kv-tenant-from user): bob sending alice's exact turn 2 gets no
     cached token (on any tier, device prefix cache included) and the same greedy text; alice again hits."""
-    from cluster.wire.proxy_settings import ProxySettings
-
     cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=2, port=0, mode="disaggregated",
-                                  proxy=ProxySettings(kv_tenant_from="user")), local_ray=True)
+                                  proxy=ProxySettings(kv_tenant_from="user", disagg_mode="always")), local_ray=True)
     try:
         cluster.start()
         url = cluster.urls[0]
@@ -152,8 +152,6 @@ def test_a_turn_prefilled_on_its_decode_owner_reads_the_tiers(tmp_path: Path) ->
     """--disagg-mode never: every prompt is prefilled on its decode owner, on the blocks reserved for it (prompt +
     headroom: most of the 40-block pool). Chat b's turn pushes chat a's history out of the device pool; a's next turn
     still hits >= 90% of its previous prompt + answer (the host and disk tiers, copied into the reserved blocks)."""
-    from cluster.wire.proxy_settings import ProxySettings
-
     cluster = Cluster(ServeConfig(worker=_tiered_worker(tmp_path),
                                   decode=1, prefill=1, port=0, mode="disaggregated",
                                   proxy=ProxySettings(disagg_mode="never")), local_ray=True)

@@ -74,7 +74,7 @@ def test_the_controller_follows_the_load_mix_recorded_and_replayed(tmp_path: Pat
     record = tmp_path / "live.jsonl"
     c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.5, max_num_batched_tokens=64), decode=1, prefill=2,
                             port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=INTERVAL_S,
-                            proxy=ProxySettings(slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S)))
+                            proxy=ProxySettings(slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S, disagg_mode="always")))
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

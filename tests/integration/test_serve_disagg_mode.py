@@ -25,12 +25,12 @@ from tests.integration.test_serve_disaggregated import PROMPTS, ask_all  # noqa:
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 
-def served(mode: str) -> tuple[list[str], int, str, dict]:
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=1, port=0,
+def served(mode: str, prompts: list[str] = PROMPTS) -> tuple[list[str], int, str, dict]:
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.5), decode=1, prefill=1, port=0,
                             proxy=ProxySettings(disagg_mode=mode)), local_ray=True)
     c.start()
     try:
-        answers = ask_all(c.urls[0], PROMPTS)
+        answers = ask_all(c.urls[0], prompts)
         sent = ray.get(c.prefill_actors[0].stats.remote())["kv_bytes_sent"]
         with urllib.request.urlopen(f"{c.urls[0]}/metrics", timeout=10) as r:
             metrics = r.read().decode()
@@ -41,6 +41,7 @@ def served(mode: str) -> tuple[list[str], int, str, dict]:
         c.stop()
 
 
+@pytest.mark.timeout(600)  # two clusters and the offline engine: over 300 s on a loaded 2-core machine
 def test_both_prefill_sides_give_the_same_greedy_text() -> None:
     want = [o.text for o in LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25).chat(
         [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=24))]
@@ -53,3 +54,24 @@ def test_both_prefill_sides_give_the_same_greedy_text() -> None:
     assert f'pdcluster_disagg_decisions_total{{prefill="local",reason="forced"}} {n}' in metrics_local
     assert status_local["disagg"]["mode"] == "never" and status_local["disagg"]["decisions"] == {"local:forced": n}
     assert status_remote["disagg"]["costs"]["prefill_tok_s"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_auto_splits_a_burst_between_the_sides_and_the_text_stays_the_same() -> None:
+    """16 long prompts at once on 1P1D under ``auto``: each sees the ones chosen before it queued on the prefill actor,
+    so some are prefilled on the decode owner (none did before: the burst chose before any had reserved), and every
+    answer is still the offline engine's."""
+    story = " ".join(f"Step {i}: the traveller walks on past the river and the old mill." for i in range(8))
+    prompts = [f"Story {k}. {story} Summarize story {k} in one sentence." for k in range(16)]
+    want = [o.text for o in LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.5).chat(
+        [[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=24))]
+    got, sent, metrics, status = served("auto", prompts)
+    assert got == want
+    decisions = status["disagg"]["decisions"]
+    local = sum(n for k, n in decisions.items() if k.startswith("local:"))
+    remote = sum(n for k, n in decisions.items() if k.startswith("remote:"))
+    assert local + remote == 16 and local > 0 and remote > 0 and sent > 0, decisions
+    parts = status["disagg"]["ttft_parts"]
+    assert parts["local"]["prompts"] == local and parts["remote"]["prompts"] == remote, parts
+    assert parts["remote"]["prefill_compute_s"] > 0 and parts["local"]["prefill_compute_s"] == 0, parts
+    assert 'pdcluster_disagg_decisions_total{prefill="local",reason=' in metrics

@@ -14,6 +14,7 @@ openai = pytest.importorskip("openai")
 import ray  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
@@ -35,6 +36,7 @@ def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=1,
                             port=0, kv_backend=backend, corrupt_kv_every=corrupt_every,
+                            proxy=ProxySettings(disagg_mode="always"),  # every prompt's K/V moves: what is tested
                             kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0), local_ray=True)
     c.start()
     return c
@@ -154,8 +156,8 @@ def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() 
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=2, port=0),
-                local_ray=True)
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=2, port=0,
+                            proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -195,7 +197,7 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
 
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=2, prefill=1,
-                            port=0, kv_backend="shm"), local_ray=True)
+                            port=0, kv_backend="shm", proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -250,7 +252,7 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
 
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=2,
-                            port=0, kv_backend="shm"), local_ray=True)
+                            port=0, kv_backend="shm", proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -294,7 +296,8 @@ def test_an_mla_model_handed_off_in_place_equals_offline(tiny_checkpoint) -> Non
     want = [o.text for o in LLM(model, dtype=EXACT_DTYPE, num_kv_blocks=128).generate(prompts, params)]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128,
                                                 max_num_batched_tokens=32),
-                            decode=1, prefill=1, port=0, kv_backend="shm"), local_ray=True)
+                            decode=1, prefill=1, port=0, kv_backend="shm",
+                            proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -19,6 +19,7 @@ pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.scheduling.kv_cache_manager import cdiv  # noqa: E402
@@ -88,7 +89,7 @@ def cases(offline: LLM) -> dict[str, Case]:
 @pytest.fixture(scope="module", params=["disaggregated", "colocated"])
 def cluster(request: pytest.FixtureRequest, local_ray: None):  # type: ignore[no-untyped-def]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=KV_GIB), decode=1, prefill=1, port=0,
-                            mode=request.param), local_ray=True)
+                            mode=request.param, proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     try:
         c.start()
         yield c

@@ -155,7 +155,7 @@ def test_bench_serve_cpu_groups_threads_and_runs_the_engine_alone(tmp_path: Path
     """bench_serve_cpu.py: the CPU of each thread lands in its group (engine loop vs the actor's other threads, proxy,
     vLLM's processes, Ray's), and its in-process system runs end to end (the servers are left to the benchmark)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_serve_cpu import cpu_groups
+    from bench_serve_cpu import cpu_groups, disagg_line
 
     before = {(1, 1): ("ray::WorkerActor", "ray::pdcluster-", 10.0), (1, 2): ("ray::WorkerActor", "worker.io", 1.0),
               (2, 2): ("python3 -m proxy.main --port 1", "python3", 3.0)}
@@ -164,6 +164,12 @@ def test_bench_serve_cpu_groups_threads_and_runs_the_engine_alone(tmp_path: Path
              (3, 3): ("VLLM::Worker", "VLLM::Worker", 2.0), (4, 4): ("/x/raylet --node", "raylet", 0.25)}
     assert cpu_groups(before, after) == {"actor engine loop": 4.0, "actor other": 0.0, "proxy": 0.5,
                                          "vllm worker": 2.0, "ray and the rest": 0.25}
+    part = {"prompts": 3, "ttft_s": 2.5, "admission_wait_s": 0.25, "prefill_queue_s": 1.0, "prefill_compute_s": 0.5,
+            "transfer_s": 0.0, "rest_s": 0.75}
+    line = disagg_line({"system": "disaggregated", "disagg": {"mode": "auto", "decisions": {"local:faster_local": 3},
+                                                              "ttft_parts": {"local": part}}})
+    assert line == ("disaggregated (auto): {'local:faster_local': 3}; mean local 3: TTFT 2.50 = admission 0.25 + "
+                    "prefill queue 1.00 + compute 0.50 + transfer 0.00 + rest 0.75 s")
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_serve_cpu.py"), "--systems", "inproc", "--num-requests",
          "3", "--concurrency", "2", "--input-len", "24", "--output-len", "4", "--pd-args", "--dtype float32",
