@@ -134,8 +134,8 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
 
 
 # Files of long subprocess tests (each starts torch, transformers or a cluster in fresh processes: minutes on loaded
-# cores), run as one xdist group each: xdist sends the largest groups first, so they start early instead of ending the
-# run on one worker while the other idles (tests otherwise go in collection order, and these come near its end).
+# cores): they go first in the run (_run_order), instead of ending it on one worker while the other idles (tests
+# otherwise go in collection order, and these come near its end).
 LONG_FILES = {
     "tests/unit/test_gpu_check_smoke.py": "gpu-check smokes",
     "tests/integration/test_gpu_kv_check_smoke.py": "gpu-check smokes",
@@ -155,20 +155,20 @@ def _uses_a_module_fixture(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
     seen_files, seen_keys = set(), set()
+    order: dict[str, int] = {}  # nodeid -> where it goes in the run (_run_order)
     for item in items:
-        rel = Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
+        rel = _rel(item, root)
         seen_files.add(rel)
         seen_keys.update((rel, item.nodeid.split("[")[0], item.nodeid))
         tier = _tier_of(item, rel)
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
+        order[item.nodeid] = _run_order(item, rel)
         # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
-        # worker (xdist sends the largest groups first); every other test goes to whichever worker is free
+        # worker (as one unit of work); every other test goes to whichever worker is free
         if item.get_closest_marker("xdist_group"):
             continue
-        if rel in LONG_FILES:
-            item.add_marker(pytest.mark.xdist_group(LONG_FILES[rel]))
-        elif _uses_a_module_fixture(item):
+        if _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(rel))
     # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
     # (only when whole files were collected: not under -k or a `file::test` argument)
@@ -179,3 +179,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gone = [f for f in LONG_FILES if not (root / f).is_file()]
     if gone:
         raise pytest.UsageError(f"tests/conftest.py LONG_FILES names files that do not exist: {gone}")
+    items.sort(key=lambda item: order[item.nodeid])  # stable: a file's tests keep their order
+
+
+def _rel(item: pytest.Item, root: Path) -> str:
+    return Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
+
+
+def _run_order(item: pytest.Item, rel: str) -> int:
+    """Where a test goes in the run: the long subprocess files first, then the rest of the integration tier, then the
+    fast tier. CI runs both tiers in one pytest-xdist session (.ci/run, ``--dist loadgroup --no-loadscope-reorder``:
+    work goes out in this order), so the many short fast tests come last and fill the end of the run, where one worker
+    would otherwise idle while the other finishes a cluster test."""
+    if rel in LONG_FILES:
+        return 0
+    return 1 if item.get_closest_marker("integration") else 2
