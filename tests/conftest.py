@@ -66,6 +66,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
     return make
 
 
+@pytest.fixture(scope="session")
+def offline_default():  # type: ignore[no-untyped-def]
+    """The offline engine on the default model as the served tests compare with it (float32: EXACT_DTYPE, 0.25 GiB of
+    K/V), built once per pytest process instead of once per module (~5 s of CPU each: torch, transformers' config
+    imports, 135M weights). Greedy and seeded answers do not depend on what it ran before (tests/unit/test_llm_api.py
+    and the served tests' equality with it check that)."""
+    from engine import LLM
+    from factories import EXACT_DTYPE
+
+    llm = LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
+    yield llm
+    llm.close()
+
+
 @pytest.fixture(scope="module")
 def local_ray():  # type: ignore[no-untyped-def]
     """One local Ray for a module's clusters, started before its first test that asks and shut down after its last:
@@ -90,10 +104,10 @@ def local_ray():  # type: ignore[no-untyped-def]
 #                2026-12-03).
 #   integration: the rest that CI runs: tests/integration, tests/helm, the unit tests listed in INTEGRATION, and any
 #                test marked @pytest.mark.integration (a test may also say @pytest.mark.fast itself).
-#                CI runs it on two pytest-xdist workers (12.7-14.3 min, 2026-12-04), then the tests marked `alone` (they
-#                judge rates they measure on this machine) by themselves.
+#                CI runs it with the fast tier in one session on two pytest-xdist workers (.ci/run), then the tests
+#                marked `alone` (they judge rates they measure on this machine) by themselves.
 #   slow:        marked @pytest.mark.slow; neither CI nor a plain `pytest` runs it (pyproject's addopts).
-# A plain `python3 -m pytest` runs fast + integration, one test at a time (.ci/run: one tier after the other).
+# A plain `python3 -m pytest` runs fast + integration, one test at a time.
 FOLDER_TIERS = {"unit": "fast", "kernel_checks": "fast", "integration": "integration", "helm": "integration"}
 TIERS = ("fast", "integration")
 # Tests in a fast folder that start a process, Ray, a server process or the default model: "file" for all its tests,

@@ -41,8 +41,8 @@ def served(mode: str) -> tuple[list[str], int, str, dict]:
         c.stop()
 
 
-def test_both_prefill_sides_give_the_same_greedy_text() -> None:
-    want = [o.text for o in LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25).chat(
+def test_both_prefill_sides_give_the_same_greedy_text(offline_default: LLM) -> None:
+    want = [o.text for o in offline_default.chat(
         [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=24))]
     remote, sent_remote, metrics_remote, status_remote = served("always")
     local, sent_local, metrics_local, status_local = served("never")
