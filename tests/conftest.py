@@ -202,9 +202,12 @@ def _rel(item: pytest.Item, root: Path) -> str:
 
 def _run_order(item: pytest.Item, rel: str) -> int:
     """Where a test goes in the run: the long subprocess files first, then the rest of the integration tier, then the
-    fast tier. CI runs both tiers in one pytest-xdist session (.ci/run, ``--dist loadgroup --no-loadscope-reorder``:
+    fast tier's modules that share a module-scoped fixture (one unit of work each, some a minute long), then the other
+    fast tests. CI runs both tiers in one pytest-xdist session (.ci/run, ``--dist loadgroup --no-loadscope-reorder``:
     work goes out in this order), so the many short fast tests come last and fill the end of the run, where one worker
-    would otherwise idle while the other finishes a cluster test."""
+    would otherwise idle while the other finishes a long unit."""
     if rel in LONG_FILES:
         return 0
-    return 1 if item.get_closest_marker("integration") else 2
+    if item.get_closest_marker("integration"):
+        return 1
+    return 2 if _uses_a_module_fixture(item) else 3
