@@ -156,7 +156,15 @@ def _serve(device: str, smoke: bool, kv_cache_dtype: str, gpus: float, kind: str
     cfg = ServeConfig(worker=WorkerConfig(model=folder, device=device, gpu_memory_utilization=0.4,
                                           kv_cache_gib=kv_gib, dtype="auto", kv_cache_dtype=kv_cache_dtype),
                       decode=1, prefill=1, port=0, kv_backend=kind, gpus_per_actor=gpus)
-    cluster = Cluster(cfg)
+    if smoke:  # both serve stages on one local Ray, started here by the first, stopped by main() (a Ray start saved;
+        # not before: the killed-peer stage's in-place peers must not see a Ray node). On the GPU each starts its own.
+        import ray
+
+        from cluster.local_ray import ray_cpus, start_local_ray
+
+        if not ray.is_initialized():
+            start_local_ray(ray_cpus(cfg.max_actors, cfg.cpus_per_actor))
+    cluster = Cluster(cfg, local_ray=smoke)
     t0 = time.perf_counter()
     cluster.start(timeout_s=240)
     started = time.perf_counter() - t0
@@ -338,6 +346,10 @@ def main() -> int:
         rc |= int("FAIL" in text or "(exit 0)" not in text and title == "In-place bandwidth")
         append(report, f"### {title}\n\n{text}")
         print(f"[gpu_kv_check] {title}: {text.splitlines()[0]}", flush=True)
+    if args.smoke:  # the serve stages' local Ray (_serve)
+        import ray
+
+        ray.shutdown()
     return rc
 
 

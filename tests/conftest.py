@@ -66,6 +66,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir
     return make
 
 
+@pytest.fixture(scope="session")
+def offline_default():  # type: ignore[no-untyped-def]
+    """The offline engine on the default model as the served tests compare with it (float32: EXACT_DTYPE, 0.25 GiB of
+    K/V), built once per pytest process instead of once per module (~5 s of CPU each: torch, transformers' config
+    imports, 135M weights). Greedy and seeded answers do not depend on what it ran before (tests/unit/test_llm_api.py
+    and the served tests' equality with it check that)."""
+    from engine import LLM
+    from factories import EXACT_DTYPE
+
+    llm = LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
+    yield llm
+    llm.close()
+
+
 @pytest.fixture(scope="module")
 def local_ray():  # type: ignore[no-untyped-def]
     """One local Ray for a module's clusters, started before its first test that asks and shut down after its last:
@@ -90,10 +104,10 @@ def local_ray():  # type: ignore[no-untyped-def]
 #                2026-12-03).
 #   integration: the rest that CI runs: tests/integration, tests/helm, the unit tests listed in INTEGRATION, and any
 #                test marked @pytest.mark.integration (a test may also say @pytest.mark.fast itself).
-#                CI runs it on two pytest-xdist workers (12.7-14.3 min, 2026-12-04), then the tests marked `alone` (they
-#                judge rates they measure on this machine) by themselves.
+#                CI runs it with the fast tier in one session on two pytest-xdist workers (.ci/run), then the tests
+#                marked `alone` (they judge rates they measure on this machine) by themselves.
 #   slow:        marked @pytest.mark.slow; neither CI nor a plain `pytest` runs it (pyproject's addopts).
-# A plain `python3 -m pytest` runs fast + integration, one test at a time (.ci/run: one tier after the other).
+# A plain `python3 -m pytest` runs fast + integration, one test at a time.
 FOLDER_TIERS = {"unit": "fast", "kernel_checks": "fast", "integration": "integration", "helm": "integration"}
 TIERS = ("fast", "integration")
 # Tests in a fast folder that start a process, Ray, a server process or the default model: "file" for all its tests,
@@ -134,8 +148,8 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
 
 
 # Files of long subprocess tests (each starts torch, transformers or a cluster in fresh processes: minutes on loaded
-# cores), run as one xdist group each: xdist sends the largest groups first, so they start early instead of ending the
-# run on one worker while the other idles (tests otherwise go in collection order, and these come near its end).
+# cores): they go first in the run (_run_order), instead of ending it on one worker while the other idles (tests
+# otherwise go in collection order, and these come near its end).
 LONG_FILES = {
     "tests/unit/test_gpu_check_smoke.py": "gpu-check smokes",
     "tests/integration/test_gpu_kv_check_smoke.py": "gpu-check smokes",
@@ -155,20 +169,20 @@ def _uses_a_module_fixture(item: pytest.Item) -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath))
     seen_files, seen_keys = set(), set()
+    order: dict[str, int] = {}  # nodeid -> where it goes in the run (_run_order)
     for item in items:
-        rel = Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
+        rel = _rel(item, root)
         seen_files.add(rel)
         seen_keys.update((rel, item.nodeid.split("[")[0], item.nodeid))
         tier = _tier_of(item, rel)
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
+        order[item.nodeid] = _run_order(item, rel)
         # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
-        # worker (xdist sends the largest groups first); every other test goes to whichever worker is free
+        # worker (as one unit of work); every other test goes to whichever worker is free
         if item.get_closest_marker("xdist_group"):
             continue
-        if rel in LONG_FILES:
-            item.add_marker(pytest.mark.xdist_group(LONG_FILES[rel]))
-        elif _uses_a_module_fixture(item):
+        if _uses_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(rel))
     # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
     # (only when whole files were collected: not under -k or a `file::test` argument)
@@ -179,3 +193,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     gone = [f for f in LONG_FILES if not (root / f).is_file()]
     if gone:
         raise pytest.UsageError(f"tests/conftest.py LONG_FILES names files that do not exist: {gone}")
+    items.sort(key=lambda item: order[item.nodeid])  # stable: a file's tests keep their order
+
+
+def _rel(item: pytest.Item, root: Path) -> str:
+    return Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
+
+
+def _run_order(item: pytest.Item, rel: str) -> int:
+    """Where a test goes in the run: the long subprocess files first, then the rest of the integration tier, then the
+    fast tier's modules that share a module-scoped fixture (one unit of work each, some a minute long), then the other
+    fast tests. CI runs both tiers in one pytest-xdist session (.ci/run, ``--dist loadgroup --no-loadscope-reorder``:
+    work goes out in this order), so the many short fast tests come last and fill the end of the run, where one worker
+    would otherwise idle while the other finishes a long unit."""
+    if rel in LONG_FILES:
+        return 0
+    if item.get_closest_marker("integration"):
+        return 1
+    return 2 if _uses_a_module_fixture(item) else 3

@@ -33,11 +33,9 @@ def status(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_scale_up_and_across_while_serving() -> None:
-    offline = LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
-    want = {p: o.text for p, o in zip(PROMPTS, offline.chat([[{"role": "user", "content": p}] for p in PROMPTS],
-                                                            SamplingParams(max_tokens=16)))}
-    del offline
+def test_scale_up_and_across_while_serving(offline_default: LLM) -> None:
+    want = {p: o.text for p, o in zip(PROMPTS, offline_default.chat([[{"role": "user", "content": p}] for p in PROMPTS],
+                                                                    SamplingParams(max_tokens=16)))}
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=1, prefill=1,
                             port=0, budget=3, cpus_per_actor=0.5), local_ray=True)

@@ -127,7 +127,7 @@ def fresh_view(url: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
+def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream(offline_default: LLM) -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
                             decode=2, port=0, mode="colocated"))
     c.start()
@@ -184,7 +184,7 @@ def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream() -> None:
 
         # phase 1: SIGSTOP one actor mid-stream; the proxy stops hearing from it (5 s) and resumes its streams
         questions = [f"Count slowly to {40 + i}." for i in range(4)]
-        llm = LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
+        llm = offline_default
         victim, stopped_pid, got = signal_mid_stream(c.decode_actors, url, questions, signal.SIGSTOP)
         assert resumed(url) >= 1
         os.kill(stopped_pid, signal.SIGCONT)  # it wakes up: the proxy's aborts free what it held

@@ -44,8 +44,8 @@ def cluster():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
+def offline(offline_default: LLM) -> LLM:
+    return offline_default  # tests/conftest.py: one per pytest process
 
 
 def client(url: str):  # type: ignore[no-untyped-def]

@@ -42,8 +42,8 @@ def served(mode: str, prompts: list[str] = PROMPTS) -> tuple[list[str], int, str
 
 
 @pytest.mark.timeout(600)  # two clusters and the offline engine: over 300 s on a loaded 2-core machine
-def test_both_prefill_sides_give_the_same_greedy_text() -> None:
-    want = [o.text for o in LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25).chat(
+def test_both_prefill_sides_give_the_same_greedy_text(offline_default: LLM) -> None:
+    want = [o.text for o in offline_default.chat(
         [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=24))]
     remote, sent_remote, metrics_remote, status_remote = served("always")
     local, sent_local, metrics_local, status_local = served("never")
@@ -57,13 +57,13 @@ def test_both_prefill_sides_give_the_same_greedy_text() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_auto_splits_a_burst_between_the_sides_and_the_text_stays_the_same() -> None:
+def test_auto_splits_a_burst_between_the_sides_and_the_text_stays_the_same(offline_default: LLM) -> None:
     """16 long prompts at once on 1P1D under ``auto``: each sees the ones chosen before it queued on the prefill actor,
     so some are prefilled on the decode owner (none did before: the burst chose before any had reserved), and every
     answer is still the offline engine's."""
     story = " ".join(f"Step {i}: the traveller walks on past the river and the old mill." for i in range(8))
     prompts = [f"Story {k}. {story} Summarize story {k} in one sentence." for k in range(16)]
-    want = [o.text for o in LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.5).chat(
+    want = [o.text for o in offline_default.chat(
         [[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=24))]
     got, sent, metrics, status = served("auto", prompts)
     assert got == want

@@ -28,8 +28,39 @@ PROMPTS = [f"{q} Answer in one sentence." for q in
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.25)
+def offline(offline_default: LLM) -> LLM:
+    return offline_default  # tests/conftest.py: one per pytest process
+
+
+class Handoff:
+    """A cluster one test leaves to the next test that starts the same configuration (a cluster start saved: two
+    actors loading the model and a proxy, ~13 s of CPU): the taker uses it and stops it. Every test that starts a
+    cluster first takes what is left (stopping one of another configuration: one cluster at a time on the module's
+    local Ray), so a test deselected or failed in between costs a start, never a wrong cluster."""
+
+    def __init__(self) -> None:
+        self.cluster: Cluster | None = None
+        self.key: str | None = None
+
+    def take(self, key: str | None = None) -> Cluster | None:
+        """The cluster left under ``key`` (then it is the caller's), else None; one left under another key stops."""
+        c, k = self.cluster, self.key
+        self.cluster = self.key = None
+        if c is not None and k != key:
+            c.stop()
+            return None
+        return c
+
+    def leave(self, key: str, cluster: Cluster) -> None:
+        self.take()
+        self.cluster, self.key = cluster, key
+
+
+@pytest.fixture(scope="module")
+def handoff():  # type: ignore[no-untyped-def]
+    h = Handoff()
+    yield h
+    h.take()  # before the module's local Ray stops
 
 
 def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
@@ -38,6 +69,16 @@ def run_cluster(backend: str, corrupt_every: int = 0) -> Cluster:
                             port=0, kv_backend=backend, corrupt_kv_every=corrupt_every,
                             proxy=ProxySettings(disagg_mode="always"),  # every prompt's K/V moves: what is tested
                             kv_inplace_checksum=backend in ("shm", "auto") and corrupt_every > 0), local_ray=True)
+    c.start()
+    return c
+
+
+def two_prefill_cluster() -> Cluster:
+    """2 prefill + 1 decode actors, K/V written in place (shm), 64-token prefill chunks: the prefix-routing test leaves
+    it to the killed-prefill test (Handoff)."""
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
+                            decode=1, prefill=2, port=0, kv_backend="shm",
+                            proxy=ProxySettings(disagg_mode="always")), local_ray=True)  # prompts go to prefill actors
     c.start()
     return c
 
@@ -65,12 +106,14 @@ def expected(offline: LLM, prompts: list[str], max_tokens: int = 24) -> list[str
                                          SamplingParams(max_tokens=max_tokens))]
 
 
-# shm: written in place into the decode actor's cache (what the default, auto, picks on one node)
-BACKENDS = ["shm", "torch_dist"] + (["ucx"] if importlib.util.find_spec("ucxx") else [])
+# shm: written in place into the decode actor's cache (what the default, auto, picks on one node); torch_dist last: its
+# cluster goes on to the status test, next in this file (Handoff)
+BACKENDS = ["shm"] + (["ucx"] if importlib.util.find_spec("ucxx") else []) + ["torch_dist"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: LLM) -> None:
+def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: LLM, handoff: Handoff) -> None:
+    handoff.take()
     cluster = run_cluster(backend)
     try:
         # the same prompt twice: the second time the decode actor holds its head in its prefix cache (pinned at
@@ -100,31 +143,21 @@ def test_disaggregated_equals_offline_and_moves_real_kv(backend: str, offline: L
         metrics = urllib.request.urlopen(f"{cluster.urls[0]}/metrics", timeout=10).read().decode()
         assert f'pdcluster_kv_transfer_bytes_total{{backend="{backend}"}} {pstats["kv_bytes_sent"]}' in metrics
         assert 'pdcluster_requests_total{status="200"}' in metrics and "pdcluster_ttft_seconds_bucket" in metrics
-    finally:
+    except BaseException:
+        cluster.stop()
+        raise
+    if backend == "torch_dist":
+        handoff.leave("torch_dist", cluster)
+    else:
         cluster.stop()
 
 
-# shm (with --kv-inplace-checksum) in the slow tier: a corrupted in-place write recomputed is proven by
-# tests/integration/test_inplace_kv.py (worker pair), and a served request's recompute by torch_dist here (~70 s in CI)
-@pytest.mark.parametrize("backend", ["torch_dist", pytest.param("shm", marks=pytest.mark.slow)])
-def test_corrupted_kv_is_rejected_and_recomputed(backend: str, offline: LLM) -> None:
-    cluster = run_cluster(backend, corrupt_every=7)
-    try:
-        assert ask_all(cluster.urls[0], PROMPTS) == expected(offline, PROMPTS)
-        stats = ray.get(cluster.decode_actors[0].stats.remote())
-        assert stats["kv_parts_rejected"] > 0
-        counts = ray.get(cluster.decode_actors[0].check_integrity.remote())
-        assert counts["used"] == 0 and counts["reserved"] == 0
-    finally:
-        cluster.stop()
-
-
-def test_status_and_a_dead_decode_actor_is_reported_not_hung_on() -> None:
+def test_status_and_a_dead_decode_actor_is_reported_not_hung_on(handoff: Handoff) -> None:
     import subprocess
     import sys
     import time
 
-    cluster = run_cluster("torch_dist")
+    cluster = handoff.take("torch_dist") or run_cluster("torch_dist")  # the torch_dist serve test's, if it passed
     try:
         out = subprocess.run([sys.executable, "-m", "cluster.cli", "status", "--url", cluster.urls[0]],
                              capture_output=True, text=True, timeout=60)
@@ -150,15 +183,30 @@ def test_status_and_a_dead_decode_actor_is_reported_not_hung_on() -> None:
         cluster.stop()
 
 
-def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() -> None:
+# shm (with --kv-inplace-checksum) in the slow tier: a corrupted in-place write recomputed is proven by
+# tests/integration/test_inplace_kv.py (worker pair), and a served request's recompute by torch_dist here (~70 s in CI)
+@pytest.mark.parametrize("backend", ["torch_dist", pytest.param("shm", marks=pytest.mark.slow)])
+def test_corrupted_kv_is_rejected_and_recomputed(backend: str, offline: LLM, handoff: Handoff) -> None:
+    handoff.take()
+    cluster = run_cluster(backend, corrupt_every=7)
+    try:
+        assert ask_all(cluster.urls[0], PROMPTS) == expected(offline, PROMPTS)
+        stats = ray.get(cluster.decode_actors[0].stats.remote())
+        assert stats["kv_parts_rejected"] > 0
+        counts = ray.get(cluster.decode_actors[0].check_integrity.remote())
+        assert counts["used"] == 0 and counts["reserved"] == 0
+    finally:
+        cluster.stop()
+
+
+def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor(handoff: Handoff) -> None:
     """P lands on prefill-1 because prefill-0 is busy; once both are idle, a request sharing P's prefix must go to
     prefill-1 again (its prefix cache hits), although an idle tie would otherwise pick prefill-0."""
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=2, port=0,
-                            proxy=ProxySettings(disagg_mode="always")), local_ray=True)
-    c.start()
+    handoff.take()
+    c = two_prefill_cluster()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -181,11 +229,14 @@ def test_prefix_aware_routing_sends_a_shared_prefix_to_the_same_prefill_actor() 
         assert cached(first) == 0 and cached(second) > 100
         tokens = [ray.get(a.stats.remote())["prompt_tokens"] for a in c.prefill_actors]
         assert tokens[0] > 1000 and tokens[1] > 0  # the long prompt on one actor, the shared prefix on the other
-    finally:
+    except BaseException:
         c.stop()
+        raise
+    handoff.leave("two prefill", c)  # to the killed-prefill test
 
 
-def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_serving(offline: LLM) -> None:
+def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_serving(offline: LLM,
+                                                                                        handoff: Handoff) -> None:
     """1 prefill + 2 decode actors on one node, K/V written in place (shm): the process of one decode actor is killed
     (kill -9) while greedy and seeded streams run on both. Every stream completes with the offline engine's text (its
     completions resumed on the survivor from what the client had), the prefill actor keeps serving new requests, and
@@ -195,6 +246,7 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
     import threading
     import urllib.request
 
+    handoff.take()
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
                             decode=2, prefill=1,
                             port=0, kv_backend="shm", proxy=ProxySettings(disagg_mode="always")), local_ray=True)
@@ -241,7 +293,8 @@ def test_a_killed_decode_actor_loses_no_stream_and_leaves_the_in_place_writer_se
         c.stop()
 
 
-def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(offline: LLM) -> None:
+def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(offline: LLM,
+                                                                               handoff: Handoff) -> None:
     """2 prefill + 1 decode actors: the prefill actor computing a long prompt is killed (kill -9) mid-prefill; the
     proxy retries the prompt on the other prefill actor and the client gets the offline engine's answer, in the same
     response, with nothing lost; the decode actor's blocks all come back."""
@@ -250,11 +303,10 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
     import threading
     import time
 
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
-                            decode=1, prefill=2,
-                            port=0, kv_backend="shm", proxy=ProxySettings(disagg_mode="always")), local_ray=True)
-    c.start()
+    c = handoff.take("two prefill") or two_prefill_cluster()  # the prefix-routing test's, if it passed
     try:
+        # what each prefill actor had computed before (the prefix-routing test's prompts, on a cluster it left)
+        before = {id(a): ray.get(a.stats.remote())["prompt_tokens"] for a in c.prefill_actors}
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
         question = [{"role": "user", "content": "Numbers: " + " ".join(str(i) for i in range(400)) +
                      ". What was the first number? Answer in one sentence."}]
@@ -279,14 +331,15 @@ def test_a_prefill_actor_killed_mid_prefill_has_its_prompt_retried_on_another(of
         t.join(240)
         assert got == [o.text for o in offline.chat([question], SamplingParams(max_tokens=16))]
         survivor = next(a for a in c.prefill_actors if a is not victim)
-        assert ray.get(survivor.stats.remote())["prompt_tokens"] > 400
+        assert ray.get(survivor.stats.remote())["prompt_tokens"] - before[id(survivor)] > 400
         eventually(lambda: _holds_nothing(c.decode_actors[0]), timeout_s=30.0)
         c.prefill_actors = [survivor]
     finally:
         c.stop()
 
 
-def test_an_mla_model_handed_off_in_place_equals_offline(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_an_mla_model_handed_off_in_place_equals_offline(tiny_checkpoint,  # type: ignore[no-untyped-def]
+                                                          handoff: Handoff) -> None:
     """DeepSeek-V3's latent cache (tests/factories.py: MLA with an odd latent, grouped-router experts) through the
     one-node path: the prefill actor writes each layer's latent blocks in place into the decode actor's (shm), the
     parts say "mla" and are accepted, and the text equals the offline engine's."""
@@ -294,6 +347,7 @@ def test_an_mla_model_handed_off_in_place_equals_offline(tiny_checkpoint) -> Non
     prompts = ["the cat sat on the mat and the dog " * 5, "one two three four five six", "a"]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [o.text for o in LLM(model, dtype=EXACT_DTYPE, num_kv_blocks=128).generate(prompts, params)]
+    handoff.take()
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, model=model, num_kv_blocks=128,
                                                 max_num_batched_tokens=32),
                             decode=1, prefill=1, port=0, kv_backend="shm",

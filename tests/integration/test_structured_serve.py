@@ -67,8 +67,8 @@ def url(request: pytest.FixtureRequest, local_ray: None):  # type: ignore[no-unt
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=0.05)
+def offline(offline_default: LLM) -> LLM:
+    return offline_default  # tests/conftest.py: one per pytest process
 
 
 def client(url: str):  # type: ignore[no-untyped-def]

@@ -59,8 +59,8 @@ class Case:
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLM:
-    return LLM("default", dtype=EXACT_DTYPE, kv_cache_gib=KV_GIB)
+def offline(offline_default: LLM) -> LLM:
+    return offline_default  # tests/conftest.py: one per pytest process
 
 
 @pytest.fixture(scope="module")
