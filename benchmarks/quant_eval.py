@@ -224,12 +224,14 @@ def verdict(ok: bool) -> str:
 def compare(ours: dict[str, float], vllm: dict[str, float], our_bf16_tok_s: float | None) -> list[str]:
     """The issue's goals for one scheme, as lines: agreement no worse than vLLM's minus 0.5 points, perplexity within
     1% of vLLM's, offline tok/s >= vLLM's, and tok/s >= 1.3x our own bfloat16 dense (W8A8 and W4A16). ``ours`` and
-    ``vllm`` hold ``agreement`` (0..1), ``perplexity``, ``tok_s``. No number is rounded before it is judged. Pure."""
+    ``vllm`` hold ``agreement`` (0..1), ``perplexity``, ``tok_s`` (None or missing in either: no speed lines). No number is rounded before it is judged. Pure."""
     lines = []
     diff = (ours["agreement"] - vllm["agreement"]) * 100
     lines.append(f"agreement {diff:+.2f} points vs vLLM (goal >= -0.50): {verdict(diff >= -0.5)}")
     ratio = ours["perplexity"] / vllm["perplexity"]
     lines.append(f"perplexity {ratio:.4f}x vLLM's (goal within 1%): {verdict(abs(ratio - 1) <= 0.01)}")
+    if not ours.get("tok_s") or not vllm.get("tok_s"):  # a quality-only run (--requests 0)
+        return lines
     speed = ours["tok_s"] / vllm["tok_s"]
     lines.append(f"offline tok/s {speed:.2f}x vLLM's (goal >= 1.00): {verdict(speed >= 1.0)}")
     if our_bf16_tok_s:

@@ -131,6 +131,9 @@ def test_verdicts_judge_unrounded_numbers() -> None:
     assert [line.rsplit(": ", 1)[1] for line in miss] == ["MISS", "MISS", "MISS", "MISS"]
     assert "1.30x our bfloat16" in miss[3]
     assert len(compare({"agreement": 0.9, "perplexity": 20.0, "tok_s": 1.0}, vllm, None)) == 3
+    # a quality-only run (no tok/s): the two quality lines alone
+    quality = compare({"agreement": 0.9, "perplexity": 20.0, "tok_s": None}, vllm, 50.0)
+    assert [line.split(" ", 1)[0] for line in quality] == ["agreement", "perplexity"]
 
 
 def test_vllm_runs_the_thread_count_asked() -> None:
