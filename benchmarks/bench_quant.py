@@ -1,9 +1,13 @@
 """Quantized weights judged as the seeds ask (issue 44): quality and speed per scheme, our engine beside vLLM's CPU
 build on the same checkpoints, side by side in one run.
 
-Per checkpoint and engine: teacher-forced top-1 agreement with the unquantized float32 model and perplexity over a
-fixed public-domain text (benchmarks/data/quant_text.txt: the Declaration of Independence, the Gettysburg Address,
-Lincoln's Second Inaugural), greedy answers to a small task set (``quant_eval.TASKS``: capitals, arithmetic, simple
+Per checkpoint and engine: teacher-forced top-1 agreement with the unquantized float32 model and perplexity over
+fixed public-domain texts (benchmarks/data/quant_text.txt: the Declaration of Independence, the Gettysburg Address,
+Lincoln's Second Inaugural, 3 windows of 768 tokens; quant_text_alice.txt: Alice's Adventures in Wonderland, Project
+Gutenberg #11, 49 windows), each window's numbers and the pooled ones with the spread between windows, and the
+ours / vLLM ratios with a bootstrap interval over windows; beside both engines the scheme's exact float32 simulation
+(engine "sim": transformers, weights dequantized by compressed-tensors, W8A8 activations fake-quantized per token),
+the neutral judge when the engines differ; greedy answers to a small task set (``quant_eval.TASKS``: capitals, arithmetic, simple
 facts; exact match of the expected answer, and whether the greedy tokens equal the float32 model's), and offline
 tok/s on a fixed mixed batch (48 requests, prompts 16-256, outputs 16-128, all submitted at once). The float32
 reference is Hugging Face transformers' forward and ``generate`` on the float32 folder (neutral to both engines).
@@ -49,10 +53,24 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_eval import TASKS, Position, compare, greedy_scores, teacher_forced, windows, workload  # noqa: E402
+from quant_eval import (  # noqa: E402
+    TASKS,
+    Position,
+    compare,
+    greedy_scores,
+    paired,
+    spread,
+    teacher_forced,
+    window_qualities,
+    windows,
+    workload,
+)
 
 HERE = Path(__file__).resolve().parent
-TEXT = HERE / "data" / "quant_text.txt"
+# the fixed texts, each cut into its own windows (none straddles two): US founding documents (13.6 kB, 3 windows of
+# 768 tokens: the historic one-window comparisons used its first), then Alice's Adventures in Wonderland (Project
+# Gutenberg #11, 150 kB, 49 windows); both public domain, sources in their first lines
+TEXTS = (HERE / "data" / "quant_text.txt", HERE / "data" / "quant_text_alice.txt")
 SCHEMES = ("w8a8", "w4a16", "fp8_dynamic")
 DEFAULT_SCHEMES: dict[str, dict[str, Any]] = {
     # SmolLM2-135M's in-features are 576 (= 9 x 64) and 1536: groups of 64 divide both; the W4A16 preset's 128 and
@@ -194,7 +212,9 @@ def summarize(result: dict[str, Any], ref_teacher: list[list[Position]], ref_gre
     q = teacher_forced(ref_teacher, run)
     texts = [decode(ids) for ids in result["greedy"]]
     g = greedy_scores(texts, result["greedy"], ref_greedy)
-    return {"agreement": q.agreement, "perplexity": q.perplexity, "positions": q.positions,
+    per = window_qualities(ref_teacher, run)
+    return {"agreement": q.agreement, "perplexity": q.perplexity, "positions": q.positions, "_run": run,
+            "window_perplexity": [w.perplexity for w in per], "window_agreement": [w.agreement for w in per],
             "tasks_correct": g.correct, "same_as_ref": g.same_as_ref, "tasks": g.tasks, "tok_s": result["tok_s"],
             "out_tokens": result["out_tokens"], "wall_s": result["wall_s"], "load_s": result["load_s"],
             "answers": texts}
@@ -209,6 +229,45 @@ def row_text(engine: str, name: str, dtype: str, r: dict[str, Any], ref_ppl: flo
             f"{r['tasks_correct']:>3}/{r['tasks']:<3} {r['same_as_ref']:>5}/{r['tasks']:<3} {tok} {r['load_s']:6.1f}")
 
 
+def report_windows(rows: dict[tuple[str, str], dict[str, Any]], schemes: list[str], dtype: str,
+                   ref_teacher: list[list[Position]], wins: list[list[int]]) -> None:
+    """Per window: the float32 reference's perplexity and each scheme's (ours, vLLM, the float32 simulation); then per
+    scheme the spread between windows and the paired comparisons (ours / vLLM, ours / sim, vLLM / sim), pooled, with
+    their per-window spread and a bootstrap interval over windows."""
+    ref_ppl = [q.perplexity for q in window_qualities(ref_teacher, ref_teacher)]
+    cols = [(e, n, rows.get((e, f"{n}:{'float32' if e == 'sim' else dtype}"), {})) for n in schemes
+            for e in ("ours", "vllm", "sim")]
+    cols = [(e, n, r) for e, n, r in cols if "_run" in r]
+    print(f"\nper window perplexity ({len(wins)} windows; ours/vLLM = ratio of the two):")
+    print(f"{'win':>4} {'fp32':>8} " + " ".join(f"{e + ':' + n:>12}" for e, n, _ in cols) + " " + " ".join(
+        f"{'ours/vLLM ' + n:>16}" for n in schemes))
+    for i in range(len(wins)):
+        ratios = []
+        for n in schemes:
+            o, v = (rows.get((e, f"{n}:{dtype}"), {}) for e in ("ours", "vllm"))
+            ratios.append(f"{o['window_perplexity'][i] / v['window_perplexity'][i]:16.4f}"
+                          if "_run" in o and "_run" in v else f"{'-':>16}")
+        print(f"{i:>4} {ref_ppl[i]:8.3f} " + " ".join(f"{r['window_perplexity'][i]:12.3f}" for _, _, r in cols)
+              + " " + " ".join(ratios))
+    print("\nspread between windows (perplexity; agreement in %):")
+    print(f"  fp32 reference perplexity: {spread(ref_ppl).text('.3f')}")
+    for e, n, r in cols:
+        print(f"  {e}:{n} perplexity {spread(r['window_perplexity']).text('.3f')}; agreement "
+              f"{spread([a * 100 for a in r['window_agreement']]).text('.2f')}")
+    print("\npaired, pooled over all windows (95% interval: windows resampled 2000 times):")
+    for n in schemes:
+        runs = {e: rows.get((e, f"{n}:{'float32' if e == 'sim' else dtype}"), {}).get("_run") for e in
+                ("ours", "vllm", "sim")}
+        for a, b in (("ours", "vllm"), ("ours", "sim"), ("vllm", "sim")):
+            if runs[a] is None or runs[b] is None:
+                continue
+            p = paired(ref_teacher, runs[a], runs[b])
+            print(f"  {n} {a}/{b}: perplexity ratio {p.ppl_ratio:.4f} [{p.ppl_ratio_ci[0]:.4f}, "
+                  f"{p.ppl_ratio_ci[1]:.4f}], per window {p.ppl_ratio_windows.text()}; agreement "
+                  f"{p.agree_diff:+.2f} points [{p.agree_diff_ci[0]:+.2f}, {p.agree_diff_ci[1]:+.2f}], per window "
+                  f"{p.agree_diff_windows.text('+.2f')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--make", action="store_true", help="quantize the default model with llmcompressor, then stop")
@@ -219,9 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="default", help="the float32 folder quantized (default: the default model)")
     ap.add_argument("--quant-dir", default="", help="folder of <scheme>/ checkpoints (default: the quant cache)")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--engines", default="ours,vllm")
+    ap.add_argument("--engines", default="ours,vllm,sim",
+                    help="ours, vllm, sim (the scheme's exact float32 simulation in transformers, run under "
+                         "--llmc-python: the neutral judge of the two engines' quality)")
     ap.add_argument("--dtype", default="auto", help="activations: auto = bfloat16 where the CPU has it natively")
-    ap.add_argument("--windows", type=int, default=4, help="teacher-forcing windows of --window tokens")
+    ap.add_argument("--windows", type=int, default=0,
+                    help="teacher-forcing windows of --window tokens, the first N over the texts (0: all, 52)")
     ap.add_argument("--window", type=int, default=768)
     ap.add_argument("--task-tokens", type=int, default=24)
     ap.add_argument("--requests", type=int, default=48, help="the mixed throughput batch (0: no tok/s)")
@@ -256,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     base = resolve_model(args.model, None)
     qdir = Path(args.quant_dir) if args.quant_dir else quant_cache()
     tok = AutoTokenizer.from_pretrained(str(base))
-    ids = tok.encode(TEXT.read_text(), add_special_tokens=False)
-    wins = windows(ids, args.window, args.windows)
+    per_text = [windows(tok.encode(t.read_text(), add_special_tokens=False), args.window) for t in TEXTS]
+    wins = [w for ws in per_text for w in ws][: args.windows or None]
     prompts = [list(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)) for q, _ in TASKS]
     load = [[p, n] for p, n in workload(args.requests, len(tok), seed=0)]
@@ -265,11 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {info['cpu']}, {info['cores']} cores, flags {' '.join(info['flags']) or '-'}, load average "
           f"{info['loadavg_1m']:.1f}; {info['date']}; torch {info['torch']}; vLLM: {vver or 'not installed'}")
     print(f"model {base}; activations {dtype}; teacher-forced {len(wins)} windows of {args.window} tokens of "
-          f"{TEXT.name} ({sum(len(w) - 1 for w in wins)} predictions); {len(TASKS)} tasks, greedy "
+          f"{' + '.join(f'{t.name} ({len(ws)})' for t, ws in zip(TEXTS, per_text))} "
+          f"({sum(len(w) - 1 for w in wins)} predictions); {len(TASKS)} tasks, greedy "
           f"{args.task_tokens} tokens; {len(load)} mixed requests (prompts 16-256, outputs 16-128, "
           f"{sum(n for _, n in load)} output tokens) all at once; threads per engine: "
           f"{args.threads or 'each default'}", flush=True)
     t0 = time.monotonic()
+    import torch
+
+    torch.set_num_threads(1)  # nothing here is timed; two spinning threads on the shared, oversubscribed cores crawl
     ref_teacher, ref_greedy = reference(base, wins, prompts, args.task_tokens, tok.eos_token_id)
     ref_q = teacher_forced(ref_teacher, ref_teacher)
     ref_tasks = greedy_scores([tok.decode(g) for g in ref_greedy], ref_greedy, ref_greedy)
@@ -282,30 +348,34 @@ def main(argv: list[str] | None = None) -> int:
     head = (f"{'engine':<6} {'checkpoint':<14} {'acts':<9} {'top-1 agree':>10} {'perplexity':>10} {'vs ref':>8} "
             f"{'tasks':>7} {'=fp32 greedy':>9} {'tok/s':>8} {'load s':>6}")
     print(head, flush=True)
-    for engine in engines:
-        python = sys.executable if engine == "ours" else args.vllm_python
-        runs = [(n, p, dtype) for n, p in checkpoints]
-        if engine == "ours" and dtype != "float32" and not args.no_float32_row:
-            runs.insert(0, ("dense", str(base), "float32"))
-        for name, path, dt in runs:
-            if engine == "vllm" and vver is None:
-                r: dict[str, Any] = {"error": "vLLM: not installed"}
-            elif not Path(path, "config.json").exists():
-                r = {"error": f"no checkpoint at {path} (make it with --make)"}
-            else:
-                job = {"engine": engine, "model": path, "dtype": dt, "windows": wins, "prompts": prompts,
-                       "task_tokens": args.task_tokens, "workload": load, "max_model_len": args.window + 256,
-                       "max_num_seqs": max(len(load), len(prompts), len(wins), 1), "kv_gib": args.kv_gib,
-                       "threads": args.threads}
-                r = summarize(run_worker(python, job, args.timeout), ref_teacher, ref_greedy, tok.decode)
-            rows[(engine, f"{name}:{dt}")] = r
-            print(row_text(engine, name, dt, r, ref_q.perplexity), flush=True)
+    # checkpoint by checkpoint, the engines one after the other, so a change in the shared machine's load falls on
+    # both engines' rows of a scheme alike
+    runs = [(e, n, p, "float32" if e == "sim" else dtype) for n, p in checkpoints for e in engines
+            if not (e == "sim" and n == "dense")]  # the simulation of the dense model is the reference
+    if "ours" in engines and dtype != "float32" and not args.no_float32_row:
+        runs.insert(0, ("ours", "dense", str(base), "float32"))
+    for engine, name, path, dt in runs:
+        python = {"ours": sys.executable, "vllm": args.vllm_python, "sim": args.llmc_python}[engine]
+        if engine == "vllm" and vver is None:
+            r: dict[str, Any] = {"error": "vLLM: not installed"}
+        elif not Path(path, "config.json").exists():
+            r = {"error": f"no checkpoint at {path} (make it with --make)"}
+        else:
+            job = {"engine": engine, "model": path, "dtype": dt, "windows": wins, "prompts": prompts,
+                   "task_tokens": args.task_tokens, "workload": load, "max_model_len": args.window + 256,
+                   "max_num_seqs": max(len(load), len(prompts), len(wins), 1), "kv_gib": args.kv_gib,
+                   "threads": args.threads, "eos": tok.eos_token_id}
+            r = summarize(run_worker(python, job, args.timeout), ref_teacher, ref_greedy, tok.decode)
+        r["loadavg_1m"] = os.getloadavg()[0]  # the shared machine's load as the row ended
+        rows[(engine, f"{name}:{dt}")] = r
+        print(f"{row_text(engine, name, dt, r, ref_q.perplexity)}  load {r['loadavg_1m']:.1f}", flush=True)
 
-    print("\nagainst the issue's goals (ours vs vLLM on the same checkpoint, same run):")
+    report_windows(rows, [n for n, _ in checkpoints[1:]], dtype, ref_teacher, wins)
+    print("\nagainst the issue's goals (ours vs vLLM on the same checkpoint, same run; pooled over all windows):")
     our_bf16 = rows.get(("ours", f"dense:{dtype}"), {}).get("tok_s")
     for name, _ in checkpoints[1:]:
         ours, theirs = rows.get(("ours", f"{name}:{dtype}"), {}), rows.get(("vllm", f"{name}:{dtype}"), {})
-        if "agreement" not in ours or "agreement" not in theirs or not ours.get("tok_s") or not theirs.get("tok_s"):
+        if "agreement" not in ours or "agreement" not in theirs:
             why = ours.get("error") or theirs.get("error") or "not measured"
             print(f"  {name}: not compared ({why})")
             continue
@@ -319,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"machine": info, "vllm": vver, "settings": vars(args), "dtype": dtype,
                "reference": {"perplexity": ref_q.perplexity, "tasks_correct": ref_tasks.correct,
                              "answers": [tok.decode(g) for g in ref_greedy]},
-               "rows": {f"{e}/{k}": v for (e, k), v in rows.items()}}
+               "rows": {f"{e}/{k}": {f: x for f, x in v.items() if not f.startswith("_")}
+                        for (e, k), v in rows.items()}}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 

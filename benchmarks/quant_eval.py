@@ -112,6 +112,84 @@ def teacher_forced(reference: Sequence[Sequence[Position]], run: Sequence[Sequen
     return Quality(agree / total, math.exp(nll / total), total)
 
 
+def window_qualities(reference: Sequence[Sequence[Position]], run: Sequence[Sequence[Position]]) -> list[Quality]:
+    """``teacher_forced`` of each window on its own. Pure."""
+    if len(reference) != len(run):
+        raise ValueError("reference and run must cover the same windows")
+    return [teacher_forced([r], [p]) for r, p in zip(reference, run)]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Mean, sample standard deviation, minimum and maximum of per-window values."""
+    mean: float
+    sd: float
+    lo: float
+    hi: float
+
+    def text(self, fmt: str = ".4f") -> str:
+        return (f"mean {self.mean:{fmt}} sd {self.sd:{fmt}} min {self.lo:{fmt}} max {self.hi:{fmt}}")
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """The Spread of ``values`` (sd 0 for a single value). Pure."""
+    if not values:
+        raise ValueError("no values")
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return Spread(mean, sd, min(values), max(values))
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two runs over the same windows: the pooled perplexity ratio ``a / b`` (exp of the difference of the mean
+    negative log-likelihoods over all positions) and agreement difference ``a - b`` (points), the spread of the
+    per-window values, and percentile intervals of the pooled values from resampling whole windows."""
+    ppl_ratio: float
+    ppl_ratio_windows: Spread
+    ppl_ratio_ci: tuple[float, float]
+    agree_diff: float
+    agree_diff_windows: Spread
+    agree_diff_ci: tuple[float, float]
+    windows: int
+
+
+def _pooled(a: Sequence[Sequence[Position]], b: Sequence[Sequence[Position]], ref: Sequence[Sequence[Position]],
+            picks: Sequence[int]) -> tuple[float, float]:
+    nll_a = nll_b = 0.0
+    agree_a = agree_b = total = 0
+    for i in picks:
+        for r, p, q in zip(ref[i], a[i], b[i]):
+            nll_a -= p.logprob
+            nll_b -= q.logprob
+            agree_a += r.top1 == p.top1
+            agree_b += r.top1 == q.top1
+            total += 1
+    return math.exp((nll_a - nll_b) / total), (agree_a - agree_b) * 100 / total
+
+
+def paired(reference: Sequence[Sequence[Position]], a: Sequence[Sequence[Position]], b: Sequence[Sequence[Position]],
+           resamples: int = 2000, level: float = 0.95, seed: int = 0) -> Paired:
+    """Compare runs ``a`` and ``b`` (each judged against ``reference``) over the same windows: pooled perplexity
+    ratio and agreement difference, their per-window spread, and a bootstrap interval (windows drawn with
+    replacement ``resamples`` times, seeded) at ``level``. Pure."""
+    if not (len(reference) == len(a) == len(b)) or any(
+            not (len(r) == len(p) == len(q)) for r, p, q in zip(reference, a, b)):
+        raise ValueError("reference and runs must cover the same windows and positions")
+    n = len(reference)
+    if n == 0:
+        raise ValueError("no windows")
+    ratio, diff = _pooled(a, b, reference, range(n))
+    per = [_pooled(a, b, reference, [i]) for i in range(n)]
+    rng = random.Random(seed)
+    boot = [_pooled(a, b, reference, [rng.randrange(n) for _ in range(n)]) for _ in range(resamples)]
+    lo_i, hi_i = int((1 - level) / 2 * resamples), min(resamples - 1, int((1 + level) / 2 * resamples))
+    rs, ds = sorted(x for x, _ in boot), sorted(y for _, y in boot)
+    return Paired(ratio, spread([x for x, _ in per]), (rs[lo_i], rs[hi_i]), diff, spread([y for _, y in per]),
+                  (ds[lo_i], ds[hi_i]), n)
+
+
 @dataclass(frozen=True)
 class Greedy:
     correct: int         # tasks whose expected answer appears in the greedy output
@@ -146,12 +224,14 @@ def verdict(ok: bool) -> str:
 def compare(ours: dict[str, float], vllm: dict[str, float], our_bf16_tok_s: float | None) -> list[str]:
     """The issue's goals for one scheme, as lines: agreement no worse than vLLM's minus 0.5 points, perplexity within
     1% of vLLM's, offline tok/s >= vLLM's, and tok/s >= 1.3x our own bfloat16 dense (W8A8 and W4A16). ``ours`` and
-    ``vllm`` hold ``agreement`` (0..1), ``perplexity``, ``tok_s``. No number is rounded before it is judged. Pure."""
+    ``vllm`` hold ``agreement`` (0..1), ``perplexity``, ``tok_s`` (None or missing in either: no speed lines). No number is rounded before it is judged. Pure."""
     lines = []
     diff = (ours["agreement"] - vllm["agreement"]) * 100
     lines.append(f"agreement {diff:+.2f} points vs vLLM (goal >= -0.50): {verdict(diff >= -0.5)}")
     ratio = ours["perplexity"] / vllm["perplexity"]
     lines.append(f"perplexity {ratio:.4f}x vLLM's (goal within 1%): {verdict(abs(ratio - 1) <= 0.01)}")
+    if not ours.get("tok_s") or not vllm.get("tok_s"):  # a quality-only run (--requests 0)
+        return lines
     speed = ours["tok_s"] / vllm["tok_s"]
     lines.append(f"offline tok/s {speed:.2f}x vLLM's (goal >= 1.00): {verdict(speed >= 1.0)}")
     if our_bf16_tok_s:

@@ -17,9 +17,12 @@ from quant_eval import (  # noqa: E402
     Position,
     compare,
     greedy_scores,
+    paired,
     position_from_logprobs,
+    spread,
     task_correct,
     teacher_forced,
+    window_qualities,
     windows,
     workload,
 )
@@ -128,6 +131,9 @@ def test_verdicts_judge_unrounded_numbers() -> None:
     assert [line.rsplit(": ", 1)[1] for line in miss] == ["MISS", "MISS", "MISS", "MISS"]
     assert "1.30x our bfloat16" in miss[3]
     assert len(compare({"agreement": 0.9, "perplexity": 20.0, "tok_s": 1.0}, vllm, None)) == 3
+    # a quality-only run (no tok/s): the two quality lines alone
+    quality = compare({"agreement": 0.9, "perplexity": 20.0, "tok_s": None}, vllm, 50.0)
+    assert [line.split(" ", 1)[0] for line in quality] == ["agreement", "perplexity"]
 
 
 def test_vllm_runs_the_thread_count_asked() -> None:
@@ -137,3 +143,41 @@ def test_vllm_runs_the_thread_count_asked() -> None:
     assert vllm_thread_env(2)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     with pytest.raises(ValueError, match="threads"):
         vllm_thread_env(-1)
+
+
+def test_window_qualities_and_spread() -> None:
+    ref = [[Position(1, -1.0), Position(2, -1.0)], [Position(3, -2.0), Position(4, -2.0)]]
+    run = [[Position(1, -1.0), Position(9, -3.0)], [Position(3, -2.0), Position(4, -2.0)]]
+    per = window_qualities(ref, run)
+    assert [q.agreement for q in per] == [0.5, 1.0]
+    assert per[0].perplexity == pytest.approx(math.exp(2.0)) and per[1].perplexity == pytest.approx(math.exp(2.0))
+    s = spread([1.0, 2.0, 3.0, 6.0])
+    assert (s.mean, s.lo, s.hi) == (3.0, 1.0, 6.0)
+    assert s.sd == pytest.approx(math.sqrt((4 + 1 + 0 + 9) / 3))
+    assert spread([5.0]).sd == 0.0
+    with pytest.raises(ValueError):
+        spread([])
+    with pytest.raises(ValueError):
+        window_qualities(ref, run[:1])
+
+
+def test_paired_pools_positions_and_brackets_the_pooled_ratio() -> None:
+    g = torch.Generator().manual_seed(1)
+    ref, a, b = [], [], []
+    for w in range(12):  # b is a's log-probs minus 0.01 * (window index) nats: ratio a/b per window exp(-0.01 w)
+        lp = (-torch.rand(40, generator=g) * 4).tolist()
+        top = torch.randint(0, 5, (40,), generator=g).tolist()
+        ref.append([Position(t, x) for t, x in zip(top, lp)])
+        a.append([Position(t if i % 4 else t + 1, x) for i, (t, x) in enumerate(zip(top, lp))])  # 30/40 agree
+        b.append([Position(t, x - 0.01 * w) for t, x in zip(top, lp)])
+    p = paired(ref, a, b, resamples=500)
+    assert p.windows == 12
+    assert p.ppl_ratio == pytest.approx(math.exp(-0.01 * sum(range(12)) / 12), rel=1e-9)
+    assert p.ppl_ratio_windows.lo == pytest.approx(math.exp(-0.11)) and p.ppl_ratio_windows.hi == pytest.approx(1.0)
+    assert p.ppl_ratio_ci[0] < p.ppl_ratio < p.ppl_ratio_ci[1]
+    assert p.agree_diff == pytest.approx(-25.0) and p.agree_diff_windows.sd == pytest.approx(0.0, abs=1e-12)
+    assert p.agree_diff_ci == (pytest.approx(-25.0), pytest.approx(-25.0))
+    same = paired(ref, a, a, resamples=50)
+    assert same.ppl_ratio == 1.0 and same.ppl_ratio_ci == (1.0, 1.0) and same.agree_diff == 0.0
+    with pytest.raises(ValueError):
+        paired(ref, a, b[:-1])
