@@ -178,13 +178,13 @@ def test_share_node_gpus_is_on_unless_turned_off() -> None:
 
 def test_speculation_tiers_disagg_mode_and_tenant_reach_serve_and_the_proxies() -> None:
     """The chart's values for issues 45, 46 and 48 become the flags serve and the proxies parse; the disk tier gets an
-    emptyDir of its size on every pod that runs actors; everything is off by default."""
+    emptyDir of its size on every pod that runs actors; the extras off by default, conditional disaggregation on."""
     from cluster.cli import build_parser, serve_config
     from cluster.wire.proxy_settings import ProxySettings
 
     vals = {"engine": {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4}},
             "kvTiers": {"hostGib": 2, "diskGib": 8, "diskIntegrity": "payload_mac"},
-            "proxy": {"disaggMode": "auto", "kvTenantFrom": "header:X-Tenant", "chatTokenCacheMib": 0}}
+            "proxy": {"disaggMode": "always", "kvTenantFrom": "header:X-Tenant", "chatTokenCacheMib": 0}}
     _, c = _cluster_auth(vals)
     serve = [a for a in c["serve"]["command"] if a.startswith("--")]
     assert '--speculative-config={"method":"ngram","num_speculative_tokens":4}' in serve
@@ -194,12 +194,12 @@ def test_speculation_tiers_disagg_mode_and_tenant_reach_serve_and_the_proxies() 
     assert (args.kv_host_gib, args.kv_disk_gib, args.kv_disk_integrity) == (2.0, 8.0, "payload_mac")
     cfg = serve_config(args, environ={"PDCLUSTER_CLUSTER_SECRET": "s" * 32})
     assert (cfg.worker.speculative_config["method"], cfg.worker.speculative_config["num_speculative_tokens"]) == ("ngram", 4)
-    assert {"--disagg-mode=auto", "--kv-tenant-from=header:X-Tenant", "--chat-token-cache-mib=0"} <= set(c["proxy"]["command"])
+    assert {"--disagg-mode=always", "--kv-tenant-from=header:X-Tenant", "--chat-token-cache-mib=0"} <= set(c["proxy"]["command"])
     (rc,) = [o for o in objects(render(vals)) if o["kind"] == "RayCluster"]
     for pod in [rc["spec"]["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]:
         (vol,) = [v for v in pod["volumes"] if v["name"] == "kv-tier"]
         assert vol["emptyDir"]["sizeLimit"] == "9216Mi"
     _, off = _cluster_auth(None)
     assert not [a for a in off["serve"]["command"] if a.startswith(("--speculative-config", "--kv-host", "--kv-disk"))]
-    assert {"--disagg-mode=always", "--kv-tenant-from=none", "--chat-token-cache-mib=64"} <= set(off["proxy"]["command"])
-    assert ProxySettings().disagg_mode == "always" and ProxySettings().chat_token_cache_mib == 64  # the chart default is the proxy's
+    assert {"--disagg-mode=auto", "--kv-tenant-from=none", "--chat-token-cache-mib=64"} <= set(off["proxy"]["command"])
+    assert ProxySettings().disagg_mode == "auto" and ProxySettings().chat_token_cache_mib == 64  # the chart default is the proxy's
