@@ -39,6 +39,7 @@ import statistics
 
 from cluster.control.record import Recording
 from cluster.control.sim_model import CostProfile
+from cluster.wire.telemetry import FinishedSample
 
 MIN_SAMPLES = 8
 # an actor's first engine steps in a role are its warm-up (first forward passes at new shapes, allocations): live,
@@ -102,13 +103,18 @@ def admission_rpc_s(rec: Recording) -> float:
     quiet = []
     for f in rec.finished:
         s = f.sample
-        arrived = f.t - s.tpot_s * max(0, s.output_tokens - 1) - s.ttft_s
+        arrived = f.t - _decode_s(s) - s.ttft_s
         k = bisect.bisect_left(ends, arrived)
         if k < len(ends):
             o = rec.observations[k][1]
             if o.admission_waiting == 0 and o.rejected_rate == 0:
                 quiet.append(s.admission_wait_s)
     return statistics.median(quiet) if len(quiet) >= MIN_SAMPLES else 0.0
+
+
+def _decode_s(s: FinishedSample) -> float:
+    """The seconds a finished request spent decoding after its first token (its TPOT over the later tokens). Pure."""
+    return s.tpot_s * max(0, s.output_tokens - 1)
 
 
 def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -202,7 +208,7 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3,
 
         for f in rec.finished:
             s = f.sample
-            decode_s = s.tpot_s * max(0, s.output_tokens - 1)
+            decode_s = _decode_s(s)
             if s.output_tokens > 1 and s.tpot_s > 0:
                 tpots[window(f.t - decode_s / 2)].append(s.tpot_s)
             tokens = s.prompt_tokens - s.cached_tokens
@@ -230,7 +236,7 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3,
     def prefill_at(t: float) -> float | None:
         return by_request[bisect.bisect_right(starts, t) - 1][2] if starts and t >= starts[0] else None
 
-    return _held([(t, d, prefill_at(t) if prefill_at(t) is not None else p) for t, d, p in windows])
+    return _held([(t, d, p if (q := prefill_at(t)) is None else q) for t, d, p in windows])
 
 
 def _held(windows: list[tuple[float, float | None, float | None]]) -> list[tuple[float, float, float]]:
