@@ -150,12 +150,12 @@ def _tier_of(item: pytest.Item, rel: str) -> str | None:
 # Files of long subprocess tests (each starts torch, transformers or a cluster in fresh processes: minutes on loaded
 # cores): they go first in the run (_run_order), instead of ending it on one worker while the other idles (tests
 # otherwise go in collection order, and these come near its end).
-LONG_FILES = {
-    "tests/unit/test_gpu_check_smoke.py": "gpu-check smokes",
-    "tests/integration/test_gpu_kv_check_smoke.py": "gpu-check smokes",
-    "tests/integration/test_gpu_serve_check_smoke.py": "gpu-check smokes",
-    "tests/unit/test_benchmark_scripts.py": "benchmark scripts",
-}
+LONG_FILES = frozenset({
+    "tests/unit/test_gpu_check_smoke.py",  # the gpu-check smokes
+    "tests/integration/test_gpu_kv_check_smoke.py",
+    "tests/integration/test_gpu_serve_check_smoke.py",
+    "tests/unit/test_benchmark_scripts.py",
+})
 
 
 def _uses_a_module_fixture(item: pytest.Item) -> bool:
@@ -177,12 +177,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = _tier_of(item, rel)
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
-        order[item.nodeid] = _run_order(item, rel)
+        shared = _uses_a_module_fixture(item)
+        order[item.nodeid] = _run_order(item, rel, shared)
         # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
         # worker (as one unit of work); every other test goes to whichever worker is free
         if item.get_closest_marker("xdist_group"):
             continue
-        if _uses_a_module_fixture(item):
+        if shared:
             item.add_marker(pytest.mark.xdist_group(rel))
     # an entry that names a test no longer there (renamed, moved) would silently put nothing in the integration tier
     # (only when whole files were collected: not under -k or a `file::test` argument)
@@ -200,7 +201,7 @@ def _rel(item: pytest.Item, root: Path) -> str:
     return Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
 
 
-def _run_order(item: pytest.Item, rel: str) -> int:
+def _run_order(item: pytest.Item, rel: str, shared: bool) -> int:
     """Where a test goes in the run: the long subprocess files first, then the rest of the integration tier, then the
     fast tier's modules that share a module-scoped fixture (one unit of work each, some a minute long), then the other
     fast tests. CI runs both tiers in one pytest-xdist session (.ci/run, ``--dist loadgroup --no-loadscope-reorder``:
@@ -210,4 +211,4 @@ def _run_order(item: pytest.Item, rel: str) -> int:
         return 0
     if item.get_closest_marker("integration"):
         return 1
-    return 2 if _uses_a_module_fixture(item) else 3
+    return 2 if shared else 3  # shared: the test uses a module-scoped fixture
