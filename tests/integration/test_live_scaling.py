@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
@@ -111,8 +112,11 @@ def test_scale_up_and_across_while_serving(offline_default: LLM) -> None:
 
 def test_autoscale_gives_the_spare_budget_to_the_loaded_pool() -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25, max_num_batched_tokens=64),
-                            decode=1, prefill=1,
-                            port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0), local_ray=True)
+                            decode=1, prefill=1, port=0, budget=3, cpus_per_actor=0.5, controller_interval_s=3.0,
+                            # prompt-heavy traffic loads the prefill pool only when every prompt goes there: under
+                            # auto a long prefill queue sends prompts to the decode owner, and the controller may
+                            # first grow the decode pool (1P:1D -> 1P:2D seen in CI)
+                            proxy=ProxySettings(disagg_mode="always")), local_ray=True)
     c.start()
     try:
         client = openai.OpenAI(base_url=f"{c.urls[0]}/v1", api_key="unused", max_retries=0, timeout=300)
