@@ -127,6 +127,8 @@ INTEGRATION = {
     "tests/unit/test_prompt_tokenizer.py::test_no_torch_import": "a fresh interpreter",
     "tests/unit/test_quant_fused.py::test_fresh_build_is_timed_and_quick": "runs the C++ compiler (a fresh build)",
     "tests/unit/test_prompt_tokenizer.py::test_matches_transformers[default]": "the default model (converted once)",
+    "tests/unit/test_hf_tokenizer.py::test_default_model_takes_the_direct_path_and_loads_what_auto_loads":
+        "the default model (converted once)",
     "tests/unit/test_ray_address.py::test_cli_scale_on_dead_address_exits_fast": "runs `pdcluster` as a subprocess",
     "tests/unit/test_reliability_scripts.py::test_descendants_and_rss_of_a_real_child": "a child process",
     "tests/kernel_checks/test_bench_smoke.py": "runs benchmarks/bench_kernels.py as a subprocess",
