@@ -164,7 +164,7 @@ def main() -> int:
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
 
-    from cluster.control.calibrate import calibrate, speed_over_time
+    from cluster.control.calibrate import actor_speed_over_time, calibrate, speed_over_time
 
     rec = rows[0][1]
     base = CostProfile.load(DEFAULT_PROFILE)
@@ -194,9 +194,14 @@ def main() -> int:
     live_lat = recorded(rec)
     pairs = slo_pairs(live_lat)
     prof = calibrate(rec, base, BUDGET_TOKENS)
-    print(f"\nengine steps, speed over time, judged at {len(pairs)} SLO pairs where live meets 30-70%:")
+    # this run's clients in closed loop, as load() sent them (each its next request when its last answer ended)
+    clients = {args.decode_tokens: args.decode_streams, 1: args.prefill_streams}
+    print(f"\nengine steps, the machine's and each decode actor's speed over time, clients in closed loop "
+          f"({', '.join(f'{n} asking {m} tokens' for m, n in clients.items())}), judged at {len(pairs)} SLO pairs "
+          f"where live meets 30-70%:")
     for pinned in (False, True):
-        result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned)
+        result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned,
+                               actor_speed=actor_speed_over_time(rec, prof), clients=clients)
         sim_lat = replayed(result, trace.output)
         gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live_lat, sim_lat, pairs)]
         print(f"\n{'the recorded decisions (pinned)' if pinned else 'its own decisions'}: mean |gap| "

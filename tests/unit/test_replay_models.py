@@ -134,3 +134,24 @@ def test_a_closed_loop_replay_settles_with_each_request_after_its_clients_last()
     assert max(in_flight) == 3
     open_loop = Simulation(tr, PROFILE, cfg, 2).run()
     assert np.mean(open_loop.tpot) > np.mean(result.tpot)  # twelve at once share one decode batch
+
+
+def test_the_cli_replays_with_closed_loop_clients(capsys: pytest.CaptureFixture) -> None:
+    """``pdcluster simulate --replay FILE --clients 48=24,1=2`` prints the comparison of the closed-loop replay (the
+    same numbers as :func:`replay` with those clients); a bad ``--clients`` is an error, not a crash."""
+    from cluster.cli import main as cli_main
+    from cluster.cli_simulate import parse_clients
+
+    assert parse_clients("48=24, 1=2") == {48: 24, 1: 2}
+    for bad in ("48", "48=0", "x=2", "48=24,"):
+        with pytest.raises(ValueError, match="--clients"):
+            parse_clients(bad)
+    assert cli_main(["simulate", "--replay", str(RECORD), "--prefill-budget", "64", "--clients", "48=24,1=2"]) == 0
+    out = capsys.readouterr().out
+    rec = read_record(RECORD)
+    prof = calibrate(rec, PROFILE, 64)
+    result, trace = replay(rec, prof, speed_over_time(rec, prof), actor_speed=actor_speed_over_time(rec, prof),
+                           clients={48: 24, 1: 2})
+    own = replayed(result, trace.output).attainment(rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
+    assert f"{own:>10.1%}" in out.split("3.5 s /  0.1 s")[1].splitlines()[0]
+    assert cli_main(["simulate", "--replay", str(RECORD), "--clients", "48"]) == 2
