@@ -39,6 +39,9 @@ from cluster.wire.worker_config import WorkerConfig
 SHORT_PROMPT = "Count from one to one hundred."
 LONG_PROMPT = " ".join(["Summarise the history of the printing press in Europe, with dates."] * 50)
 BUDGET_TOKENS = 64  # the workers' step budget (max_num_batched_tokens): small, so prompts take several steps
+# a client's turnaround from its answer's last token to its next request's arrival at the proxy (2-36 ms, median
+# ~10, in the 2026-12-07 records' prefill phases): the replay's closed-loop clients wait that long
+THINK_S = 0.01
 RUNS = (("adaptive", (2, 1), False), ("fixed 1P2D", (1, 2), True), ("fixed 2P1D", (2, 1), True))
 
 
@@ -201,7 +204,7 @@ def main() -> int:
           f"where live meets 30-70%:")
     for pinned in (False, True):
         result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned,
-                               actor_speed=actor_speed_over_time(rec, prof), clients=clients)
+                               actor_speed=actor_speed_over_time(rec, prof), clients=clients, think_s=THINK_S)
         sim_lat = replayed(result, trace.output)
         gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live_lat, sim_lat, pairs)]
         print(f"\n{'the recorded decisions (pinned)' if pinned else 'its own decisions'}: mean |gap| "

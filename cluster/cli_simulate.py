@@ -40,7 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--clients", default=None, metavar="M=N[,M=N...]",
                    help="--replay: the requests asking max_tokens M came from N clients in closed loop (each sends "
                         "its next request when its last answer ends), replayed so instead of at their recorded "
-                        "times (the live benchmark: --clients 48=24,1=2)")
+                        "times (the live benchmark: --clients 48=24,1=2 --think 0.01)")
+    s.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
+                   help="--clients: a client's turnaround from its answer's last token to its next request's arrival "
+                        "(the live benchmark's: ~0.01)")
     s.add_argument("--as-recorded", action="store_true",
                    help="--replay: the pools change when and as the record's did, instead of the replay's controller "
                         "deciding (the latencies are then compared on the same pools)")
@@ -85,7 +88,7 @@ def _replay(args: argparse.Namespace) -> int:
             if not args.one_speed:
                 speed, actors = speed_over_time(rec, profile), actor_speed_over_time(rec, profile)
         result, trace = replay(rec, profile, speed, pinned=args.as_recorded, actor_speed=actors,
-                               clients=parse_clients(args.clients) if args.clients else None)
+                               clients=parse_clients(args.clients) if args.clients else None, think_s=args.think)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -146,12 +146,13 @@ def test_the_cli_replays_with_closed_loop_clients(capsys: pytest.CaptureFixture)
     for bad in ("48", "48=0", "x=2", "48=24,"):
         with pytest.raises(ValueError, match="--clients"):
             parse_clients(bad)
-    assert cli_main(["simulate", "--replay", str(RECORD), "--prefill-budget", "64", "--clients", "48=24,1=2"]) == 0
+    assert cli_main(["simulate", "--replay", str(RECORD), "--prefill-budget", "64", "--clients", "48=24,1=2",
+                     "--think", "0.01"]) == 0
     out = capsys.readouterr().out
     rec = read_record(RECORD)
     prof = calibrate(rec, PROFILE, 64)
     result, trace = replay(rec, prof, speed_over_time(rec, prof), actor_speed=actor_speed_over_time(rec, prof),
-                           clients={48: 24, 1: 2})
+                           clients={48: 24, 1: 2}, think_s=0.01)
     own = replayed(result, trace.output).attainment(rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
     assert f"{own:>10.1%}" in out.split("3.5 s /  0.1 s")[1].splitlines()[0]
     assert cli_main(["simulate", "--replay", str(RECORD), "--clients", "48"]) == 2
