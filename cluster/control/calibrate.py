@@ -153,13 +153,10 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3,
     profile's step at the batch the window's observation saw) or of its prefill compute (measured over the
     profile's). A window with nothing measured (or under ``min_samples`` finished requests) keeps the previous
     factor; the first measured one also covers the time before it; none at all: ``[]`` (the profile as it is)."""
-    done = [f.sample for f in rec.finished]
-    decoded = [s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
-    ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in decoded) if decoded else 0.0
+    ctx = _decode_context(rec)
 
     def step(batch: float) -> float:
-        b = min(float(profile.max_batch), max(1.0, batch))
-        return profile.decode_base_s + profile.decode_per_seq_s * b + profile.decode_per_kv_token_s * ctx * b
+        return _decode_step(profile, batch, ctx)
 
     def prefill(steps: float, tokens: float, requests: float) -> float:
         return steps * profile.prefill_step_s + tokens / profile.prefill_tps + requests * profile.prefill_overhead_s
@@ -273,7 +270,7 @@ def actor_speed_over_time(rec: Recording, profile: CostProfile,
         rows: list[tuple[float, str, float, float]] = []  # (role start, actor, busy, modelled busy)
         for c in now:
             b = prev.get(c.actor_id)
-            if c.role != "decode" or c.draining:
+            if c.role != "decode" or c.draining:  # (a draining actor takes no new requests, and ranks with none)
                 continue
             start = since.setdefault((c.actor_id, c.role, c.epoch), t0)
             busy = model = 0.0

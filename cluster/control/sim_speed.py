@@ -36,10 +36,11 @@ def actors(sim: Simulation, x: int, t: float) -> None:
 
 
 def rank(sim: Simulation) -> list[SimActor]:
-    """The live decode actors, longest in their role first (then by id: a replay maps the record's actors onto the
-    simulated ones by the same order), each given the ``actor_speed`` factor in force at its place (1 past the end).
-    Mutates their ``k``; returns them."""
-    ranked = sorted((a for a in sim.actors if a.live and a.role == "decode"), key=lambda a: (a.ready_at, a.aid))
+    """The live decode actors not draining, longest in their role first (then by id: a replay maps the record's
+    actors onto the simulated ones by the same order), each given the ``actor_speed`` factor in force at its place
+    (1 past the end). Mutates their ``k`` (a draining actor keeps its own); returns them."""
+    ranked = sorted((a for a in sim.actors if a.live and a.role == "decode" and not a.draining),
+                    key=lambda a: (a.ready_at, a.aid))
     fs = sim.rank_factors
     for n, a in enumerate(ranked):
         a.k = fs[n] if n < len(fs) else 1.0
