@@ -8,6 +8,7 @@ by :meth:`ReportCollector.take`. :func:`finished_sample` is pure.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -41,7 +42,7 @@ class ReportCollector:
         self.clock = clock
         self.max_samples = max_samples
         self._arrivals: list[tuple[float, int, int, int]] = []  # (arrived at, prompt tokens, max_tokens, n)
-        self._finished: list[FinishedSample] = []
+        self._finished: list[tuple[float, FinishedSample]] = []  # (ended at, sample)
         self._rejected = 0
         self._failed = 0
 
@@ -60,9 +61,9 @@ class ReportCollector:
             self._failed += 1
 
     def finished(self, sample: FinishedSample | None) -> None:
-        """Mutates: a prompt finished (None: it delivered nothing; not counted)."""
+        """Mutates: a prompt finished now (None: it delivered nothing; not counted)."""
         if sample is not None and len(self._finished) < self.max_samples:
-            self._finished.append(sample)
+            self._finished.append((self.clock(), sample))
 
     def take(self, waiting: int, waiting_prompt_tokens: int) -> ProxyReport:
         """Mutates: the report since the last one (``waiting``: requests at the admission gate now, and their prompt
@@ -70,6 +71,7 @@ class ReportCollector:
         now = self.clock()
         report = ProxyReport(self.proxy_id, tuple(ArrivalSample(p, m, n, max(0.0, now - t))
                                                   for t, p, m, n in self._arrivals),
-                             self._rejected, self._failed, waiting, waiting_prompt_tokens, tuple(self._finished))
+                             self._rejected, self._failed, waiting, waiting_prompt_tokens,
+                             tuple(dataclasses.replace(f, age_s=max(0.0, now - t)) for t, f in self._finished))
         self._arrivals, self._finished, self._rejected, self._failed = [], [], 0, 0
         return report

@@ -3,6 +3,8 @@ with their TTFT parts (proxy/controller_feed.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
@@ -57,10 +59,14 @@ def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
     assert (s.prompt_tokens, s.cached_tokens, s.output_tokens) == (4, 2, 4)
     assert s.ttft_s == pytest.approx(0.9)  # the worst completion's first token
     assert (s.admission_wait_s, s.prefill_queue_s, s.prefill_compute_s, s.transfer_s) == (0.3, 0.2, 0.1, 0.05)
-    c = ReportCollector("p", Clock())
+    clock = Clock()
+    c = ReportCollector("p", clock)
     c.finished(s)
     c.finished(None)
-    assert c.take(0, 0).finished == (s,)
+    clock.t += 0.75
+    (reported,) = c.take(0, 0).finished
+    assert reported.age_s == pytest.approx(0.75)  # its end, 0.75 s before the report: a record times it so
+    assert dataclasses.replace(reported, age_s=0.0) == s
 
 
 def test_the_gate_counts_the_prompt_tokens_waiting_for_decode_kv() -> None:
