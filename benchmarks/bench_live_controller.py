@@ -56,14 +56,17 @@ def load(url: str, prompt: str, max_tokens: int, streams: int, seconds: float,
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     stop = threading.Event()
     numbers = itertools.count()
+    streams_started = itertools.count()
 
     def one() -> tuple[int, int]:
         ok = bad = 0
+        name = f"{max_tokens}-{next(streams_started)}"  # the record names each stream (a replay's closed loop)
         while not stop.is_set():
             text = f"Request {next(numbers)}. {prompt}" if unique else prompt
             try:
                 client.chat.completions.create(model="default", messages=[{"role": "user", "content": text}],
-                                               max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+                                               max_tokens=max_tokens, temperature=0, user=name,
+                                               extra_body={"ignore_eos": True})
                 ok += 1
             except Exception:
                 bad += 1
@@ -197,10 +200,13 @@ def main() -> int:
     live_lat = recorded(rec)
     pairs = slo_pairs(live_lat)
     prof = calibrate(rec, base, BUDGET_TOKENS)
-    # this run's clients in closed loop, as load() sent them (each its next request when its last answer ended)
-    clients = {args.decode_tokens: args.decode_streams, 1: args.prefill_streams}
+    # this run's clients in closed loop, as load() sent them (each its next request when its last answer ended): the
+    # streams the record names, or (a proxy without client names) as many as load() started per phase
+    clients: dict[int, int] | str = ("named" if any(a.client for a in rec.arrivals) else
+                                     {args.decode_tokens: args.decode_streams, 1: args.prefill_streams})
     print(f"\nengine steps, the machine's and each decode actor's speed over time, clients in closed loop "
-          f"({', '.join(f'{n} asking {m} tokens' for m, n in clients.items())}), judged at {len(pairs)} SLO pairs "
+          f"({clients if isinstance(clients, str) else ', '.join(f'{n} asking {m} tokens' for m, n in clients.items())}"
+          f"), judged at {len(pairs)} SLO pairs "
           f"where live meets 30-70%:")
     for pinned in (False, True):
         result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned,

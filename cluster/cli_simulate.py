@@ -37,10 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--replay of a live record: one calibration for the whole run (default: the machine's speed "
                         "interval by interval, from the actors' recorded counters or the finished requests, and each "
                         "decode actor's own from its counters)")
-    s.add_argument("--clients", default=None, metavar="M=N[,M=N...]",
+    s.add_argument("--clients", default=None, metavar="M=N[,M=N...]|named",
                    help="--replay: the requests asking max_tokens M came from N clients in closed loop (each sends "
                         "its next request when its last answer ends), replayed so instead of at their recorded "
-                        "times (the live benchmark: --clients 48=24,1=2 --think 0.01)")
+                        "times (the live benchmark's 2026-12-07 records: --clients 48=24,1=2 --think 0.01); named: "
+                        "each client the record's arrivals name (their OpenAI user) is one such client")
     s.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                    help="--clients: a client's turnaround from its answer's last token to its next request's arrival "
                         "(the live benchmark's: ~0.01)")
@@ -108,8 +109,11 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_clients(text: str) -> dict[int, int]:
-    """``M=N[,M=N...]`` (max_tokens M from N closed-loop clients) as a dict; ``ValueError`` on a bad one. Pure."""
+def parse_clients(text: str) -> dict[int, int] | str:
+    """``M=N[,M=N...]`` (max_tokens M from N closed-loop clients) as a dict, or ``named`` (the clients the record's
+    arrivals name); ``ValueError`` on a bad one. Pure."""
+    if text.strip() == "named":
+        return "named"
     out: dict[int, int] = {}
     for part in text.split(","):
         m, sep, n = part.strip().partition("=")

@@ -238,8 +238,13 @@ class ArrivalSample(_Wire):
     max_tokens: int  # as resolved by the proxy: an upper bound of its output per completion
     n: int = 1  # completions
     age_s: float = 0.0  # seconds between its arrival and the report, on the proxy's clock (a replay's arrival time)
+    # the client that sent it: a digest of the request's OpenAI ``user`` ("" when it gave none; proxy.controller_feed.
+    # client_tag), so a replay can send each named client's requests in closed loop, each when its last answer ended
+    client: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.client, str):
+            raise ValueError(f"ArrivalSample.client: must be a string, got {self.client!r}")
         for name in ("prompt_tokens", "max_tokens"):
             _check_int("ArrivalSample", name, getattr(self, name))
         _check_int("ArrivalSample", "n", self.n, 1)

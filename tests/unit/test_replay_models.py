@@ -13,7 +13,7 @@ import pytest
 from cluster.control import sim_speed
 from cluster.control.calibrate import actor_speed_over_time, calibrate, speed_over_time
 from cluster.control.record import read_record
-from cluster.control.replay import closed_loop, follow, replay
+from cluster.control.replay import closed_loop, follow, named_clients, replay
 from cluster.control.replay_check import attainment_rows, recorded, replayed, slo_pairs
 from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, Trace
 from cluster.control.simulator import Simulation
@@ -156,3 +156,48 @@ def test_the_cli_replays_with_closed_loop_clients(capsys: pytest.CaptureFixture)
     own = replayed(result, trace.output).attainment(rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
     assert f"{own:>10.1%}" in out.split("3.5 s /  0.1 s")[1].splitlines()[0]
     assert cli_main(["simulate", "--replay", str(RECORD), "--clients", "48"]) == 2
+
+
+def test_named_clients_each_send_after_their_own_last_answer() -> None:
+    """Two named clients (keys 0 and 1) taking turns and two unnamed requests: closed loop by name, each client's
+    next request arrives exactly its turnaround after its own last answer ended (never overlapping it), and the
+    unnamed ones keep their recorded times."""
+    n = 8
+    tr = Trace(np.array([0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.3, 5.0]), np.arange(10, 10 + n, dtype=np.int64),
+               np.full(n, 40, dtype=np.int64), 6.0, max_tokens=np.full(n, 40, dtype=np.int64))
+    keys = np.array([0, 1, 0, 1, 0, 1, -1, -1])
+    cfg = PROFILE.controller_config(policy="fixed:1:1", slo_ttft_s=5.0, slo_tpot_s=0.5, interval_s=5.0, budget=2)
+    result, out, rounds = closed_loop(tr, lambda x: Simulation(x, PROFILE, cfg, 2).run(), {0: 1, 1: 1}, 0.05,
+                                      classes=keys)
+    assert rounds <= 60
+    row = {int(p): i for i, p in enumerate(out.prompt)}  # each request is its own prompt length
+    ends = out.t + result.ttft + result.tpot * (out.output - 1)
+    for client in (0, 1):
+        mine = [row[10 + k] for k in np.flatnonzero(keys == client)]
+        assert out.t[mine[0]] == tr.t[np.flatnonzero(keys == client)[0]]
+        for before, after in zip(mine, mine[1:]):
+            assert out.t[after] == pytest.approx(ends[before] + 0.05, abs=1e-6)
+    assert [out.t[row[16]], out.t[row[17]]] == [0.3, 5.0]
+
+
+def test_a_record_naming_its_clients_replays_them_in_closed_loop() -> None:
+    """The 14:16 record's arrivals named as the benchmark's streams would name them (24 decode clients taking turns,
+    two prefill clients; the first 30 requests left unnamed): ``named_clients`` finds 26 clients, the unnamed keep
+    their recorded times in ``clients="named"``'s replay, and a bad ``clients`` is refused."""
+    rec = read_record(RECORD)
+    counts = {48: 0, 1: 0}
+    arrivals = []
+    for k, a in enumerate(rec.arrivals):
+        n = counts[a.max_tokens]
+        counts[a.max_tokens] += 1
+        name = "" if k < 30 else f"{a.max_tokens}-{n % (24 if a.max_tokens == 48 else 2)}"
+        arrivals.append(dataclasses.replace(a, client=name))
+    named = dataclasses.replace(rec, arrivals=tuple(arrivals))
+    keys = named_clients(named)
+    assert (keys < 0).sum() == 30 and len(set(keys[keys >= 0].tolist())) == 26
+    prof = calibrate(named, PROFILE, 64)
+    _, trace = replay(named, prof, speed_over_time(named, prof), clients="named", think_s=0.01)
+    first = np.sort([max(0.0, a.t) for a in rec.arrivals])[:30]
+    assert np.all(np.isin(first, trace.t))
+    with pytest.raises(ValueError, match="clients"):
+        replay(named, prof, clients="all")
