@@ -16,7 +16,9 @@ writes its autoscale record (``DIR/<run>.jsonl``);
 attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record, through the checked-in profile and
-through the profile calibrated from the record (:mod:`cluster.control.calibrate`).
+through the profile calibrated from the record (:mod:`cluster.control.calibrate`), and last the replay judged at
+every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time and the
+clients in closed loop (each client names itself with the OpenAI ``user`` field, so the record names each stream).
 """
 
 from __future__ import annotations
