@@ -16,7 +16,9 @@ writes its autoscale record (``DIR/<run>.jsonl``);
 attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record, through the checked-in profile and
-through the profile calibrated from the record (:mod:`cluster.control.calibrate`).
+through the profile calibrated from the record (:mod:`cluster.control.calibrate`), and last the replay judged at
+every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time and the
+clients in closed loop (each client names itself with the OpenAI ``user`` field, so the record names each stream).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from cluster.wire.worker_config import WorkerConfig
 SHORT_PROMPT = "Count from one to one hundred."
 LONG_PROMPT = " ".join(["Summarise the history of the printing press in Europe, with dates."] * 50)
 BUDGET_TOKENS = 64  # the workers' step budget (max_num_batched_tokens): small, so prompts take several steps
+# a client's turnaround from its answer's last token to its next request's arrival at the proxy (2-36 ms, median
+# ~10, in the 2026-12-07 records' prefill phases): the replay's closed-loop clients wait that long
+THINK_S = 0.01
 RUNS = (("adaptive", (2, 1), False), ("fixed 1P2D", (1, 2), True), ("fixed 2P1D", (2, 1), True))
 
 
@@ -53,14 +58,17 @@ def load(url: str, prompt: str, max_tokens: int, streams: int, seconds: float,
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     stop = threading.Event()
     numbers = itertools.count()
+    streams_started = itertools.count()
 
     def one() -> tuple[int, int]:
         ok = bad = 0
+        name = f"{max_tokens}-{next(streams_started)}"  # the record names each stream (a replay's closed loop)
         while not stop.is_set():
             text = f"Request {next(numbers)}. {prompt}" if unique else prompt
             try:
                 client.chat.completions.create(model="default", messages=[{"role": "user", "content": text}],
-                                               max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+                                               max_tokens=max_tokens, temperature=0, user=name,
+                                               extra_body={"ignore_eos": True})
                 ok += 1
             except Exception:
                 bad += 1
@@ -164,7 +172,7 @@ def main() -> int:
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
 
-    from cluster.control.calibrate import calibrate, speed_over_time
+    from cluster.control.calibrate import actor_speed_over_time, calibrate, speed_over_time
 
     rec = rows[0][1]
     base = CostProfile.load(DEFAULT_PROFILE)
@@ -194,9 +202,17 @@ def main() -> int:
     live_lat = recorded(rec)
     pairs = slo_pairs(live_lat)
     prof = calibrate(rec, base, BUDGET_TOKENS)
-    print(f"\nengine steps, speed over time, judged at {len(pairs)} SLO pairs where live meets 30-70%:")
+    # this run's clients in closed loop, as load() sent them (each its next request when its last answer ended): the
+    # streams the record names, or (a proxy without client names) as many as load() started per phase
+    clients: dict[int, int] | str = ("named" if any(a.client for a in rec.arrivals) else
+                                     {args.decode_tokens: args.decode_streams, 1: args.prefill_streams})
+    print(f"\nengine steps, the machine's and each decode actor's speed over time, clients in closed loop "
+          f"({clients if isinstance(clients, str) else ', '.join(f'{n} asking {m} tokens' for m, n in clients.items())}"
+          f"), judged at {len(pairs)} SLO pairs "
+          f"where live meets 30-70%:")
     for pinned in (False, True):
-        result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned)
+        result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned,
+                               actor_speed=actor_speed_over_time(rec, prof), clients=clients, think_s=THINK_S)
         sim_lat = replayed(result, trace.output)
         gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live_lat, sim_lat, pairs)]
         print(f"\n{'the recorded decisions (pinned)' if pinned else 'its own decisions'}: mean |gap| "

@@ -35,7 +35,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "prefills as the engine's steps do (several prompts share a step's budget and fixed cost)")
     s.add_argument("--one-speed", action="store_true",
                    help="--replay of a live record: one calibration for the whole run (default: the machine's speed "
-                        "interval by interval, from the actors' recorded counters or the finished requests)")
+                        "interval by interval, from the actors' recorded counters or the finished requests, and each "
+                        "decode actor's own from its counters)")
+    s.add_argument("--clients", default=None, metavar="M=N[,M=N...]|named",
+                   help="--replay: the requests asking max_tokens M came from N clients in closed loop (each sends "
+                        "its next request when its last answer ends), replayed so instead of at their recorded "
+                        "times (the live benchmark's 2026-12-07 records: --clients 48=24,1=2 --think 0.01); named: "
+                        "each client the record's arrivals name (their OpenAI user) is one such client")
+    s.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
+                   help="--clients: a client's turnaround from its answer's last token to its next request's arrival "
+                        "(the live benchmark's: ~0.01)")
     s.add_argument("--as-recorded", action="store_true",
                    help="--replay: the pools change when and as the record's did, instead of the replay's controller "
                         "deciding (the latencies are then compared on the same pools)")
@@ -62,7 +71,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from cluster.control.calibrate import calibrate, speed_over_time
+    from cluster.control.calibrate import actor_speed_over_time, calibrate, speed_over_time
     from cluster.control.record import read_record
     from cluster.control.replay import format_report, replay, side_by_side
     from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile
@@ -74,10 +83,13 @@ def _replay(args: argparse.Namespace) -> int:
         else:
             profile = CostProfile(**rec.profile)
         speed: list[tuple[float, float, float]] = []
+        actors: list[tuple[float, tuple[float, ...]]] = []
         if rec.source == "live" and not args.profile:  # the machine it ran on, from what the record measured
             profile = calibrate(rec, profile, args.prefill_budget)
-            speed = [] if args.one_speed else speed_over_time(rec, profile)
-        result, trace = replay(rec, profile, speed, pinned=args.as_recorded)
+            if not args.one_speed:
+                speed, actors = speed_over_time(rec, profile), actor_speed_over_time(rec, profile)
+        result, trace = replay(rec, profile, speed, pinned=args.as_recorded, actor_speed=actors,
+                               clients=parse_clients(args.clients) if args.clients else None, think_s=args.think)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -95,6 +107,20 @@ def _replay(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def parse_clients(text: str) -> dict[int, int] | str:
+    """``M=N[,M=N...]`` (max_tokens M from N closed-loop clients) as a dict, or ``named`` (the clients the record's
+    arrivals name); ``ValueError`` on a bad one. Pure."""
+    if text.strip() == "named":
+        return "named"
+    out: dict[int, int] = {}
+    for part in text.split(","):
+        m, sep, n = part.strip().partition("=")
+        if not (sep and m.strip().isdigit() and n.strip().isdigit() and int(n) >= 1):
+            raise ValueError(f"--clients: expected M=N[,M=N...] with N >= 1, got {text!r}")
+        out[int(m)] = int(n)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

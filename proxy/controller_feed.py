@@ -8,12 +8,20 @@ by :meth:`ReportCollector.take`. :func:`finished_sample` is pure.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import time
 from collections.abc import Callable
 
 from cluster.wire.telemetry import ArrivalSample, FinishedSample, ProxyReport
 from proxy.jobs import Job
 from cluster.wire.slo import counts_for_slo, request_latency
+
+
+def client_tag(user: str | None) -> str:
+    """What a report says of a request's client: a short digest of its OpenAI ``user`` ("" for none), so a record
+    can tell one client's requests from another's without keeping the name. Pure."""
+    return hashlib.sha256(user.encode()).hexdigest()[:12] if user else ""
 
 
 def finished_sample(job: Job, start: float, end: float) -> FinishedSample | None:
@@ -40,15 +48,15 @@ class ReportCollector:
         self.proxy_id = proxy_id
         self.clock = clock
         self.max_samples = max_samples
-        self._arrivals: list[tuple[float, int, int, int]] = []  # (arrived at, prompt tokens, max_tokens, n)
-        self._finished: list[FinishedSample] = []
+        self._arrivals: list[tuple[float, int, int, int, str]] = []  # (arrived at, prompt tokens, max_tokens, n, client)
+        self._finished: list[tuple[float, FinishedSample]] = []  # (ended at, sample)
         self._rejected = 0
         self._failed = 0
 
-    def arrived(self, prompt_tokens: int, max_tokens: int, n: int) -> None:
-        """Mutates: a prompt reached this proxy (before admission)."""
+    def arrived(self, prompt_tokens: int, max_tokens: int, n: int, client: str = "") -> None:
+        """Mutates: a prompt reached this proxy (before admission), from ``client`` (the request's ``user``)."""
         if len(self._arrivals) < self.max_samples:
-            self._arrivals.append((self.clock(), prompt_tokens, max_tokens, n))
+            self._arrivals.append((self.clock(), prompt_tokens, max_tokens, n, client))
 
     def ended(self, status: int) -> None:
         """Mutates: a client request ended with HTTP ``status``: a 429 (no decode KV in time, or the queue was full)
@@ -60,16 +68,17 @@ class ReportCollector:
             self._failed += 1
 
     def finished(self, sample: FinishedSample | None) -> None:
-        """Mutates: a prompt finished (None: it delivered nothing; not counted)."""
+        """Mutates: a prompt finished now (None: it delivered nothing; not counted)."""
         if sample is not None and len(self._finished) < self.max_samples:
-            self._finished.append(sample)
+            self._finished.append((self.clock(), sample))
 
     def take(self, waiting: int, waiting_prompt_tokens: int) -> ProxyReport:
         """Mutates: the report since the last one (``waiting``: requests at the admission gate now, and their prompt
         tokens); the collector starts over."""
         now = self.clock()
-        report = ProxyReport(self.proxy_id, tuple(ArrivalSample(p, m, n, max(0.0, now - t))
-                                                  for t, p, m, n in self._arrivals),
-                             self._rejected, self._failed, waiting, waiting_prompt_tokens, tuple(self._finished))
+        report = ProxyReport(self.proxy_id, tuple(ArrivalSample(p, m, n, max(0.0, now - t), client)
+                                                  for t, p, m, n, client in self._arrivals),
+                             self._rejected, self._failed, waiting, waiting_prompt_tokens,
+                             tuple(dataclasses.replace(f, age_s=max(0.0, now - t)) for t, f in self._finished))
         self._arrivals, self._finished, self._rejected, self._failed = [], [], 0, 0
         return report

@@ -63,7 +63,7 @@ from proxy.echo import echo_only, prompt_entries
 from proxy.jobs import Job
 from proxy.openapi import openapi_spec
 from proxy.pools import Pools
-from proxy.controller_feed import ReportCollector, finished_sample
+from proxy.controller_feed import ReportCollector, client_tag, finished_sample
 from proxy.router import Router, RouterConfig
 from proxy.tenant import kv_namespace
 from proxy.tier_metrics import tier_metric_lines
@@ -252,7 +252,8 @@ class Proxy:
         try:
             parsed, jobs = await self._parse(await request.read(), chat, trace, request.headers)
             for j in jobs:  # demand, whether it is then admitted, queued or refused
-                self.report.arrived(len(j.req.prompt_token_ids), j.req.sampling.max_tokens, j.req.sampling.n)
+                self.report.arrived(len(j.req.prompt_token_ids), j.req.sampling.max_tokens, j.req.sampling.n,
+                                    client_tag(parsed.user))
             log.info("request %s: %d prompt(s), n=%d, stream=%s", trace, len(jobs), parsed.sampling.n, parsed.stream)
             await asyncio.gather(*(self.dispatch.start(j, j.legs[0]) for j in jobs))
             if parsed.stream:

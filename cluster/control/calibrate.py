@@ -153,13 +153,10 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3,
     profile's step at the batch the window's observation saw) or of its prefill compute (measured over the
     profile's). A window with nothing measured (or under ``min_samples`` finished requests) keeps the previous
     factor; the first measured one also covers the time before it; none at all: ``[]`` (the profile as it is)."""
-    done = [f.sample for f in rec.finished]
-    decoded = [s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
-    ctx = statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in decoded) if decoded else 0.0
+    ctx = _decode_context(rec)
 
     def step(batch: float) -> float:
-        b = min(float(profile.max_batch), max(1.0, batch))
-        return profile.decode_base_s + profile.decode_per_seq_s * b + profile.decode_per_kv_token_s * ctx * b
+        return _decode_step(profile, batch, ctx)
 
     def prefill(steps: float, tokens: float, requests: float) -> float:
         return steps * profile.prefill_step_s + tokens / profile.prefill_tps + requests * profile.prefill_overhead_s
@@ -253,3 +250,52 @@ def _held(windows: list[tuple[float, float | None, float | None]]) -> list[tuple
         if not out or (out[-1][1], out[-1][2]) != (d, p):
             out.append((0.0 if k == 0 else t, d, p))
     return out
+
+
+def actor_speed_over_time(rec: Recording, profile: CostProfile,
+                          warmup_steps: float = WARMUP_STEPS) -> list[tuple[float, tuple[float, ...]]]:
+    """``(t, factors)`` from each recorded window on, as :class:`~cluster.control.simulator.Simulation`'s
+    ``actor_speed`` takes it: how much slower than the window's machine-wide decode factor (:func:`speed_over_time`)
+    each decode actor stepped, the actor longest in its role first (then by id). Live, actors sharing two cores ran at
+    their own speeds (0.2 s and 0.056 s a step in one window): one machine-wide factor gives every decode actor the
+    mean. From the record's ``counters`` (``[]`` without them); an actor left out of a window (warm-up, no step) gets 1.
+    Pure."""
+    ctx = _decode_context(rec)
+    out: list[tuple[float, tuple[float, ...]]] = []
+    since: dict[tuple[str, str, int], float] = {}  # (actor, role, epoch) -> when the record first saw it so
+    for (t0, before), (_, now) in zip(rec.counters, rec.counters[1:]):
+        prev = {c.actor_id: c for c in before}
+        for c in before:
+            since.setdefault((c.actor_id, c.role, c.epoch), t0)
+        rows: list[tuple[float, str, float, float]] = []  # (role start, actor, busy, modelled busy)
+        for c in now:
+            b = prev.get(c.actor_id)
+            if c.role != "decode" or c.draining:  # (a draining actor takes no new requests, and ranks with none)
+                continue
+            start = since.setdefault((c.actor_id, c.role, c.epoch), t0)
+            busy = model = 0.0
+            if b is not None and b.role == c.role and b.epoch == c.epoch and b.steps >= warmup_steps:
+                steps = c.steps - b.steps
+                if steps > 0 and c.busy_s > b.busy_s and c.decode_tokens > b.decode_tokens:
+                    busy = c.busy_s - b.busy_s
+                    model = steps * _decode_step(profile, (c.decode_tokens - b.decode_tokens) / steps, ctx)
+            rows.append((start, c.actor_id, busy, model))
+        rows.sort()
+        total_busy, total_model = sum(r[2] for r in rows), sum(r[3] for r in rows)
+        machine = total_busy / total_model if total_model > 0 else 0.0
+        factors = tuple((busy / model) / machine if model > 0 and machine > 0 else 1.0 for _, _, busy, model in rows)
+        if not out or out[-1][1] != factors:
+            out.append((0.0 if not out else t0, factors))
+    return out
+
+
+def _decode_context(rec: Recording) -> float:
+    """The decoding requests' mean context (prompt + half the output), the step model's context. Pure."""
+    decoded = [f.sample for f in rec.finished if f.sample.output_tokens > 1 and f.sample.tpot_s > 0]
+    return statistics.mean(s.prompt_tokens + s.output_tokens / 2 for s in decoded) if decoded else 0.0
+
+
+def _decode_step(profile: CostProfile, batch: float, ctx: float) -> float:
+    """The profile's decode step at ``batch`` (clamped to 1..max_batch) and context ``ctx``. Pure."""
+    b = min(float(profile.max_batch), max(1.0, batch))
+    return profile.decode_base_s + profile.decode_per_seq_s * b + profile.decode_per_kv_token_s * ctx * b

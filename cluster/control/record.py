@@ -8,11 +8,14 @@ header; every other kind may come in any order (a reader sorts by ``t``). Versio
   ``controller`` (the :class:`~cluster.control.controller.ControllerConfig` as a dict), ``observer`` (the
   :class:`~cluster.control.observe.ObserverConfig`), ``initial`` (``[prefill, decode]`` actors when it started), ``dry_run``,
   ``profile`` (the cost profile the controller was seeded with, or null);
-- ``arrival``: one request (prompt) as it reached a proxy: ``proxy``, ``prompt_tokens``, ``max_tokens``, ``n`` and,
-  when the recorder knows it (the simulator), ``output_tokens``. Live, ``t`` is the manager's receipt time of the
+- ``arrival``: one request (prompt) as it reached a proxy: ``proxy``, ``prompt_tokens``, ``max_tokens``, ``n``,
+  ``client`` when the request named one (a digest of its OpenAI ``user``) and, when the recorder knows it (the simulator),
+  ``output_tokens``. Live, ``t`` is the manager's receipt time of the
   proxy's report minus the arrival's age on the proxy's clock (durations only: no timestamp crosses hosts);
 - ``finished``: one finished request: ``proxy`` and the :class:`~cluster.wire.telemetry.FinishedSample` fields
-  (TTFT, TPOT and the TTFT parts, each a duration measured on one process's clock);
+  (TTFT, TPOT and the TTFT parts, each a duration measured on one process's clock); ``t`` is its end, the report's
+  receipt minus its ``age_s`` (records from before 2026-12-07 have no ``age_s``: their ``t`` is the receipt, up to a
+  report interval late);
 - ``rejected``: ``count`` requests a proxy refused with 429 since its last report, and ``failed`` that failed
   otherwise (5xx, an error mid-stream, 499; absent: 0);
 - ``observation``: the :class:`~cluster.control.controller.Observation` the controller decided on (``observation``);
@@ -68,15 +71,16 @@ def header_fields(source: str, controller: ControllerConfig, observer: ObserverC
 
 
 def report_records(report: ProxyReport, received_t: float) -> list[tuple[str, float, dict[str, Any]]]:
-    """A proxy's report as records on the receiver's clock: an arrival at ``received_t - age``, finished requests
-    and refusals at ``received_t``. Pure."""
+    """A proxy's report as records on the receiver's clock: an arrival at ``received_t - age``, a finished request
+    at ``received_t - age`` (its end), refusals at ``received_t``. Pure."""
     out: list[tuple[str, float, dict[str, Any]]] = []
     for a in report.arrivals:
         out.append(("arrival", received_t - a.age_s, {"proxy": report.proxy_id, "prompt_tokens": a.prompt_tokens,
+                                                       **({"client": a.client} if a.client else {}),
                                                        "max_tokens": a.max_tokens, "n": a.n}))
-    for f in report.finished:
-        out.append(("finished", received_t, {"proxy": report.proxy_id,
-                                             **{k: getattr(f, k) for k in _FINISHED_FIELDS}}))
+    for f in report.finished:  # at its end (a report from before finished requests had ages: at the receipt)
+        out.append(("finished", received_t - f.age_s, {"proxy": report.proxy_id,
+                                                        **{k: getattr(f, k) for k in _FINISHED_FIELDS}}))
     if report.rejected or report.failed:
         out.append(("rejected", received_t, {"proxy": report.proxy_id, "count": report.rejected,
                                               "failed": report.failed}))
@@ -114,6 +118,7 @@ class Arrival:
     max_tokens: int
     n: int = 1
     output_tokens: int | None = None  # known only to a simulator's record
+    client: str = ""  # the client that sent it, a digest of its ``user`` ("": unnamed, or a record from before 2026-12-07)
 
 
 @dataclass(frozen=True)
@@ -188,7 +193,7 @@ def parse_record(lines: list[str], name: str = "record") -> Recording:
                 out = row.get("output_tokens")
                 arrivals.append(Arrival(t, str(row.get("proxy", "")), int(row["prompt_tokens"]),
                                         int(row["max_tokens"]), int(row.get("n", 1)),
-                                        None if out is None else int(out)))
+                                        None if out is None else int(out), str(row.get("client", ""))))
             elif kind == "finished":
                 finished.append(Finished(t, str(row.get("proxy", "")),
                                          FinishedSample(**{k: row[k] for k in _FINISHED_FIELDS if k in row})))

@@ -19,9 +19,10 @@ simulator is deterministic given its arrivals).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import time
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,16 +77,91 @@ def live_attainment(rec: Recording) -> dict[str, Any]:
 
 
 def replay(rec: Recording, profile: CostProfile, speed: Sequence[tuple[float, float, float]] = (),
-           pinned: bool = False) -> tuple[SimResult, Trace]:
+           pinned: bool = False, actor_speed: Sequence[tuple[float, Sequence[float]]] = (),
+           clients: Mapping[int, int] | str | None = None, think_s: float = 0.0) -> tuple[SimResult, Trace]:
     """Run the record's arrivals through the simulator, its controller deciding as the recorded one was configured;
     ``speed``: the machine's speed over the run (:func:`cluster.control.calibrate.speed_over_time`); ``pinned``: the
     pools change as the record's did instead (:func:`as_recorded`), so the replay's latencies are compared on the
-    same pools. Pure (deterministic)."""
+    same pools; ``actor_speed``: each decode actor's own speed (:func:`cluster.control.calibrate.actor_speed_over_time`);
+    ``clients``: the requests asking ``max_tokens`` m came from ``clients[m]`` clients in closed loop (each sends its
+    next request ``think_s`` after its last answer ended), replayed so (:func:`closed_loop`); ``"named"``: each client
+    the record's arrivals name is one such client (:func:`named_clients`; unnamed arrivals keep their times); else
+    every arrival at its recorded time. Pure (deterministic)."""
     trace = trace_from_recording(rec)
-    sim = Simulation(trace, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer,
-                     baseline_first=rec.source == "live",  # live, the manager's first step takes baselines only
-                     speed=speed, decider=as_recorded(rec) if pinned else decide)
-    return sim.run(), trace
+
+    def run(tr: Trace) -> SimResult:
+        return Simulation(tr, profile, rec.controller, rec.controller.budget, rec.initial, observer=rec.observer,
+                          baseline_first=rec.source == "live",  # live, the manager's first step takes baselines only
+                          speed=speed, decider=as_recorded(rec) if pinned else decide, actor_speed=actor_speed).run()
+
+    if clients == "named":
+        classes = named_clients(rec)
+        result, trace, _ = closed_loop(trace, run, {int(k): 1 for k in set(classes.tolist()) if k >= 0}, think_s,
+                                       profile.queue_timeout_s, classes=classes)
+        return result, trace
+    if isinstance(clients, str):
+        raise ValueError(f"clients: a mapping of max_tokens to client counts or 'named', got {clients!r}")
+    if clients:
+        result, trace, _ = closed_loop(trace, run, clients, think_s, profile.queue_timeout_s)
+        return result, trace
+    return run(trace), trace
+
+
+def named_clients(rec: Recording) -> np.ndarray:
+    """Each recorded arrival's client as an index (the same for the same name, -1 unnamed), in the order of
+    :func:`trace_from_recording`'s trace (time order). Pure."""
+    names: dict[str, int] = {}
+    keys = [names.setdefault(a.client, len(names)) if a.client else -1 for a in rec.arrivals]
+    order = np.argsort(np.asarray([max(0.0, a.t) for a in rec.arrivals]), kind="stable")
+    return np.asarray(keys, dtype=np.int64)[order]
+
+
+def closed_loop(trace: Trace, run: Callable[[Trace], SimResult], clients: Mapping[int, int], think_s: float = 0.0,
+                refused_after_s: float = 0.0, max_rounds: int = 60,
+                classes: np.ndarray | None = None) -> tuple[SimResult, Trace, int]:
+    """``trace`` replayed as closed-loop clients: the requests asking ``max_tokens`` m (``trace.max_tokens``) come
+    from ``clients[m]`` clients, so the first ``clients[m]`` of them arrive at their recorded times and each later
+    one (in recorded order) when the first of those clients is free again: ``think_s`` after its last answer's last
+    token (a refused one's 429 after ``refused_after_s``); other requests keep their times. Live, a client whose
+    answer came late sent its next request late; replayed open loop, a slower replay piles requests up that live
+    never had in flight at once. Solved as a fixed point: ``run`` (a simulation of a trace) is repeated with each
+    round's arrivals from the last round's answers until no arrival moves (``max_rounds`` at most). Returns the last
+    run, its trace (arrivals in time order) and the rounds it took (``max_rounds + 1``: it did not settle);
+    ``classes``: each request's class instead of its ``max_tokens`` (:func:`named_clients`). Pure when ``run`` is."""
+    if any(n < 1 for n in clients.values()) or think_s < 0:
+        raise ValueError("clients: every count must be >= 1, think_s >= 0")
+    asked = trace.max_tokens if trace.max_tokens is not None else trace.asked()
+    keys = asked if classes is None else classes
+    t = trace.t.copy()
+    for rounds in range(1, max_rounds + 1):
+        order = np.argsort(t, kind="stable")
+        tr = dataclasses.replace(trace, t=t[order], prompt=trace.prompt[order], output=trace.output[order],
+                                 max_tokens=asked[order], cached=None if trace.cached is None else trace.cached[order])
+        result = run(tr)
+        busy = np.empty(len(t))  # each request's arrival to its answer's end, in the last run
+        ends = result.ttft + result.tpot * np.maximum(0, tr.output - 1)
+        busy[order] = np.where(np.isfinite(ends), ends, np.where(result.refused, refused_after_s,
+                                                                   tr.duration - tr.t))
+        new = follow(trace.t, keys, clients, busy, think_s)
+        if np.max(np.abs(new - t)) <= 1e-6:
+            return result, tr, rounds
+        t = new
+    return result, tr, max_rounds + 1
+
+
+def follow(recorded_t: np.ndarray, asked: np.ndarray, clients: Mapping[int, int], busy: np.ndarray,
+           think_s: float) -> np.ndarray:
+    """Arrival times of closed-loop clients (see :func:`closed_loop`): per ``max_tokens`` class, the first
+    ``clients[m]`` requests at their recorded times, each later one when the earliest free client is free (its
+    request's arrival plus ``busy`` plus ``think_s``). ``recorded_t`` in time order. Pure."""
+    out = recorded_t.astype(np.float64, copy=True)
+    for m, n in clients.items():
+        free: list[float] = []  # when each of the class's busy clients is free again
+        for j, k in enumerate(np.flatnonzero(asked == m)):
+            if j >= n:
+                out[k] = max(recorded_t[0], heapq.heappop(free) + think_s)
+            heapq.heappush(free, out[k] + busy[k])
+    return out
 
 
 def as_recorded(rec: Recording) -> Decider:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from cluster.control import sim_prefill
+from cluster.control import sim_prefill, sim_speed
 from cluster.control.observe import build
 from cluster.control.sim_demand import window_demand
 from cluster.control.sim_state import UNBOUNDED, SimActor
@@ -46,6 +46,8 @@ class PoolChanges:
             heapq.heappush(self.prefill_heap, (a.free_at, a.aid))
         else:
             heapq.heappush(self.kv_heap, (-a.kv_free(), a.aid))
+            if self.rank_factors:
+                sim_speed.rank(self)
             self._admit(now)
         self._record(now)
 

@@ -20,7 +20,7 @@ class SimActor:
     __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
                  "sum_p", "sum_vj", "heap", "version", "due", "next_t", "ready_at", "left", "kv_total", "kv_held",
                  "kv_reserved", "holds", "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy",
-                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due")
+                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due", "k")
 
     def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
         self.aid, self.role, self.ready_at = aid, role, ready_at
@@ -40,6 +40,7 @@ class SimActor:
         self.t_last = 0.0
         self.step = 0.0  # decode: seconds per token at the present batch
         self.per_step = 1.0  # decode: tokens each running sequence gets per engine step (more with speculation)
+        self.k = 1.0  # decode: its steps' cost over the machine's (Simulation's actor_speed; 1: the machine's)
         self.sum_p = 0  # decode: prompt tokens of the running sequences
         self.sum_vj = 0.0  # decode: sum of the virtual times they joined at
         self.heap: list[tuple[float, int]] = []  # decode: (virtual finish, request)

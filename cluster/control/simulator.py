@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cluster.control import budget, sim_prefill
+from cluster.control import budget, sim_prefill, sim_speed
 from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
                                         fixed_sizes)
 from cluster.control.observe import ObserverConfig, ObserverState
@@ -54,7 +54,8 @@ from cluster.control.sim_pool import PoolChanges
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP, _SPEED = 0, 1, 2, 3, 4, 5, 6  # event kinds (sim_pool, sim_prefill)
-_END = 7  # the run's sentinel event, at infinity: never handled
+_RANKS = 7  # the decode actors' own speeds changed (actor_speed)
+_END = 8  # the run's sentinel event, at infinity: never handled
 
 
 def c_array(typecode: str, values: np.ndarray) -> array.array:
@@ -73,7 +74,7 @@ class Simulation(PoolChanges):
                  initial: tuple[int, int] | None = None, observer: ObserverConfig | None = None,
                  on_control: Callable[[float, Observation, Decision], None] | None = None,
                  baseline_first: bool = False, speed: Sequence[tuple[float, float, float]] = (),
-                 decider: Decider = decide) -> None:
+                 decider: Decider = decide, actor_speed: Sequence[tuple[float, Sequence[float]]] = ()) -> None:
         """``observer``: how observations are built (default: seeded from ``profile``; a replay passes the recorded
         one); ``on_control``: called with every window's observation and decision, holds included (a record);
         ``baseline_first``: the first window only takes the actors' counters as baselines, as the live pool manager's
@@ -81,7 +82,10 @@ class Simulation(PoolChanges):
         in time order: from ``t`` on, decode steps take ``decode`` times the profile's and prefill compute
         ``prefill`` times (a replay of a machine whose speed changed during the run:
         :func:`cluster.control.calibrate.speed_over_time`); empty: the profile's all along; ``decider``: each window's
-        decision (``decide``, or a record's: :func:`cluster.control.replay.as_recorded`)."""
+        decision (``decide``, or a record's: :func:`cluster.control.replay.as_recorded`); ``actor_speed``: ``(t,
+        factors)`` in time order: from ``t`` on, the decode actor that has been in its role the ``k``-th longest
+        (then by id) steps ``factors[k]`` times as long as the machine's speed says (1 past the end: live, actors
+        sharing cores ran at their own speeds: :func:`cluster.control.calibrate.actor_speed_over_time`)."""
         self.trace, self.prof, self.cfg = trace, profile, cfg
         self.on_control, self.decider = on_control, decider
         rp, rd = cfg.ranks  # ranks (devices) per prefill and per decode actor: ``workers`` counts ranks
@@ -145,6 +149,16 @@ class Simulation(PoolChanges):
         self.pending = 0
         for k, (t, _, _) in enumerate(self.speed):
             self._push(max(0.0, t), _SPEED, k)
+        self.actor_speed = [(float(t), tuple(float(f) for f in fs)) for t, fs in actor_speed]
+        if any(f <= 0 or not math.isfinite(f) for _, fs in self.actor_speed for f in fs):
+            raise ValueError("actor_speed: every factor must be a finite number > 0")
+        self.rank_factors: tuple[float, ...] = ()  # the actor_speed in force
+        # the decode step's coefficients now: the profile's, scaled from each ``speed`` change on (sim_speed)
+        self.decode_coeffs = (profile.decode_base_s, profile.decode_per_seq_s, profile.decode_per_kv_token_s)
+        self.batch_positions: list[float] = []  # per batch size: positions a step computes, tokens it gives
+        self.batch_tokens: list[float] = []
+        for k, (t, _) in enumerate(self.actor_speed):
+            self._push(max(0.0, t), _RANKS, k)
         self.mark = 0  # first request of the controller's window (arrivals)
         self.window_done: list[int] = []  # requests that finished in the window
 
@@ -289,6 +303,7 @@ class Simulation(PoolChanges):
         base, per_seq, per_kv, max_batch = prof.decode_base_s, prof.decode_per_seq_s, prof.decode_per_kv_token_s, \
             prof.max_batch
         positions, tokens = (list(x) for x in zip(*(prof.spec.step(b) for b in range(max_batch + 1))))  # per batch
+        self.batch_positions, self.batch_tokens = positions, tokens  # (sim_speed reads them)
         # per-request constants of prefill and transfer, computed once for the whole trace
         p_arr, computed = self.trace.prompt, self._pf
         works = works0 = c_array("d", self.trace.computed() / ptps + pover)
@@ -414,7 +429,7 @@ class Simulation(PoolChanges):
                 if b:
                     v = a.v
                     a.per_step = tok = tokens[b]
-                    a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) / tok
+                    a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) * a.k / tok
                     left = heap[0][0] - v
                     a.due = a.next_t = due = t + (left if left > 0.0 else 0.0) * step
                     heapreplace(events, (due, _FINISH, next(seq), x, a.version))  # nothing pushed since the peek
@@ -454,7 +469,7 @@ class Simulation(PoolChanges):
                     heap = a.heap
                     heappush(heap, (v + o - 1, r))
                     a.per_step = tok = tokens[b]
-                    a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) / tok
+                    a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) * a.k / tok
                     left = heap[0][0] - v
                     a.due = due = t + (left if left > 0.0 else 0.0) * step
                     # one finish event per actor: a join mostly moves the next finish later (a longer step), so the
@@ -475,22 +490,11 @@ class Simulation(PoolChanges):
                 if a.draining and a.role == "prefill":
                     self._drain_check(a, t)
             elif kind == _SPEED:  # the machine's speed changed: every running decode actor goes on at the new step
-                _, kd, kp = self.speed[x]
-                base, per_seq, per_kv = prof.decode_base_s * kd, prof.decode_per_seq_s * kd, \
-                    prof.decode_per_kv_token_s * kd
-                self.p_tps, self.p_step_s, self.p_over = ptps / kp, prof.prefill_step_s * kp, pover * kp
-                self.step_per_token = ((self.p_step_s + prof.prefill_budget_tokens / self.p_tps)
-                                       / max(1, prof.prefill_budget_tokens))
+                base, per_seq, per_kv = sim_speed.machine(self, x, t)
+                kp = self.speed[x][2]
                 works = [w * kp for w in works0]
-                for a in actors:
-                    if a.live and a.role == "decode" and a.b:
-                        a.advance(t)
-                        b = a.b
-                        a.step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * a.v - a.sum_vj)) / tokens[b]
-                        left = a.heap[0][0] - a.v
-                        a.version += 1
-                        a.due = a.next_t = t + (left if left > 0.0 else 0.0) * a.step
-                        heappush(events, (a.due, _FINISH, next(seq), a.aid, a.version))
+            elif kind == _RANKS:  # the decode actors' own speeds changed
+                sim_speed.actors(self, x, t)
             elif kind == _RETRY:  # an admitted request that found no prefill actor
                 a = self._route_prefill()
                 if a is None:

@@ -238,8 +238,13 @@ class ArrivalSample(_Wire):
     max_tokens: int  # as resolved by the proxy: an upper bound of its output per completion
     n: int = 1  # completions
     age_s: float = 0.0  # seconds between its arrival and the report, on the proxy's clock (a replay's arrival time)
+    # the client that sent it: a digest of the request's OpenAI ``user`` ("" when it gave none; proxy.controller_feed.
+    # client_tag), so a replay can send each named client's requests in closed loop, each when its last answer ended
+    client: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.client, str):
+            raise ValueError(f"ArrivalSample.client: must be a string, got {self.client!r}")
         for name in ("prompt_tokens", "max_tokens"):
             _check_int("ArrivalSample", name, getattr(self, name))
         _check_int("ArrivalSample", "n", self.n, 1)
@@ -261,11 +266,15 @@ class FinishedSample(_Wire):
     prefill_queue_s: float = 0.0  # waiting in the prefill actor's queue (prefill actor's clock)
     prefill_compute_s: float = 0.0  # the prompt's forward passes, first scheduled to last (prefill actor's clock)
     transfer_s: float = 0.0  # the prefill actor's wait for its last K/V sends after the forward (exposed transfer)
+    # seconds between its end and the report that carries it, on the proxy's clock (a record times its end by it;
+    # 0: not measured, as before 2026-12-07, when a record timed a finished request by the report's receipt)
+    age_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "cached_tokens", "output_tokens"):
             _check_int("FinishedSample", name, getattr(self, name))
-        for name in ("ttft_s", "tpot_s", "admission_wait_s", "prefill_queue_s", "prefill_compute_s", "transfer_s"):
+        for name in ("ttft_s", "tpot_s", "admission_wait_s", "prefill_queue_s", "prefill_compute_s", "transfer_s",
+                     "age_s"):
             _check_seconds("FinishedSample", name, getattr(self, name))
 
 

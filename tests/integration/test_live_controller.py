@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.names import NAMESPACE  # noqa: E402
 from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.control.record import read_record  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
@@ -52,6 +54,18 @@ def drive(client, stop: threading.Event, errors: list[str], prompt: str, max_tok
     return done
 
 
+def stuck(c: Cluster) -> str:
+    """What a phase that never reached its pools saw: the manager's events and each actor's own stats."""
+    status = ray.get(c.manager.status.remote(), timeout=60)
+    keys = ("role", "draining", "idle", "running", "waiting", "queued_prefill_tokens", "kv")
+    actors: dict[str, dict[str, Any]] = {}
+    for a in status["actors"]:
+        stats = ray.get(ray.get_actor(a["name"], namespace=NAMESPACE).stats.remote(), timeout=60)
+        actors[a["name"]] = {k: v for k, v in stats.items() if k in keys}
+    return json.dumps({"events": status.get("events"), "decisions": status.get("decisions"), "actors": actors},
+                      default=str)[-6000:]
+
+
 def phase(c: Cluster, client, prompt: str, max_tokens: int, want: dict[str, int], errors: list[str]) -> int:  # type: ignore[no-untyped-def]
     """Load until the manager's pools are ``want`` (at most 240 s: a generous bound, not a timing check)."""
     stop = threading.Event()
@@ -60,7 +74,7 @@ def phase(c: Cluster, client, prompt: str, max_tokens: int, want: dict[str, int]
         deadline = time.monotonic() + 240
         try:
             while ray.get(c.manager.counts.remote(), timeout=60) != want:
-                assert time.monotonic() < deadline, ray.get(c.manager.status.remote(), timeout=60)
+                assert time.monotonic() < deadline, stuck(c)
                 assert not errors, errors[:3]
                 time.sleep(0.5)
         finally:

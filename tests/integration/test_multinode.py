@@ -62,7 +62,8 @@ def test_prefill_and_decode_on_different_nodes_each_bind_their_own_node() -> Non
                                           f"--resources={json.dumps({f'pdcluster_{role}': 1})}", head=False))
         serve = own.start([sys.executable, "-m", "cluster.cli", "serve", "--ray-address", gcs, "--role-resources",
                            "--prefill=1", "--decode=1", "--port=0", "--kv-cache-gib=0.25", "--dtype=float32",
-                           "--on-transfer-failure=fail"], cwd=ROOT)
+                           "--on-transfer-failure=fail",
+                           "--disagg-mode=always"], cwd=ROOT)  # the prompt's K/V crosses the nodes: what is tested
         url = f"http://127.0.0.1:{own.listening_port(serve, 300)}"  # bound to 0 and read back, never probed
         deadline = time.monotonic() + 300
         while True:

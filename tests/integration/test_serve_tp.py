@@ -26,6 +26,7 @@ openai = pytest.importorskip("openai")
 import ray  # noqa: E402
 
 from cluster.launcher import Cluster, ServeConfig  # noqa: E402
+from cluster.wire.proxy_settings import ProxySettings  # noqa: E402
 from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from tests.factories import EXACT_DTYPE  # noqa: E402
@@ -77,7 +78,8 @@ def test_tp_pools_serve_what_tp1_offline_does(tiny_checkpoint: Any, name: str) -
     want = _offline(folder)
     worker = WorkerConfig(dtype=EXACT_DTYPE, model=str(folder), num_kv_blocks=256, max_num_batched_tokens=32,
                           prefill_tp=ptp, decode_tp=dtp, tp_kv_cache=tp_kv)
-    cluster = Cluster(ServeConfig(worker=worker, decode=1, prefill=1, port=0, mode=mode, kv_backend=backend),
+    cluster = Cluster(ServeConfig(worker=worker, decode=1, prefill=1, port=0, mode=mode, kv_backend=backend,
+                                  proxy=ProxySettings(disagg_mode="always")),  # prompts run on the prefill TP group
                       local_ray=True)
     try:
         cluster.start()

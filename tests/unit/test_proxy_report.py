@@ -3,6 +3,8 @@ with their TTFT parts (proxy/controller_feed.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from cluster.wire.messages import GenerateRequest, TokenDelta, Usage
 from engine.request.sampling_params import SamplingParams
 from proxy.jobs import Job, Leg
-from proxy.controller_feed import ReportCollector, finished_sample
+from proxy.controller_feed import ReportCollector, client_tag, finished_sample
 
 
 class Clock:
@@ -24,7 +26,7 @@ class Clock:
 def test_collector_reports_arrivals_with_ages_and_starts_over() -> None:
     clock = Clock()
     c = ReportCollector("p1", clock, max_samples=2)
-    c.arrived(100, 16, 1)
+    c.arrived(100, 16, 1, client_tag("alice"))
     clock.t += 0.5
     c.arrived(200, 32, 2)
     c.arrived(300, 8, 1)  # over the bound: dropped
@@ -37,6 +39,10 @@ def test_collector_reports_arrivals_with_ages_and_starts_over() -> None:
     r = c.take(waiting=3, waiting_prompt_tokens=900)
     assert r.proxy_id == "p1" and [a.prompt_tokens for a in r.arrivals] == [100, 200]
     assert [a.age_s for a in r.arrivals] == pytest.approx([0.75, 0.25]) and r.arrivals[1].n == 2
+    assert r.arrivals[0].client == client_tag("alice") and r.arrivals[1].client == ""
+    # a client's name is kept as a short digest: the same name the same tag, another name another, none ""
+    assert len(client_tag("alice")) == 12 and "alice" not in client_tag("alice")
+    assert client_tag("alice") != client_tag("bob") and client_tag(None) == client_tag("") == ""
     assert (r.rejected, r.failed, r.waiting, r.waiting_prompt_tokens) == (1, 2, 3, 900)
     again = c.take(0, 0)
     assert not again.arrivals and not again.finished and again.rejected == 0
@@ -57,10 +63,14 @@ def test_finished_sample_carries_the_first_legs_ttft_parts() -> None:
     assert (s.prompt_tokens, s.cached_tokens, s.output_tokens) == (4, 2, 4)
     assert s.ttft_s == pytest.approx(0.9)  # the worst completion's first token
     assert (s.admission_wait_s, s.prefill_queue_s, s.prefill_compute_s, s.transfer_s) == (0.3, 0.2, 0.1, 0.05)
-    c = ReportCollector("p", Clock())
+    clock = Clock()
+    c = ReportCollector("p", clock)
     c.finished(s)
     c.finished(None)
-    assert c.take(0, 0).finished == (s,)
+    clock.t += 0.75
+    (reported,) = c.take(0, 0).finished
+    assert reported.age_s == pytest.approx(0.75)  # its end, 0.75 s before the report: a record times it so
+    assert dataclasses.replace(reported, age_s=0.0) == s
 
 
 def test_the_gate_counts_the_prompt_tokens_waiting_for_decode_kv() -> None:

@@ -44,8 +44,9 @@ def write_live_record(path: Path) -> None:
     clock = FakeClock()
     w = RecordWriter(path, header_fields("live", CTRL, OBSERVER, (2, 1), wall_time=1.0), clock=clock)
     clock.now = 103.0  # a report received 3 s in: its arrivals were 0.5 s and 2 s old on the proxy's clock
-    report = ProxyReport("proxy-0", (ArrivalSample(20, 64, 1, 0.5), ArrivalSample(700, 1, 1, 2.0)), rejected=1, failed=1,
-                         finished=(FinishedSample(20, 0, 50, 0.2, 0.04, prefill_compute_s=0.1),
+    report = ProxyReport("proxy-0", (ArrivalSample(20, 64, 1, 0.5, client="c1"), ArrivalSample(700, 1, 1, 2.0)),
+                         rejected=1, failed=1,
+                         finished=(FinishedSample(20, 0, 50, 0.2, 0.04, prefill_compute_s=0.1, age_s=0.4),
                                    FinishedSample(700, 0, 1, 1.5, 0.0, prefill_queue_s=1.0)))
     for kind, t, fields in report_records(report, w.now()):
         w.write(kind, t, fields)
@@ -66,7 +67,10 @@ def test_round_trip_keeps_every_kind_on_the_recorders_clock(tmp_path: Path) -> N
     assert not rec.truncated and not rec.dry_run and rec.profile is None
     # arrival times: receipt (3 s) minus age, in time order
     assert [(a.t, a.prompt_tokens, a.max_tokens) for a in rec.arrivals] == [(1.0, 700, 1), (2.5, 20, 64)]
+    assert [a.client for a in rec.arrivals] == ["", "c1"]  # a named client kept; none: "" (as older records read)
     assert [f.sample.output_tokens for f in rec.finished] == [50, 1] and rec.rejected == ((3.0, 1),)
+    # a finished request at its end: receipt minus its age (one without an age, as older proxies sent: the receipt)
+    assert [f.t for f in rec.finished] == pytest.approx([2.6, 3.0])
     assert rec.failed == ((3.0, 1),)
     assert rec.finished[1].sample.prefill_queue_s == 1.0
     (t, obs), = rec.observations
