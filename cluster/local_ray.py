@@ -1,4 +1,5 @@
-"""A local Ray that several clusters use one after the other, in one process (tests: one Ray per test module).
+"""A local Ray that several clusters use one after the other, in one process (tests: one per pytest process,
+shared by the modules that ask for it: tests/shared_ray.py).
 
 ``Cluster`` normally starts its own embedded Ray and shuts it down at stop (``ray.init`` ~3.5 s, ``ray.shutdown``
 ~1.4 s on a 2-core machine). A ``Cluster(cfg, local_ray=True)`` instead runs on the Ray this process already started

@@ -9,12 +9,13 @@ from typing import Any
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.models.default_model import resolve_model
 from engine.completion_progress import CompletionProgress
 from engine.text.detokenizer import IncrementalDetokenizer, fast_decoder
+from engine.text.hf_tokenizer import load_tokenizer
 from engine.device import num_kv_blocks, resolve_device, resolve_dtype
 from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.scheduling.kv_cache_manager import KVCacheManager, cdiv
@@ -86,7 +87,7 @@ class LLMEngine:
         path = resolve_model(config.model, config.cache_dir, progress)
         self.model_path = path
         self.model_config = mc = load_model_config(path)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)  # AutoTokenizer's, without its config load
         self._decoder = fast_decoder(self.tokenizer)  # the detokenizers' decode: the Rust backend where equal
         self.bind_threads()
         self.device = resolve_device(config.device)

@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from factories import build_checkpoint, build_tokenizer  # noqa: E402
+from shared_ray import SharedRay  # noqa: E402
 
 # a skip for a missing or broken dependency fails the run (tests/skip_guard.py says why)
 pytest_plugins = ["skip_guard"]
@@ -80,20 +81,45 @@ def offline_default():  # type: ignore[no-untyped-def]
     llm.close()
 
 
-@pytest.fixture(scope="module")
-def local_ray():  # type: ignore[no-untyped-def]
-    """One local Ray for a module's clusters, started before its first test that asks and shut down after its last:
-    each ``Cluster(cfg, local_ray=True)`` runs on it and its stop leaves it up (cluster/local_ray.py), saving a Ray
-    start and stop (~5 s on two cores) per cluster after the first. Offers 6 CPUs: the largest cluster a module starts
-    (actors x CPUs each + 1, as serve's own embedded Ray would)."""
-    ray = pytest.importorskip("ray")
-    from cluster.local_ray import start_local_ray
+SHARED_RAY = pytest.StashKey[SharedRay]()  # this pytest process's shared local Ray (tests/shared_ray.py)
+LOCAL_RAY_MODULES = pytest.StashKey[set]()  # node ids of the modules with a test that asks for `local_ray`
 
-    start_local_ray(num_cpus=6)
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[SHARED_RAY] = SharedRay()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which may start a Ray of their own
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test in a module none of whose tests asks for ``local_ray`` runs with no shared Ray up."""
+    if _module_id(item) not in item.config.stash.get(LOCAL_RAY_MODULES, set()):
+        item.config.stash[SHARED_RAY].shutdown()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The modules with a test that asks for the shared local Ray, among the tests that run; a test in any other module
+    runs with none up (pytest_runtest_setup)."""
+    session.config.stash[LOCAL_RAY_MODULES] = {_module_id(i) for i in session.items if "local_ray" in i.fixturenames}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    session.config.stash[SHARED_RAY].shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_ray(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """A local Ray for a module's clusters: each ``Cluster(cfg, local_ray=True)`` runs on it and its stop leaves it up
+    (cluster/local_ray.py). The modules that ask share one per pytest process (tests/shared_ray.py: started by the
+    first, kept up for the next, a fresh one after a module that left actors behind), saving a Ray start and stop
+    (~7 s of CPU on two cores) per module after the first (tests/conftest.py runs them one after another). Offers 6
+    CPUs: the largest cluster a module starts (actors x CPUs each + 1, as serve's own embedded Ray would)."""
+    pytest.importorskip("ray")
+    shared = request.config.stash[SHARED_RAY]
+    shared.ensure()
     try:
         yield
     finally:
-        ray.shutdown()
+        shared.release()
 
 
 # -- tiers -----------------------------------------------------------------------------------------------------------
@@ -127,6 +153,8 @@ INTEGRATION = {
     "tests/unit/test_prompt_tokenizer.py::test_no_torch_import": "a fresh interpreter",
     "tests/unit/test_quant_fused.py::test_fresh_build_is_timed_and_quick": "runs the C++ compiler (a fresh build)",
     "tests/unit/test_prompt_tokenizer.py::test_matches_transformers[default]": "the default model (converted once)",
+    "tests/unit/test_hf_tokenizer.py::test_default_model_takes_the_direct_path_and_loads_what_auto_loads":
+        "the default model (converted once)",
     "tests/unit/test_ray_address.py::test_cli_scale_on_dead_address_exits_fast": "runs `pdcluster` as a subprocess",
     "tests/unit/test_reliability_scripts.py::test_descendants_and_rss_of_a_real_child": "a child process",
     "tests/kernel_checks/test_bench_smoke.py": "runs benchmarks/bench_kernels.py as a subprocess",
@@ -170,6 +198,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = Path(str(config.rootpath))
     seen_files, seen_keys = set(), set()
     order: dict[str, int] = {}  # nodeid -> where it goes in the run (_run_order)
+    ray_modules = {_module_id(i) for i in items if "local_ray" in i.fixturenames}  # (before `-m` deselects)
     for item in items:
         rel = _rel(item, root)
         seen_files.add(rel)
@@ -178,7 +207,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier is not None and not item.get_closest_marker(tier):
             item.add_marker(tier)
         shared = _uses_a_module_fixture(item)
-        order[item.nodeid] = _run_order(item, rel, shared)
+        order[item.nodeid] = _run_order(item, rel, shared, _module_id(item) in ray_modules)
         # under `-n N --dist loadgroup` (.ci/run) a module whose tests share a module-scoped fixture runs on one
         # worker (as one unit of work); every other test goes to whichever worker is free
         if item.get_closest_marker("xdist_group"):
@@ -201,14 +230,21 @@ def _rel(item: pytest.Item, root: Path) -> str:
     return Path(str(item.path)).resolve().relative_to(root).as_posix() if item.path else item.nodeid
 
 
-def _run_order(item: pytest.Item, rel: str, shared: bool) -> int:
-    """Where a test goes in the run: the long subprocess files first, then the rest of the integration tier, then the
-    fast tier's modules that share a module-scoped fixture (one unit of work each, some a minute long), then the other
-    fast tests. CI runs both tiers in one pytest-xdist session (.ci/run, ``--dist loadgroup --no-loadscope-reorder``:
-    work goes out in this order), so the many short fast tests come last and fill the end of the run, where one worker
-    would otherwise idle while the other finishes a long unit."""
+def _module_id(item: pytest.Item) -> str:
+    module = item.getparent(pytest.Module)
+    return module.nodeid if module is not None else item.nodeid
+
+
+def _run_order(item: pytest.Item, rel: str, shared: bool, on_shared_ray: bool) -> int:
+    """Where a test goes in the run: the long subprocess files first, then the integration modules that run on the
+    shared local Ray (one after another, so that a worker passes its Ray from one to the next: tests/shared_ray.py),
+    then the rest of the integration tier, then the fast tier's modules that share a module-scoped fixture (one unit
+    of work each, some a minute long), then the other fast tests. CI runs both tiers in one pytest-xdist session
+    (.ci/run, ``--dist loadgroup --no-loadscope-reorder``: work goes out in this order), so the many short fast tests
+    come last and fill the end of the run, where one worker would otherwise idle while the other finishes a long
+    unit."""
     if rel in LONG_FILES:
         return 0
     if item.get_closest_marker("integration"):
-        return 1
-    return 2 if shared else 3  # shared: the test uses a module-scoped fixture
+        return 1 if on_shared_ray else 2
+    return 3 if shared else 4  # shared: the test uses a module-scoped fixture

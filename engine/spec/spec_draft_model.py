@@ -34,6 +34,7 @@ from engine.models.model_loader import load_state_dict
 from engine.scheduling.scheduler import SchedulerOutput
 from engine.request.sequence import Sequence
 from engine.spec.spec_rows import row_inputs
+from engine.text.hf_tokenizer import load_tokenizer
 from pdkernels.host_copy import to_device
 
 
@@ -67,10 +68,8 @@ class DraftModelDrafter:
     drafts); ``forget`` drops finished sequences."""
 
     def __init__(self, folder: Path, target_tokenizer: Any, target_vocab: int, runner: Any, max_len: int) -> None:
-        from transformers import AutoTokenizer
-
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(folder))
+            tokenizer = load_tokenizer(folder)
             cfg = load_model_config(folder)
         except (OSError, ValueError) as e:
             raise ValueError(f"speculative_config.model: {folder} does not load as a model: {e}") from None

@@ -16,8 +16,9 @@ from cluster.wire.worker_config import WorkerConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def url():  # type: ignore[no-untyped-def]
-    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=1, port=0, mode="colocated"))
+def url(local_ray: None):  # type: ignore[no-untyped-def]
+    c = Cluster(ServeConfig(worker=WorkerConfig(kv_cache_gib=0.25), decode=1, proxies=1, port=0, mode="colocated"),
+                local_ray=True)
     try:
         c.start()
         yield c.urls[0]

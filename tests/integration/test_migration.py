@@ -127,9 +127,9 @@ def fresh_view(url: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream(offline_default: LLM) -> None:
+def test_a_hung_and_a_sigtermed_decode_actor_lose_no_stream(offline_default: LLM, local_ray: None) -> None:
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
-                            decode=2, port=0, mode="colocated"))
+                            decode=2, port=0, mode="colocated"), local_ray=True)
     c.start()
     url = c.urls[0]
     stopped_pid = None

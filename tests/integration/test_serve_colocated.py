@@ -27,10 +27,10 @@ QUESTIONS = ["What is the capital of France?", "Name a primary color.", "What is
 
 
 @pytest.fixture(scope="module")
-def cluster():  # type: ignore[no-untyped-def]
+def cluster(local_ray: None):  # type: ignore[no-untyped-def]
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25),
                             decode=1, proxies=2, port=0, mode="colocated",
-                            proxy=ProxySettings(slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO)))
+                            proxy=ProxySettings(slo_ttft_s=TTFT_SLO, slo_tpot_s=TPOT_SLO)), local_ray=True)
     try:
         pin = os.environ.pop("PDCLUSTER_PIN_CPUS", None)  # this module's tests check the pinning (tests/conftest.py)
         try:

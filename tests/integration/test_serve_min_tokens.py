@@ -17,8 +17,9 @@ SHORT = [{"role": "user", "content": "Reply with only the word yes."}]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=1, port=0))
+def cluster(local_ray: None):  # type: ignore[no-untyped-def]
+    c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.25), decode=1, prefill=1, port=0),
+                local_ray=True)
     c.start()
     try:
         yield c

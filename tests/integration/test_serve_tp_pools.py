@@ -30,13 +30,14 @@ def model(tiny_checkpoint: Any) -> Path:
     return tiny_checkpoint("llama")  # 4 heads, 2 kv heads: TP 2 splits both
 
 
-def test_pools_at_different_tp_sizes_serve_and_scale_without_flips(model: Path) -> None:
+def test_pools_at_different_tp_sizes_serve_and_scale_without_flips(model: Path, local_ray: None) -> None:
     llm = LLM(str(model), dtype=EXACT_DTYPE, num_kv_blocks=128)
     offline = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
     worker = WorkerConfig(dtype=EXACT_DTYPE, model=str(model), num_kv_blocks=128, prefill_tp=2, decode_tp=1)
     # budget 5 ranks: two TP-2 prefill actors and a TP-1 decode actor hold 5; 1P:2D holds 4
     cluster = Cluster(ServeConfig(worker=worker, prefill=2, decode=1, budget=5, port=0,
-                                  proxy=ProxySettings(disagg_mode="always")))  # prompts run on the TP=2 prefill pool
+                                  proxy=ProxySettings(disagg_mode="always")),  # prompts run on the TP=2 prefill pool
+                      local_ray=True)
     try:
         cluster.start()
         infos = ray.get([a.info.remote() for a in cluster.prefill_actors + cluster.decode_actors], timeout=60)
