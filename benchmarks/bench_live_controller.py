@@ -1,30 +1,36 @@
 """The live controller against fixed splits, on one two-phase load, one run after another on this machine.
 
     python benchmarks/bench_live_controller.py [--phase-s 45] [--interval 3] [--slo-ttft 3.5] [--slo-tpot 0.1]
-                                               [--decode-streams 24] [--decode-tokens 48] [--kv-blocks N] [--runs adaptive] [--out DIR]
-
-The defaults make each phase decide between the splits on this 2-core machine (one torch thread per actor): 24
-decode streams miss a 0.1 s TPOT on one decode actor and mostly meet it on two; two ~730-token prefill streams miss
-a 3.5 s TTFT on one prefill actor and meet it on two (docs/controller.md, "Live benchmark").
+                                               [--decode-streams 24] [--prefill-streams 2] [--seed 0]
+                                               [--disagg-mode always] [--kv-blocks N] [--runs adaptive] [--out DIR]
 
 Three runs, each on a fresh local 3-worker cluster (budget 3, the default model): ``adaptive`` (starts at 2P1D,
 autoscale on), ``fixed 1P2D`` and ``fixed 2P1D`` (autoscale on with ``dry_run``: the controller decides and logs,
-nothing moves). Each run sends the same load: a decode-heavy phase (short prompts, ``--decode-tokens`` out each,
-``--decode-streams`` clients at once), a pause of two controller intervals, then a prefill-heavy phase (~730-token
-prompts, each made unique so no prefix cache serves it, one token out, ``--prefill-streams`` clients). Every run
-writes its autoscale record (``DIR/<run>.jsonl``);
+nothing moves). Each run sends the same load, a population of clients drawn from ``--seed`` (:func:`client_asks`):
+a decode-heavy phase (``--decode-streams`` clients; prompts of a shared preamble and 4-40 words of their own, output
+lengths lognormal around 40 tokens), a pause of two controller intervals, then a prefill-heavy phase
+(``--prefill-streams`` clients; 350-650-word prompts, each opening with its own number so no prefix cache serves it,
+one token out). Each client starts at its own time in the phase's first seconds, waits an exponential think time
+between its answer and its next request, and names itself with the OpenAI ``user`` field (so the record names it).
+Before 2026-12-07 19:00 the load was lock-step (24 identical streams started together, then 2): its requests joined
+and finished in cohorts that no replay could hit within 5 points (docs/controller.md, "Live replay against a live
+run"). Every prompt is prefilled on a prefill actor (``--disagg-mode always``, as the simulator models; ``auto``:
+the proxy may prefill a short prompt on its decode owner). Every run writes its autoscale record (``DIR/<run>.jsonl``);
 attainment is read from it (the proxies' finished requests, within both SLOs, 429s as misses, judged by the same
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record, through the checked-in profile and
 through the profile calibrated from the record (:mod:`cluster.control.calibrate`), and last the replay judged at
-every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time and the
-clients in closed loop (each client names itself with the OpenAI ``user`` field, so the record names each stream).
+every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time and each
+named client in closed loop after its recorded think times (``--clients named``).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
+import math
+import random
 import statistics
 import tempfile
 import threading
@@ -38,44 +44,99 @@ from cluster.wire.proxy_settings import ProxySettings
 from cluster.control.record import Recording, read_record
 from cluster.wire.worker_config import WorkerConfig
 
-SHORT_PROMPT = "Count from one to one hundred."
-LONG_PROMPT = " ".join(["Summarise the history of the printing press in Europe, with dates."] * 50)
 BUDGET_TOKENS = 64  # the workers' step budget (max_num_batched_tokens): small, so prompts take several steps
 # a client's turnaround from its answer's last token to its next request's arrival at the proxy (2-36 ms, median
-# ~10, in the 2026-12-07 records' prefill phases): the replay's closed-loop clients wait that long
+# ~10, in the 2026-12-07 records' prefill phases): the replay's closed-loop clients wait that long where the record
+# has no think time of their own (a client's first request)
 THINK_S = 0.01
 RUNS = (("adaptive", (2, 1), False), ("fixed 1P2D", (1, 2), True), ("fixed 2P1D", (2, 1), True))
 
 
-def load(url: str, prompt: str, max_tokens: int, streams: int, seconds: float,
-         unique: bool = False) -> tuple[int, int]:
-    """``streams`` clients in closed loop for ``seconds``: (requests done, failed). ``unique``: every request's
-    prompt starts with its own number, so no prefix cache serves it (each is prefilled in full)."""
-    import itertools
+# a client population, not lock step (issue 47: 24 identical streams started together joined and finished in cohorts
+# of ~24 at one TPOT, so a replay had to hit each cohort within ~2%): each client starts at its own time in the first
+# STAGGER_S of its phase, waits an exponential think time between its answer and its next request, and asks a prompt
+# and an output length of its own, drawn from a fixed seed (a lognormal output length, as chat traffic's; prompt
+# words uniform) so every run of the benchmark sends the same requests
+DECODE_WORDS = (4, 40)  # the decode phase's prompt words after its shared preamble (~60-110 tokens: under 200)
+PREFILL_WORDS = (350, 650)  # the prefill phase's (~500-900 tokens; the lock-step benchmark's was ~730)
+DECODE_OUT_MEDIAN, DECODE_OUT_SIGMA, DECODE_OUT_RANGE = 40, 0.5, (8, 128)
+THINK_MEAN_S = {"decode": 0.5, "prefill": 0.25}
+STAGGER_S = {"decode": 4.0, "prefill": 1.0}
+WORDS = ("the quick brown fox jumps over a lazy dog while seven bright stars shine above old quiet harbours and "
+         "distant mountains echo with songs of travellers who carry maps letters lanterns bread and stories").split()
 
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """One request a client sends: its prompt's words, its output tokens, and the think time before it."""
+
+    words: int
+    max_tokens: int
+    think_s: float
+
+
+def client_asks(phase: str, client: int, seed: int, count: int) -> list[Ask]:
+    """The first ``count`` requests of one client of ``phase`` ("decode" or "prefill"), from a fixed seed. Pure."""
+    if phase not in THINK_MEAN_S:
+        raise ValueError(f"phase: decode or prefill, got {phase!r}")
+    rng = random.Random(f"{seed}-{phase}-{client}")
+    lo, hi = DECODE_WORDS if phase == "decode" else PREFILL_WORDS
+    out = []
+    for _ in range(count):
+        words = rng.randint(lo, hi)
+        tokens = (min(DECODE_OUT_RANGE[1], max(DECODE_OUT_RANGE[0], round(rng.lognormvariate(
+            math.log(DECODE_OUT_MEDIAN), DECODE_OUT_SIGMA)))) if phase == "decode" else 1)
+        out.append(Ask(words, tokens, rng.expovariate(1.0 / THINK_MEAN_S[phase])))
+    return out
+
+
+def start_delay(phase: str, client: int, seed: int) -> float:
+    """When a client of ``phase`` sends its first request, seconds into the phase (uniform in STAGGER_S). Pure."""
+    return random.Random(f"{seed}-{phase}-{client}-start").uniform(0.0, STAGGER_S[phase])
+
+
+# the decode phase's prompts open with one shared instruction (a chat service's system prompt: its blocks come from
+# the prefix cache), so that phase stays decode-heavy; the prefill phase's open with the request's own number
+PREAMBLE = "You are a patient assistant. Answer in plain words, one short sentence after another, and never stop early."
+
+
+def prompt_text(phase: str, client: int, k: int, words: int) -> str:
+    """A client's ``k``-th prompt: ``words`` words of its own after its opening (the decode phase's: the shared
+    preamble; the prefill phase's: its own, so no prefix cache serves it). Pure."""
+    body = " ".join(WORDS[(client * 7 + k * 3 + i) % len(WORDS)] for i in range(words))
+    own = f"Client {phase} {client}, request {k}: {body}."
+    return f"{PREAMBLE} {own}" if phase == "decode" else own
+
+
+def load(url: str, phase: str, streams: int, seconds: float, seed: int) -> tuple[int, int]:
+    """``streams`` clients of ``phase`` for ``seconds`` (:func:`client_asks`): (requests done, failed). Each names
+    itself with the OpenAI ``user`` (the record names each client, for a closed-loop replay)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     stop = threading.Event()
-    numbers = itertools.count()
-    streams_started = itertools.count()
 
-    def one() -> tuple[int, int]:
+    def one(c: int) -> tuple[int, int]:
         ok = bad = 0
-        name = f"{max_tokens}-{next(streams_started)}"  # the record names each stream (a replay's closed loop)
+        if stop.wait(start_delay(phase, c, seed)):
+            return ok, bad
+        k = 0
         while not stop.is_set():
-            text = f"Request {next(numbers)}. {prompt}" if unique else prompt
+            ask = client_asks(phase, c, seed, k + 1)[k]
+            if k and stop.wait(ask.think_s):
+                break
             try:
-                client.chat.completions.create(model="default", messages=[{"role": "user", "content": text}],
-                                               max_tokens=max_tokens, temperature=0, user=name,
-                                               extra_body={"ignore_eos": True})
+                client.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": prompt_text(phase, c, k, ask.words)}],
+                    max_tokens=ask.max_tokens, temperature=0, user=f"{phase}-{c}", extra_body={"ignore_eos": True})
                 ok += 1
             except Exception:
                 bad += 1
+            k += 1
         return ok, bad
 
     with cf.ThreadPoolExecutor(streams) as ex:
-        futs = [ex.submit(one) for _ in range(streams)]
+        futs = [ex.submit(one, c) for c in range(streams)]
         stop.wait(seconds)
         stop.set()
         results = [f.result(timeout=900) for f in futs]
@@ -97,13 +158,14 @@ def one_run(name: str, sizes: tuple[int, int], dry_run: bool, args: argparse.Nam
     c = Cluster(ServeConfig(worker=WorkerConfig(model=args.model, max_num_batched_tokens=BUDGET_TOKENS, **kv),
                             prefill=sizes[0], decode=sizes[1], port=0, budget=3, cpus_per_actor=0.5,
                             controller_interval_s=args.interval,
-                            proxy=ProxySettings(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)))
+                            proxy=ProxySettings(slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                                                disagg_mode=args.disagg_mode)))
     c.start()
     try:
         ray.get(c.manager.autoscale.remote(True, record=str(record), dry_run=dry_run), timeout=60)
-        d_ok, d_bad = load(c.urls[0], SHORT_PROMPT, args.decode_tokens, args.decode_streams, args.phase_s)
+        d_ok, d_bad = load(c.urls[0], "decode", args.decode_streams, args.phase_s, args.seed)
         time.sleep(2 * args.interval)
-        p_ok, p_bad = load(c.urls[0], LONG_PROMPT, 1, args.prefill_streams, args.phase_s, unique=True)
+        p_ok, p_bad = load(c.urls[0], "prefill", args.prefill_streams, args.phase_s, args.seed)
         time.sleep(2.0)  # the proxies' last reports
         print(f"  {name}: decode phase {d_ok} done / {d_bad} failed, prefill phase {p_ok} done / {p_bad} failed, "
               f"pools at the end {ray.get(c.manager.counts.remote(), timeout=60)}", flush=True)
@@ -123,11 +185,15 @@ def main() -> int:
     ap.add_argument("--slo-ttft", type=float, default=3.5)
     ap.add_argument("--slo-tpot", type=float, default=0.1)
     ap.add_argument("--decode-streams", type=int, default=24)
-    ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0, help="the clients' prompts, output lengths, starts and think times")
     ap.add_argument("--prefill-streams", type=int, default=2)
     ap.add_argument("--kv-blocks", type=int, default=None,
                     help="K/V blocks per actor (16 tokens each; default 0.5 GiB): small enough and the decode phase "
                          "is bound by decode K/V (reservations of prompt + 256 tokens), not by its token rate")
+    ap.add_argument("--disagg-mode", default="always", choices=("always", "auto"),
+                    help="where prompts are prefilled: always on a prefill actor (the default: as the simulator, and "
+                         "so the split is what the controller moves), or auto (proxy/disagg.py: a short prompt may be "
+                         "prefilled on its decode owner; 95 of 236 requests were, 2026-12-07 19:00, no replay models it)")
     ap.add_argument("--runs", default=",".join(r[0] for r in RUNS),
                     help="which runs, comma-separated (default all; 'adaptive' alone: a short live run to replay)")
     ap.add_argument("--out", default=None, help="where the records go (default: a new temporary folder)")
@@ -202,13 +268,11 @@ def main() -> int:
     live_lat = recorded(rec)
     pairs = slo_pairs(live_lat)
     prof = calibrate(rec, base, BUDGET_TOKENS)
-    # this run's clients in closed loop, as load() sent them (each its next request when its last answer ended): the
-    # streams the record names, or (a proxy without client names) as many as load() started per phase
-    clients: dict[int, int] | str = ("named" if any(a.client for a in rec.arrivals) else
-                                     {args.decode_tokens: args.decode_streams, 1: args.prefill_streams})
+    # this run's clients in closed loop, as load() sent them (each its next request its think time after its last
+    # answer ended): the clients the record names
+    clients = "named"
     print(f"\nengine steps, the machine's and each decode actor's speed over time, clients in closed loop "
-          f"({clients if isinstance(clients, str) else ', '.join(f'{n} asking {m} tokens' for m, n in clients.items())}"
-          f"), judged at {len(pairs)} SLO pairs "
+          f"(named, each after its recorded think times), judged at {len(pairs)} SLO pairs "
           f"where live meets 30-70%:")
     for pinned in (False, True):
         result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned,

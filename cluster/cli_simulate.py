@@ -41,10 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--replay: the requests asking max_tokens M came from N clients in closed loop (each sends "
                         "its next request when its last answer ends), replayed so instead of at their recorded "
                         "times (the live benchmark's 2026-12-07 records: --clients 48=24,1=2 --think 0.01); named: "
-                        "each client the record's arrivals name (their OpenAI user) is one such client")
+                        "each client the record's arrivals name (their OpenAI user) is one such client, sending each "
+                        "request its recorded think time after its last answer ended")
     s.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                    help="--clients: a client's turnaround from its answer's last token to its next request's arrival "
-                        "(the live benchmark's: ~0.01)")
+                        "(the live benchmark's: ~0.01; named: where the record has none, a client's first request)")
     s.add_argument("--as-recorded", action="store_true",
                    help="--replay: the pools change when and as the record's did, instead of the replay's controller "
                         "deciding (the latencies are then compared on the same pools)")

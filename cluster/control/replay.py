@@ -30,27 +30,47 @@ import numpy as np
 
 from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
                                         plan)
-from cluster.control.record import (Recording, RecordWriter, decision_fields, header_fields, observation_fields)
+from cluster.control.record import (Finished, Recording, RecordWriter, decision_fields, header_fields, observation_fields)
 from cluster.control.sim_model import CostProfile, Trace
 from cluster.control.simulator import SimResult, Simulation
 from cluster.wire.slo import RequestLatency, SloConfig, judge
+
+
+def match_finished(rec: Recording) -> list[Finished | None]:
+    """Each recorded arrival's finished request, in the record's order (None: refused, unfinished, or a simulator's
+    record, whose arrivals carry their outputs): among the unmatched finished requests from the same proxy with the
+    same prompt length, the one whose own arrival (its end less its TTFT and its tokens' TPOT) is nearest the
+    arrival's time, in a record that times each finished request at its end (its ``age_s``); in an older one (timed
+    by the report that carried it, up to ~1 s late) the first in time order. Pure."""
+    pool: dict[tuple[str, int], list[Finished]] = defaultdict(list)
+    for f in rec.finished:  # in time order
+        pool[(f.proxy, f.sample.prompt_tokens)].append(f)
+    at_end = any(f.sample.age_s > 0 for f in rec.finished)
+
+    def began(f: Finished) -> float:
+        return f.t - f.sample.ttft_s - f.sample.tpot_s * max(0, f.sample.output_tokens - 1)
+
+    out: list[Finished | None] = []
+    for a in rec.arrivals:
+        q = pool.get((a.proxy, a.prompt_tokens)) if a.output_tokens is None else None
+        if not q:
+            out.append(None)
+            continue
+        out.append(q.pop(min(range(len(q)), key=lambda j: abs(began(q[j]) - a.t)) if at_end else 0))
+    return out
 
 
 def trace_from_recording(rec: Recording) -> Trace:
     """The recorded arrivals as a simulator trace (times from the record's start, never negative). Pure."""
     if not rec.arrivals:
         raise ValueError("the record holds no arrivals: nothing to replay")
-    outputs: dict[tuple[str, int], deque[tuple[int, int]]] = defaultdict(deque)
-    for f in rec.finished:  # in time order
-        outputs[(f.proxy, f.sample.prompt_tokens)].append((f.sample.output_tokens, f.sample.cached_tokens))
     t, prompt, output, asked, cached = [], [], [], [], []
-    for a in rec.arrivals:
+    for a, f in zip(rec.arrivals, match_finished(rec)):
         hit = 0
         if a.output_tokens is not None:
             out = a.output_tokens
         else:
-            q = outputs.get((a.proxy, a.prompt_tokens))
-            out, hit = q.popleft() if q else (a.max_tokens * a.n, 0)
+            out, hit = (f.sample.output_tokens, f.sample.cached_tokens) if f else (a.max_tokens * a.n, 0)
         t.append(max(0.0, a.t))
         prompt.append(max(1, a.prompt_tokens))
         output.append(max(1, out))
@@ -61,6 +81,26 @@ def trace_from_recording(rec: Recording) -> Trace:
     return Trace(ts, np.asarray(prompt, dtype=np.int64)[order], np.asarray(output, dtype=np.int64)[order],
                  float(max(rec.end_t, ts[-1])), max_tokens=np.asarray(asked, dtype=np.int64)[order],
                  cached=np.asarray(cached, dtype=np.int64)[order] if any(cached) else None)
+
+
+def recorded_think(rec: Recording, default_s: float = 0.0) -> np.ndarray:
+    """Each arrival's think time as recorded, in the order of :func:`trace_from_recording`'s trace: for a named
+    client's request after its first, its arrival less the end of the client's previous request (its finished line's
+    time: the request's end in records that stamp it); ``default_s`` for a first request, an unnamed one, or one whose
+    previous request has no finished line. Pure."""
+    ends = [f.t if f else None for f in match_finished(rec)]
+    think = np.full(len(rec.arrivals), float(default_s))
+    last: dict[str, int] = {}
+    for i in sorted(range(len(rec.arrivals)), key=lambda i: rec.arrivals[i].t):
+        a = rec.arrivals[i]
+        if not a.client:
+            continue
+        prev = last.get(a.client)
+        if prev is not None and ends[prev] is not None:
+            think[i] = max(0.0, a.t - ends[prev])  # type: ignore[operator]
+        last[a.client] = i
+    order = np.argsort(np.asarray([max(0.0, a.t) for a in rec.arrivals]), kind="stable")
+    return think[order]
 
 
 def live_attainment(rec: Recording) -> dict[str, Any]:
@@ -85,7 +125,8 @@ def replay(rec: Recording, profile: CostProfile, speed: Sequence[tuple[float, fl
     same pools; ``actor_speed``: each decode actor's own speed (:func:`cluster.control.calibrate.actor_speed_over_time`);
     ``clients``: the requests asking ``max_tokens`` m came from ``clients[m]`` clients in closed loop (each sends its
     next request ``think_s`` after its last answer ended), replayed so (:func:`closed_loop`); ``"named"``: each client
-    the record's arrivals name is one such client (:func:`named_clients`; unnamed arrivals keep their times); else
+    the record's arrivals name is one such client (:func:`named_clients`; unnamed arrivals keep their times), each
+    request after the client's recorded think time (:func:`recorded_think`; ``think_s`` where unknown); else
     every arrival at its recorded time. Pure (deterministic)."""
     trace = trace_from_recording(rec)
 
@@ -96,8 +137,8 @@ def replay(rec: Recording, profile: CostProfile, speed: Sequence[tuple[float, fl
 
     if clients == "named":
         classes = named_clients(rec)
-        result, trace, _ = closed_loop(trace, run, {int(k): 1 for k in set(classes.tolist()) if k >= 0}, think_s,
-                                       profile.queue_timeout_s, classes=classes)
+        result, trace, _ = closed_loop(trace, run, {int(k): 1 for k in set(classes.tolist()) if k >= 0},
+                                       recorded_think(rec, think_s), profile.queue_timeout_s, classes=classes)
         return result, trace
     if isinstance(clients, str):
         raise ValueError(f"clients: a mapping of max_tokens to client counts or 'named', got {clients!r}")
@@ -116,7 +157,8 @@ def named_clients(rec: Recording) -> np.ndarray:
     return np.asarray(keys, dtype=np.int64)[order]
 
 
-def closed_loop(trace: Trace, run: Callable[[Trace], SimResult], clients: Mapping[int, int], think_s: float = 0.0,
+def closed_loop(trace: Trace, run: Callable[[Trace], SimResult], clients: Mapping[int, int],
+                think_s: float | np.ndarray = 0.0,
                 refused_after_s: float = 0.0, max_rounds: int = 60,
                 classes: np.ndarray | None = None) -> tuple[SimResult, Trace, int]:
     """``trace`` replayed as closed-loop clients: the requests asking ``max_tokens`` m (``trace.max_tokens``) come
@@ -127,8 +169,9 @@ def closed_loop(trace: Trace, run: Callable[[Trace], SimResult], clients: Mappin
     never had in flight at once. Solved as a fixed point: ``run`` (a simulation of a trace) is repeated with each
     round's arrivals from the last round's answers until no arrival moves (``max_rounds`` at most). Returns the last
     run, its trace (arrivals in time order) and the rounds it took (``max_rounds + 1``: it did not settle);
-    ``classes``: each request's class instead of its ``max_tokens`` (:func:`named_clients`). Pure when ``run`` is."""
-    if any(n < 1 for n in clients.values()) or think_s < 0:
+    ``classes``: each request's class instead of its ``max_tokens`` (:func:`named_clients`); ``think_s`` per request
+    (in ``trace``'s order: the think before it) or one for all. Pure when ``run`` is."""
+    if any(n < 1 for n in clients.values()) or np.any(np.asarray(think_s) < 0):
         raise ValueError("clients: every count must be >= 1, think_s >= 0")
     asked = trace.max_tokens if trace.max_tokens is not None else trace.asked()
     keys = asked if classes is None else classes
@@ -150,16 +193,18 @@ def closed_loop(trace: Trace, run: Callable[[Trace], SimResult], clients: Mappin
 
 
 def follow(recorded_t: np.ndarray, asked: np.ndarray, clients: Mapping[int, int], busy: np.ndarray,
-           think_s: float) -> np.ndarray:
+           think_s: float | np.ndarray) -> np.ndarray:
     """Arrival times of closed-loop clients (see :func:`closed_loop`): per ``max_tokens`` class, the first
     ``clients[m]`` requests at their recorded times, each later one when the earliest free client is free (its
-    request's arrival plus ``busy`` plus ``think_s``). ``recorded_t`` in time order. Pure."""
+    request's arrival plus ``busy`` plus ``think_s``, one for all or each request's own). ``recorded_t`` in time
+    order. Pure."""
     out = recorded_t.astype(np.float64, copy=True)
+    think = np.broadcast_to(np.asarray(think_s, dtype=np.float64), out.shape)
     for m, n in clients.items():
         free: list[float] = []  # when each of the class's busy clients is free again
         for j, k in enumerate(np.flatnonzero(asked == m)):
             if j >= n:
-                out[k] = max(recorded_t[0], heapq.heappop(free) + think_s)
+                out[k] = max(recorded_t[0], heapq.heappop(free) + think[k])
             heapq.heappush(free, out[k] + busy[k])
     return out
 

@@ -25,8 +25,8 @@ DATA = Path(__file__).parents[1] / "data" / "replay"
 RECORDS = ("live-adaptive-2026-12-07.jsonl.gz", "live-adaptive-2026-12-07-loaded.jsonl.gz")
 BUDGET_TOKENS = 64  # the live benchmark's workers' max_num_batched_tokens
 GOAL_POINTS = 5.0
-# the live benchmark's clients in closed loop (its defaults): 24 asking 48 tokens (--decode-streams,
-# --decode-tokens), then 2 asking 1 token (--prefill-streams)
+# the live benchmark's clients in closed loop (its lock-step load, before 2026-12-07 19:00): 24 asking 48 tokens
+# (--decode-streams, and --decode-tokens then), then 2 asking 1 token (--prefill-streams)
 BENCH_CLIENTS = {48: 24, 1: 2}
 # a client's turnaround, from its answer's last token to its next request's arrival at the proxy: 2-36 ms (median
 # ~10) between the prefill phase's requests of both records (two clients taking turns)

@@ -12,11 +12,13 @@ import pytest
 
 from cluster.control import sim_speed
 from cluster.control.calibrate import actor_speed_over_time, calibrate, speed_over_time
-from cluster.control.record import read_record
-from cluster.control.replay import closed_loop, follow, named_clients, replay
+from cluster.control.record import Arrival, Finished, read_record
+from cluster.control.replay import (closed_loop, follow, match_finished, named_clients, recorded_think, replay,
+                                    trace_from_recording)
 from cluster.control.replay_check import attainment_rows, recorded, replayed, slo_pairs
 from cluster.control.sim_model import DEFAULT_PROFILE, CostProfile, Trace
 from cluster.control.simulator import Simulation
+from cluster.wire.telemetry import FinishedSample
 
 PROFILE = CostProfile.load(DEFAULT_PROFILE)
 RECORD = Path(__file__).parents[1] / "data" / "replay" / "live-adaptive-2026-12-07.jsonl.gz"
@@ -201,3 +203,29 @@ def test_a_record_naming_its_clients_replays_them_in_closed_loop() -> None:
     assert np.all(np.isin(first, trace.t))
     with pytest.raises(ValueError, match="clients"):
         replay(named, prof, clients="all")
+
+
+def test_each_arrival_takes_its_own_finished_request_and_its_clients_think_time() -> None:
+    """Two named clients whose requests share a prompt length and finish out of order (a's second request ends
+    before b's first): each arrival takes the finished request that began at its time (its end less TTFT and
+    TPOT x tokens), not the first in time order, so its output is its own; each client's later request thinks from
+    its own previous end; a first or unnamed request takes the default."""
+    rec = read_record(RECORD)
+
+    def fin(end: float, out: int, ttft: float = 0.5, tpot: float = 0.1) -> Finished:
+        return Finished(end, "p", FinishedSample(prompt_tokens=40, cached_tokens=0, output_tokens=out, ttft_s=ttft,
+                                                 tpot_s=tpot, age_s=0.2))  # timed at its end
+
+    arrivals = (Arrival(0.0, "p", 40, 64, client="b"), Arrival(1.0, "p", 40, 64, client="a"),
+                Arrival(2.2, "p", 40, 64, client="a"), Arrival(3.0, "p", 40, 64),
+                Arrival(7.6, "p", 40, 64, client="b"))
+    finished = tuple(sorted((fin(1.1, 2), fin(2.3, 2, ttft=0.0), fin(6.4, 60), fin(3.6, 2)), key=lambda f: f.t))
+    mine = dataclasses.replace(rec, arrivals=arrivals, finished=finished)
+    ends = [f.t if f else None for f in match_finished(mine)]
+    assert ends == [6.4, 1.1, 2.3, 3.6, None]
+    assert trace_from_recording(mine).output.tolist() == [60, 2, 2, 2, 64]
+    assert recorded_think(mine, 0.01) == pytest.approx([0.01, 0.01, 2.2 - 1.1, 0.01, 7.6 - 6.4])
+    # a record from before the ends were stamped: in time order, as the reports came
+    old = dataclasses.replace(mine, finished=tuple(dataclasses.replace(
+        f, sample=dataclasses.replace(f.sample, age_s=0.0)) for f in finished))
+    assert [f.t if f else None for f in match_finished(old)] == [1.1, 2.3, 3.6, 6.4, None]
