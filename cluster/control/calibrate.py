@@ -39,7 +39,6 @@ import statistics
 
 from cluster.control.record import Recording
 from cluster.control.sim_model import CostProfile
-from cluster.wire.telemetry import FinishedSample
 
 MIN_SAMPLES = 8
 # an actor's first engine steps in a role are its warm-up (first forward passes at new shapes, allocations): live,
@@ -103,18 +102,13 @@ def admission_rpc_s(rec: Recording) -> float:
     quiet = []
     for f in rec.finished:
         s = f.sample
-        arrived = f.t - _decode_s(s) - s.ttft_s
+        arrived = f.t - s.decode_s - s.ttft_s
         k = bisect.bisect_left(ends, arrived)
         if k < len(ends):
             o = rec.observations[k][1]
             if o.admission_waiting == 0 and o.rejected_rate == 0:
                 quiet.append(s.admission_wait_s)
     return statistics.median(quiet) if len(quiet) >= MIN_SAMPLES else 0.0
-
-
-def _decode_s(s: FinishedSample) -> float:
-    """The seconds a finished request spent decoding after its first token (its TPOT over the later tokens). Pure."""
-    return s.tpot_s * max(0, s.output_tokens - 1)
 
 
 def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:
@@ -205,7 +199,7 @@ def speed_over_time(rec: Recording, profile: CostProfile, min_samples: int = 3,
 
         for f in rec.finished:
             s = f.sample
-            decode_s = _decode_s(s)
+            decode_s = s.decode_s
             if s.output_tokens > 1 and s.tpot_s > 0:
                 tpots[window(f.t - decode_s / 2)].append(s.tpot_s)
             tokens = s.prompt_tokens - s.cached_tokens

@@ -48,7 +48,7 @@ def match_finished(rec: Recording) -> list[Finished | None]:
     at_end = any(f.sample.age_s > 0 for f in rec.finished)
 
     def began(f: Finished) -> float:
-        return f.t - f.sample.ttft_s - f.sample.tpot_s * max(0, f.sample.output_tokens - 1)
+        return f.t - f.sample.ttft_s - f.sample.decode_s
 
     out: list[Finished | None] = []
     for a in rec.arrivals:
@@ -58,6 +58,11 @@ def match_finished(rec: Recording) -> list[Finished | None]:
             continue
         out.append(q.pop(min(range(len(q)), key=lambda j: abs(began(q[j]) - a.t)) if at_end else 0))
     return out
+
+
+def _arrival_order(rec: Recording) -> np.ndarray:
+    """The record's arrivals in the order of :func:`trace_from_recording`'s trace (time order, stable). Pure."""
+    return np.argsort(np.asarray([max(0.0, a.t) for a in rec.arrivals]), kind="stable")
 
 
 def trace_from_recording(rec: Recording) -> Trace:
@@ -76,7 +81,7 @@ def trace_from_recording(rec: Recording) -> Trace:
         output.append(max(1, out))
         asked.append(max(1, out, a.max_tokens * a.n))
         cached.append(min(hit, max(0, a.prompt_tokens - 1)))
-    order = np.argsort(np.asarray(t), kind="stable")
+    order = _arrival_order(rec)
     ts = np.asarray(t, dtype=np.float64)[order]
     return Trace(ts, np.asarray(prompt, dtype=np.int64)[order], np.asarray(output, dtype=np.int64)[order],
                  float(max(rec.end_t, ts[-1])), max_tokens=np.asarray(asked, dtype=np.int64)[order],
@@ -99,7 +104,7 @@ def recorded_think(rec: Recording, default_s: float = 0.0) -> np.ndarray:
         if prev is not None and ends[prev] is not None:
             think[i] = max(0.0, a.t - ends[prev])  # type: ignore[operator]
         last[a.client] = i
-    order = np.argsort(np.asarray([max(0.0, a.t) for a in rec.arrivals]), kind="stable")
+    order = _arrival_order(rec)
     return think[order]
 
 
@@ -153,7 +158,7 @@ def named_clients(rec: Recording) -> np.ndarray:
     :func:`trace_from_recording`'s trace (time order). Pure."""
     names: dict[str, int] = {}
     keys = [names.setdefault(a.client, len(names)) if a.client else -1 for a in rec.arrivals]
-    order = np.argsort(np.asarray([max(0.0, a.t) for a in rec.arrivals]), kind="stable")
+    order = _arrival_order(rec)
     return np.asarray(keys, dtype=np.int64)[order]
 
 

@@ -277,6 +277,11 @@ class FinishedSample(_Wire):
                      "age_s"):
             _check_seconds("FinishedSample", name, getattr(self, name))
 
+    @property
+    def decode_s(self) -> float:
+        """The seconds it spent decoding after its first token (its TPOT over the later tokens)."""
+        return self.tpot_s * max(0, self.output_tokens - 1)
+
 
 @dataclass(frozen=True)
 class ProxyReport(_Wire):
