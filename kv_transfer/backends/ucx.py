@@ -23,6 +23,7 @@ fence has passed; a sent payload is dropped (back to the caching allocator) only
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Coroutine
 from typing import Any
 
@@ -84,11 +85,22 @@ class UCXBackend(KVTransferBackend):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     async def _init_ucx(self) -> None:
+        # enable_python_future: a request completes through an asyncio future that ucxx's notifier thread sets.
+        # Without it ucxx awaits each request by yielding to the loop until it completes (``wait_yield``), so the
+        # receive every connected peer keeps pending spins this loop's thread at a full core for as long as the
+        # connection lasts: on 2 cores a decode actor then ran its steps at half speed (TPOT 0.18 s against shm's
+        # 0.08 s) and spent 10-19 CPU-s per 64-token answer against 4-5 (2026-12-07, docs/cluster-benchmarks.md).
         try:
             self._ucxx.init(options=dict(self.config.ucx_options), env_takes_precedence=True,
-                            progress_mode=self.config.ucx_progress_mode)
+                            progress_mode=self.config.ucx_progress_mode, enable_python_future=True)
         except RuntimeError:
-            pass  # already initialised in this process (its first progress mode stays)
+            return  # already initialised in this process (its first settings stay)
+        # the notifier thread is not a daemon: a process that exits without close() (which resets ucxx) would wait
+        # for it forever, so ask it to stop where the interpreter joins its threads (the hook concurrent.futures
+        # uses; registering the same function twice is harmless)
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self._ucxx.stop_notifier_thread)
 
     # -- receiving ------------------------------------------------------------------------------------------
     def listen(self) -> str:
