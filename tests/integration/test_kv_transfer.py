@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import socket
+import time
 import zlib
 from collections.abc import Iterator
 
@@ -215,6 +216,27 @@ def test_two_process_layer_parts_install_exactly(peer: tuple) -> None:
     assert all(h.wait(30) is TransferState.DONE for h in handles), [h.error for h in handles]
     assert [o[0] for o in outcomes] == ["ok"] * len(parts), outcomes
     assert_blocks_equal(receiver.call("caches"), sent, dst, src)
+
+
+def test_a_connected_idle_receiver_does_not_spin(peer: tuple) -> None:
+    """Once a peer is connected the receiver keeps a receive pending for its next message; waiting on it must not
+    spin a core. ucxx without request futures yielded to its loop until the receive completed: the receiver process
+    burned a full core (~1 CPU-s a second) for as long as the connection lasted, which halved a decode actor's steps
+    on 2 cores. CPU time, not wall time: a loaded machine gives a spinning thread less CPU but never ~none."""
+    import psutil
+
+    name, sender, receiver = peer
+    expected = make_expected("req-idle", "rsv-idle", [25])
+    header, payload = part(SPEC.make(seed=13), [0], expected, 0, 0, 8)
+    sender.open(receiver.address, expected.reservation_id, 0)
+    assert sender.send(receiver.address, header, payload).wait(30) is TransferState.DONE  # connected
+    receiver.call("install", ({"req-idle": expected}, 1))
+    proc = psutil.Process(receiver.process.pid)
+    before = proc.cpu_times()
+    time.sleep(2.0)
+    after = proc.cpu_times()
+    used = after.user + after.system - before.user - before.system
+    assert used < 0.4, f"{name}: the idle receiver used {used:.2f} CPU-s in 2 s"
 
 
 def test_two_process_bad_parts_are_rejected_and_install_nothing(peer: tuple) -> None:
