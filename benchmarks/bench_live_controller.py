@@ -20,8 +20,11 @@ attainment is read from it (the proxies' finished requests, within both SLOs, 42
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record, through the checked-in profile and
 through the profile calibrated from the record (:mod:`cluster.control.calibrate`), and last the replay judged at
-every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time and each
-named client in closed loop after its recorded think times (``--clients named``).
+every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time, the decode
+steps' boundaries (calibrated from the record's counters) and each named client in closed loop after its recorded
+think times (``--clients named``). Two runs of it (same ``--seed``) judged against each other as a record and its
+replay: ``pdcluster simulate --replay A/adaptive.jsonl --versus B/adaptive.jsonl`` (2026-12-07: 7.7-41 points apart
+on average on this machine).
 """
 
 from __future__ import annotations
