@@ -110,10 +110,11 @@ def admission_rpc_s(rec: Recording) -> float:
 
 def unwaited_path_s(rec: Recording, wait: Callable[[float], float]) -> float:
     """The path around the engines that no decode step holds up: over the requests that arrived while none waited
-    for decode K/V (as :func:`admission_rpc_s`) with their TTFT's parts measured, the median of their admission wait plus the rest of their path
-    (RPCs, the decode join, the first delta's trip) less the mean wait for a decode step in progress at their
-    arrival (the reserve call) and at their first token (the join), ``wait`` (:func:`step_wait`), which the simulator
-    waits itself with ``decode_step_waits``. Kept >= 0; 0 without samples. Pure."""
+    for decode K/V (as :func:`admission_rpc_s`) with their TTFT's parts measured, the median of their admission wait
+    plus the rest of their path (RPCs, the decode join, the first delta's trip) less the mean wait for a decode step
+    in progress at their arrival (the reserve call) and at their first token (the join), ``wait``
+    (:func:`step_wait`), which the simulator waits itself with ``decode_step_waits``. Kept >= 0; 0 without samples.
+    Pure."""
     left = []
     for f in _quiet(rec):
         s = f.sample
@@ -132,7 +133,8 @@ def _quiet(rec: Recording) -> list[Finished]:
     for f in rec.finished:
         s = f.sample
         k = bisect.bisect_left(ends, f.t - s.decode_s - s.ttft_s)
-        if k < len(ends) and rec.observations[k][1].admission_waiting == 0 and rec.observations[k][1].rejected_rate == 0:
+        o = rec.observations[k][1] if k < len(ends) else None
+        if o is not None and o.admission_waiting == 0 and o.rejected_rate == 0:
             out.append(f)
     return out
 
@@ -140,8 +142,9 @@ def _quiet(rec: Recording) -> list[Finished]:
 def step_wait(rec: Recording) -> Callable[[float], float] | None:
     """The mean wait for a decode step in progress at a time, from the record's decode counters: in each window, a
     call that comes at a random moment finds its decode actor mid-step with probability its busy share ``u`` and
-    waits half its mean step ``S`` (busy seconds over steps), ``u x S / 2`` (``u`` at most 1), averaged over the window's decode
-    actors (the owner is any of them); before the first window the first one's, after the last the last one's.
+    waits half its mean step ``S`` (busy seconds over steps), ``u x S / 2`` (``u`` at most 1), averaged over the
+    window's decode actors (the owner is any of them); before the first window the first one's, after the last the
+    last one's.
     ``None`` without counters (under two readings, or no decode step in them). Pure."""
     ends: list[float] = []
     means: list[float] = []
