@@ -20,8 +20,11 @@ attainment is read from it (the proxies' finished requests, within both SLOs, 42
 SLOs the controller aims for), per phase and in all. Prints attainment per run and the ratios adaptive / fixed, then
 the side-by-side replay (``pdcluster simulate --replay``) of the adaptive record, through the checked-in profile and
 through the profile calibrated from the record (:mod:`cluster.control.calibrate`), and last the replay judged at
-every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time and each
-named client in closed loop after its recorded think times (``--clients named``).
+every SLO pair where the record meets 30-70% with the machine's and each decode actor's speed over time, the decode
+steps' boundaries (calibrated from the record's counters) and each named client in closed loop after its recorded
+think times (``--clients named``). Two runs of it (same ``--seed``) judged against each other as a record and its
+replay: ``pdcluster simulate --replay A/adaptive.jsonl --versus B/adaptive.jsonl`` (2026-12-07: 7.7-41 points apart
+on average on this machine).
 """
 
 from __future__ import annotations
@@ -263,7 +266,7 @@ def main() -> int:
             gap = abs(sim - live)
             print(f"  {label:32} {sim:6.1%} vs live {live:6.1%}: {gap * 100:4.1f} pt {'met' if gap <= 0.05 else 'MISS'}")
     # one SLO pair can agree by chance: the same latencies judged wherever the live run meets 30-70% (issue 47)
-    from cluster.control.replay_check import attainment_rows, format_comparison, recorded, replayed, slo_pairs
+    from cluster.control.replay_check import format_comparison, format_gaps, recorded, replayed, slo_pairs
 
     live_lat = recorded(rec)
     pairs = slo_pairs(live_lat)
@@ -278,9 +281,8 @@ def main() -> int:
         result, trace = replay(rec, prof, speed_over_time(rec, prof), pinned=pinned,
                                actor_speed=actor_speed_over_time(rec, prof), clients=clients, think_s=THINK_S)
         sim_lat = replayed(result, trace.output)
-        gaps = [abs(y - x) * 100 for _, _, x, y in attainment_rows(live_lat, sim_lat, pairs)]
-        print(f"\n{'the recorded decisions (pinned)' if pinned else 'its own decisions'}: mean |gap| "
-              f"{statistics.mean(gaps) if gaps else float('nan'):.1f} pt, max {max(gaps, default=float('nan')):.1f} pt")
+        print(f"\n{'the recorded decisions (pinned)' if pinned else 'its own decisions'}: "
+              f"{format_gaps(live_lat, sim_lat, pairs)}")
         print(format_comparison(live_lat, sim_lat, pairs))
     return 0
 

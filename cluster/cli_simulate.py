@@ -6,6 +6,10 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.control.record import Recording
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--think", type=float, default=0.0, metavar="SECONDS",
                    help="--clients: a client's turnaround from its answer's last token to its next request's arrival "
                         "(the live benchmark's: ~0.01; named: where the record has none, a client's first request)")
+    s.add_argument("--versus", default=None, metavar="FILE",
+                   help="--replay of a live record: no simulation; judge this other live record of the same load "
+                        "(bench_live_controller.py, same --seed) against it, as a replay would be (the noise floor)")
     s.add_argument("--as-recorded", action="store_true",
                    help="--replay: the pools change when and as the record's did, instead of the replay's controller "
                         "deciding (the latencies are then compared on the same pools)")
@@ -79,6 +86,8 @@ def _replay(args: argparse.Namespace) -> int:
 
     try:
         rec = read_record(args.replay)
+        if args.versus:
+            return _versus(rec, read_record(args.versus))
         if args.profile or not rec.profile:
             profile = CostProfile.load(args.profile or DEFAULT_PROFILE)
         else:
@@ -97,16 +106,35 @@ def _replay(args: argparse.Namespace) -> int:
     report = side_by_side(rec, result, profile)
     print(format_report(report), flush=True)
     if rec.source == "live" and rec.finished:
-        from cluster.control.replay_check import format_comparison, recorded, replayed, slo_pairs
+        from cluster.control.replay_check import format_comparison, format_gaps, recorded, replayed, slo_pairs
 
-        live = recorded(rec)
+        live, sim = recorded(rec), replayed(result, trace.output)
         own = (rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
         print("\nrecorded and replayed latencies judged at the record's SLOs and where it meets 30-70% (issue 47: "
               "within 5 points):")
-        print(format_comparison(live, replayed(result, trace.output), [own, *slo_pairs(live)]), flush=True)
+        print(format_comparison(live, sim, [own, *slo_pairs(live)]))
+        print(format_gaps(live, sim, slo_pairs(live)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    return 0
+
+
+def _versus(rec: Recording, other: Recording) -> int:
+    """Two live records of one load judged as a record and its replay: ``other`` in the replay's place."""
+    from cluster.control.replay_check import format_comparison, format_gaps, recorded, slo_pairs
+
+    if rec.source != "live" or other.source != "live" or not rec.finished or not other.finished:
+        print("error: --versus compares two live records with finished requests", file=sys.stderr)
+        return 2
+    live, again = recorded(rec), recorded(other)
+    own = (rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
+    changes = [sum(1 for d in r.decisions if d["changes"]) for r in (rec, other)]
+    print(f"{len(rec.finished)} finished requests ({changes[0]} pool changes) and, in the replayed column, another "
+          f"live run's {len(other.finished)} ({changes[1]} pool changes), judged at the first one's SLOs and where it "
+          f"meets 30-70%:")
+    print(format_comparison(live, again, [own, *slo_pairs(live)]))
+    print(format_gaps(live, again, slo_pairs(live)), flush=True)
     return 0
 
 

@@ -36,8 +36,9 @@ import bisect
 import dataclasses
 import math
 import statistics
+from collections.abc import Callable
 
-from cluster.control.record import Recording
+from cluster.control.record import Finished, Recording
 from cluster.control.sim_model import CostProfile
 
 MIN_SAMPLES = 8
@@ -61,17 +62,22 @@ def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> Cost
     elif len(pre) >= MIN_SAMPLES:
         changes["prefill_tps"] = (sum(s.prompt_tokens - s.cached_tokens for s in pre)
                                   / sum(s.prefill_compute_s for s in pre))
-    parts = [s for s in done if s.prefill_compute_s > 0]
+    parts = [f for f in rec.finished if f.sample.prefill_compute_s > 0]
     if len(parts) >= MIN_SAMPLES:
+        # with the step model and the decode actors' counters, the waits for a decode step in progress (the reserve
+        # call's, the join's) are simulated (decode_step_waits): the path keeps what is left of it on average
         rest = statistics.median(max(0.0, s.ttft_s - s.admission_wait_s - s.prefill_queue_s - s.prefill_compute_s
-                                     - s.transfer_s) for s in parts)
-        if budget_tokens > 0:
+                                     - s.transfer_s) for s in (f.sample for f in parts))
+        wait = step_wait(rec) if budget_tokens > 0 else None
+        if wait:
+            changes.update(ttft_path_s=base.ttft_path_s + unwaited_path_s(rec, wait), decode_step_waits=1)
+        elif budget_tokens > 0:
             changes["ttft_path_s"] = base.ttft_path_s + rest + admission_rpc_s(rec)
         else:
             changes["prefill_overhead_s"] = base.prefill_overhead_s + rest
-        full = [s.prompt_tokens * base.kv_bytes_per_token / (base.link_gbps * 1e9) for s in parts]
+        full = [f.sample.prompt_tokens * base.kv_bytes_per_token / (base.link_gbps * 1e9) for f in parts]
         if sum(full) > 0:
-            changes["exposed_transfer"] = min(1.0, sum(s.transfer_s for s in parts) / sum(full))
+            changes["exposed_transfer"] = min(1.0, sum(f.sample.transfer_s for f in parts) / sum(full))
     decoded = [s for s in done if s.output_tokens > 1 and s.tpot_s > 0]
     tpots = [s.tpot_s for s in decoded]
     depths = [a.queue_depth for _, o in rec.observations for a in o.live("decode") if a.queue_depth > 0]
@@ -98,17 +104,65 @@ def admission_rpc_s(rec: Recording) -> float:
     they arrived in saw none waiting and none refused): the reserve call to the decode actor, which waits for the
     step in progress there (live, 0.04-0.18 s while decoding, under 0.02 s with decode idle). The simulator's
     admission wait is the wait for K/V only; this part of it is latency on the path. 0 without samples. Pure."""
+    quiet = [f.sample.admission_wait_s for f in _quiet(rec)]
+    return statistics.median(quiet) if len(quiet) >= MIN_SAMPLES else 0.0
+
+
+def unwaited_path_s(rec: Recording, wait: Callable[[float], float]) -> float:
+    """The path around the engines that no decode step holds up: over the requests that arrived while none waited
+    for decode K/V (as :func:`admission_rpc_s`) with their TTFT's parts measured, the median of their admission wait
+    plus the rest of their path (RPCs, the decode join, the first delta's trip) less the mean wait for a decode step
+    in progress at their arrival (the reserve call) and at their first token (the join), ``wait``
+    (:func:`step_wait`), which the simulator waits itself with ``decode_step_waits``. Kept >= 0; 0 without samples.
+    Pure."""
+    left = []
+    for f in _quiet(rec):
+        s = f.sample
+        if s.prefill_compute_s <= 0:  # its parts not measured
+            continue
+        path = s.ttft_s - s.prefill_queue_s - s.prefill_compute_s - s.transfer_s
+        left.append(path - wait(f.t - s.decode_s - s.ttft_s) - wait(f.t - s.decode_s))
+    return max(0.0, statistics.median(left)) if len(left) >= MIN_SAMPLES else 0.0
+
+
+def _quiet(rec: Recording) -> list[Finished]:
+    """The finished requests that arrived in a window whose observation saw none waiting for decode K/V and none
+    refused (a request's arrival: its end less its decode and its TTFT). Pure."""
     ends = [t for t, _ in rec.observations]
-    quiet = []
+    out = []
     for f in rec.finished:
         s = f.sample
-        arrived = f.t - s.decode_s - s.ttft_s
-        k = bisect.bisect_left(ends, arrived)
-        if k < len(ends):
-            o = rec.observations[k][1]
-            if o.admission_waiting == 0 and o.rejected_rate == 0:
-                quiet.append(s.admission_wait_s)
-    return statistics.median(quiet) if len(quiet) >= MIN_SAMPLES else 0.0
+        k = bisect.bisect_left(ends, f.t - s.decode_s - s.ttft_s)
+        o = rec.observations[k][1] if k < len(ends) else None
+        if o is not None and o.admission_waiting == 0 and o.rejected_rate == 0:
+            out.append(f)
+    return out
+
+
+def step_wait(rec: Recording) -> Callable[[float], float] | None:
+    """The mean wait for a decode step in progress at a time, from the record's decode counters: in each window, a
+    call that comes at a random moment finds its decode actor mid-step with probability its busy share ``u`` and
+    waits half its mean step ``S`` (busy seconds over steps), ``u x S / 2`` (``u`` at most 1), averaged over the
+    window's decode actors (the owner is any of them); before the first window the first one's, after the last the
+    last one's.
+    ``None`` without counters (under two readings, or no decode step in them). Pure."""
+    ends: list[float] = []
+    means: list[float] = []
+    for (t0, before), (t1, now) in zip(rec.counters, rec.counters[1:]):
+        prev = {c.actor_id: c for c in before}
+        waits = [min(1.0, (c.busy_s - b.busy_s) / (t1 - t0)) * (c.busy_s - b.busy_s) / (c.steps - b.steps) / 2.0
+                 for c in now if c.role == "decode" and (b := prev.get(c.actor_id)) is not None
+                 and b.role == "decode" and b.epoch == c.epoch and c.steps > b.steps and t1 > t0]
+        if waits:
+            ends.append(t1)
+            means.append(statistics.mean(waits))
+    if not ends:
+        return None
+
+    def at(t: float) -> float:
+        return means[min(len(ends) - 1, bisect.bisect_left(ends, t))]
+
+    return at
 
 
 def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:

@@ -90,6 +90,22 @@ def attainment_rows(live: Latencies, sim: Latencies,
     return [(a, b, live.attainment(a, b), sim.attainment(a, b)) for a, b in pairs]
 
 
+def gap_points(live: Latencies, other: Latencies, pairs: Sequence[tuple[float, float]]) -> np.ndarray:
+    """``|other - live|`` attainment at each pair, in points (the goal: every one within 5). ``other``: a replay, or
+    another live run of the same load (the noise floor: what no replay of one run can be sure to beat). Pure."""
+    return np.array([abs(y - x) * 100 for _, _, x, y in attainment_rows(live, other, pairs)], dtype=np.float64)
+
+
+def format_gaps(live: Latencies, other: Latencies, pairs: Sequence[tuple[float, float]],
+                goal_points: float = 5.0) -> str:
+    """One line: the mean and worst :func:`gap_points` over ``pairs`` and whether every one is within the goal. Pure."""
+    gaps = gap_points(live, other, pairs)
+    if not len(gaps):
+        return "no SLO pair to judge"
+    return (f"|gap| over {len(gaps)} SLO pairs: mean {gaps.mean():.2f}, worst {gaps.max():.2f} points: "
+            f"{'within' if gaps.max() <= goal_points else 'MISS, not within'} {goal_points:g} at every pair")
+
+
 def format_comparison(live: Latencies, sim: Latencies, pairs: Sequence[tuple[float, float]],
                       goal_points: float = 5.0) -> str:
     """The attainment table at ``pairs`` and the latency parts' quantiles, recorded beside replayed, as text. Pure."""

@@ -47,6 +47,10 @@ class CostProfile:
     prefill_budget_tokens: int = 0
     prefill_step_s: float = 0.0
     ttft_path_s: float = 0.0  # latency outside the engines in every TTFT (RPCs, the decode join): occupies no actor
+    # 1: the engine loop takes the reserve call and a prefilled request's join between decode steps, so each waits
+    # for its decode actor's step in progress (live, 0-0.2 s apiece; the simulator's decode steps end every token
+    # from its batch's start, at the present pace); 0: neither waits (the reserve call is then in ttft_path_s)
+    decode_step_waits: int = 0
     kv_bytes_per_token: float = 23040.0  # KV bytes per prompt token crossing the link (all layers)
     link_gbps: float = 2.0  # KV transfer bandwidth between a prefill and a decode actor, GB/s
     exposed_transfer: float = 1 / 30  # share of the transfer not hidden by layer-by-layer streaming (~1 layer)

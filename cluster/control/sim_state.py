@@ -20,7 +20,7 @@ class SimActor:
     __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
                  "sum_p", "sum_vj", "heap", "version", "due", "next_t", "ready_at", "left", "kv_total", "kv_held",
                  "kv_reserved", "holds", "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy",
-                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due", "k")
+                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due", "k", "v0")
 
     def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
         self.aid, self.role, self.ready_at = aid, role, ready_at
@@ -41,6 +41,7 @@ class SimActor:
         self.step = 0.0  # decode: seconds per token at the present batch
         self.per_step = 1.0  # decode: tokens each running sequence gets per engine step (more with speculation)
         self.k = 1.0  # decode: its steps' cost over the machine's (Simulation's actor_speed; 1: the machine's)
+        self.v0 = 0.0  # decode: the virtual time its running batch started at (its steps end per_step apart from it)
         self.sum_p = 0  # decode: prompt tokens of the running sequences
         self.sum_vj = 0.0  # decode: sum of the virtual times they joined at
         self.heap: list[tuple[float, int]] = []  # decode: (virtual finish, request)
@@ -73,6 +74,19 @@ class SimActor:
             self.steps += dv / self.per_step
             self.busy += now - self.t_last
         self.t_last = now
+
+    def step_end(self, now: float) -> tuple[float, float]:
+        """Decode: ``(seconds, virtual time)`` to the end of the engine step in progress at ``now`` (``(0, v)`` idle
+        or at a step's end), where a call to it (reserve) or a request joining it waits live: the engine loop takes
+        both between steps. Its steps end every ``per_step`` tokens from ``v0``, at the present step's pace. Pure."""
+        if not self.b:
+            return 0.0, self.v
+        v = self.v + (now - self.t_last) / self.step
+        ps = self.per_step
+        left = ps - (v - self.v0) % ps
+        if left >= ps - 1e-9:
+            return 0.0, v
+        return left * self.step, v + left
 
     def counters(self, now: float, prefill_tps: float, bounded: bool) -> ActorCounters:
         """Its counters as a live worker would report them now (``bounded``: its KV is finite). Mutates the actor:

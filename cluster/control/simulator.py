@@ -20,6 +20,12 @@ The model (costs from a :class:`~cluster.control.sim_model.CostProfile`), in the
   takes ``base + per_seq x batch + per_kv_token x context tokens`` (batch and context as they are after each event).
   Speculation (``spec_*`` profile keys): a step's drafts cost ``per_seq`` each; it gives ``E`` tokens (sim_spec).
   At most ``max_batch`` sequences per actor; the rest wait on their actor for a slot (the decode backlog).
+- **Decode steps' boundaries** (profile ``decode_step_waits`` 1; a live record's calibration sets it): live, the
+  decode actor's engine loop takes the reserve call and a prefilled request's join between steps, so each waits for
+  the step in progress there. An actor's steps end every ``per_step`` tokens of virtual time from when its batch
+  started, at the step's present pace (:meth:`SimActor.step_end`): the reserve call's wait delays the prefill (and
+  counts in the admission wait, as live), the join's the first token, and the request decodes from that step's end.
+  (It counts in the batch from its join: up to one step early.) 0: neither waits; the path is ``ttft_path_s``.
 - **Changes**: a new actor is ready after ``start_s``; a drained actor takes no new work and leaves when it holds
   nothing (no sequence, no reservation); a flipped one is drained, then changes role after ``flip_s`` (same
   weights). Every ``interval_s`` the controller gets an :class:`~cluster.control.controller.Observation` of the last window,
@@ -50,6 +56,7 @@ from cluster.control.controller import (ControllerConfig, ControllerState, Decid
 from cluster.control.observe import ObserverConfig, ObserverState
 from cluster.control.predict import prompt_classes
 from cluster.control.sim_model import CostProfile, Trace
+from cluster.control.sim_admission import Admission
 from cluster.control.sim_pool import PoolChanges
 from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 
@@ -65,7 +72,7 @@ def c_array(typecode: str, values: np.ndarray) -> array.array:
     return out
 
 
-class Simulation(PoolChanges):
+class Simulation(PoolChanges, Admission):
     """One run. Per-request state lives in plain lists while it runs (numpy scalars cost ~10x a float per operation
     in the event loop) and becomes arrays in :class:`SimResult`; K/V is counted per decode actor as sums (held,
     reserved, requests owned), never per block."""
@@ -173,94 +180,6 @@ class Simulation(PoolChanges):
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
         heapq.heappush(self.events, (t, kind, next(self.seq), a, b))
 
-    def _route_prefill(self) -> SimActor | None:
-        """The prefill actor that is free first (stale heap entries dropped)."""
-        heap, actors = self.prefill_heap, self.actors
-        while heap:
-            free_at, aid = heap[0]
-            a = actors[aid]
-            if not a.live or a.role != "prefill" or a.draining or free_at != a.free_at:
-                heapq.heappop(heap)  # stale entry
-                continue
-            return a
-        return None
-
-    def _most_free(self) -> SimActor | None:
-        """The decode actor taking reservations with the most free KV (stale heap entries dropped)."""
-        heap, actors = self.kv_heap, self.actors
-        while heap:
-            free, aid = heap[0]
-            a = actors[aid]
-            if not a.live or a.role != "decode" or a.draining or free != a.kv_held - a.kv_total:
-                heapq.heappop(heap)
-                continue
-            return a
-        return None
-
-    def _compact_kv(self) -> None:
-        """Rebuild the KV heap from the actors taking reservations, one entry each. A release publishes an actor's
-        larger free KV as a new entry and its old one sinks out of reach below the top, so without this the heap
-        grew by one entry per finish (0.16 M entries after ten simulated minutes of 1,000 workers) and every push
-        paid for it. Amortised O(1) per push; the choice (most free, then lowest id) is the same."""
-        self.kv_heap[:] = [(a.kv_held - a.kv_total, a.aid) for a in self.actors
-                           if a.live and a.role == "decode" and not a.draining]
-        heapq.heapify(self.kv_heap)
-
-    # -- admission (decode KV) ----------------------------------------------------------------------------------
-    def _expire(self, now: float) -> None:
-        """Refuse (429) the waiters that waited ``queue_timeout_s``: the oldest are at the head (FIFO)."""
-        q, t_arr, limit = self.adm_queue, self._t, now - self.timeout
-        while q and t_arr[q[0]] <= limit:
-            r = q.popleft()
-            self.adm_tokens -= self._p[r]
-            self.refused[r] = True
-            self.window_refused += 1
-
-    def _admit(self, now: float) -> None:
-        """Admit from the head of the queue while the head fits on some decode actor (strict FIFO); waiters past
-        their queue timeout are refused first."""
-        q = self.adm_queue
-        self._expire(now)
-        while q:
-            r = q[0]
-            a = self._most_free()
-            if a is None or a.kv_total - a.kv_held < self.need[r]:
-                return
-            q.popleft()
-            self.adm_tokens -= self._p[r]
-            self._take(a, r, now)
-
-    def _take(self, a: SimActor, r: int, now: float) -> None:
-        """Reserve ``r``'s KV on ``a`` (the top of the KV heap) and send it to prefill."""
-        nr = self.need[r]
-        a.kv_held += nr
-        a.kv_reserved += nr
-        a.holds += 1
-        heapq.heapreplace(self.kv_heap, (a.kv_held - a.kv_total, a.aid))  # a's entry was the top
-        self.owner[r] = a.aid
-        self.t_adm[r] = now
-        p = self._route_prefill()
-        if p is None:  # no prefill actor (all starting): retry when the next one is ready
-            self._push(now + 0.05, _RETRY, r)
-        else:
-            self._prefill(p, r, now)
-
-    def _release(self, a: SimActor, r: int, now: float) -> None:
-        """``r`` finished on ``a``: its KV is free again (``_after_release`` republishes ``a``'s free KV once)."""
-        a.kv_held -= self.need[r]
-        a.holds -= 1
-        self.window_done.append(r)
-        self.last[r] = now
-
-    def _after_release(self, a: SimActor, now: float) -> None:
-        heapq.heappush(self.kv_heap, (a.kv_held - a.kv_total, a.aid))
-        if len(self.kv_heap) > 4 * len(self.actors) + 64:
-            self._compact_kv()
-        if a.draining and a.holds == 0:
-            self._leave_counted(a, now)
-        if self.adm_queue:
-            self._admit(now)
-
     # -- prefill (cluster/control/sim_prefill.py) --------------------------------------------------------------
     def _prefill(self, a: SimActor, r: int, now: float) -> None:
         """``r`` (admitted at ``now``) goes to prefill actor ``a``, the top of the prefill heap."""
@@ -309,7 +228,7 @@ class Simulation(PoolChanges):
         works = works0 = c_array("d", self.trace.computed() / ptps + pover)
         transfers = c_array("d", p_arr * kvb / link)
         exposeds = c_array("d", p_arr * kvb / link * expo)
-        interval, step_mode = cfg.interval_s, self.step_mode
+        interval, step_mode, waits = cfg.interval_s, self.step_mode, prof.decode_step_waits > 0
         next_control = interval
         self._record(0.0)
         i = 0
@@ -362,6 +281,12 @@ class Simulation(PoolChanges):
                 heapreplace(kv_heap, (a.kv_held - kv_total, a.aid))
                 owner[r] = a.aid
                 t_adm[r] = ta
+                if waits and a.b:  # the reserve call waits for the step in progress there (decode_step_waits)
+                    w = a.step_end(ta)[0]
+                    if w > 0.0:
+                        t_adm[r] = ta + w
+                        heappush(events, (ta + w, _RETRY, next(seq), r, 0))
+                        continue
                 pa = None  # the prefill actor free first
                 while prefill_heap:
                     free_at, aid = prefill_heap[0]
@@ -452,6 +377,9 @@ class Simulation(PoolChanges):
                 o = output[r]
                 if o <= 1:
                     self._release(a, r, t)
+                    if waits and a.b:  # its first token leaves when the step in progress ends (decode_step_waits)
+                        first[r] += a.step_end(t)[0]
+                        last[r] = first[r]
                     self._after_release(a, t)
                 elif a.b < max_batch:
                     b = a.b  # advance
@@ -461,13 +389,18 @@ class Simulation(PoolChanges):
                         a.d_tokens += b * dv
                         a.steps += dv / a.per_step
                         a.busy += t - a.t_last
+                    else:
+                        a.v0 = a.v  # its steps start now
                     a.t_last = t
-                    v = a.v
+                    vj = v = a.v
+                    if waits and b:  # it joins (its first token leaves) when the step in progress ends
+                        w, vj = a.step_end(t)
+                        first[r] += w
                     a.b = b = b + 1  # start
                     a.sum_p += prompt[r]
-                    a.sum_vj += v
+                    a.sum_vj += vj
                     heap = a.heap
-                    heappush(heap, (v + o - 1, r))
+                    heappush(heap, (vj + o - 1, r))
                     a.per_step = tok = tokens[b]
                     a.step = step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * v - a.sum_vj)) * a.k / tok
                     left = heap[0][0] - v
@@ -495,7 +428,7 @@ class Simulation(PoolChanges):
                 works = [w * kp for w in works0]
             elif kind == _RANKS:  # the decode actors' own speeds changed
                 sim_speed.actors(self, x, t)
-            elif kind == _RETRY:  # an admitted request that found no prefill actor
+            elif kind == _RETRY:  # an admitted request that found no prefill actor, or whose reserve call waited
                 a = self._route_prefill()
                 if a is None:
                     self._push(t + 0.05, _RETRY, x)
