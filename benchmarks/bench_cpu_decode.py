@@ -60,14 +60,16 @@ def kernel_rows(batches: list[int], repeats: int, dtype: str) -> None:
         print(f"{b:>6} {f:>9.0f} {m:>9.0f} {m / f:>11.2f}x {u:>9.0f} {u / m:>11.2f}x")
 
 
-def step_rows(model: str, dtype: str, threads: int, batches: list[int], repeats: int) -> None:
+def step_rows(model: str, dtype: str, threads: int, batches: list[int], repeats: int,
+              kv_cache_gib: float | None = None) -> None:
     os.environ["PDCLUSTER_FUSED_ATTN"] = "0"  # the two torch paths (read at every call)
     import pdkernels.cpu_decode as cd
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads))
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads,
+                                 kv_cache_gib=kv_cache_gib))
     fits = cd.fits
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="K/V cache GiB (default: the engine's, 2 GiB on the CPU)")
     ap.add_argument("--batches", default="8,16", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     kernel_rows(args.batches, args.repeats, args.dtype)
-    step_rows(args.model, args.dtype, args.threads, args.batches, args.repeats)
+    step_rows(args.model, args.dtype, args.threads, args.batches, args.repeats, args.kv_cache_gib)
 
 
 if __name__ == "__main__":

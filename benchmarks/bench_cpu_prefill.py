@@ -55,13 +55,14 @@ def kernel_rows(lengths: list[int], repeats: int, dtype: str) -> None:
         print(f"{n:>7} {f:>9.2f} {c:>9.2f} {c / f:>15.2f}x")
 
 
-def prefill_rows(model: str, dtype: str, threads: int, repeats: int) -> None:
+def prefill_rows(model: str, dtype: str, threads: int, repeats: int, kv_cache_gib: float | None = None) -> None:
     import pdkernels.cpu_prefill as cp
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.request.sampling_params import SamplingParams
 
-    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads, enable_prefix_caching=False))
+    eng = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads, enable_prefix_caching=False,
+                                 kv_cache_gib=kv_cache_gib))
     fits = cp.fits
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="K/V cache GiB (default: the engine's, 2 GiB on the CPU)")
     ap.add_argument("--lengths", default="128,286,512,1024,2048", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     kernel_rows(args.lengths, args.repeats, args.dtype)
-    prefill_rows(args.model, args.dtype, args.threads, args.repeats)
+    prefill_rows(args.model, args.dtype, args.threads, args.repeats, args.kv_cache_gib)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--contexts", default="128,600", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--steps", type=int, default=8, help="decode steps per path and context (alternating)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="K/V cache GiB (default: the engine's, 2 GiB on the CPU)")
     args = ap.parse_args(argv)
 
     import pdkernels
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
             spent[0] += time.thread_time() - t
 
     pdkernels.paged_decode_attention = timed_attention  # the model calls it through the package
-    llm = LLM(args.model, dtype=args.dtype, num_threads=1, enable_prefix_caching=False)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=1, enable_prefix_caching=False,
+              kv_cache_gib=args.kv_cache_gib)
     eng = llm.engine
     rng = random.Random(0)
     vocab = eng.runner.model.vocab_width

@@ -327,14 +327,16 @@ def run_hf_device(model, reqs: list[Req], batch: int, device: torch.device) -> d
 
 
 def run_engine_device(folder: str, dtype: str, reqs: list[Req], device: str, max_num_seqs: int,
-                      max_model_len: int) -> dict:
-    """The engine on the workload (after a warm-up), then decode-only steps at the full batch timed three ways."""
+                      max_model_len: int, num_kv_blocks: int | None = None) -> dict:
+    """The engine on the workload (after a warm-up), then decode-only steps at the full batch timed three ways.
+    ``num_kv_blocks``: the cache's size (None: the device's default sizing)."""
     import engine.sampling.sampler as sampler_mod
     from engine import LLM, SamplingParams
     from engine.scheduling.scheduler import SchedulerOutput
 
     llm = LLM(folder, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-              max_num_batched_tokens=max(2048, min(8192, max_num_seqs * 32)), enable_prefix_caching=False)
+              max_num_batched_tokens=max(2048, min(8192, max_num_seqs * 32)), enable_prefix_caching=False,
+              num_kv_blocks=num_kv_blocks)
     eng = llm.engine
     dev = eng.device
     steps: list[dict] = []
@@ -428,7 +430,10 @@ def run_random_model(args: argparse.Namespace) -> None:
             torch.cuda.empty_cache()
         t = time.perf_counter()
         max_len = pmax + omax + 16
-        eng = run_engine_device(folder, args.dtype, reqs, str(device), args.max_num_seqs, max(max_len, 320))
+        # --smoke: a cache for the full batch (4 x 320 tokens = 80 blocks of 16), not the CPU's 2 GiB default (~130,000
+        # blocks on the tiny shape, seconds to build)
+        eng = run_engine_device(folder, args.dtype, reqs, str(device), args.max_num_seqs, max(max_len, 320),
+                                128 if args.smoke else None)
         print(f"engine ({args.dtype}, continuous batching{', CUDA graphs' if device.type == 'cuda' else ''}): "
               f"{eng['tok_s']:.1f} tok/s ({eng['seconds']:.1f}s; started and ran in {time.perf_counter() - t:.1f}s)",
               flush=True)

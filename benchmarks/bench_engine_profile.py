@@ -132,14 +132,14 @@ class Driver:
 
 
 class PdDriver(Driver):
-    def __init__(self, model: str, dtype: str, threads: int) -> None:
+    def __init__(self, model: str, dtype: str, threads: int, kv_cache_gib: float | None = None) -> None:
         import pdkernels
         from engine import LLM
         from engine.models import linear, model as model_mod
         from engine.request.sampling_params import SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False)
+        self.llm = LLM(model, dtype=dtype, num_threads=threads, enable_prefix_caching=False, kv_cache_gib=kv_cache_gib)
         eng = self.llm.engine
         for name in ("paged_decode_attention", "paged_prefill_attention", "paged_prefill_attention_varlen",
                      "decode_plan", "store_kv"):
@@ -287,6 +287,8 @@ def main() -> None:
                     help="VLLM_CPU_OMP_THREADS_BIND for vLLM (e.g. 0: one thread on core 0, like pdcluster's default "
                          "here); empty: vLLM's default (auto)")
     ap.add_argument("--model", default="default", help="pdcluster's model (vLLM always runs the default model)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="pdcluster's K/V cache GiB (default: the engine's, 2 GiB on the CPU)")
     ap.add_argument("--side", choices=("pd", "vllm"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = (args.batch, args.context, args.prefill, args.steps)
@@ -315,7 +317,7 @@ def main() -> None:
             print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr)
             raise SystemExit(f"vLLM side failed (rc {proc.returncode})")
         vl = json.loads(line[7:])
-    pd = run_side(PdDriver(args.model, args.dtype, args.threads), *shape)
+    pd = run_side(PdDriver(args.model, args.dtype, args.threads, args.kv_cache_gib), *shape)
     print(f"dtype {args.dtype}; pdcluster threads {pd['threads']}" + (f", vLLM threads {vl['threads']}" if vl else ""))
     for kind, title in (("prefill", f"prefill chunk ({args.prefill} tokens, one step)"),
                         ("decode", f"decode step (batch {args.batch}, ~{args.context} tokens of context)")):

@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 
-def measure(model: str, dtype: str, contexts: list[int], batch: int, prefill: int) -> dict[str, list[float]]:
+def measure(model: str, dtype: str, contexts: list[int], batch: int, prefill: int,
+            kv_cache_gib: float | None = None) -> dict[str, list[float]]:
     """Thread CPU milliseconds per step, by kind. Runs in the tree on ``sys.path``."""
     from engine import LLM
     from engine.request.sampling_params import SamplingParams
 
-    llm = LLM(model, dtype=dtype, num_threads=1, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, num_threads=1, enable_prefix_caching=False, kv_cache_gib=kv_cache_gib)
     eng = llm.engine
     rng = random.Random(0)
     vocab = eng.runner.model.vocab_width
@@ -74,11 +75,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="K/V cache GiB (default: the engine's, 2 GiB on the CPU)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.child:
-        print("RESULT " + json.dumps(measure(args.model, args.dtype, contexts, args.batch, args.prefill)))
+        print("RESULT " + json.dumps(measure(args.model, args.dtype, contexts, args.batch, args.prefill,
+                                             args.kv_cache_gib)))
         return
     if not args.before:
         ap.error("--before: the tree to compare against is required")
@@ -88,6 +92,8 @@ def main() -> None:
         for name, tree in trees.items():
             cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model", args.model, "--dtype",
                    args.dtype, "--contexts", args.contexts, "--batch", str(args.batch), "--prefill", str(args.prefill)]
+            if args.kv_cache_gib is not None:
+                cmd += ["--kv-cache-gib", str(args.kv_cache_gib)]
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd="/",
                                   env={**os.environ, "PYTHONPATH": str(Path(tree).resolve())})
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)

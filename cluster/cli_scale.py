@@ -8,11 +8,15 @@ import time
 from typing import Any
 
 
+WAIT_HELP = "seconds to wait for --ray-address to answer before giving up (exit status 2)"
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     sc = sub.add_parser("scale", help="resize a running cluster's prefill and decode pools (drains what it removes)")
     sc.add_argument("--prefill", type=int, required=True)
     sc.add_argument("--decode", type=int, required=True)
     sc.add_argument("--ray-address", default="auto", help="the cluster's Ray (default: the local one)")
+    sc.add_argument("--wait-s", type=float, default=10.0, help=WAIT_HELP)
     sc.set_defaults(func=_cmd_scale)
     au = sub.add_parser("autoscale", help="let the controller move the prefill:decode ratio (on) or stop it (off)")
     au.add_argument("state", choices=["on", "off"])
@@ -22,18 +26,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     au.add_argument("--dry-run", action="store_true",
                     help="on: decide and log every decision (pdcluster status, the record) without carrying any out")
     au.add_argument("--ray-address", default="auto", help="the cluster's Ray (default: the local one)")
+    au.add_argument("--wait-s", type=float, default=10.0, help=WAIT_HELP)
     au.set_defaults(func=_cmd_autoscale)
 
 
-def _manager(address: str) -> Any:
-    """The running cluster's PoolManager actor, or None (the error printed) if there is none at ``address``."""
+def _manager(address: str, wait_s: float) -> Any:
+    """The running cluster's PoolManager actor, or None (the error printed) if there is none at ``address`` (one
+    that does not answer within ``wait_s`` seconds)."""
     import ray
 
     from cluster.wire.ray_address import wait_reachable
     from cluster.wire.names import MANAGER_NAME, NAMESPACE
 
     try:
-        wait_reachable(address, timeout_s=10.0)
+        wait_reachable(address, timeout_s=wait_s)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         return ray.get_actor(MANAGER_NAME, namespace=NAMESPACE)
     except (ConnectionError, ValueError) as e:
@@ -44,7 +50,7 @@ def _manager(address: str) -> Any:
 def _cmd_scale(args: argparse.Namespace) -> int:
     import ray
 
-    manager = _manager(args.ray_address)
+    manager = _manager(args.ray_address, args.wait_s)
     if manager is None:
         return 2
     done = manager.scale.remote(args.prefill, args.decode)
@@ -69,7 +75,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 def _cmd_autoscale(args: argparse.Namespace) -> int:
     import ray
 
-    manager = _manager(args.ray_address)
+    manager = _manager(args.ray_address, args.wait_s)
     if manager is None:
         return 2
     from pathlib import Path

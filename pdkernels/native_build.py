@@ -85,9 +85,11 @@ def source_bytes(source: Path) -> bytes:
 
 def build_dir(lib: NativeLibrary) -> Path:
     """Where ``lib`` is built: keyed by its source and quoted headers, flags (and this CPU's flags under
-    ``-march=native``) and torch's version. Reads the source and its headers."""
+    ``-march=native``), torch's version and the source's path: torch's ``build.ninja`` names the source by path, so two
+    checkouts sharing one folder would make ninja rebuild (seconds) in each process whose path differs from the last
+    one's. Reads the source and its headers."""
     root = Path(os.environ.get("PDCLUSTER_EXT_CACHE", Path.home() / ".cache" / "pdcluster" / "ext"))
-    key = source_bytes(lib.source) + " ".join(lib.cflags).encode()
+    key = source_bytes(lib.source) + " ".join(lib.cflags).encode() + str(lib.source.resolve()).encode()
     if "-march=native" in lib.cflags:
         key += " ".join(sorted(cpu_flags())).encode()
     digest = hashlib.sha256(key).hexdigest()[:16]

@@ -12,6 +12,10 @@ import torch
 # the CPU computes it natively) another batch shape or prefill chunking can round a logit differently and a greedy
 # completion can take another word; float32 keeps the engine's answers equal across them (docs/architecture.md).
 EXACT_DTYPE = "float32"
+# K/V blocks for an engine on a tiny test model that must hold a test's prompts without preempting: 512 blocks (4,096
+# tokens at block size 8). Not the engine's 2 GiB default: on these models (8 KiB a block) that is ~262,000 blocks,
+# ~3 s of CPU per engine to build (a Python object per block, 2 GiB zeroed) for K/V nobody uses.
+ROOMY_KV_BLOCKS = 512
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

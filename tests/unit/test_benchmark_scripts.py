@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# the scripts' engines on the tiny test model: 0.05 GiB (6,400 blocks of its 8 KiB), not the CPU's 2 GiB default
+# (~262,000 blocks: ~3 s of CPU per engine to build)
+SMALL_KV = ["--kv-cache-gib", "0.05"]
 
 
 def test_bench_engine_runs() -> None:
@@ -85,7 +88,7 @@ def test_aiperf_numbers_compare_like_with_like() -> None:
 def test_bench_cpu_decode_runs(tiny_checkpoint) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_decode.py"), "--model", str(tiny_checkpoint("llama")),
-         "--batches", "2", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+         "--batches", "2", "--repeats", "1", *SMALL_KV], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "engine decode step" in out.stdout and "bmm / flash" in out.stdout and "fused / bmm" in out.stdout
 
@@ -93,7 +96,8 @@ def test_bench_cpu_decode_runs(tiny_checkpoint) -> None:
 def test_bench_decode_attention_share_runs(tiny_checkpoint) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_decode_attention_share.py"), "--model",
-         str(tiny_checkpoint("llama")), "--dtype", "float32", "--batch", "2", "--contexts", "20", "--steps", "2"],
+         str(tiny_checkpoint("llama")), "--dtype", "float32", "--batch", "2", "--contexts", "20", "--steps", "2",
+         *SMALL_KV],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused kernel available" in out.stdout and "attn share" in out.stdout and "f/t" in out.stdout
@@ -102,7 +106,7 @@ def test_bench_decode_attention_share_runs(tiny_checkpoint) -> None:
 def test_bench_cpu_prefill_runs(tiny_checkpoint) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_cpu_prefill.py"), "--model", str(tiny_checkpoint("llama")),
-         "--lengths", "40", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+         "--lengths", "40", "--repeats", "1", *SMALL_KV], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "engine prefill" in out.stdout and "chunked / flash" in out.stdout
 
@@ -111,7 +115,7 @@ def test_bench_engine_profile_runs(tiny_checkpoint) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_engine_profile.py"), "--model", str(tiny_checkpoint("llama")),
          "--vllm-python", "", "--batch", "2", "--context", "40", "--prefill", "24", "--steps", "2",
-         "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+         "--dtype", "float32", *SMALL_KV], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     for row in ("decode step (batch 2", "prefill chunk (24 tokens", "gemm", "attention", "step python"):
         assert row in out.stdout, out.stdout
@@ -121,7 +125,7 @@ def test_bench_step_ab_runs(tiny_checkpoint) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_step_ab.py"), "--model", str(tiny_checkpoint("llama")),
          "--before", str(ROOT), "--after", str(ROOT), "--dtype", "float32", "--contexts", "20", "--batch", "2",
-         "--prefill", "24", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+         "--prefill", "24", "--repeats", "1", *SMALL_KV], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "decode 2x20" in out.stdout and "prefill 24" in out.stdout and "after/before" in out.stdout, out.stdout
 

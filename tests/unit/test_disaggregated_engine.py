@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.request.grammar_spec import GrammarSpec
 from engine.scheduling.kv_cache_manager import cdiv
 from engine.scheduling.scheduler import SchedulerOutput
-from tests.factories import EXACT_DTYPE
+from tests.factories import EXACT_DTYPE, ROOMY_KV_BLOCKS
 
 
 def prompts(seed: int = 3) -> list[list[int]]:
@@ -52,7 +52,7 @@ def hand_off_equals_colocated(folder: str, params: SamplingParams) -> None:
     common = dict(dtype="float32", block_size=8, max_num_batched_tokens=48, enable_prefix_caching=True)
     prefill = LLM(folder, num_kv_blocks=64, **common).engine
     decode = LLM(folder, num_kv_blocks=200, **common).engine
-    reference = LLM(folder, **common).generate(prompts(), params)
+    reference = LLM(folder, num_kv_blocks=ROOMY_KV_BLOCKS, **common).generate(prompts(), params)
 
     bs = 8
     reserved: dict[str, list[int]] = {}
@@ -118,7 +118,7 @@ def test_recompute_after_lost_kv_continues_after_the_first_token(tiny_checkpoint
     params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=11)
     # float32: the recompute prefills the first token that the reference decoded; in bfloat16 the prefill and decode
     # attention round differently (tests/factories.py: EXACT_DTYPE)
-    want = LLM(folder, dtype=EXACT_DTYPE, block_size=8).generate(prompts()[:3], params)
+    want = LLM(folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=ROOMY_KV_BLOCKS).generate(prompts()[:3], params)
     eng = LLM(folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=80).engine
     for i, (p, ref) in enumerate(zip(prompts()[:3], want)):
         blocks = [b.block_id for b in eng.kv.pool.allocate(cdiv(len(p) + 10, 8))]
@@ -140,7 +140,8 @@ def test_a_request_started_on_reserved_blocks_hits_the_prefix_cache(tiny_checkpo
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     shared = list(range(5, 45))  # 40 tokens: 5 full blocks of 8
     first, second = shared + [60, 61], shared + [70, 71, 72]
-    want = LLM(folder, dtype=EXACT_DTYPE, block_size=8, enable_prefix_caching=False).generate([first, second], params)
+    want = LLM(folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=ROOMY_KV_BLOCKS,
+               enable_prefix_caching=False).generate([first, second], params)
     eng = LLM(folder, dtype=EXACT_DTYPE, block_size=8, num_kv_blocks=40).engine
     outs = {}
     for rid, p in (("a", first), ("b", second)):
@@ -171,7 +172,7 @@ def test_scaled_kv_parts_carry_scales_and_decode_equals_colocated(tiny_checkpoin
     decode = LLM(folder, num_kv_blocks=200, **common).engine
     # one prompt at a time, so its prefill is chunked as on the prefill engine: a block's FP8 scale is fixed by the
     # write that opens it, so other chunk boundaries could open blocks with other scales
-    colocated = LLM(folder, **common)
+    colocated = LLM(folder, num_kv_blocks=ROOMY_KV_BLOCKS, **common)
     reference = [colocated.generate([p], params)[0] for p in prompts()[:4]]
     assert decode.kv_layer(0).dtype == cache_dtype and decode.kv_layer_scales(0) is not None
     k0 = decode.kv_layer(0)[0]

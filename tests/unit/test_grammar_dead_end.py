@@ -16,6 +16,7 @@ from decode_worker.deltas import DeltaTracker
 from engine import LLM, SamplingParams
 from engine.request.grammar_spec import GrammarSpec
 from engine.sampling.sampling_grammar import GrammarEnd, dead_end
+from factories import ROOMY_KV_BLOCKS
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
 from proxy.jobs import Job, Leg
@@ -25,7 +26,8 @@ AB = GrammarSpec.of(("regex", "ab"))
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:  # type: ignore[no-untyped-def]
-    return LLM(str(tiny_checkpoint("llama")), dtype="float32", max_num_seqs=8, block_size=8)
+    return LLM(str(tiny_checkpoint("llama")), dtype="float32", max_num_seqs=8, block_size=8,
+               num_kv_blocks=ROOMY_KV_BLOCKS)
 
 
 def _run(llm: LLM, request_id: str, params: SamplingParams, prefix: list[int]) -> list:  # type: ignore[type-arg]

@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.scheduling.kv_cache_manager import cdiv
 from engine.model_runner import kv_block_bytes
 from engine.scheduling.scheduler import SchedulerOutput
+from factories import ROOMY_KV_BLOCKS
 from kv_transfer.wire.base import as_bytes, dtype_name
 from kv_transfer.wire.header import ExpectedTransfer, HeaderMismatchError
 from kv_transfer.wire.layer_parts import install_layer_part, pack_layer_part
@@ -42,7 +43,8 @@ def test_latent_parts_decode_equals_colocated(tiny_checkpoint, kv_dtype: str) ->
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     prefill = LLM(folder, num_kv_blocks=64, **common).engine
     decode = LLM(folder, num_kv_blocks=100, **common).engine
-    colocated = LLM(folder, **common)  # one prompt at a time: chunked as on the prefill engine (FP8 block scales)
+    # one prompt at a time: chunked as on the prefill engine (FP8 block scales)
+    colocated = LLM(folder, num_kv_blocks=ROOMY_KV_BLOCKS, **common)
     reference = [colocated.generate([p], params)[0] for p in prompts()]
     mc = decode.model_config
     assert mc.kv_layout == "mla" and tuple(decode.kv_layer(0).shape[2:]) == (BS, 1, 15)  # latent 21 + 8, in halves

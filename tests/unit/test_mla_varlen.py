@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.parallel.step_wire import varlen_prefill
+from factories import ROOMY_KV_BLOCKS
 
 MAX_NEW = 8
 
@@ -53,7 +54,7 @@ def _generate(folder: str, varlen: bool, block_size: int
     """Greedy ids and their logprobs per prompt, the partial prefills, the most prefill chunks in one step and the
     prefix-cached tokens."""
     llm = LLM(folder, dtype="float32", max_num_seqs=16, max_num_batched_tokens=48, block_size=block_size,
-              enable_prefix_caching=True)
+              num_kv_blocks=ROOMY_KV_BLOCKS, enable_prefix_caching=True)
     runner = llm.engine.runner
     runner.varlen_prefill = varlen
     most_chunks = 0

@@ -31,6 +31,11 @@ def test_a_quoted_header_changes_the_build_key_and_a_system_header_does_not(tmp_
     after = build_dir(_lib(src))
     assert after != before
     assert after.parent == before.parent == tmp_path / "ext"
+    # the same source and headers at another path (another checkout) builds in a folder of its own
+    (tmp_path / "copy").mkdir()
+    for name in ("inner.h", "outer.h", "k.cpp"):
+        (tmp_path / "copy" / name).write_bytes((tmp_path / name).read_bytes())
+    assert build_dir(_lib(tmp_path / "copy" / "k.cpp")) not in (after, before)
 
 
 def test_a_missing_quoted_header_is_an_error_not_a_silent_key(tmp_path: Path) -> None:

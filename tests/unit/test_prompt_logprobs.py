@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from factories import ROOMY_KV_BLOCKS
 
 TOL = 1e-3
 
@@ -38,7 +39,7 @@ def llama(tiny_checkpoint):  # type: ignore[no-untyped-def]
 
 def _run(folder, prompts, k: int | None, max_tokens: int = 2,  # type: ignore[no-untyped-def]
          **engine) -> tuple[list, LLM]:
-    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, **engine)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=8, **{"num_kv_blocks": ROOMY_KV_BLOCKS, **engine})
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=k))
     llm.engine.check_integrity()
     assert llm.engine.kv.pool.counts()["used"] == 0
@@ -71,7 +72,7 @@ def test_chunked_equals_one_chunk_and_prefix_cache_is_bypassed(llama, one_chunk)
     # 24-token chunks beside other prompts' chunks; every prompt twice, the second time a prefix-cache hit but for
     # prompt_logprobs; a tiny cache preempts
     llm = LLM(str(folder), dtype="float32", max_num_seqs=8, max_num_batched_tokens=24, block_size=8,
-              enable_prefix_caching=True)
+              num_kv_blocks=ROOMY_KV_BLOCKS, enable_prefix_caching=True)
     first = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3))
     again = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3))
     assert llm.engine.scheduler.stats.partial_prefills > 0

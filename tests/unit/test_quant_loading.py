@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.models.model import DecoderModel
 from engine.models.model_config import load_model_config
 from engine.models.model_loader import load_state_dict
+from factories import ROOMY_KV_BLOCKS
 from pdkernels.quant import Fp8Weight, Int4Weight, Int8Weight
 from pdkernels.quant_ref import fp8_activations, quantize_tokens_int8
 from quant_factory import LOGPROB_TOL, logprob_tol, quantize_checkpoint, scheme_config, with_config
@@ -105,7 +106,7 @@ def _assert_dequantizes_to(q: Path, dense: Path) -> dict[str, object]:
 
 
 def _generate(folder: Path) -> list[tuple[list[int], list[float]]]:
-    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=64, block_size=8)
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=64, block_size=8, num_kv_blocks=ROOMY_KV_BLOCKS)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=0))
     return [(o.outputs[0].token_ids, [s[t] for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
             for o in outs]

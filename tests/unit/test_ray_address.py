@@ -50,8 +50,10 @@ def test_reachable_returns_and_closed_port_raises_after_timeout() -> None:
 def test_cli_scale_on_dead_address_exits_fast(argv: list[str]) -> None:
     port = _closed_port()
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", *argv, "--ray-address", f"127.0.0.1:{port}"],
-                       capture_output=True, text=True, timeout=120)
+    # --wait-s 1: how long it waits for the address to answer (10 s by default; wait_reachable's bound is tested
+    # above): "fast" is that it gives up after that wait instead of Ray's own minutes of retries
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", *argv, "--ray-address", f"127.0.0.1:{port}",
+                        "--wait-s", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert f"127.0.0.1:{port}" in r.stderr and "not reachable" in r.stderr
     assert time.monotonic() - t0 < 60
