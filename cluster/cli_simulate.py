@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cluster.control.record import Recording
+    from cluster.control.replay_check import Latencies
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -106,14 +107,11 @@ def _replay(args: argparse.Namespace) -> int:
     report = side_by_side(rec, result, profile)
     print(format_report(report), flush=True)
     if rec.source == "live" and rec.finished:
-        from cluster.control.replay_check import format_comparison, format_gaps, recorded, replayed, slo_pairs
+        from cluster.control.replay_check import recorded, replayed
 
-        live, sim = recorded(rec), replayed(result, trace.output)
-        own = (rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
         print("\nrecorded and replayed latencies judged at the record's SLOs and where it meets 30-70% (issue 47: "
               "within 5 points):")
-        print(format_comparison(live, sim, [own, *slo_pairs(live)]))
-        print(format_gaps(live, sim, slo_pairs(live)), flush=True)
+        _print_judged(rec, recorded(rec), replayed(result, trace.output))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -122,20 +120,27 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _versus(rec: Recording, other: Recording) -> int:
     """Two live records of one load judged as a record and its replay: ``other`` in the replay's place."""
-    from cluster.control.replay_check import format_comparison, format_gaps, recorded, slo_pairs
+    from cluster.control.replay_check import recorded
 
     if rec.source != "live" or other.source != "live" or not rec.finished or not other.finished:
         print("error: --versus compares two live records with finished requests", file=sys.stderr)
         return 2
-    live, again = recorded(rec), recorded(other)
-    own = (rec.controller.slo_ttft_s, rec.controller.slo_tpot_s)
     changes = [sum(1 for d in r.decisions if d["changes"]) for r in (rec, other)]
     print(f"{len(rec.finished)} finished requests ({changes[0]} pool changes) and, in the replayed column, another "
           f"live run's {len(other.finished)} ({changes[1]} pool changes), judged at the first one's SLOs and where it "
           f"meets 30-70%:")
-    print(format_comparison(live, again, [own, *slo_pairs(live)]))
-    print(format_gaps(live, again, slo_pairs(live)), flush=True)
+    _print_judged(rec, recorded(rec), recorded(other))
     return 0
+
+
+def _print_judged(rec: Recording, live: Latencies, other: Latencies) -> None:
+    """``other`` (a replay, or another live run) judged against the record ``rec``'s ``live`` latencies: the table at
+    its own SLOs and at every pair where it meets 30-70%, then the mean and worst gap over those pairs."""
+    from cluster.control.replay_check import format_comparison, format_gaps, slo_pairs
+
+    pairs = slo_pairs(live)
+    print(format_comparison(live, other, [(rec.controller.slo_ttft_s, rec.controller.slo_tpot_s), *pairs]))
+    print(format_gaps(live, other, pairs), flush=True)
 
 
 def parse_clients(text: str) -> dict[int, int] | str:

@@ -66,15 +66,16 @@ def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> Cost
     if len(parts) >= MIN_SAMPLES:
         # with the step model and the decode actors' counters, the waits for a decode step in progress (the reserve
         # call's, the join's) are simulated (decode_step_waits): the path keeps what is left of it on average
-        rest = statistics.median(max(0.0, s.ttft_s - s.admission_wait_s - s.prefill_queue_s - s.prefill_compute_s
-                                     - s.transfer_s) for s in (f.sample for f in parts))
         wait = step_wait(rec) if budget_tokens > 0 else None
         if wait:
             changes.update(ttft_path_s=base.ttft_path_s + unwaited_path_s(rec, wait), decode_step_waits=1)
-        elif budget_tokens > 0:
-            changes["ttft_path_s"] = base.ttft_path_s + rest + admission_rpc_s(rec)
         else:
-            changes["prefill_overhead_s"] = base.prefill_overhead_s + rest
+            rest = statistics.median(max(0.0, s.ttft_s - s.admission_wait_s - s.prefill_queue_s
+                                         - s.prefill_compute_s - s.transfer_s) for s in (f.sample for f in parts))
+            if budget_tokens > 0:
+                changes["ttft_path_s"] = base.ttft_path_s + rest + admission_rpc_s(rec)
+            else:
+                changes["prefill_overhead_s"] = base.prefill_overhead_s + rest
         full = [f.sample.prompt_tokens * base.kv_bytes_per_token / (base.link_gbps * 1e9) for f in parts]
         if sum(full) > 0:
             changes["exposed_transfer"] = min(1.0, sum(f.sample.transfer_s for f in parts) / sum(full))
