@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
