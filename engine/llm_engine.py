@@ -9,13 +9,12 @@ from typing import Any
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.models.default_model import resolve_model
 from engine.completion_progress import CompletionProgress
-from engine.text.detokenizer import IncrementalDetokenizer, fast_decoder
-from engine.text.hf_tokenizer import load_tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.engine_tokenizer import EngineTokenizer
 from engine.device import num_kv_blocks, resolve_device, resolve_dtype
 from engine.sampling.grammar import GrammarCompiler, GrammarError
 from engine.scheduling.kv_cache_manager import KVCacheManager, cdiv
@@ -87,8 +86,8 @@ class LLMEngine:
         path = resolve_model(config.model, config.cache_dir, progress)
         self.model_path = path
         self.model_config = mc = load_model_config(path)
-        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(path)  # AutoTokenizer's, without its config load
-        self._decoder = fast_decoder(self.tokenizer)  # the detokenizers' decode: the Rust backend where equal
+        self._tokens = EngineTokenizer(path, config.cache_dir)  # transformers' tokenizer only where needed
+        self._decoder = self._tokens.decoder  # the detokenizers' decode: the Rust backend where equal
         self.bind_threads()
         self.device = resolve_device(config.device)
         dtype_name = resolve_dtype(config.dtype, self.device)
@@ -132,10 +131,8 @@ class LLMEngine:
         # what the prefix cache gains and loses, for routers in other processes
         self.prefix_events = PrefixEventLog()
         self.kv.pool.events = self.prefix_events
-        eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        eos = self._tokens.eos_token_id
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | frozenset(() if eos is None else (eos,))
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.eos_token_ids)
         tp = self.tp_group
@@ -164,6 +161,11 @@ class LLMEngine:
         elif draft is not None:
             drafter = DraftModelDrafter(draft, self.tokenizer, mc.vocab_size, self.runner, self.max_model_len)
         self.spec = SpeculativeDecoder(spec, drafter) if spec else None
+
+    @property
+    def tokenizer(self) -> Any:
+        """``AutoTokenizer``'s tokenizer, loaded at first use where the engine started without it (engine_tokenizer)."""
+        return self._tokens.hf
 
     def enable_decode_graphs(self) -> bool:
         """Mutates: capture the decode CUDA graphs now, if this engine decodes with graphs (CUDA, not
