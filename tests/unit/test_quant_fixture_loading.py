@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from test_quant_loading import PROMPTS, _generate, hf_reference
+from test_quant_loading import PROMPTS, _generate, assert_teacher_forced, hf_reference
 from quant_factory import logprob_tol
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "quant"
@@ -82,7 +82,13 @@ def test_fixture_generates_as_its_hand_dequantized_weights(tmp_path: Path, fixtu
     scheme = {"fp8_native_block": "fp8_native"}.get(fixture, fixture)
     static = {n[: -len(".input_scale")]: t for n, t in load_file(str(folder / "model.safetensors")).items()
               if n.endswith(".input_scale")}
-    for (ids, lps), (ref_ids, ref_lps) in zip(_generate(folder), hf_reference(dense, scheme, PROMPTS, block=128,
-                                                                             act_scales=static)):
+    got = _generate(folder)
+    if scheme == "w8a8":
+        # int8 activations: a near tie may fall the other way where the CPU's int8 matmul rounds otherwise (an AMX
+        # Xeon, 2026-12-08: 212 at -2.8542 against 241 at -2.8507 in the reference, 0.0035 apart); each token is
+        # checked under the reference fed the engine's own tokens instead
+        assert_teacher_forced(dense, scheme, got, logprob_tol(scheme), block=128, act_scales=static)
+        return
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, hf_reference(dense, scheme, PROMPTS, block=128, act_scales=static)):
         assert ids == ref_ids
         assert lps == pytest.approx(ref_lps, abs=logprob_tol(scheme))

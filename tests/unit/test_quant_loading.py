@@ -82,10 +82,11 @@ def hf_reference(dense: Path, scheme: str, prompts: list[list[int]], block: int 
     return outs
 
 
-def assert_teacher_forced(dense: Path, scheme: str, got: list[tuple[list[int], list[float]]], tol: float) -> None:
+def assert_teacher_forced(dense: Path, scheme: str, got: list[tuple[list[int], list[float]]], tol: float,
+                          block: int = 32, act_scales: dict[str, torch.Tensor] | None = None) -> None:
     """Each token the engine chose has, under :func:`_hf_model` fed the same tokens, the logprob the engine gave it
     (within ``tol``) and is the reference's top-1 or within ``2 tol`` of it (a near tie)."""
-    model = _hf_model(dense, scheme)
+    model = _hf_model(dense, scheme, block, act_scales)
     with torch.no_grad():
         for p, (ids, lps) in zip(PROMPTS, got):
             ref = model(torch.tensor([p + ids])).logits[0, len(p) - 1: -1].float().log_softmax(-1)
