@@ -26,7 +26,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import dataclasses
@@ -35,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cluster.proxy_procs import spawn_proxy, stop_proxies, wait_listening, wait_ready
 from cluster.local_ray import claim, ray_cpus, start_local_ray, wait_released
 from cluster.placement import LandedActor, Placement, PlacementError, PlacementRequest, kv_words, plan_placement
 from cluster.wire import node_gpus
-from cluster.wire.auth import ENV_VAR, ClusterSecret
+from cluster.wire.auth import ClusterSecret
 from cluster.wire.names import CONTROL_GROUP, CONTROL_THREADS
 from cluster.wire.node import LOOPBACK, is_wildcard
 from cluster.wire.worker_config import WorkerConfig
@@ -328,6 +328,7 @@ class Cluster:
         self.urls: list[str] = []
         self.secret: ClusterSecret | None = None  # the cluster's secret once started (None: authentication off)
         self._port_dir: str | None = None
+        self._proxy_args: dict[str, Any] = {}  # what every proxy of this cluster starts with (add_proxy)
         self._owns_ray = False  # stop() shuts Ray down only if this cluster started or joined it
         self._local_ray = local_ray
         self._sole = False  # the only cluster on its Ray: stop() ends every pdcluster actor there
@@ -406,66 +407,40 @@ class Cluster:
                 worker, kv, roles, cfg.on_transfer_failure, ctrl,
                 profile=json.loads(Path(cfg.controller_profile).read_text()) if cfg.controller_profile else None)
             ray.get(self.manager.counts.remote(), timeout=60)
-        address = ray.get_runtime_context().gcs_address
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop(ENV_VAR, None)
-        if self.secret is not None:  # the environment, not the command line: ps shows arguments to every user
-            env[ENV_VAR] = self.secret.reveal()
+        self._proxy_args = dict(ray_address=ray.get_runtime_context().gcs_address, host=cfg.host,
+                                model_name=cfg.model_name, stream_host=local, disaggregated=disagg,
+                                secret=None if self.secret is None else self.secret.reveal())
         self._port_dir = tempfile.mkdtemp(prefix="pdcluster-ports-")
-        port_files = []
-        for i in range(cfg.proxies):
-            port = cfg.port + i if cfg.port else 0
-            port_files.append(os.path.join(self._port_dir, f"proxy-{i}"))
-            self.proxy_procs.append(subprocess.Popen(
-                [sys.executable, "-m", "proxy.main", "--ray-address", address, "--host", cfg.host,
-                 "--port", str(port), "--port-file", port_files[-1], "--model-name", cfg.model_name]
-                + cfg.proxy.argv()
-                + (["--stream-host", local] if local else [])
-                + (["--disaggregated"] if cfg.mode == "disaggregated" else [])
-                + ([] if self.secret is not None else ["--no-cluster-auth"]), env=env))
+        started = [self._spawn_proxy(cfg.proxy, cfg.port + i if cfg.port else 0) for i in range(cfg.proxies)]
         deadline = time.monotonic() + timeout_s
-        for proc, path in zip(self.proxy_procs, port_files):  # each proxy reports the port it bound
-            while not os.path.exists(path):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a proxy exited with {proc.returncode} before listening")
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"a proxy did not listen within {timeout_s}s")
-                time.sleep(0.2)
-            with open(path) as f:
-                self.urls.append(f"http://{cfg.host}:{int(f.read())}")
-        if self.urls:
-            self._wait_ready(max(1.0, deadline - time.monotonic()))
+        self.urls += [wait_listening(proc, path, cfg.host, deadline) for proc, path in started]
+        for url, (proc, _) in zip(self.urls, started):
+            wait_ready(url, proc, max(deadline, time.monotonic() + 1.0))
 
-    def _wait_ready(self, timeout_s: float) -> None:
-        import http.client
-        import urllib.request
+    def _spawn_proxy(self, settings: ProxySettings, port: int) -> tuple[subprocess.Popen[bytes], str]:
+        assert self._port_dir is not None
+        path = os.path.join(self._port_dir, f"proxy-{len(self.proxy_procs)}")
+        self.proxy_procs.append(spawn_proxy(port=port, port_file=path, settings=settings, **self._proxy_args))
+        return self.proxy_procs[-1], path
 
+    def add_proxy(self, settings: ProxySettings, timeout_s: float = 120.0) -> str:
+        """Mutates: start one more proxy on this running cluster with its own ``settings`` (another disaggregation
+        mode, SLO or queue timeout: one set of actors serving under several front doors), on a free port; it stops
+        with the cluster. Returns its URL once it is ready."""
+        if not self._proxy_args:
+            raise RuntimeError("add_proxy: start the cluster first")
+        proc, path = self._spawn_proxy(settings, 0)
         deadline = time.monotonic() + timeout_s
-        for url, proc in zip(self.urls, self.proxy_procs):
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"proxy for {url} exited with {proc.returncode}")
-                try:
-                    with urllib.request.urlopen(f"{url}/ready", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except (OSError, http.client.HTTPException):
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{url} not ready after {timeout_s}s")
-                time.sleep(0.3)
+        url = wait_listening(proc, path, self.cfg.host, deadline)
+        wait_ready(url, proc, deadline)
+        self.urls.append(url)
+        return url
 
     def stop(self) -> None:
         """End proxies (SIGTERM, then SIGKILL), actors and, if we started it, Ray."""
         import ray
 
-        for p in self.proxy_procs:
-            p.terminate()
-        for p in self.proxy_procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_proxies(self.proxy_procs)
         if self.manager is not None:
             try:
                 ray.get(self.manager.autoscale.remote(False), timeout=10)

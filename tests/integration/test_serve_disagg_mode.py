@@ -1,6 +1,7 @@
 """Conditional disaggregation served (issue 48): on a 1P1D cluster, ``--disagg-mode always`` prefills every prompt on
 the prefill actor (K/V moved), ``never`` on the decode owner (no K/V moved); the greedy answers are the same both
-ways and equal the offline engine's (float32); the decisions are in /metrics and /status."""
+ways and equal the offline engine's (float32); the decisions are in /metrics and /status. One cluster serves every
+mode, each through a proxy of its own (``Cluster.add_proxy``): one cluster start instead of three."""
 
 from __future__ import annotations
 
@@ -25,28 +26,37 @@ from tests.integration.test_serve_disaggregated import PROMPTS, ask_all  # noqa:
 pytestmark = pytest.mark.usefixtures("local_ray")
 
 
-def served(mode: str, prompts: list[str] = PROMPTS) -> tuple[list[str], int, str, dict]:
+@pytest.fixture(scope="module")
+def cluster():  # type: ignore[no-untyped-def]
+    """One 1P1D cluster for the module; each test serves through proxies of its own disaggregation mode on it
+    (Cluster.add_proxy): the same actors under each mode, one cluster start instead of three."""
     c = Cluster(ServeConfig(worker=WorkerConfig(dtype=EXACT_DTYPE, kv_cache_gib=0.5), decode=1, prefill=1, port=0,
-                            proxy=ProxySettings(disagg_mode=mode)), local_ray=True)
+                            proxies=0), local_ray=True)
     c.start()
-    try:
-        answers = ask_all(c.urls[0], prompts)
-        sent = ray.get(c.prefill_actors[0].stats.remote())["kv_bytes_sent"]
-        with urllib.request.urlopen(f"{c.urls[0]}/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        with urllib.request.urlopen(f"{c.urls[0]}/status", timeout=10) as r:
-            status = json.loads(r.read())
-        return answers, sent, metrics, status
-    finally:
-        c.stop()
+    yield c
+    c.stop()
 
 
-@pytest.mark.timeout(600)  # two clusters and the offline engine: over 300 s on a loaded 2-core machine
-def test_both_prefill_sides_give_the_same_greedy_text(offline_default: LLM) -> None:
+def served(c: Cluster, mode: str, prompts: list[str] = PROMPTS) -> tuple[list[str], int, str, dict]:
+    """The answers through a new proxy of disaggregation ``mode``, the K/V bytes the prefill actor sent meanwhile, and
+    that proxy's /metrics and /status."""
+    url = c.add_proxy(ProxySettings(disagg_mode=mode))
+    before = ray.get(c.prefill_actors[0].stats.remote())["kv_bytes_sent"]
+    answers = ask_all(url, prompts)
+    sent = ray.get(c.prefill_actors[0].stats.remote())["kv_bytes_sent"] - before
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    with urllib.request.urlopen(f"{url}/status", timeout=10) as r:
+        status = json.loads(r.read())
+    return answers, sent, metrics, status
+
+
+@pytest.mark.timeout(600)  # a cluster and the offline engine: over 300 s on a loaded 2-core machine
+def test_both_prefill_sides_give_the_same_greedy_text(cluster: Cluster, offline_default: LLM) -> None:
     want = [o.text for o in offline_default.chat(
         [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(max_tokens=24))]
-    remote, sent_remote, metrics_remote, status_remote = served("always")
-    local, sent_local, metrics_local, status_local = served("never")
+    remote, sent_remote, metrics_remote, status_remote = served(cluster, "always")
+    local, sent_local, metrics_local, status_local = served(cluster, "never")
     assert remote == local == want
     assert sent_remote > 0 and sent_local == 0  # never: the prefill actor moved no K/V
     n = len(PROMPTS)
@@ -57,7 +67,8 @@ def test_both_prefill_sides_give_the_same_greedy_text(offline_default: LLM) -> N
 
 
 @pytest.mark.timeout(600)
-def test_auto_splits_a_burst_between_the_sides_and_the_text_stays_the_same(offline_default: LLM) -> None:
+def test_auto_splits_a_burst_between_the_sides_and_the_text_stays_the_same(cluster: Cluster,
+                                                                          offline_default: LLM) -> None:
     """16 long prompts at once on 1P1D under ``auto``: each sees the ones chosen before it queued on the prefill actor,
     so some are prefilled on the decode owner (none did before: the burst chose before any had reserved), and every
     answer is still the offline engine's."""
@@ -65,7 +76,7 @@ def test_auto_splits_a_burst_between_the_sides_and_the_text_stays_the_same(offli
     prompts = [f"Story {k}. {story} Summarize story {k} in one sentence." for k in range(16)]
     want = [o.text for o in offline_default.chat(
         [[{"role": "user", "content": p}] for p in prompts], SamplingParams(max_tokens=24))]
-    got, sent, metrics, status = served("auto", prompts)
+    got, sent, metrics, status = served(cluster, "auto", prompts)
     assert got == want
     decisions = status["disagg"]["decisions"]
     local = sum(n for k, n in decisions.items() if k.startswith("local:"))
