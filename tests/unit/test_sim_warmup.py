@@ -98,3 +98,15 @@ def test_a_live_records_calibration_measures_the_warmup_only_when_asked() -> Non
     assert calibrate(rec, BASE, 64, decode_warmup=True).decode_warmup_s == pytest.approx(decode_warmup_s(rec))
     assert calibrate(rec, BASE, 64).decode_warmup_s == 0.0
     assert calibrate(rec, BASE, 0, decode_warmup=True).decode_warmup_s == 0.0
+
+
+def test_simulate_replay_turns_it_on_with_decode_warmup(capsys: pytest.CaptureFixture) -> None:
+    """``pdcluster simulate --replay FILE --prefill-budget 64 --decode-warmup`` replays with the measured warm-up (its
+    profile line says so); without the flag the calibrated profile has none."""
+    from cluster.cli import main as cli_main
+
+    args = ["simulate", "--replay", str(RECORD), "--prefill-budget", "64", "--clients", "named", "--think", "0.01"]
+    assert cli_main(args + ["--decode-warmup"]) == 0
+    assert f"decode_warmup_s {decode_warmup_s(read_record(RECORD)):.4g}" in capsys.readouterr().out
+    assert cli_main(args) == 0
+    assert "decode_warmup_s" not in capsys.readouterr().out
