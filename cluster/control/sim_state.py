@@ -81,8 +81,9 @@ class SimActor:
 
     def step_end(self, now: float) -> tuple[float, float]:
         """Decode: ``(seconds, virtual time)`` to the end of the engine step in progress at ``now`` (its warm-up step
-        too; ``(0, v)`` idle or at a step's end), where a call to it (reserve) or a request joining it waits live: the engine loop takes
-        both between steps. Its steps end every ``per_step`` tokens from ``v0``, at the present step's pace. Pure."""
+        too; ``(0, v)`` idle or at a step's end), where a call to it (reserve) or a request joining it waits live: the
+        engine loop takes both between steps. Its steps end every ``per_step`` tokens from ``v0``, at the present
+        step's pace. Pure."""
         if not self.b:  # idle, or in its warm-up step (no sequence runs until it ends)
             return (self.warm_end - now if self.warm_end > now else 0.0), self.v
         v = self.v + (now - self.t_last) / self.step

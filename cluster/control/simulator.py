@@ -173,7 +173,7 @@ class Simulation(PoolChanges, Admission):
     # -- actors -----------------------------------------------------------------------------------------------
     def _new_actor(self, role: str, ready_at: float) -> SimActor:
         a = SimActor(len(self.actors), role, ready_at, self.kv_total)
-        a.warm = self.prof.decode_warmup_s  # its first decode step's warm-up (sim_warmup), if it decodes before prefilling
+        a.warm = self.prof.decode_warmup_s  # its first decode step's warm-up (sim_warmup), unless it prefills first
         if self.step_mode:
             a.pq = deque()
         self.actors.append(a)
