@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--prefill-budget", type=int, default=0, metavar="TOKENS",
                    help="--replay of a live record: the workers' max_num_batched_tokens, so the calibrated profile "
                         "prefills as the engine's steps do (several prompts share a step's budget and fixed cost)")
+    s.add_argument("--decode-warmup", action="store_true",
+                   help="--replay of a live record with --prefill-budget: a new decode actor's first step takes as "
+                        "much longer as the record measured (its warm-up: the calls and joins meanwhile wait for it)")
     s.add_argument("--one-speed", action="store_true",
                    help="--replay of a live record: one calibration for the whole run (default: the machine's speed "
                         "interval by interval, from the actors' recorded counters or the finished requests, and each "
@@ -96,7 +99,7 @@ def _replay(args: argparse.Namespace) -> int:
         speed: list[tuple[float, float, float]] = []
         actors: list[tuple[float, tuple[float, ...]]] = []
         if rec.source == "live" and not args.profile:  # the machine it ran on, from what the record measured
-            profile = calibrate(rec, profile, args.prefill_budget)
+            profile = calibrate(rec, profile, args.prefill_budget, decode_warmup=args.decode_warmup)
             if not args.one_speed:
                 speed, actors = speed_over_time(rec, profile), actor_speed_over_time(rec, profile)
         result, trace = replay(rec, profile, speed, pinned=args.as_recorded, actor_speed=actors,

@@ -48,9 +48,10 @@ MIN_SAMPLES = 8
 WARMUP_STEPS = 4
 
 
-def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> CostProfile:
+def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0, decode_warmup: bool = False) -> CostProfile:
     """``base`` corrected by what ``rec`` measured (see the module docstring); ``budget_tokens`` > 0: the engine's
-    step budget, for the step model of prefill. Pure."""
+    step budget, for the step model of prefill; ``decode_warmup``: with the decode steps' waits, also a new decode
+    actor's warm-up (:func:`decode_warmup_s`; off by default: see docs/controller.md, 2026-12-08). Pure."""
     done = [f.sample for f in rec.finished]
     changes: dict[str, float] = {}
     pre = [s for s in done if s.prefill_compute_s > 0 and s.prompt_tokens > s.cached_tokens]
@@ -94,6 +95,9 @@ def calibrate(rec: Recording, base: CostProfile, budget_tokens: int = 0) -> Cost
     kv = [o.kv_tokens for _, o in rec.observations if o.kv_tokens > 0]
     if kv:
         changes["decode_kv_tokens"] = statistics.median(kv)
+    warm = decode_warmup_s(rec) if decode_warmup and changes.get("decode_step_waits") else 0.0
+    if warm > 0:  # (the reserve calls and joins wait for it as they wait for any step)
+        changes["decode_warmup_s"] = warm
     if not changes:
         return base
     what = ", ".join(f"{k} {v:.4g}" for k, v in changes.items())
@@ -164,6 +168,31 @@ def step_wait(rec: Recording) -> Callable[[float], float] | None:
         return means[min(len(ends) - 1, bisect.bisect_left(ends, t))]
 
     return at
+
+
+def decode_warmup_s(rec: Recording) -> float:
+    """How much longer a new decode actor's first engine step took than its later ones (its warm-up, simulated as
+    ``decode_warmup_s``: :mod:`cluster.control.sim_warmup`), from the record's counters: for each decode actor the
+    record read before its first step, the busy seconds of the window in which it took its first steps less those
+    steps at the mean step of its next window (busy seconds over steps); the mean over such actors, kept >= 0. 0 when
+    the record read no decode actor before its first step (it stepped before the record began, or flipped from
+    prefill between two readings) or has no later window for it. Pure."""
+    series: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (actor, epoch) -> (busy, steps) per reading
+    for _, actors in rec.counters:
+        for c in actors:
+            if c.role == "decode":
+                series.setdefault((c.actor_id, c.epoch), []).append((c.busy_s, c.steps))
+    excess = []
+    for readings in series.values():
+        if readings[0][1] > 0:  # it had stepped before the record first read it
+            continue
+        k = next((j for j, (_, steps) in enumerate(readings) if steps > 0), None)
+        if k is None or k + 1 >= len(readings):
+            continue
+        (b0, s0), (b1, s1), (b2, s2) = readings[k - 1], readings[k], readings[k + 1]
+        if s2 > s1 and b2 > b1:
+            excess.append((b1 - b0) - (s1 - s0) * (b2 - b1) / (s2 - s1))
+    return max(0.0, statistics.mean(excess)) if excess else 0.0
 
 
 def step_fit(samples: list[tuple[int, int, float]]) -> tuple[float, float]:

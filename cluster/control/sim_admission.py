@@ -85,7 +85,7 @@ class Admission:
         heapq.heapreplace(self.kv_heap, (a.kv_held - a.kv_total, a.aid))  # a's entry was the top
         self.owner[r] = a.aid
         self.t_adm[r] = now
-        if self.prof.decode_step_waits and a.b:  # the reserve call waits for the step in progress there
+        if self.prof.decode_step_waits and (a.b or a.warm_end > now):  # it waits for the step in progress there
             w = a.step_end(now)[0]
             if w > 0.0:
                 self.t_adm[r] = now + w

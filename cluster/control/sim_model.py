@@ -51,6 +51,10 @@ class CostProfile:
     # for its decode actor's step in progress (live, 0-0.2 s apiece; the simulator's decode steps end every token
     # from its batch's start, at the present pace); 0: neither waits (the reserve call is then in ttft_path_s)
     decode_step_waits: int = 0
+    # a new actor's first decode step takes this much longer (its first forward pass: live, 2.1-3.3 s on this
+    # machine), and the joins that come meanwhile wait for it, and with decode_step_waits the reserve calls too
+    # (cluster/control/sim_warmup.py); 0: none
+    decode_warmup_s: float = 0.0
     kv_bytes_per_token: float = 23040.0  # KV bytes per prompt token crossing the link (all layers)
     link_gbps: float = 2.0  # KV transfer bandwidth between a prefill and a decode actor, GB/s
     exposed_transfer: float = 1 / 30  # share of the transfer not hidden by layer-by-layer streaming (~1 layer)

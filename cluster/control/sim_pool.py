@@ -28,6 +28,8 @@ class PoolChanges:
         a.live = False
         if a.flip_to is not None:  # changes role once empty; its counters start over
             a.role, a.flip_to, a.draining = a.flip_to, None, False
+            if a.p_work > 0:  # it ran the model as a prefill actor: no warm-up left (sim_warmup)
+                a.warm = 0.0
             a.free_at, a.ready_at, a.p_end = 0.0, now + self.prof.flip_s, 0.0
             a.epoch += 1
             a.p_tokens = a.p_work = a.p_counted = a.d_tokens = a.busy = a.steps = 0.0

@@ -50,15 +50,20 @@ def rank(sim: Simulation) -> list[SimActor]:
 def restep(sim: Simulation, decode: list[SimActor], t: float) -> None:
     """Each running actor in ``decode`` is brought up to ``t`` at its old step and rescheduled at its step now (the
     machine's coefficients times its own factor)."""
+    for a in decode:
+        if a.b:
+            a.advance(t)
+            schedule(sim, a, t)
+
+
+def schedule(sim: Simulation, a: SimActor, t: float) -> None:
+    """Running actor ``a`` (brought up to ``t``) steps from ``t`` on at its step now (the machine's coefficients
+    times its own factor): its next finish is scheduled anew."""
     base, per_seq, per_kv = sim.decode_coeffs
     positions, tokens = sim.batch_positions, sim.batch_tokens
-    for a in decode:
-        if not a.b:
-            continue
-        a.advance(t)
-        b = a.b
-        a.step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * a.v - a.sum_vj)) * a.k / tokens[b]
-        left = a.heap[0][0] - a.v
-        a.version += 1
-        a.due = a.next_t = t + (left if left > 0.0 else 0.0) * a.step
-        heapq.heappush(sim.events, (a.due, FINISH, next(sim.seq), a.aid, a.version))
+    b = a.b
+    a.step = (base + per_seq * positions[b] + per_kv * (a.sum_p + b * a.v - a.sum_vj)) * a.k / tokens[b]
+    left = a.heap[0][0] - a.v
+    a.version += 1
+    a.due = a.next_t = t + (left if left > 0.0 else 0.0) * a.step
+    heapq.heappush(sim.events, (a.due, FINISH, next(sim.seq), a.aid, a.version))

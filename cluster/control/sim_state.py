@@ -20,7 +20,7 @@ class SimActor:
     __slots__ = ("aid", "role", "live", "draining", "flip_to", "free_at", "b", "v", "t_last", "step",
                  "sum_p", "sum_vj", "heap", "version", "due", "next_t", "ready_at", "left", "kv_total", "kv_held",
                  "kv_reserved", "holds", "pending", "epoch", "p_tokens", "p_work", "p_counted", "d_tokens", "busy",
-                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due", "k", "v0")
+                 "steps", "per_step", "pq", "p_queued", "p_end", "p_step_due", "k", "v0", "warm", "warm_end")
 
     def __init__(self, aid: int, role: str, ready_at: float, kv_total: float) -> None:
         self.aid, self.role, self.ready_at = aid, role, ready_at
@@ -42,6 +42,10 @@ class SimActor:
         self.per_step = 1.0  # decode: tokens each running sequence gets per engine step (more with speculation)
         self.k = 1.0  # decode: its steps' cost over the machine's (Simulation's actor_speed; 1: the machine's)
         self.v0 = 0.0  # decode: the virtual time its running batch started at (its steps end per_step apart from it)
+        # decode: seconds its first step takes over the others (its warm-up: cluster/control/sim_warmup.py; 0 once it
+        # has stepped, in either role), and when that step ends once a request started it (0: not started)
+        self.warm = 0.0
+        self.warm_end = 0.0
         self.sum_p = 0  # decode: prompt tokens of the running sequences
         self.sum_vj = 0.0  # decode: sum of the virtual times they joined at
         self.heap: list[tuple[float, int]] = []  # decode: (virtual finish, request)
@@ -76,11 +80,12 @@ class SimActor:
         self.t_last = now
 
     def step_end(self, now: float) -> tuple[float, float]:
-        """Decode: ``(seconds, virtual time)`` to the end of the engine step in progress at ``now`` (``(0, v)`` idle
-        or at a step's end), where a call to it (reserve) or a request joining it waits live: the engine loop takes
-        both between steps. Its steps end every ``per_step`` tokens from ``v0``, at the present step's pace. Pure."""
-        if not self.b:
-            return 0.0, self.v
+        """Decode: ``(seconds, virtual time)`` to the end of the engine step in progress at ``now`` (its warm-up step
+        too; ``(0, v)`` idle or at a step's end), where a call to it (reserve) or a request joining it waits live: the
+        engine loop takes both between steps. Its steps end every ``per_step`` tokens from ``v0``, at the present
+        step's pace. Pure."""
+        if not self.b:  # idle, or in its warm-up step (no sequence runs until it ends)
+            return (self.warm_end - now if self.warm_end > now else 0.0), self.v
         v = self.v + (now - self.t_last) / self.step
         ps = self.per_step
         left = ps - (v - self.v0) % ps

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from cluster.control import budget, sim_prefill, sim_speed
+from cluster.control import budget, sim_prefill, sim_speed, sim_warmup
 from cluster.control.controller import (ControllerConfig, ControllerState, Decider, Decision, Observation, decide,
                                         fixed_sizes)
 from cluster.control.observe import ObserverConfig, ObserverState
@@ -63,6 +63,7 @@ from cluster.control.sim_state import UNBOUNDED, SimResult, SimActor
 _JOIN, _FINISH, _READY, _RETRY, _DRAINED, _STEP, _SPEED = 0, 1, 2, 3, 4, 5, 6  # event kinds (sim_pool, sim_prefill)
 _RANKS = 7  # the decode actors' own speeds changed (actor_speed)
 _END = 8  # the run's sentinel event, at infinity: never handled
+_WARM = sim_warmup.WARM  # a decode actor's warm-up step ends
 
 
 def c_array(typecode: str, values: np.ndarray) -> array.array:
@@ -172,6 +173,7 @@ class Simulation(PoolChanges, Admission):
     # -- actors -----------------------------------------------------------------------------------------------
     def _new_actor(self, role: str, ready_at: float) -> SimActor:
         a = SimActor(len(self.actors), role, ready_at, self.kv_total)
+        a.warm = self.prof.decode_warmup_s  # its first decode step's warm-up (sim_warmup), unless it prefills first
         if self.step_mode:
             a.pq = deque()
         self.actors.append(a)
@@ -281,7 +283,7 @@ class Simulation(PoolChanges, Admission):
                 heapreplace(kv_heap, (a.kv_held - kv_total, a.aid))
                 owner[r] = a.aid
                 t_adm[r] = ta
-                if waits and a.b:  # the reserve call waits for the step in progress there (decode_step_waits)
+                if waits and (a.b or a.warm_end > ta):  # the reserve call waits for the step in progress there
                     w = a.step_end(ta)[0]
                     if w > 0.0:
                         t_adm[r] = ta + w
@@ -377,7 +379,7 @@ class Simulation(PoolChanges, Admission):
                 o = output[r]
                 if o <= 1:
                     self._release(a, r, t)
-                    if waits and a.b:  # its first token leaves when the step in progress ends (decode_step_waits)
+                    if waits and (a.b or a.warm_end > t):  # its first token leaves when the step in progress ends
                         first[r] += a.step_end(t)[0]
                         last[r] = first[r]
                     self._after_release(a, t)
@@ -389,6 +391,9 @@ class Simulation(PoolChanges, Admission):
                         a.d_tokens += b * dv
                         a.steps += dv / a.per_step
                         a.busy += t - a.t_last
+                    elif a.warm:  # a new actor's first step, its warm-up: it starts it, or waits for its end
+                        sim_warmup.join(self, a, r, t)
+                        continue
                     else:
                         a.v0 = a.v  # its steps start now
                     a.t_last = t
@@ -428,6 +433,8 @@ class Simulation(PoolChanges, Admission):
                 works = [w * kp for w in works0]
             elif kind == _RANKS:  # the decode actors' own speeds changed
                 sim_speed.actors(self, x, t)
+            elif kind == _WARM:
+                sim_warmup.end(self, actors[x], t)
             elif kind == _RETRY:  # an admitted request that found no prefill actor, or whose reserve call waited
                 a = self._route_prefill()
                 if a is None:
