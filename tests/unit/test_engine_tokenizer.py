@@ -19,7 +19,7 @@ from engine.models.default_model import resolve_model
 from engine.text.detokenizer import BackendDecoder
 from engine.text.engine_tokenizer import EngineTokenizer, facts_key, read_facts, write_facts
 from engine.text.hf_tokenizer import load_tokenizer
-from tests.unit.test_hf_tokenizer import CASES, TEXTS
+from tests.unit.test_hf_tokenizer import CASES, TEXTS, family_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,12 +61,7 @@ def test_the_default_model_starts_without_transformers_and_decodes_as_it(tmp_pat
 @pytest.mark.parametrize(("family", "declared"), CASES, ids=[f"{f}-{d}" for f, d in CASES])
 def test_each_family_decodes_as_transformers_from_its_facts(family: str, declared: str, tiny_tokenizer_dir: Path,
                                                             tmp_path: Path) -> None:
-    folder = tmp_path / family
-    shutil.copytree(tiny_tokenizer_dir, folder)
-    (folder / "config.json").write_text(json.dumps({"model_type": family}))
-    cfg_path = folder / "tokenizer_config.json"
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": declared,
-                                    "unk_token": "<|endoftext|>"}))
+    folder = family_folder(tiny_tokenizer_dir, tmp_path / family, family, declared)
     second = _assert_decodes_as_transformers(folder, tmp_path / "cache")
     # GemmaTokenizer rebuilds the test tokenizer's pipeline: its backend is not tokenizer.json as the file has it
     assert second.loaded == ((family, declared) == ("gemma3_text", "GemmaTokenizer"))

@@ -33,6 +33,17 @@ FAMILIES = {
 CASES = [(family, declared) for family, classes in FAMILIES.items() for declared in ["TokenizersBackend", *classes]]
 
 
+def family_folder(tiny_tokenizer_dir: Path, folder: Path, family: str, declared: str) -> Path:
+    """A copy of the test tokenizer at ``folder`` as a ``family`` checkpoint declaring ``declared`` as its class."""
+    shutil.copytree(tiny_tokenizer_dir, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": family}))
+    cfg_path = folder / "tokenizer_config.json"
+    # an unknown token as real checkpoints name one (GemmaTokenizer refuses a vocabulary without its default "<unk>")
+    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": declared,
+                                    "unk_token": "<|endoftext|>"}))
+    return folder
+
+
 def _facts(tok: Any) -> dict[str, Any]:
     """What the engine and the chat API read of a tokenizer, and what it does to texts."""
     ids = [tok.encode(t) for t in TEXTS]
@@ -64,13 +75,7 @@ def test_default_model_takes_the_direct_path_and_loads_what_auto_loads() -> None
 @pytest.mark.parametrize(("family", "declared"), CASES, ids=[f"{f}-{d}" for f, d in CASES])
 def test_each_family_loads_what_auto_loads(family: str, declared: str, tiny_tokenizer_dir: Path,
                                            tmp_path: Path) -> None:
-    folder = tmp_path / family
-    shutil.copytree(tiny_tokenizer_dir, folder)
-    (folder / "config.json").write_text(json.dumps({"model_type": family}))
-    cfg_path = folder / "tokenizer_config.json"
-    # an unknown token as real checkpoints name one (GemmaTokenizer refuses a vocabulary without its default "<unk>")
-    cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "tokenizer_class": declared,
-                                    "unk_token": "<|endoftext|>"}))
+    folder = family_folder(tiny_tokenizer_dir, tmp_path / family, family, declared)
     cls = declared_class(folder)
     if cls is not None:  # the direct path: the class AutoTokenizer picks
         assert cls is type(AutoTokenizer.from_pretrained(str(folder)))
