@@ -94,12 +94,13 @@ def decode_digest(decoder: TokenDecoder, windows: list[list[int]]) -> str:
     return h.hexdigest()
 
 
-def measure(key: str, tokenizer: Any) -> TokenizerFacts:
-    """The facts of a tokenizer transformers loaded. Pure apart from the decodes."""
+def measure(key: str, tokenizer: Any, decoder: TokenDecoder) -> TokenizerFacts:
+    """The facts of a tokenizer transformers loaded, whose detokenizers' decode :func:`fast_decoder` chose as
+    ``decoder``. Pure apart from the decodes."""
     size = len(tokenizer)
     added = tuple(sorted(i for i in getattr(tokenizer, "added_tokens_decoder", {}) if 0 <= i < size))
     probe = tuple(range(0, min(size, 3000), 7))
-    backend = isinstance(fast_decoder(tokenizer), BackendDecoder)
+    backend = isinstance(decoder, BackendDecoder)
     eos = tokenizer.eos_token_id
     return TokenizerFacts(key=key, eos_token_id=eos if isinstance(eos, int) else None, backend_decodes=backend,
                           probe=probe, added=added, digest=decode_digest(tokenizer, probe_windows(probe, added)))
@@ -174,7 +175,7 @@ class EngineTokenizer:
         self.decoder = fast_decoder(hf)
         self.eos_token_id = hf.eos_token_id
         if cache_dir is not None and key is not None and facts is None:  # (facts whose backend differs stay)
-            write_facts(cache_dir, measure(key, hf))
+            write_facts(cache_dir, measure(key, hf, self.decoder))
 
     @property
     def loaded(self) -> bool:
